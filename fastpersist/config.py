@@ -1,0 +1,284 @@
+"""Every fastpersist setting, in one place.
+
+Each setting has a typed default, an environment variable that overrides the
+default when the module is first imported, a getter, and a setter that also
+works as a context manager restoring the previous values::
+
+    import fastpersist
+    fastpersist.config.get("buffer_size")            # 67108864
+    fastpersist.config.set(engine="threads")         # from now on
+    with fastpersist.config.set(direct=False):       # only inside the block
+        fastpersist.save(state, "ckpt.pt")
+    fastpersist.save(state, "ckpt.pt", buffer_count=2)   # only this call
+
+Precedence, highest first: keyword arguments of a call, ``config.set``,
+the JSON file named by ``FASTPERSIST_CONFIG`` (what ``fastpersist tune``
+writes), the individual environment variables, the defaults below.
+
+Sizes accept integers or strings with a binary suffix (``"8M"``, ``"64MiB"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import threading
+from typing import Any, Mapping
+
+from fastpersist.errors import ConfigError
+
+__all__ = [
+    "Settings",
+    "ENGINES",
+    "get",
+    "set",
+    "settings",
+    "resolve",
+    "reset",
+    "load_file",
+    "save_file",
+    "environment_variable",
+    "describe",
+]
+
+ENGINES = ("auto", "io_uring", "threads")
+CONFIG_FILE_VERSION = 1
+_MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """An immutable snapshot of every setting. See docs/configuration.md."""
+
+    engine: str = "auto"
+    """I/O engine: ``auto`` (io_uring, else threads), ``io_uring`` or ``threads``."""
+    direct: bool = True
+    """Use O_DIRECT where the filesystem supports it (falls back to buffered I/O + fsync)."""
+    block_size: int = 8 * _MiB
+    """Bytes per I/O request submitted to the engine."""
+    queue_depth: int = 16
+    """Requests each lane keeps in flight."""
+    intra_op_parallelism: int = 1
+    """Lanes (threads, each with its own ring) that split one request."""
+    single_submit: bool = False
+    """Submit requests one system call each instead of in batches (io_uring)."""
+    overlap_events: bool = True
+    """Reap completions while submitting (a sliding window) instead of batch by batch."""
+    buffer_size: int = 64 * _MiB
+    """Bytes in each staging buffer of the writer's and reader's ring."""
+    buffer_count: int = 4
+    """Staging buffers in the ring (at least 2: one fills while another is written)."""
+    fsync: bool = True
+    """``save`` returns only once the file and its directory entry are durable."""
+    checksum: bool = True
+    """Write CRC-32 for every record (verified by ``zipfile`` and ``fastpersist verify``)."""
+    verify: bool = False
+    """``load`` verifies every record's CRC-32 before returning."""
+    huge_pages: bool = True
+    """Ask for transparent huge pages for large load destinations (fewer page faults)."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def replace(self, **changes: Any) -> "Settings":
+        """Returns a copy with ``changes`` applied (validated)."""
+        return dataclasses.replace(self, **_coerce_all(changes))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def environment_variable(name: str) -> str:
+    """The environment variable that sets ``name`` (``FASTPERSIST_<NAME>``)."""
+    _check_name(name)
+    return "FASTPERSIST_" + name.upper()
+
+
+def describe() -> list[tuple[str, str, Any, str]]:
+    """(name, environment variable, default, description) for every setting."""
+    import inspect
+
+    source = inspect.getsource(Settings)
+    docs = dict(re.findall(r"^\s+(\w+): [^\n]+\n\s+\"\"\"(.+?)\"\"\"", source, re.M))
+    return [(n, environment_variable(n), getattr(_DEFAULTS, n), docs.get(n, "")) for n in _FIELDS]
+
+
+def _check_name(name: str) -> None:
+    if name not in _FIELDS:
+        raise ConfigError(f"unknown fastpersist setting {name!r}; known settings: {', '.join(_FIELDS)}")
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.I)
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    _check_name(name)
+    kind = _FIELDS[name].type
+    if kind in ("bool", bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"setting {name!r} takes a boolean (true/false), got {value!r}")
+    if kind in ("int", int):
+        if isinstance(value, bool):
+            raise ConfigError(f"setting {name!r} takes an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            match = _SIZE_RE.match(value)
+            if match:
+                power = " kmgt".index((match.group(2) or " ").lower())
+                return int(match.group(1)) << (10 * power)
+        raise ConfigError(f"setting {name!r} takes an integer or a size like '8M', got {value!r}")
+    if kind in ("str", str):
+        if isinstance(value, str):
+            return value.strip()
+        raise ConfigError(f"setting {name!r} takes a string, got {value!r}")
+    raise AssertionError(f"unhandled setting type {kind!r}")
+
+
+def _coerce_all(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: _coerce(name, value) for name, value in values.items()}
+
+
+def _validate(s: Settings) -> None:
+    if s.engine not in ENGINES:
+        raise ConfigError(f"engine must be one of {ENGINES}, got {s.engine!r}")
+    for name in ("block_size", "buffer_size"):
+        value = getattr(s, name)
+        if value < 4096 or value % 4096:
+            raise ConfigError(f"{name} must be a positive multiple of 4096 bytes, got {value}")
+    if s.buffer_size % s.block_size and s.block_size % s.buffer_size:
+        raise ConfigError(
+            f"buffer_size ({s.buffer_size}) must be a multiple of block_size ({s.block_size}) or divide it"
+        )
+    if not 1 <= s.queue_depth <= 4096:
+        raise ConfigError(f"queue_depth must be between 1 and 4096, got {s.queue_depth}")
+    if not 1 <= s.intra_op_parallelism <= 256:
+        raise ConfigError(f"intra_op_parallelism must be between 1 and 256, got {s.intra_op_parallelism}")
+    if not 2 <= s.buffer_count <= 64:
+        raise ConfigError(f"buffer_count must be between 2 and 64, got {s.buffer_count}")
+
+
+_DEFAULTS = Settings()
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            document = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read fastpersist configuration file {path!r}: {e}") from e
+    except ValueError as e:
+        raise ConfigError(f"fastpersist configuration file {path!r} is not valid JSON: {e}") from e
+    if not isinstance(document, dict) or not isinstance(document.get("settings"), dict):
+        raise ConfigError(
+            f"fastpersist configuration file {path!r} must be a JSON object with a 'settings' object "
+            "(as written by 'fastpersist tune')"
+        )
+    version = document.get("fastpersist_config_version", CONFIG_FILE_VERSION)
+    if version != CONFIG_FILE_VERSION:
+        raise ConfigError(f"{path!r} has configuration version {version}; this fastpersist reads {CONFIG_FILE_VERSION}")
+    return _coerce_all(document["settings"])
+
+
+def _from_environment() -> Settings:
+    values: dict[str, Any] = {}
+    for name in _FIELDS:
+        raw = os.environ.get(environment_variable(name))
+        if raw is not None and raw.strip() != "":
+            values[name] = _coerce(name, raw)
+    path = os.environ.get("FASTPERSIST_CONFIG")
+    if path:
+        values.update(_read_file(path))
+    return _DEFAULTS.replace(**values)
+
+
+_lock = threading.Lock()
+_current = _from_environment()
+
+
+def settings() -> Settings:
+    """The settings in force now (a frozen snapshot)."""
+    return _current
+
+
+def get(name: str) -> Any:
+    """The current value of setting ``name``. Raises ConfigError for unknown names."""
+    _check_name(name)
+    return getattr(_current, name)
+
+
+def resolve(overrides: Mapping[str, Any] | None = None) -> Settings:
+    """The current settings with per-call ``overrides`` applied (None values are ignored)."""
+    if not overrides:
+        return _current
+    return _current.replace(**{k: v for k, v in overrides.items() if v is not None})
+
+
+class _Restorer(contextlib.AbstractContextManager):
+    def __init__(self, previous: Settings):
+        self._previous = previous
+
+    def __exit__(self, *exc: Any) -> None:
+        global _current
+        with _lock:
+            _current = self._previous
+
+
+def set(**changes: Any) -> _Restorer:  # noqa: A001 - mirrors kvikio.defaults.set
+    """Changes settings now; used in a ``with`` statement, restores them on exit.
+
+    Raises:
+        ConfigError: unknown name or invalid value; nothing is changed then.
+    """
+    global _current
+    with _lock:
+        previous = _current
+        _current = _current.replace(**changes)
+    return _Restorer(previous)
+
+
+def reset() -> None:
+    """Back to the defaults plus the environment, as at import time."""
+    global _current
+    fresh = _from_environment()
+    with _lock:
+        _current = fresh
+
+
+def load_file(path: str | os.PathLike[str]) -> _Restorer:
+    """Applies a configuration file written by ``fastpersist tune`` (or by hand).
+
+    Returns the same restorer as :func:`set`, so it also works in ``with``.
+    """
+    return set(**_read_file(os.fspath(path)))
+
+
+def save_file(path: str | os.PathLike[str], values: Mapping[str, Any], **metadata: Any) -> None:
+    """Writes ``values`` as a configuration file that :func:`load_file` reads."""
+    checked = _DEFAULTS.replace(**values)
+    document = {
+        "fastpersist_config_version": CONFIG_FILE_VERSION,
+        "settings": {name: getattr(checked, name) for name in values},
+        **metadata,
+    }
+    tmp = os.fspath(path) + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+

@@ -1,0 +1,65 @@
+"""Executes a save plan into any writable file object (BytesIO, sockets, open files).
+
+The slow but universal path, used when the target has no file descriptor the
+engine can write to. Host memory stays bounded: device storages are copied
+to the host one ``chunk_size`` slice at a time.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import BinaryIO
+
+from fastpersist.format.plan import SavePlan, SegmentKind
+from fastpersist.tensors import host_memoryview
+
+__all__ = ["write_plan_to_stream"]
+
+
+def write_plan_to_stream(plan: SavePlan, stream: BinaryIO, *, checksum: bool = True, chunk_size: int = 64 << 20) -> int:
+    """Writes the whole file described by ``plan`` to ``stream`` sequentially.
+
+    Returns:
+        The number of bytes written.
+
+    Raises:
+        OSError: from the stream.
+        TypeError: ``stream`` has no ``write`` method.
+    """
+    if not callable(getattr(stream, "write", None)):
+        raise TypeError(f"expected a path or a writable binary file object, got {type(stream).__name__}")
+    crcs = [getattr(record, "crc", 0) if checksum else 0 for record in plan.records]
+    written = 0
+    for segment in plan.segments():
+        if segment.kind is SegmentKind.BYTES:
+            data = segment.data
+        elif segment.kind is SegmentKind.DESCRIPTOR:
+            data = plan.records[segment.record].entry.data_descriptor(crcs[segment.record])
+        elif segment.kind is SegmentKind.TRAILER:
+            data = plan.trailer(crcs)
+        else:
+            view = plan.records[segment.record].view
+            crc = 0
+            for start in range(0, segment.length, chunk_size):
+                piece = view[start : start + chunk_size]
+                host = piece if piece.device.type == "cpu" else piece.to("cpu")
+                block = host_memoryview(host)
+                if checksum:
+                    crc = zlib.crc32(block, crc)
+                _write_all(stream, block)
+            crcs[segment.record] = crc
+            written += segment.length
+            continue
+        _write_all(stream, data)
+        written += len(data)
+    return written
+
+
+def _write_all(stream: BinaryIO, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        count = stream.write(view)
+        if count is None:  # raw non-blocking streams; buffered ones write everything
+            count = len(view)
+        view = view[count:]
+

@@ -1,0 +1,72 @@
+"""Zero-copy byte views of tensors and storages (pure PyTorch).
+
+Both the serializer (``format``) and the I/O layer (``io``) need to see a
+tensor's memory as bytes without copying it; this module is the one place
+that knows how.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+__all__ = ["cast_to_byte_tensor", "storage_byte_view", "byte_view_to_storage", "host_memoryview"]
+
+
+def storage_byte_view(storage: torch.UntypedStorage | torch.TypedStorage) -> torch.Tensor:
+    """A 1-D uint8 tensor over every byte of ``storage``, on its device, sharing its memory.
+
+    The view keeps the storage alive. Works for every device and dtype
+    (including the meta device, where it has no data).
+    """
+    if isinstance(storage, torch.TypedStorage):
+        storage = storage._untyped_storage
+    if not isinstance(storage, torch.UntypedStorage):
+        raise TypeError(f"expected a torch storage, got {type(storage).__name__}")
+    view = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    view.set_(storage, 0, (storage.nbytes(),), (1,))
+    return view
+
+
+def byte_view_to_storage(view: torch.Tensor) -> torch.UntypedStorage:
+    """The untyped storage behind a uint8 view made by :func:`storage_byte_view`."""
+    return view.untyped_storage()
+
+
+def cast_to_byte_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A zero-copy 1-D uint8 view of the bytes of a contiguous tensor.
+
+    Mirrors DeepNVMe's ``cast_to_byte_tensor``. The result shares memory with
+    ``tensor`` (writes through it change ``tensor``) and keeps it alive.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``.
+        ValueError: ``tensor`` is not contiguous (its bytes are not one range);
+            use ``storage_byte_view(tensor.untyped_storage())`` for the whole
+            storage, or ``tensor.contiguous()`` for a copy.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"cast_to_byte_tensor expects a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(
+            "cast_to_byte_tensor needs a contiguous tensor (its bytes must form one range); "
+            "call .contiguous() first, or use storage_byte_view() for the whole storage"
+        )
+    nbytes = tensor.numel() * tensor.element_size()
+    start = tensor.storage_offset() * tensor.element_size()
+    return storage_byte_view(tensor.untyped_storage())[start : start + nbytes]
+
+
+def host_memoryview(tensor: torch.Tensor) -> memoryview:
+    """A writable memoryview over the bytes of a contiguous CPU tensor (no numpy needed).
+
+    The memoryview does not keep ``tensor`` alive: keep a reference to the
+    tensor for as long as the view is used.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("host_memoryview needs a contiguous CPU tensor")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")

@@ -1,0 +1,82 @@
+"""Shared fixtures and hardware markers.
+
+Markers (see pyproject.toml): ``gpu`` needs a CUDA device, ``multigpu`` two or
+more, ``root`` needs root (mounting a small tmpfs, dropping caches), ``slow``
+runs minutes. Each is skipped, never passed, where the machine lacks it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+try:
+    import torch
+except ImportError:  # the package cannot work without torch; let imports fail loudly in tests
+    torch = None
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch is not None and torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda = _cuda_count()
+    reasons = {
+        "gpu": None if cuda >= 1 else "needs a CUDA device",
+        "multigpu": None if cuda >= 2 else "needs two or more CUDA devices",
+        "root": None if os.geteuid() == 0 else "needs root",
+        "slow": None if os.environ.get("FASTPERSIST_SLOW_TESTS") == "1" else "slow: set FASTPERSIST_SLOW_TESTS=1",
+    }
+    for item in items:
+        for marker, reason in reasons.items():
+            if reason and marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def disk_dir(tmp_path):
+    """A directory on the disk the repository lives on (ext4 here: O_DIRECT works)."""
+    return tmp_path
+
+
+@pytest.fixture
+def shm_dir():
+    """A directory on tmpfs (/dev/shm), where O_DIRECT is refused: the fallback path."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine")
+    path = tempfile.mkdtemp(prefix="fastpersist-test-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(params=["disk", "shm"])
+def any_dir(request, tmp_path):
+    """Both a disk directory (O_DIRECT) and a tmpfs one (buffered fallback)."""
+    if request.param == "disk":
+        yield tmp_path
+        return
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine")
+    path = tempfile.mkdtemp(prefix="fastpersist-test-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_tmpfs():
+    """A 4 MiB tmpfs mount, to provoke ENOSPC. Needs root and mount(8)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8) for a size-limited tmpfs")
+    path = tempfile.mkdtemp(prefix="fastpersist-enospc-")
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", path], capture_output=True, text=True)
+    if result.returncode != 0:
+        os.rmdir(path)
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    yield path
+    subprocess.run(["umount", "-l", path], capture_output=True)
+    shutil.rmtree(path, ignore_errors=True)
