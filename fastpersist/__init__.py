@@ -1,0 +1,47 @@
+"""fastpersist: torch.save / torch.load at the speed of the storage.
+
+    import fastpersist
+    fastpersist.save(model.state_dict(), "ckpt.pt")       # durable, atomic, torch.load-compatible
+    state = fastpersist.load("ckpt.pt", map_location="cuda")
+    future = fastpersist.async_save(state, "ckpt.pt")     # overlaps the next training step
+    future.result()
+
+See docs/ for the architecture, configuration, file format and reliability.
+"""
+
+from fastpersist import config, errors
+from fastpersist._version import __version__
+from fastpersist.api import SaveFuture, VerifyReport, async_save, load, save, verify
+from fastpersist.errors import (
+    ChecksumMismatchError,
+    ConfigError,
+    CorruptCheckpointError,
+    EngineUnavailableError,
+    FastPersistError,
+    UnsupportedObjectError,
+)
+from fastpersist.io.handle import AioHandle
+from fastpersist.io.memory import free_cpu_locked_tensor, new_cpu_locked_tensor
+from fastpersist.tensors import cast_to_byte_tensor
+
+__all__ = [
+    "__version__",
+    "save",
+    "load",
+    "async_save",
+    "SaveFuture",
+    "verify",
+    "VerifyReport",
+    "AioHandle",
+    "new_cpu_locked_tensor",
+    "free_cpu_locked_tensor",
+    "cast_to_byte_tensor",
+    "config",
+    "errors",
+    "FastPersistError",
+    "ConfigError",
+    "EngineUnavailableError",
+    "CorruptCheckpointError",
+    "ChecksumMismatchError",
+    "UnsupportedObjectError",
+]

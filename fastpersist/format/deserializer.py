@@ -1,0 +1,197 @@
+"""``data.pkl`` -> object, with torch.load's rules, and storages from a provider.
+
+torch.load's semantics (``torch/serialization.py:_load``) are kept: the
+weights-only unpickler by default, ``map_location`` as a string, device, dict
+or callable, storages shared between views, byte order records, sparse
+tensor validation after loading. What differs is where storage bytes come
+from: a :class:`StorageProvider` hands out storages already on their target
+device, so no CPU copy is made for CUDA targets, and (in the weights-only
+mode, whose rebuild functions never read tensor data) all bytes can be read
+in one parallel batch after unpickling instead of one record at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+from typing import Any, Mapping, Protocol
+
+import torch
+from torch.serialization import StorageType, _get_restore_location
+
+from fastpersist.errors import CorruptCheckpointError
+from fastpersist.format.zipformat import ZipRecordInfo
+
+__all__ = ["StorageProvider", "target_device", "deserialize", "archive_prefix"]
+
+
+class StorageProvider(Protocol):
+    """Where storage bytes come from (implemented by the I/O layer)."""
+
+    def storage(self, record: ZipRecordInfo, device: torch.device) -> torch.UntypedStorage:
+        """An untyped storage of ``record.size`` bytes on ``device`` (cpu or cuda).
+
+        Its bytes may be filled later, at :meth:`flush`.
+        """
+
+    def flush(self) -> None:
+        """Fills every storage handed out so far. Raises what the reads raise."""
+
+
+def archive_prefix(names: list[str], path: str | None) -> str:
+    """The archive's top-level folder, found from its ``data.pkl`` record."""
+    for name in names:
+        if name.endswith("/data.pkl") and name.count("/") == 1:
+            return name[: -len("data.pkl")]
+    raise CorruptCheckpointError(
+        f"{path or 'the file'} is a zip archive but not a torch checkpoint (no <archive>/data.pkl record)", path=path
+    )
+
+
+def target_device(map_location: Any, location: str) -> torch.device | None:
+    """The device a storage saved at ``location`` must end up on, when it is cpu or a usable CUDA device.
+
+    Returns None when torch's own ``restore_location`` must decide (callables,
+    other device types, unavailable devices: torch raises its usual errors).
+    """
+    if map_location is None:
+        name = location
+    elif isinstance(map_location, (str, torch.device)):
+        name = str(map_location)
+    elif isinstance(map_location, Mapping):
+        name = map_location.get(location, location)
+    else:
+        return None
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        return None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if 0 <= index < torch.cuda.device_count():
+            return torch.device("cuda", index)
+    return None
+
+
+def _is_meta(map_location: Any) -> bool:
+    return (isinstance(map_location, str) and map_location == "meta") or (
+        isinstance(map_location, torch.device) and map_location.type == "meta"
+    )
+
+
+def deserialize(
+    pickle_bytes: bytes,
+    records: Mapping[str, ZipRecordInfo],
+    prefix: str,
+    provider: StorageProvider,
+    *,
+    map_location: Any = None,
+    pickle_module: Any = None,
+    weights_only: bool = True,
+    byteorder: bytes | None = b"little",
+    path: str | None = None,
+    **pickle_load_args: Any,
+) -> Any:
+    """Rebuilds the saved object.
+
+    Args:
+        pickle_bytes: the ``data.pkl`` record.
+        records: every record of the archive by full name.
+        prefix: the archive's top-level folder with its trailing slash.
+        provider: supplies storages (see StorageProvider).
+        map_location, pickle_module, weights_only, pickle_load_args: as torch.load.
+        byteorder: the file's ``byteorder`` record (None: native order).
+
+    Raises:
+        pickle.UnpicklingError: weights_only refused something (torch's message).
+        CorruptCheckpointError: the pickle names a storage the archive lacks,
+            or sizes disagree.
+    """
+    restore_location = _get_restore_location(map_location)
+    meta = _is_meta(map_location)
+    swap = byteorder is not None and byteorder.decode() != sys.byteorder
+    # Rebuild functions the weights-only unpickler allows never read tensor data,
+    # so their storages can be filled in one batch afterwards. Arbitrary pickles may
+    # read data while unpickling (custom __setstate__), and byte swapping needs the
+    # data, so those are filled storage by storage, as torch.load does.
+    eager = not weights_only or swap
+    loaded: dict[str, torch.storage.TypedStorage] = {}
+
+    def load_storage(dtype: torch.dtype, nbytes: int, key: str, location: str) -> torch.storage.TypedStorage:
+        name = f"{prefix}data/{key}"
+        record = records.get(name)
+        if record is None:
+            raise CorruptCheckpointError(f"{path or 'checkpoint'}: the pickle refers to missing record {name!r}",
+                                         path=path, record=name)  # fmt: skip
+        if record.size != nbytes:
+            raise CorruptCheckpointError(
+                f"{path or 'checkpoint'}: record {name!r} holds {record.size} bytes but the pickle expects {nbytes}",
+                path=path, record=name,
+            )  # fmt: skip
+        if meta:
+            wrap = torch.UntypedStorage(nbytes, device="meta")
+        else:
+            device = target_device(map_location, location)
+            storage = provider.storage(record, device or torch.device("cpu"))
+            if eager or device is None:
+                provider.flush()
+            if swap:
+                storage.byteswap(dtype)
+            wrap = storage if device is not None else restore_location(storage, location)
+        typed = torch.storage.TypedStorage(wrap_storage=wrap, dtype=dtype, _internal=True)
+        if typed._data_ptr() != 0:
+            loaded[key] = typed
+        return typed
+
+    def persistent_load(saved_id: Any) -> torch.storage.TypedStorage:
+        if not isinstance(saved_id, tuple) or len(saved_id) != 5:
+            raise pickle.UnpicklingError(f"unexpected persistent id {saved_id!r} in a torch checkpoint")
+        typename = saved_id[0].decode("ascii") if isinstance(saved_id[0], bytes) else saved_id[0]
+        if typename != "storage":
+            raise pickle.UnpicklingError(f"unknown persistent id type {typename!r}, expected 'storage'")
+        storage_type, key, location, numel = saved_id[1:]
+        location = location.decode("ascii") if isinstance(location, bytes) else location
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        if key in loaded:
+            return loaded[key]
+        if not isinstance(numel, int) or numel < 0:
+            raise pickle.UnpicklingError(f"bad element count {numel!r} for storage {key!r}")
+        return load_storage(dtype, numel * torch._utils._element_size(dtype), key, location)
+
+    stream = io.BytesIO(pickle_bytes)
+    if weights_only:
+        from torch import _weights_only_unpickler
+
+        unpickler = _weights_only_unpickler.Unpickler(stream, **pickle_load_args)
+    else:
+        unpickler = _unpickler_class(pickle_module or pickle)(stream, **pickle_load_args)
+    unpickler.persistent_load = persistent_load
+
+    from torch.serialization import _serialization_tls
+
+    _serialization_tls.map_location = map_location
+    try:
+        result = unpickler.load()
+        provider.flush()
+    finally:
+        _serialization_tls.map_location = None
+    torch._utils._validate_loaded_sparse_tensors()
+    return result
+
+
+def _unpickler_class(pickle_module: Any) -> type:
+    module_mapping = {"torch.tensor": "torch._tensor"}  # as torch.load, for old checkpoints
+
+    class _Unpickler(pickle_module.Unpickler):  # type: ignore[name-defined,misc]
+        def find_class(self, module_name, name):
+            if type(name) is str and "Storage" in name:
+                try:
+                    return StorageType(name)
+                except KeyError:
+                    pass
+            return super().find_class(module_mapping.get(module_name, module_name), name)
+
+    return _Unpickler

@@ -1,0 +1,192 @@
+"""Executes a save plan into a file through a ring of page-aligned, page-locked buffers.
+
+The file is produced as one sequential stream of ``buffer_size`` windows.
+For each window, in order:
+
+1. **fill** — static bytes (headers, padding, metadata) are copied in, and
+   storage bytes are copied from their tensors: CPU storages by memcpy, GPU
+   storages by an asynchronous device-to-host copy on a side CUDA stream;
+2. **finalize** — once the copies have landed, the CRC-32 of each storage
+   slice is folded into its record's running CRC, and the data descriptors
+   and central directory that fall into the window (they need those CRCs) are
+   written in;
+3. **submit** — the window goes to the native engine, which writes it with
+   O_DIRECT while the next windows are filled.
+
+Fill runs on the calling thread; finalize and submit run, window by window
+in file order, on one worker thread, so filling window ``k+1`` (a memcpy or a
+DMA) overlaps the CRC of window ``k`` (zlib releases the GIL). Each ring slot
+has its own native handle, so a slot is reused as soon as *its* write is
+done. Host memory is the ring plus metadata, whatever the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import zlib
+from typing import Sequence
+
+import torch
+
+from fastpersist.config import Settings
+from fastpersist.format.plan import SavePlan, Segment, SegmentKind
+from fastpersist.io import engine, memory
+from fastpersist.tensors import host_memoryview
+
+__all__ = ["write_plan", "side_streams"]
+
+
+class _Slot:
+    """One ring buffer, its native handle, and the CUDA events of its pending copies."""
+
+    def __init__(self, buffer: torch.Tensor, handle):
+        self.buffer = buffer
+        self.view = host_memoryview(buffer)
+        self.handle = handle
+        self.events: list[torch.cuda.Event] = []
+        self.window: tuple[int, int] = (0, 0)
+        self.finalized: concurrent.futures.Future | None = None
+
+    def wait_idle(self) -> None:
+        """Until this slot's finalize and write are done; raises their first error."""
+        if self.finalized is not None:
+            finalized, self.finalized = self.finalized, None
+            finalized.result()
+        self.handle.wait()
+
+    def wait_copies(self) -> None:
+        for event in self.events:
+            event.synchronize()
+        self.events.clear()
+
+
+def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None) -> list[int]:
+    """Writes every byte of ``plan`` into ``file`` (a native File opened for writing).
+
+    Args:
+        plan: what to write.
+        file: the destination, from ``engine.File(path, "w", ...)``.
+        settings: buffer size and count, engine settings, checksum.
+        streams: side CUDA streams from :func:`side_streams`, made on the
+            thread that queued the tensors' producers (default: made here).
+
+    Returns:
+        The CRC-32 of every record, in plan order (zeros when checksums are off).
+
+    Raises:
+        OSError: from the engine (errno and filename set). When it raises,
+            nothing is left in flight and the ring is returned to the pool;
+            the file's contents are then undefined (the caller discards it).
+    """
+    segments = plan.segments()
+    size = plan.size
+    window_size = settings.buffer_size
+    crcs = [getattr(record, "crc", 0) if settings.checksum else 0 for record in plan.records]
+    if streams is None:
+        streams = side_streams(plan)
+    with memory.lease_buffers(settings.buffer_count, window_size) as buffers:
+        slots = [_Slot(buffer, engine.make_handle(settings)) for buffer in buffers]
+        fill_cursor = _Cursor(segments)
+        finalize_cursor = _Cursor(segments)
+        trailer: list[bytes] = []
+        finalizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fastpersist-crc")
+        try:
+            for index, start in enumerate(range(0, size, window_size)):
+                slot = slots[index % len(slots)]
+                slot.wait_idle()
+                slot.window = (start, min(start + window_size, size))
+                _fill(plan, slot, fill_cursor, streams)
+                slot.finalized = finalizer.submit(
+                    _finalize_and_submit, plan, slot, finalize_cursor, crcs, trailer, settings, file
+                )
+            for slot in slots:
+                slot.wait_idle()
+        except BaseException:
+            _drain(slots)
+            raise
+        finally:
+            finalizer.shutdown(wait=True)
+    return crcs
+
+
+def _drain(slots: Sequence[_Slot]) -> None:
+    """Leaves nothing in flight (finalizes, copies, writes); the first error is already being raised."""
+    for slot in slots:
+        if slot.finalized is not None:
+            concurrent.futures.wait([slot.finalized])
+            slot.finalized = None
+        try:
+            slot.wait_copies()
+        except Exception:  # noqa: BLE001 - a CUDA error here must not mask the original one
+            pass
+        try:
+            slot.handle.wait()
+        except OSError:
+            pass
+
+
+class _Cursor:
+    """Walks the sorted segments window by window without rescanning from the start."""
+
+    def __init__(self, segments: Sequence[Segment]):
+        self.segments = segments
+        self.first = 0
+
+    def overlapping(self, start: int, end: int):
+        for index, segment in SavePlan.overlapping(self.segments, start, end, self.first):
+            lo, hi = max(segment.offset, start), min(segment.end, end)
+            yield segment, lo, hi
+            if hi == segment.end:
+                self.first = index + 1
+
+
+def side_streams(plan: SavePlan) -> dict[torch.device, "torch.cuda.Stream"]:
+    """One copy stream per CUDA device of the plan, ordered after the calling thread's current streams."""
+    streams = {}
+    for device in plan.devices():
+        if device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+            # The copies must see every write the caller queued on its stream.
+            stream.wait_stream(torch.cuda.current_stream(device))
+            streams[device] = stream
+    return streams
+
+
+def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams) -> None:
+    start, end = slot.window
+    used_streams = set()
+    for segment, lo, hi in cursor.overlapping(start, end):
+        if segment.kind is SegmentKind.BYTES:
+            slot.view[lo - start : hi - start] = segment.data[lo - segment.offset : hi - segment.offset]
+        elif segment.kind is SegmentKind.STORAGE:
+            source = plan.records[segment.record].view[lo - segment.offset : hi - segment.offset]
+            destination = slot.buffer[lo - start : hi - start]
+            if source.device.type == "cuda":
+                stream = streams[source.device]
+                with torch.cuda.stream(stream):
+                    destination.copy_(source, non_blocking=True)
+                used_streams.add(stream)
+            else:
+                destination.copy_(source)
+        # DESCRIPTOR and TRAILER bytes need CRCs: written at finalize.
+    for stream in used_streams:
+        event = torch.cuda.Event()
+        event.record(stream)
+        slot.events.append(event)
+
+
+def _finalize_and_submit(plan, slot: _Slot, cursor: _Cursor, crcs, trailer: list[bytes], settings, file) -> None:
+    start, end = slot.window
+    slot.wait_copies()
+    for segment, lo, hi in cursor.overlapping(start, end):
+        if segment.kind is SegmentKind.STORAGE:
+            if settings.checksum:
+                crcs[segment.record] = zlib.crc32(slot.view[lo - start : hi - start], crcs[segment.record])
+        elif segment.kind is SegmentKind.DESCRIPTOR:
+            data = plan.records[segment.record].entry.data_descriptor(crcs[segment.record])
+            slot.view[lo - start : hi - start] = data[lo - segment.offset : hi - segment.offset]
+        elif segment.kind is SegmentKind.TRAILER:
+            if not trailer:
+                trailer.append(plan.trailer(crcs))
+            slot.view[lo - start : hi - start] = trailer[0][lo - segment.offset : hi - segment.offset]
+    slot.handle.submit_write(slot.buffer.data_ptr(), end - start, file, start, slot.buffer)
