@@ -1,0 +1,263 @@
+"""The ``fastpersist`` command line: ``fastpersist <command> [options]``.
+
+Commands are kept in :data:`COMMANDS`: name -> a :class:`Command`
+(``add_arguments(parser)``, ``run(args) -> exit code``, help), a plain
+``(add_arguments, run)`` tuple, or the dotted name of a module defining
+``add_arguments``, ``run`` and optionally ``HELP`` -- imported only when the
+parser is built, and left out if it cannot be imported. ``verify``
+(:mod:`fastpersist.verify_cli`) and ``tune`` (:mod:`fastpersist.bench.tune`)
+are registered that way; add more with :func:`register_command`.
+
+``fastpersist info`` reports what fastpersist would use on this machine:
+versions, I/O engines (compiled, usable, and why not), direct-I/O support of
+a directory, the memory-lock limit and CUDA devices. ``--json`` prints the
+same as one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import re
+import sys
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+__all__ = ["Command", "COMMANDS", "register_command", "build_parser", "main", "collect_info"]
+
+
+class Command(NamedTuple):
+    """One subcommand: argument declarations, implementation and help line."""
+
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    help: str = ""
+
+
+COMMANDS: dict[str, Union[Command, tuple, str]] = {}
+
+
+def register_command(
+    name: str,
+    add_arguments: Union[Callable[[argparse.ArgumentParser], None], str],
+    run: Optional[Callable[[argparse.Namespace], int]] = None,
+    help: str = "",  # noqa: A002 - argparse's word
+) -> None:
+    """Adds (or replaces) subcommand ``name``.
+
+    ``register_command("x", add_arguments, run, help="...")``, or
+    ``register_command("x", "package.module")`` for a module defining
+    ``add_arguments``, ``run`` and ``HELP`` (imported lazily).
+    """
+    if isinstance(add_arguments, str):
+        COMMANDS[name] = add_arguments
+    else:
+        if run is None:
+            raise TypeError("register_command needs run() when add_arguments is a function")
+        COMMANDS[name] = Command(add_arguments, run, help)
+
+
+def _resolve(entry: Union[Command, tuple, str]) -> Optional[Command]:
+    if isinstance(entry, str):
+        try:
+            module = importlib.import_module(entry)
+        except ImportError:
+            return None
+        doc = (module.__doc__ or "").strip().splitlines()
+        summary = re.sub(r"^``[^`]*``:\s*", "", doc[0]) if doc else ""
+        return Command(module.add_arguments, module.run, getattr(module, "HELP", summary))
+    if isinstance(entry, Command):
+        return entry
+    add_arguments, run = entry[0], entry[1]
+    return Command(add_arguments, run, entry[2] if len(entry) > 2 else "")
+
+
+# ----------------------------------------------------------------------------- info
+
+
+def _fastpersist_version() -> str:
+    try:
+        from fastpersist._version import __version__
+
+        return __version__
+    except ImportError:
+        try:
+            from importlib.metadata import version
+
+            return version("fastpersist")
+        except Exception:  # noqa: BLE001 - any failure means "unknown"
+            return "unknown"
+
+
+def _has_capability(bit: int) -> bool | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> bit & 1)
+    except OSError:
+        return None
+    return None
+
+
+def _transparent_huge_pages() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else text.strip()
+
+
+def _cuda_info() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"available": False, "torch_cuda_version": torch.version.cuda, "devices": []}
+    try:
+        if torch.cuda.is_available():
+            info["available"] = True
+            for index in range(torch.cuda.device_count()):
+                props = torch.cuda.get_device_properties(index)
+                info["devices"].append(
+                    {"index": index, "name": props.name, "memory_bytes": int(props.total_memory)}
+                )
+    except Exception as e:  # noqa: BLE001 - a broken driver must not break `info`
+        info["error"] = str(e)
+    return info
+
+
+def collect_info(directory: str = ".") -> dict[str, Any]:
+    """Everything ``fastpersist info`` reports, as a JSON-serialisable dict."""
+    import torch
+
+    from fastpersist import config
+    from fastpersist.io import engine
+
+    status = engine.engine_status()
+    try:
+        auto = engine.resolve_engine("auto")
+    except Exception as e:  # noqa: BLE001
+        auto = f"error: {e}"
+    directory = os.path.abspath(directory)
+    try:
+        probe: dict[str, Any] = dict(engine.probe_directory(directory))
+    except OSError as e:
+        probe = {"error": f"{type(e).__name__}: {e}"}
+    probe["path"] = directory
+    soft, hard = engine.memlock_limit()
+    return {
+        "versions": {
+            "fastpersist": _fastpersist_version(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "kernel": platform.release(),
+        },
+        "engines": {
+            "compiled": engine.engines_compiled(),
+            "status": status,
+            "auto_selects": auto,
+        },
+        "directory": probe,
+        "memory": {
+            "memlock_soft_bytes": soft,
+            "memlock_hard_bytes": hard,
+            "cap_ipc_lock": _has_capability(14),
+            "transparent_huge_pages": _transparent_huge_pages(),
+        },
+        "cuda": _cuda_info(),
+        "settings": config.settings().as_dict(),
+    }
+
+
+def _limit_text(value: int | None) -> str:
+    if value is None:
+        return "unlimited"
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if value >= 1 << shift:
+            return f"{value / (1 << shift):g} {unit}"
+    return f"{value} bytes"
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    v = info["versions"]
+    print(f"fastpersist {v['fastpersist']}   torch {v['torch']}   python {v['python']}   kernel {v['kernel']}")
+    print("\nI/O engines (auto selects: %s)" % info["engines"]["auto_selects"])
+    for name, s in info["engines"]["status"].items():
+        state = "usable" if s["usable"] else ("not usable: " + s["reason"] if s["compiled"] else "not compiled")
+        print(f"  {name:<9} {state}")
+    d = info["directory"]
+    print(f"\nDirectory {d['path']}")
+    if "error" in d:
+        print(f"  cannot probe: {d['error']}")
+    else:
+        print(f"  filesystem        {d['fs_type']}")
+        print(f"  O_DIRECT          {'yes' if d['direct'] else 'no (' + d['reason'] + ')'}")
+        print(f"  alignment         {d['alignment']} bytes (file offsets), {d['memory_alignment']} bytes (memory)")
+    m = info["memory"]
+    cap = {True: "yes", False: "no", None: "unknown"}[m["cap_ipc_lock"]]
+    print("\nMemory")
+    print(f"  memlock limit     {_limit_text(m['memlock_soft_bytes'])} (hard {_limit_text(m['memlock_hard_bytes'])})")
+    print(f"  CAP_IPC_LOCK      {cap}" + ("   (locking is not limited by the memlock limit)" if cap == "yes" else ""))
+    print(f"  transparent huge pages  {m['transparent_huge_pages']}")
+    c = info["cuda"]
+    print("\nCUDA")
+    if not c["available"]:
+        print("  not available" + (f" ({c['error']})" if c.get("error") else ""))
+    else:
+        print(f"  torch CUDA {c['torch_cuda_version']}, {len(c['devices'])} device(s)")
+        for dev in c["devices"]:
+            print(f"  [{dev['index']}] {dev['name']}, {_limit_text(dev['memory_bytes'])}")
+
+
+def _info_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", default=".", help="directory to probe for O_DIRECT support (default: current)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def _info_run(args: argparse.Namespace) -> int:
+    info = collect_info(args.dir)
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=False))
+    else:
+        _print_info(info)
+    return 0
+
+
+register_command(
+    "info", _info_arguments, _info_run, help="versions, I/O engines, O_DIRECT support, memory lock limit, CUDA"
+)
+register_command("verify", "fastpersist.verify_cli")
+register_command("tune", "fastpersist.bench.tune")
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastpersist", description="fastpersist: fast PyTorch checkpoints")
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    for name, entry in COMMANDS.items():
+        command = _resolve(entry)
+        if command is None:
+            continue
+        p = sub.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(p)
+        p.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Engine selection over the native core; the only importer of ``fastpersist._native``.
+
+Re-exports the native types:
+
+* :class:`File` -- a file with a buffered and (where the filesystem allows it)
+  an O_DIRECT descriptor, its direct-I/O ``alignment`` and ``fallback_reason``.
+* :class:`IoHandle` -- asynchronous reads/writes split into ``block_size``
+  chunks over ``intra_op_parallelism`` lanes, each with ``queue_depth`` in
+  flight. ``submit_write``/``submit_read`` return at once; ``wait()`` returns
+  the number of completed requests and raises the first error (an ``OSError``
+  subclass with ``errno`` and ``filename``) after everything in flight is done.
+* :class:`AlignedBuffer` -- page-aligned (optionally locked) host memory with
+  the buffer protocol (``torch.frombuffer``).
+
+Engine choice is a tri-state: ``auto`` uses io_uring when it starts and
+otherwise the thread pool, logging once (logger ``fastpersist``) why; a named
+engine that cannot start raises :class:`~fastpersist.errors.EngineUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as errno_module
+import functools
+import logging
+import threading
+from typing import Any, Iterator
+
+from fastpersist import _native
+from fastpersist.errors import ConfigError, EngineUnavailableError
+
+__all__ = [
+    "File",
+    "IoHandle",
+    "AlignedBuffer",
+    "Request",
+    "UnexpectedEndOfFileError",
+    "ENGINE_NAMES",
+    "engines_compiled",
+    "engine_status",
+    "resolve_engine",
+    "make_handle",
+    "inject_fault",
+    "probe_directory",
+    "memlock_limit",
+]
+
+File = _native.File
+AlignedBuffer = _native.AlignedBuffer
+Request = _native.Request
+UnexpectedEndOfFileError = _native.UnexpectedEndOfFileError
+"""Raised when a read reaches end of file early; subclasses both ``OSError`` and ``EOFError``."""
+
+ENGINE_NAMES = ("io_uring", "threads")
+"""Engines fastpersist knows, best first."""
+
+_log = logging.getLogger("fastpersist")
+_fallback_logged = False
+_fallback_lock = threading.Lock()
+
+
+def engines_compiled() -> list[str]:
+    """Engines built into the native module, best first (e.g. ``['io_uring', 'threads']``)."""
+    return list(_native.engines_compiled())
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(name: str) -> tuple[bool, str]:
+    if name not in engines_compiled():
+        return False, f"{name}: not compiled into this build of fastpersist"
+    ok, reason = _native.probe_engine(name)
+    return bool(ok), str(reason)
+
+
+def engine_status() -> dict[str, dict[str, Any]]:
+    """For every known engine: ``{"compiled": bool, "usable": bool, "reason": str}``.
+
+    ``reason`` says why an engine is not usable ("" when it is). Probing is
+    done once per process.
+    """
+    compiled = engines_compiled()
+    status = {}
+    for name in ENGINE_NAMES:
+        ok, reason = _probe(name)
+        status[name] = {"compiled": name in compiled, "usable": ok, "reason": reason}
+    return status
+
+
+def resolve_engine(name: str = "auto") -> str:
+    """The engine that ``name`` selects on this machine.
+
+    Args:
+        name: ``"auto"``, ``"io_uring"`` or ``"threads"``.
+
+    Returns:
+        ``"io_uring"`` or ``"threads"``. For ``auto``, falls back to
+        ``threads`` when io_uring cannot start and logs why once per process.
+
+    Raises:
+        EngineUnavailableError: ``name`` names an engine that cannot start here.
+        ConfigError: ``name`` is not an engine name.
+    """
+    global _fallback_logged
+    if name == "auto":
+        ok, reason = _probe("io_uring")
+        if ok:
+            return "io_uring"
+        with _fallback_lock:
+            if not _fallback_logged:
+                _fallback_logged = True
+                _log.warning("fastpersist: io_uring is not usable (%s); using the threads engine", reason)
+        return "threads"
+    if name not in ENGINE_NAMES:
+        raise ConfigError(f"unknown I/O engine {name!r}; choose 'auto', {', '.join(repr(n) for n in ENGINE_NAMES)}")
+    ok, reason = _probe(name)
+    if not ok:
+        raise EngineUnavailableError(
+            f"I/O engine {name!r} cannot start on this machine: {reason}. "
+            "Use engine='auto' (falls back to the threads engine) or engine='threads'."
+        )
+    return name
+
+
+# ----------------------------------------------------------------------------- fault injection
+
+_fault_lock = threading.Lock()
+_fault_stack: list[dict[str, Any]] = []
+
+
+@contextlib.contextmanager
+def inject_fault(
+    nth: int = 1,
+    errno: int = errno_module.EIO,
+    op: str = "write",
+    short: bool = False,
+    count: int = 1,
+) -> Iterator[dict[str, Any]]:
+    """Makes every :class:`IoHandle` created inside the block faulty (for tests).
+
+    The ``nth`` chunk submission of each such handle that matches ``op``
+    (counted across its lanes, 1-based) completes with ``-errno`` without
+    reaching the disk, or, with ``short=True``, is submitted with half its
+    length so the engine must resubmit the rest (the result must still be
+    byte exact). ``count`` consecutive submissions are affected (0: all from
+    ``nth`` on). Handles created outside the block are unaffected; nested
+    blocks use the innermost spec. Process wide (any thread).
+
+    Args:
+        nth: 1-based index of the first faulty submission.
+        errno: the error to complete with (ignored when ``short``).
+        op: ``"write"``, ``"read"`` or ``"any"``.
+        short: shorten instead of failing.
+        count: how many consecutive submissions to break.
+
+    Yields:
+        The fault spec dict passed to the native handle.
+    """
+    if op not in ("write", "read", "any"):
+        raise ValueError(f"op must be 'write', 'read' or 'any', got {op!r}")
+    if nth < 1:
+        raise ValueError("nth is 1-based and must be >= 1")
+    spec = {"nth": int(nth), "errno": int(errno), "op": op, "short": bool(short), "count": int(count)}
+    with _fault_lock:
+        _fault_stack.append(spec)
+    try:
+        yield spec
+    finally:
+        with _fault_lock:
+            _fault_stack.remove(spec)
+
+
+def _active_fault() -> dict[str, Any] | None:
+    with _fault_lock:
+        return dict(_fault_stack[-1]) if _fault_stack else None
+
+
+# ----------------------------------------------------------------------------- handle
+
+
+class IoHandle(_native.IoHandle):
+    """Asynchronous I/O handle (see the module docstring and docs/io-engine.md).
+
+    Args:
+        block_size: bytes per chunk (multiple of 4096).
+        queue_depth: chunks each lane keeps in flight.
+        single_submit: one submission system call per chunk (io_uring).
+        overlap_events: reap while submitting (sliding window) instead of batch by batch.
+        intra_op_parallelism: lanes (threads with their own engine instance).
+        engine: ``auto``, ``io_uring`` or ``threads``.
+        direct: use O_DIRECT for the aligned middle of requests where the file allows it.
+        fault: test-only fault spec (see :func:`inject_fault`); defaults to the
+            innermost active ``inject_fault`` block.
+
+    Raises:
+        EngineUnavailableError: a named engine cannot start.
+        ValueError: invalid sizes.
+    """
+
+    def __init__(
+        self,
+        block_size: int = 1 << 20,
+        queue_depth: int = 32,
+        single_submit: bool = False,
+        overlap_events: bool = True,
+        intra_op_parallelism: int = 1,
+        engine: str = "auto",
+        direct: bool = True,
+        fault: dict[str, Any] | None = None,
+    ) -> None:
+        resolve_engine(engine)  # raises for a named engine that cannot start; logs auto's fallback once
+        if fault is None:
+            fault = _active_fault()
+        try:
+            super().__init__(
+                block_size=block_size,
+                queue_depth=queue_depth,
+                single_submit=single_submit,
+                overlap_events=overlap_events,
+                intra_op_parallelism=intra_op_parallelism,
+                engine=engine,
+                direct=direct,
+                fault=fault,
+            )
+        except _native.EngineUnavailableError as e:
+            raise EngineUnavailableError(str(e)) from None
+
+
+def make_handle(settings: Any = None, **overrides: Any) -> IoHandle:
+    """An :class:`IoHandle` configured from :class:`fastpersist.config.Settings`.
+
+    Args:
+        settings: a Settings snapshot; ``None`` means ``fastpersist.config.settings()``.
+        **overrides: handle arguments that win over ``settings`` (e.g. ``direct=False``).
+    """
+    if settings is None:
+        from fastpersist import config
+
+        settings = config.settings()
+    arguments = dict(
+        block_size=settings.block_size,
+        queue_depth=settings.queue_depth,
+        single_submit=settings.single_submit,
+        overlap_events=settings.overlap_events,
+        intra_op_parallelism=settings.intra_op_parallelism,
+        engine=settings.engine,
+        direct=settings.direct,
+    )
+    arguments.update(overrides)
+    return IoHandle(**arguments)
+
+
+def probe_directory(path: Any) -> dict[str, Any]:
+    """Direct-I/O support of a directory: ``dict(direct, reason, alignment, memory_alignment, fs_type)``.
+
+    Creates and deletes a small probe file. Raises ``OSError`` subclasses when
+    the directory is missing or not writable.
+    """
+    return _native.probe_directory(path)
+
+
+def memlock_limit() -> tuple[int | None, int | None]:
+    """RLIMIT_MEMLOCK as ``(soft, hard)`` bytes; ``None`` means unlimited."""
+    return _native.memlock_limit()

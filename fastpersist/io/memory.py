@@ -1,0 +1,231 @@
+"""Host memory for I/O: page-aligned, page-locked tensors and a per-process pool.
+
+Direct I/O needs aligned memory, and fast device copies need page-locked
+(pinned) memory. On this project's machines allocating and locking memory is
+slow (page faults dominate), so staging buffers are allocated once per process
+and size and reused (:func:`lease_buffers`).
+
+All memory comes from :class:`fastpersist.io.engine.AlignedBuffer` (anonymous
+``mmap``), viewed as a tensor with ``torch.frombuffer`` -- no copy, and the
+tensor keeps the mapping alive. This works on CPU-only torch builds where
+``pin_memory()`` raises. When CUDA is available, locked buffers are also
+registered with ``cudaHostRegister`` so device copies run at pinned speed; they
+are unregistered just before the memory is unmapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from typing import Iterator
+
+import torch
+
+from fastpersist.io import engine
+from fastpersist.tensors import cast_to_byte_tensor
+
+__all__ = [
+    "new_cpu_locked_tensor",
+    "free_cpu_locked_tensor",
+    "aligned_empty",
+    "lease_buffers",
+    "release_pooled_buffers",
+    "is_locked_tensor",
+    "cast_to_byte_tensor",
+    "PAGE_SIZE",
+]
+
+PAGE_SIZE = 4096
+_HUGE_PAGE = 2 << 20
+
+_warned_unlocked = False
+_warn_lock = threading.Lock()
+
+# data_ptr -> buffer info of tensors made by new_cpu_locked_tensor; lets
+# free_cpu_locked_tensor and is_locked_tensor recognise them.
+_locked_registry: dict[int, bool] = {}
+_registry_lock = threading.Lock()
+
+
+def _warn_unlocked(reason: str) -> None:
+    global _warned_unlocked
+    with _warn_lock:
+        if _warned_unlocked:
+            return
+        _warned_unlocked = True
+    warnings.warn(
+        f"fastpersist could not lock host memory ({reason}). Buffers stay usable but may be paged out, "
+        "and device copies will not run at pinned speed.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _cuda_register(buffer: "engine.AlignedBuffer") -> None:
+    """Registers ``buffer`` with CUDA (pinned for DMA) and arranges unregistering before unmap."""
+    if buffer.nbytes == 0 or not torch.cuda.is_available():
+        return
+    cudart = torch.cuda.cudart()
+    result = cudart.cudaHostRegister(buffer.ptr, buffer.nbytes, 0)
+    if int(getattr(result, "value", result)) != 0:
+        warnings.warn(
+            f"cudaHostRegister of {buffer.nbytes} bytes failed ({result}); device copies will use pageable memory",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    ptr = buffer.ptr
+
+    def unregister() -> None:
+        cudart.cudaHostUnregister(ptr)
+
+    buffer.set_release_hook(unregister)
+
+
+def _tensor_over(buffer: "engine.AlignedBuffer", nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    element = torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype, count=nbytes // element)
+
+
+def new_cpu_locked_tensor(numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A CPU tensor of ``numel`` elements on page-aligned, page-locked memory (contents undefined).
+
+    Mirrors DeepNVMe's ``new_cpu_locked_tensor``. If ``mlock`` fails (RLIMIT_MEMLOCK),
+    the memory stays usable but unlocked and one ``RuntimeWarning`` is issued per
+    process. With CUDA available the memory is also registered for pinned copies.
+    The memory is released when the last reference to the tensor goes.
+
+    Raises:
+        MemoryError / OSError: the mapping cannot be created.
+        ValueError: negative ``numel``.
+    """
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    nbytes = int(numel) * torch.empty(0, dtype=dtype).element_size()
+    buffer = engine.AlignedBuffer(nbytes, lock=True, huge_pages=False)
+    if nbytes and not buffer.locked:
+        _warn_unlocked(buffer.lock_error)
+    _cuda_register(buffer)
+    tensor = _tensor_over(buffer, nbytes, dtype)
+    if nbytes:
+        with _registry_lock:
+            _locked_registry[tensor.data_ptr()] = buffer.locked
+    return tensor
+
+
+def free_cpu_locked_tensor(tensor: torch.Tensor) -> bool:
+    """Forgets a tensor made by :func:`new_cpu_locked_tensor`.
+
+    The memory itself is unmapped when the last reference to the tensor (or a
+    view of it) is gone; this cannot free memory that is still referenced.
+    Returns True if ``tensor`` was one of ours.
+    """
+    with _registry_lock:
+        return _locked_registry.pop(tensor.data_ptr(), None) is not None
+
+
+def is_locked_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` was made by :func:`new_cpu_locked_tensor` and its memory is locked."""
+    with _registry_lock:
+        return bool(_locked_registry.get(tensor.data_ptr(), False))
+
+
+def aligned_empty(nbytes: int, huge_pages: bool = True, lock: bool = False) -> torch.Tensor:
+    """An uninitialised 1-D uint8 CPU tensor of ``nbytes`` on page-aligned memory.
+
+    For sizes of 2 MiB and more with ``huge_pages``, the memory is 2 MiB aligned
+    and advised for transparent huge pages (far fewer page faults when it is
+    first written, which dominates loads on machines like this one). Used as
+    the destination storage of loaded tensors, read into with O_DIRECT.
+
+    Args:
+        nbytes: size in bytes (0 allowed).
+        huge_pages: ask for transparent huge pages (best effort).
+        lock: mlock the memory (falls back to unlocked with one warning).
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    buffer = engine.AlignedBuffer(int(nbytes), lock=lock, huge_pages=huge_pages and nbytes >= _HUGE_PAGE)
+    if lock and nbytes and not buffer.locked:
+        _warn_unlocked(buffer.lock_error)
+    return _tensor_over(buffer, int(nbytes), torch.uint8)
+
+
+class _BufferPool:
+    """Locked buffers by size, allocated on first use and reused for the life of the process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._allocated: dict[int, int] = {}
+
+    def acquire(self, count: int, size: int) -> list[torch.Tensor]:
+        with self._lock:
+            free = self._free.setdefault(size, [])
+            taken = [free.pop() for _ in range(min(count, len(free)))]
+            missing = count - len(taken)
+            self._allocated[size] = self._allocated.get(size, 0) + missing
+        try:
+            # Allocation and locking are slow; do them outside the lock.
+            taken.extend(new_cpu_locked_tensor(size) for _ in range(missing))
+        except BaseException:
+            with self._lock:
+                self._allocated[size] -= count - len(taken)
+            self.release(taken, size)
+            raise
+        return taken
+
+    def release(self, tensors: list[torch.Tensor], size: int) -> None:
+        with self._lock:
+            self._free.setdefault(size, []).extend(tensors)
+
+    def clear(self) -> int:
+        with self._lock:
+            freed = sum(size * len(tensors) for size, tensors in self._free.items())
+            for size, tensors in self._free.items():
+                self._allocated[size] -= len(tensors)
+                for t in tensors:
+                    free_cpu_locked_tensor(t)
+            self._free.clear()
+        return freed
+
+    def allocated_bytes(self) -> int:
+        with self._lock:
+            return sum(size * n for size, n in self._allocated.items())
+
+
+_pool = _BufferPool()
+
+
+@contextlib.contextmanager
+def lease_buffers(count: int, size: int) -> Iterator[list[torch.Tensor]]:
+    """Lends ``count`` locked, page-aligned uint8 CPU tensors of ``size`` bytes.
+
+    Buffers come from a per-process pool and go back to it when the block
+    exits, so repeated saves and loads do not pay for allocating and locking
+    again. Concurrent leases (other threads, nested blocks) get distinct
+    buffers. Thread-safe. Contents are undefined.
+
+    Do not keep references to the buffers after the block: another lease may
+    reuse them.
+    """
+    if count < 0 or size < 0:
+        raise ValueError(f"count and size must be >= 0, got count={count}, size={size}")
+    buffers = _pool.acquire(int(count), int(size))
+    try:
+        yield list(buffers)
+    finally:
+        _pool.release(buffers, int(size))
+
+
+def release_pooled_buffers() -> int:
+    """Frees the pool's idle buffers (those not leased now); returns the bytes released."""
+    return _pool.clear()
+
+
+def pooled_bytes() -> int:
+    """Bytes currently allocated by the pool (idle and leased)."""
+    return _pool.allocated_bytes()

@@ -1,0 +1,398 @@
+// The one pybind11 file: exposes the native core as fastpersist._native.
+//
+// Rules kept here: every call that can block releases the GIL; every buffer a
+// request reads or writes is kept referenced until the request completes; C++
+// errors become OSError subclasses with errno and filename set.
+#include <pybind11/eval.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+
+#include "fastpersist/buffer.hpp"
+#include "fastpersist/engine.hpp"
+#include "fastpersist/error.hpp"
+#include "fastpersist/file.hpp"
+#include "fastpersist/handle.hpp"
+
+namespace py = pybind11;
+using namespace fastpersist;
+
+namespace {
+
+py::object g_unexpected_eof_type;
+py::object g_engine_unavailable_type;
+
+// OSError(errno, message, filename) picks the subclass (FileNotFoundError,
+// PermissionError, ...) from errno by itself.
+void raise_io_error(const IoError& e) {
+  py::object filename = e.path().empty() ? py::object(py::none()) : py::object(py::str(e.path()));
+  py::object exc;
+  if (dynamic_cast<const UnexpectedEndOfFile*>(&e) != nullptr) {
+    exc = g_unexpected_eof_type(py::str(e.what()));
+    exc.attr("filename") = filename;
+  } else {
+    exc = py::reinterpret_borrow<py::object>(PyExc_OSError)(e.error_number(), py::str(e.what()), filename);
+  }
+  exc.attr("operation") = py::str(e.operation());
+  exc.attr("native_location") = py::str(e.where());
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+}
+
+std::string fspath(const py::handle& path) {
+  return py::str(py::module_::import("os").attr("fspath")(path)).cast<std::string>();
+}
+
+FaultSpec parse_fault(const py::object& fault) {
+  FaultSpec spec;
+  if (fault.is_none()) return spec;
+  py::dict d = py::dict(fault);
+  spec.enabled = true;
+  if (d.contains("nth")) spec.nth = d["nth"].cast<uint64_t>();
+  if (d.contains("errno")) spec.error = d["errno"].cast<int>();
+  if (d.contains("count")) spec.count = d["count"].cast<uint64_t>();
+  if (d.contains("short")) spec.short_io = d["short"].cast<bool>();
+  std::string op = d.contains("op") ? d["op"].cast<std::string>() : "write";
+  if (op == "write") {
+    spec.op = FaultOp::kWrite;
+  } else if (op == "read") {
+    spec.op = FaultOp::kRead;
+  } else if (op == "any") {
+    spec.op = FaultOp::kAny;
+  } else {
+    throw py::value_error("fault op must be 'write', 'read' or 'any', got '" + op + "'");
+  }
+  if (spec.nth < 1) throw py::value_error("fault nth is 1-based and must be >= 1");
+  if (spec.error <= 0 && !spec.short_io) throw py::value_error("fault errno must be a positive errno value");
+  return spec;
+}
+
+/** AlignedBuffer plus the Python-side release hook (called just before munmap). */
+struct PyAlignedBuffer {
+  std::unique_ptr<AlignedBuffer> buffer;
+  py::object hook = py::none();
+
+  ~PyAlignedBuffer() {
+    if (!hook.is_none()) {
+      try {
+        hook();
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("fastpersist AlignedBuffer release hook");
+      }
+    }
+    hook = py::none();
+    py::gil_scoped_release release;
+    buffer.reset();
+  }
+};
+
+/** IoHandle plus the objects each in-flight request must keep alive. */
+struct PyIoHandle {
+  std::unique_ptr<IoHandle> handle;
+  std::unordered_map<uint64_t, py::object> keepalive;
+
+  ~PyIoHandle() {
+    {
+      py::gil_scoped_release release;
+      handle.reset();  // waits for everything in flight
+    }
+    keepalive.clear();
+  }
+
+  void sweep() {
+    for (uint64_t id : handle->take_finished_ids()) keepalive.erase(id);
+  }
+};
+
+std::shared_ptr<File> resolve_target(PyIoHandle& self, const py::handle& target, bool write, bool& owns) {
+  if (py::isinstance<File>(target)) {
+    owns = false;
+    return target.cast<std::shared_ptr<File>>();
+  }
+  if (py::isinstance<py::int_>(target) && !py::isinstance<py::bool_>(target)) {
+    const int fd = target.cast<int>();
+    const bool direct = self.handle->options().direct;
+    owns = false;
+    py::gil_scoped_release release;
+    return File::borrow(fd, direct);
+  }
+  const std::string path = fspath(target);
+  owns = true;
+  py::gil_scoped_release release;
+  return self.handle->open_for(path, write);
+}
+
+py::object submit(PyIoHandle& self, bool write, uintptr_t ptr, uint64_t nbytes, const py::object& target,
+                  uint64_t file_offset, const py::object& keepalive, bool truncate, bool allow_short) {
+  bool owns = false;
+  std::shared_ptr<File> file = resolve_target(self, target, write, owns);
+  std::shared_ptr<Request> request;
+  {
+    py::gil_scoped_release release;
+    void* buffer = reinterpret_cast<void*>(ptr);
+    request = write ? self.handle->submit_write(buffer, nbytes, file, file_offset, owns, truncate)
+                    : self.handle->submit_read(buffer, nbytes, file, file_offset, owns, allow_short);
+  }
+  self.keepalive[request->id()] = py::make_tuple(keepalive, target);
+  self.sweep();
+  return py::cast(request);
+}
+
+py::dict probe_to_dict(const DirectoryProbe& p) {
+  py::dict d;
+  d["direct"] = p.direct;
+  d["reason"] = p.reason;
+  d["alignment"] = p.alignment;
+  d["memory_alignment"] = p.memory_alignment;
+  d["fs_type"] = p.fs_type;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "fastpersist native I/O core (private; use fastpersist.io.engine).";
+
+  py::exec(R"(
+class UnexpectedEndOfFileError(OSError, EOFError):
+    """A read reached the end of the file before the requested number of bytes."""
+    def __str__(self):
+        return str(self.args[0]) if self.args else "unexpected end of file"
+
+class EngineUnavailableError(RuntimeError):
+    """An I/O engine that was named explicitly cannot start here."""
+)",
+           m.attr("__dict__"));
+  m.attr("UnexpectedEndOfFileError").attr("__module__") = "fastpersist._native";
+  m.attr("EngineUnavailableError").attr("__module__") = "fastpersist._native";
+  g_unexpected_eof_type = m.attr("UnexpectedEndOfFileError");
+  g_engine_unavailable_type = m.attr("EngineUnavailableError");
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const IoError& e) {
+      raise_io_error(e);
+    } catch (const EngineUnavailable& e) {
+      PyErr_SetString(g_engine_unavailable_type.ptr(), e.what());
+    }
+  });
+
+  // ---------------------------------------------------------------- File
+  py::class_<File, std::shared_ptr<File>>(m, "File", R"(A file opened for fastpersist I/O.
+
+Opens a buffered descriptor and, when ``direct`` and the filesystem accepts
+it, an O_DIRECT descriptor of the same file. Raises OSError subclasses
+(FileNotFoundError, PermissionError, ...) when the open fails.)")
+      .def(py::init([](const py::object& path, const std::string& mode, bool direct, bool truncate,
+                       const py::object& create, unsigned permissions) {
+             const std::string p = fspath(path);
+             const OpenMode open_mode = parse_open_mode(mode);
+             const bool do_create = create.is_none() ? open_mode != OpenMode::kRead : create.cast<bool>();
+             py::gil_scoped_release release;
+             return std::make_shared<File>(p, open_mode, direct, truncate, do_create, permissions);
+           }),
+           py::arg("path"), py::arg("mode") = "r", py::arg("direct") = true, py::arg("truncate") = false,
+           py::arg("create") = py::none(), py::arg("permissions") = 0644)
+      .def_property_readonly("path", &File::path)
+      .def_property_readonly("fd", &File::fd)
+      .def_property_readonly("direct_fd", &File::direct_fd)
+      .def_property_readonly("direct", &File::direct)
+      .def_property_readonly("alignment", &File::alignment)
+      .def_property_readonly("memory_alignment", &File::memory_alignment)
+      .def_property_readonly("fallback_reason", &File::fallback_reason)
+      .def_property_readonly("closed", &File::closed)
+      .def_property_readonly("mode", [](const File& f) {
+        return f.mode() == OpenMode::kRead ? "r" : f.mode() == OpenMode::kWrite ? "w" : "rw";
+      })
+      .def("fileno", &File::fd)
+      .def("fsync", &File::fsync, py::call_guard<py::gil_scoped_release>(), "Makes the file durable (fsync).")
+      .def("truncate", &File::truncate, py::arg("size"), py::call_guard<py::gil_scoped_release>(),
+           "Sets the file size.")
+      .def("allocate", &File::allocate, py::arg("offset"), py::arg("length"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Reserves blocks (fallocate). Returns False when the filesystem does not support it.")
+      .def("size", &File::size, "Current size in bytes.")
+      .def("close", &File::close, py::call_guard<py::gil_scoped_release>(),
+           "Closes both descriptors (idempotent); waits until no request uses the file.")
+      .def("__enter__", [](std::shared_ptr<File> self) { return self; })
+      .def("__exit__", [](File& self, py::args) {
+        py::gil_scoped_release release;
+        self.close();
+      })
+      .def("__repr__", [](const File& f) {
+        return "<fastpersist File '" + f.path() + "' direct=" + (f.direct() ? "True" : "False") +
+               " alignment=" + std::to_string(f.alignment()) + (f.closed() ? " closed" : "") + ">";
+      });
+
+  // ---------------------------------------------------------------- AlignedBuffer
+  py::class_<PyAlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol(), R"(Page-aligned anonymous memory.
+
+Writable 1-D uint8 buffer: ``torch.frombuffer(buf, dtype=torch.uint8)`` views
+it without copying (the tensor keeps the buffer alive). Locked with mlock when
+``lock`` and RLIMIT_MEMLOCK allow; else ``locked`` is False and ``lock_error``
+says why.)")
+      .def(py::init([](size_t nbytes, bool lock, bool huge_pages) {
+             auto self = std::make_unique<PyAlignedBuffer>();
+             py::gil_scoped_release release;
+             self->buffer = std::make_unique<AlignedBuffer>(nbytes, lock, huge_pages);
+             return self;
+           }),
+           py::arg("nbytes"), py::arg("lock") = true, py::arg("huge_pages") = false)
+      .def_buffer([](PyAlignedBuffer& self) {
+        return py::buffer_info(self.buffer->data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(self.buffer->size())}, {1}, false);
+      })
+      .def_property_readonly("ptr", [](const PyAlignedBuffer& self) { return self.buffer->address(); })
+      .def_property_readonly("nbytes", [](const PyAlignedBuffer& self) { return self.buffer->size(); })
+      .def_property_readonly("locked", [](const PyAlignedBuffer& self) { return self.buffer->locked(); })
+      .def_property_readonly("lock_error", [](const PyAlignedBuffer& self) { return self.buffer->lock_error(); })
+      .def_property_readonly("huge_pages", [](const PyAlignedBuffer& self) { return self.buffer->huge_pages(); })
+      .def("__len__", [](const PyAlignedBuffer& self) { return self.buffer->size(); })
+      .def(
+          "set_release_hook", [](PyAlignedBuffer& self, py::object hook) { self.hook = std::move(hook); },
+          py::arg("hook"), "Calls ``hook()`` (no arguments) just before the memory is unmapped; None clears it.");
+
+  // ---------------------------------------------------------------- Request
+  py::class_<Request, std::shared_ptr<Request>>(m, "Request", "One submitted read or write.")
+      .def_property_readonly("id", &Request::id)
+      .def_property_readonly("is_write", &Request::is_write)
+      .def_property_readonly("nbytes", &Request::nbytes)
+      .def_property_readonly("file_offset", &Request::file_offset)
+      .def_property_readonly("path", &Request::path)
+      .def_property_readonly("done", &Request::done)
+      .def_property_readonly("failed", &Request::failed)
+      .def_property_readonly("bytes_transferred", &Request::bytes_transferred)
+      .def("__repr__", [](const Request& r) {
+        return "<fastpersist Request " + std::to_string(r.id()) + (r.is_write() ? " write " : " read ") +
+               std::to_string(r.nbytes()) + " bytes at " + std::to_string(r.file_offset()) + " of '" + r.path() +
+               "'" + (r.done() ? " done" : "") + ">";
+      });
+
+  // ---------------------------------------------------------------- IoHandle
+  py::class_<PyIoHandle>(m, "IoHandle", R"(Asynchronous reads and writes of memory ranges to files.
+
+submit_write()/submit_read() return at once; wait() blocks (GIL released) until
+every request is done, returns how many completed since the previous wait()
+and raises the first error after everything in flight has been reaped.)")
+      .def(py::init([](size_t block_size, size_t queue_depth, bool single_submit, bool overlap_events,
+                       size_t intra_op_parallelism, const std::string& engine, bool direct, const py::object& fault) {
+             HandleOptions options;
+             options.block_size = block_size;
+             options.queue_depth = queue_depth;
+             options.single_submit = single_submit;
+             options.overlap_events = overlap_events;
+             options.intra_op_parallelism = intra_op_parallelism;
+             options.engine = engine;
+             options.direct = direct;
+             options.fault = parse_fault(fault);
+             auto self = std::make_unique<PyIoHandle>();
+             py::gil_scoped_release release;
+             self->handle = std::make_unique<IoHandle>(options);
+             return self;
+           }),
+           py::arg("block_size") = 1u << 20, py::arg("queue_depth") = 32, py::arg("single_submit") = false,
+           py::arg("overlap_events") = true, py::arg("intra_op_parallelism") = 1, py::arg("engine") = "auto",
+           py::arg("direct") = true, py::arg("fault") = py::none())
+      .def_property_readonly("block_size", [](const PyIoHandle& s) { return s.handle->options().block_size; })
+      .def_property_readonly("queue_depth", [](const PyIoHandle& s) { return s.handle->options().queue_depth; })
+      .def_property_readonly("single_submit", [](const PyIoHandle& s) { return s.handle->options().single_submit; })
+      .def_property_readonly("overlap_events",
+                             [](const PyIoHandle& s) { return s.handle->options().overlap_events; })
+      .def_property_readonly("intra_op_parallelism",
+                             [](const PyIoHandle& s) { return s.handle->options().intra_op_parallelism; })
+      .def_property_readonly("engine", [](const PyIoHandle& s) { return s.handle->engine(); })
+      .def_property_readonly("direct", [](const PyIoHandle& s) { return s.handle->options().direct; })
+      .def_property_readonly("fallback_reason", [](const PyIoHandle& s) { return s.handle->fallback_reason(); })
+      .def_property_readonly("faulty", [](const PyIoHandle& s) { return s.handle->options().fault.enabled; })
+      .def(
+          "submit_write",
+          [](PyIoHandle& self, uintptr_t ptr, uint64_t nbytes, const py::object& target, uint64_t file_offset,
+             const py::object& keepalive, bool truncate) {
+            return submit(self, true, ptr, nbytes, target, file_offset, keepalive, truncate, false);
+          },
+          py::arg("ptr"), py::arg("nbytes"), py::arg("target"), py::arg("file_offset") = 0,
+          py::arg("keepalive") = py::none(), py::arg("truncate") = false,
+          R"(Starts writing ``nbytes`` from address ``ptr`` to ``target`` (path, fd or File) at ``file_offset``.
+
+A path is created if missing (never O_TRUNC) and closed when the request
+completes; ``truncate=True`` sets the file size to ``file_offset + nbytes``
+after a successful write. ``keepalive`` is referenced until the request
+completes. Open errors raise here; I/O errors are raised by wait().)")
+      .def(
+          "submit_read",
+          [](PyIoHandle& self, uintptr_t ptr, uint64_t nbytes, const py::object& target, uint64_t file_offset,
+             const py::object& keepalive, bool allow_short) {
+            return submit(self, false, ptr, nbytes, target, file_offset, keepalive, false, allow_short);
+          },
+          py::arg("ptr"), py::arg("nbytes"), py::arg("target"), py::arg("file_offset") = 0,
+          py::arg("keepalive") = py::none(), py::arg("allow_short") = false,
+          R"(Starts reading ``nbytes`` at ``file_offset`` of ``target`` into address ``ptr``.
+
+Reaching end of file early raises UnexpectedEndOfFileError from wait() unless
+``allow_short``; then ``Request.bytes_transferred`` tells how much was read.)")
+      .def("wait",
+           [](PyIoHandle& self) {
+             size_t completed = 0;
+             std::exception_ptr error;
+             {
+               py::gil_scoped_release release;
+               try {
+                 completed = self.handle->wait();
+               } catch (...) {
+                 error = std::current_exception();
+               }
+             }
+             self.sweep();
+             self.keepalive.clear();  // nothing is in flight any more
+             if (error) std::rethrow_exception(error);
+             return completed;
+           })
+      .def("pending", [](const PyIoHandle& self) { return self.handle->pending(); })
+      .def("stats",
+           [](const PyIoHandle& self) {
+             const HandleStats s = self.handle->stats();
+             py::dict d;
+             d["bytes_direct"] = s.bytes_direct;
+             d["bytes_buffered"] = s.bytes_buffered;
+             d["requests"] = s.requests;
+             return d;
+           })
+      .def("__repr__", [](const PyIoHandle& s) {
+        const HandleOptions& o = s.handle->options();
+        return "<fastpersist IoHandle engine=" + o.engine + " block_size=" + std::to_string(o.block_size) +
+               " queue_depth=" + std::to_string(o.queue_depth) +
+               " intra_op_parallelism=" + std::to_string(o.intra_op_parallelism) +
+               " direct=" + (o.direct ? "True" : "False") + ">";
+      });
+
+  // ---------------------------------------------------------------- functions
+  m.def(
+      "probe_directory",
+      [](const py::object& path) {
+        const std::string p = fspath(path);
+        DirectoryProbe probe;
+        {
+          py::gil_scoped_release release;
+          probe = probe_directory(p);
+        }
+        return probe_to_dict(probe);
+      },
+      py::arg("path"), "Creates and deletes a probe file: dict(direct, reason, alignment, memory_alignment, fs_type).");
+  m.def(
+      "memlock_limit",
+      []() {
+        uint64_t soft = 0, hard = 0;
+        memlock_limit(soft, hard);
+        auto value = [](uint64_t v) { return v == UINT64_MAX ? py::object(py::none()) : py::object(py::int_(v)); };
+        return py::make_tuple(value(soft), value(hard));
+      },
+      "RLIMIT_MEMLOCK (soft, hard) in bytes; None means unlimited.");
+  m.def("engines_compiled", &engines_compiled, "Engines built into this module, best first.");
+  m.def("probe_engine", &probe_engine, py::arg("name"), py::call_guard<py::gil_scoped_release>(),
+        "(usable, reason) for engine ``name``; reason is '' when usable.");
+}
