@@ -1,0 +1,271 @@
+"""Turning checkpoint-benchmark results into text, Markdown and charts.
+
+Everything here reads the JSON document that ``python -m fastpersist.bench
+checkpoint --json PATH`` writes (schema ``fastpersist.bench.checkpoint/1``),
+so tables in the docs are regenerated from results, never typed::
+
+    python -m fastpersist.bench checkpoint --markdown results.json [more.json ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+__all__ = ["load_result", "write_json", "format_table", "to_markdown", "save_png", "rows"]
+
+SCHEMA_PREFIX = "fastpersist.bench.checkpoint/"
+
+
+def load_result(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Reads a result document.
+
+    Raises:
+        OSError: unreadable file.
+        ValueError: not JSON, or not a checkpoint-benchmark result.
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            document = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from e
+    if not isinstance(document, dict) or not str(document.get("schema", "")).startswith(SCHEMA_PREFIX):
+        raise ValueError(f"{path}: not a result of 'python -m fastpersist.bench checkpoint --json'")
+    return document
+
+
+def write_json(document: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Writes ``document`` (atomically: temp file, then rename)."""
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def _gb(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.2f}" if t >= 0.1 else f"{t:.4f}"
+
+
+def _mib(n: float | None) -> str:
+    if n is None:
+        return "-"
+    sign = "+" if n >= 0 else "-"
+    return f"{sign}{abs(n) / 2**20:,.0f} MiB"
+
+
+def rows(document: dict[str, Any]) -> list[dict[str, str]]:
+    """One dict of display strings per method, in run order (saves, then loads).
+
+    Keys: op, method, label, gbps, range, seconds, blocked, rss_delta,
+    peak_rss, ratio, status. A FAILED or skipped method has ``-`` for every
+    figure and its reason in ``status``.
+    """
+    baselines = document.get("baselines", {})
+    medians = {
+        (r["op"], r["method"]): r["summary"]["gbps"]["median"]
+        for r in document["results"]
+        if r["status"] == "ok" and r["summary"].get("gbps")
+    }
+    out = []
+    for r in document["results"]:
+        s = r["summary"]
+        row = {"op": r["op"], "method": r["method"], "label": r["label"]}
+        if r["status"] != "ok" or not s.get("gbps"):
+            row.update(gbps="-", range="-", seconds="-", blocked="-", rss_delta="-", peak_rss="-", ratio="-")
+            reason = r.get("reason") or ("no timed samples" if r["status"] == "ok" else "")
+            row["status"] = f"{r['status']}: {reason}" if reason else r["status"]
+        else:
+            g = s["gbps"]
+            row["gbps"] = f"{g['median']:.2f}"
+            row["range"] = f"{g['min']:.2f}-{g['max']:.2f}"
+            row["seconds"] = _seconds(s["seconds"]["median"])
+            row["blocked"] = _seconds(s["blocked_seconds"]["median"]) if s.get("blocked_seconds") else "-"
+            row["rss_delta"] = _mib(s["rss_delta_bytes"]["median"])
+            row["peak_rss"] = _mib(s["peak_rss_bytes"]["median"]).lstrip("+")
+            base = medians.get((r["op"], baselines.get(r["op"], "")))
+            row["ratio"] = f"{g['median'] / base:.2f}x" if base else "-"
+            row["status"] = "verified" if r.get("timed", True) else "verified (not selected; ran to feed a load)"
+        out.append(row)
+    return out
+
+
+def _headline(document: dict[str, Any]) -> list[str]:
+    st, se, m = document["state"], document["settings"], document["machine"]
+    fs = m.get("filesystem", {})
+    layers = f"{se['layers']} of {se['model_layers']} blocks"
+    what = (
+        f"{se['model']} ({layers}), {_gb(st['bytes'])} {se['dtype']}"
+        f"{' training state' if se.get('training_state') else ''}, {st['tensors']} tensors, on {se['device']}"
+        + (f" ({m.get('device_name')})" if se["device"] != "cpu" else "")
+    )
+    where = f"{fs.get('path', se['dir'])} ({fs.get('type', '?')} on {fs.get('device', '?')})"
+    host = (
+        f"{m.get('hostname')}, {m.get('cpu_count')} CPUs, {(m.get('ram_bytes') or 0) / 2**30:.0f} GiB RAM, "
+        f"torch {m.get('torch')}, {m.get('date')}"
+    )
+    rounds = f"median of {se['repeats']} interleaved rounds after {se['warmup']} warm-up; range is min-max"
+    return [what, f"dir: {where}", f"machine: {host}", rounds, se.get("cache_detail", "")]
+
+
+def _baseline_note(document: dict[str, Any]) -> str:
+    b = document.get("baselines", {})
+    return f"vs = median GB/s relative to {b.get('save', '?')} (saves) and {b.get('load', '?')} (loads) in the same run"
+
+
+_COLUMNS = [
+    ("label", "method", "<"),
+    ("gbps", "GB/s", ">"),
+    ("range", "range", ">"),
+    ("seconds", "time s", ">"),
+    ("blocked", "blocked s", ">"),
+    ("rss_delta", "RSS delta", ">"),
+    ("peak_rss", "peak RSS", ">"),
+    ("ratio", "vs", ">"),
+    ("status", "result", "<"),
+]
+
+
+def _shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_table(document: dict[str, Any], status_width: int = 70) -> str:
+    """The terminal report: a headline and one table for saves, one for loads.
+
+    Reasons longer than ``status_width`` are cut (the JSON keeps them whole).
+    """
+    lines = ["", "fastpersist checkpoint benchmark: " + _headline(document)[0]]
+    lines += ["  " + text for text in _headline(document)[1:] if text]
+    all_rows = [dict(r, status=_shorten(r["status"], status_width)) for r in rows(document)]
+    cache = document["settings"].get("cache")
+    for op, title in (
+        ("save", "save (time to durable: fsync of files and directory)"),
+        (
+            "load",
+            "load (cold: page cache dropped)"
+            if cache in ("drop_caches", "fadvise")
+            else "load (page cache NOT dropped)",
+        ),
+    ):
+        op_rows = [r for r in all_rows if r["op"] == op]
+        if not op_rows:
+            continue
+        columns = [c for c in _COLUMNS if c[0] != "blocked" or any(r["blocked"] != "-" for r in op_rows)]
+        widths = [max(len(head), *(len(r[key]) for r in op_rows)) for key, head, _ in columns]
+        lines.append("")
+        lines.append(title)
+        lines.append("  ".join(f"{head:{align}{w}}" for (key, head, align), w in zip(columns, widths)).rstrip())
+        lines.append("  ".join("-" * w for w in widths))
+        for r in op_rows:
+            lines.append("  ".join(f"{r[key]:{align}{w}}" for (key, head, align), w in zip(columns, widths)).rstrip())
+    lines.append("")
+    lines.append(_baseline_note(document) + "; GB = 10^9 bytes of tensor data")
+    lines.append("blocked s = time async_save kept the caller; RSS delta = peak minus RSS before the call")
+    return "\n".join(lines)
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def to_markdown(documents: dict[str, Any] | Sequence[dict[str, Any]]) -> str:
+    """Markdown for one or more result documents: a heading line and a table each.
+
+    The table has one row per method (saves, then loads) with median GB/s,
+    min-max, median time, blocked time (async), median RSS delta and the ratio
+    to the baseline of the same run.
+    """
+    if isinstance(documents, dict):
+        documents = [documents]
+    parts = []
+    for document in documents:
+        headline = _headline(document)
+        parts.append(f"**{_md_escape(headline[0])}**  ")
+        parts.extend(f"{_md_escape(text)}  " for text in headline[1:] if text)
+        parts.append("")
+        parts.append("| op | method | GB/s | range | time s | blocked s | RSS delta | vs baseline | result |")
+        parts.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        for r in rows(document):
+            parts.append(
+                "| "
+                + " | ".join(
+                    _md_escape(x)
+                    for x in (
+                        r["op"],
+                        r["label"],
+                        r["gbps"],
+                        r["range"],
+                        r["seconds"],
+                        r["blocked"],
+                        r["rss_delta"],
+                        r["ratio"],
+                        r["status"],
+                    )
+                )
+                + " |"
+            )
+        parts.append("")
+        parts.append(f"_{_baseline_note(document)}._")
+        parts.append("")
+    return "\n".join(parts)
+
+
+def save_png(document: dict[str, Any] | Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> str:
+    """A horizontal bar chart of median GB/s with min-max whiskers, saves and loads side by side.
+
+    Returns:
+        What happened, for the user: the path written, or why nothing was
+        (matplotlib is optional: ``pip install matplotlib``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "skipped: matplotlib is not installed (pip install matplotlib)"
+    documents = [document] if isinstance(document, dict) else list(document)
+    first = documents[0]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.5 + 0.45 * max(4, len(first["results"]))), squeeze=False)
+    for ax, op in zip(axes[0], ("save", "load")):
+        labels, medians, lows, highs = [], [], [], []
+        for doc_index, doc in enumerate(documents):
+            for r in doc["results"]:
+                g = r["summary"].get("gbps") if r["status"] == "ok" else None
+                if r["op"] != op or not g:
+                    continue
+                suffix = f" [{doc_index + 1}]" if len(documents) > 1 else ""
+                labels.append(r["label"] + suffix)
+                medians.append(g["median"])
+                lows.append(g["median"] - g["min"])
+                highs.append(g["max"] - g["median"])
+        if not labels:
+            ax.set_visible(False)
+            continue
+        y = list(range(len(labels)))[::-1]
+        ax.barh(y, medians, xerr=[lows, highs], color="#4878a8" if op == "save" else "#6aa84f", capsize=3)
+        ax.set_yticks(y, labels)
+        ax.set_xlabel("GB/s (median, min-max)")
+        ax.set_title("save, time to durable" if op == "save" else "load, cold cache")
+        right = max(m + h for m, h in zip(medians, highs))
+        for yi, value, high in zip(y, medians, highs):
+            ax.text(value + high + 0.01 * right, yi, f" {value:.2f}", va="center")
+        ax.set_xlim(0, right * 1.15)
+    fig.suptitle(_headline(first)[0], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), dpi=120)
+    plt.close(fig)
+    return f"written to {os.fspath(path)}"

@@ -1,0 +1,663 @@
+"""``fastpersist tune``: measure which settings save and load fastest on one filesystem.
+
+The tuner saves and loads a synthetic checkpoint with fastpersist's own
+``save`` / ``load`` in a temporary directory inside ``--dir``, sweeping one
+setting at a time (engine, direct I/O, block size, queue depth, lanes, staging
+buffer size and count) while the others stay at their best value so far.
+Every point is timed to durability (fsync) and, for loads, with the page cache
+dropped; every load is compared byte for byte with what was saved; each point
+is repeated, values of a setting are interleaved round by round, and medians
+decide. A value replaces the current one only when it beats it by more than
+``--threshold`` (noise is not a reason to change a default). Finally the
+recommendation is measured against the defaults, head to head.
+
+The result is a configuration file written with
+:func:`fastpersist.config.save_file`; use it with
+``export FASTPERSIST_CONFIG=PATH`` or ``fastpersist.config.load_file(PATH)``.
+See docs/tuning.md.
+
+Programmatic use: :func:`add_arguments` and :func:`run` (what the
+``fastpersist tune`` subcommand calls); :func:`sweep` for a custom backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from fastpersist.bench import measure, models
+
+__all__ = [
+    "Knob",
+    "KNOBS",
+    "QUICK_KNOBS",
+    "Backend",
+    "FastpersistBackend",
+    "Point",
+    "SweepResult",
+    "sweep",
+    "add_arguments",
+    "run",
+    "main",
+]
+
+_MiB = 1 << 20
+DEFAULT_OUT = "fastpersist-config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One setting to sweep and the values to try."""
+
+    name: str
+    values: tuple[Any, ...]
+    what: str
+
+
+def _sizes(*mib: int) -> tuple[int, ...]:
+    return tuple(m * _MiB for m in mib)
+
+
+def _lanes(limit: int) -> tuple[int, ...]:
+    cpus = os.cpu_count() or 1
+    return tuple(n for n in (1, 2, 4, 8) if n <= max(limit, 1) and (n == 1 or n <= cpus))
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("engine", ("auto", "io_uring", "threads"), "I/O engine"),
+    Knob("direct", (True, False), "O_DIRECT (bypass the page cache)"),
+    Knob("block_size", _sizes(1, 2, 4, 8, 16, 32), "bytes per I/O request"),
+    Knob("queue_depth", (4, 8, 16, 32, 64), "requests in flight per lane"),
+    Knob("intra_op_parallelism", _lanes(8), "lanes splitting one request"),
+    Knob("buffer_size", _sizes(16, 32, 64, 128, 256), "bytes per staging buffer"),
+    Knob("buffer_count", (2, 3, 4, 8), "staging buffers in the ring"),
+    Knob("single_submit", (False, True), "one system call per request (io_uring)"),
+    Knob("overlap_events", (True, False), "reap completions while submitting"),
+    Knob("huge_pages", (True, False), "transparent huge pages for load destinations"),
+)
+QUICK_KNOBS: tuple[Knob, ...] = (
+    Knob("engine", ("auto", "io_uring", "threads"), "I/O engine"),
+    Knob("direct", (True, False), "O_DIRECT (bypass the page cache)"),
+    Knob("block_size", _sizes(2, 8, 16), "bytes per I/O request"),
+    Knob("queue_depth", (8, 16, 32), "requests in flight per lane"),
+    Knob("intra_op_parallelism", _lanes(2), "lanes splitting one request"),
+    Knob("buffer_size", _sizes(32, 64, 128), "bytes per staging buffer"),
+    Knob("buffer_count", (2, 4), "staging buffers in the ring"),
+    Knob("huge_pages", (True, False), "transparent huge pages for load destinations"),
+)
+
+
+# ============================================================================ backend
+
+
+class Backend:
+    """How the tuner saves and loads. Implementations must make ``save`` durable on return."""
+
+    name = "backend"
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def defaults(self) -> dict[str, Any]:
+        """The settings in force without tuning (the starting point of the sweep)."""
+        raise NotImplementedError
+
+    def validate(self, values: dict[str, Any]) -> None:
+        """Raises (ValueError / ConfigError) when ``values`` are not a valid combination."""
+
+    def save(self, state: Any, path: str, settings: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def load(self, path: str, settings: dict[str, Any], device: torch.device) -> Any:
+        raise NotImplementedError
+
+
+class FastpersistBackend(Backend):
+    """fastpersist.save / fastpersist.load with per-call setting overrides."""
+
+    name = "fastpersist"
+
+    def __init__(self) -> None:
+        self._api: Any = None
+        self._reason: str | None = None
+        try:
+            import fastpersist
+
+            fastpersist.save, fastpersist.load  # noqa: B018
+            self._api = fastpersist
+        except Exception as e:
+            self._reason = f"fastpersist.save is not importable ({type(e).__name__}: {e})"
+
+    def unavailable(self) -> str | None:
+        return self._reason
+
+    def defaults(self) -> dict[str, Any]:
+        from fastpersist import config
+
+        return config.settings().as_dict()
+
+    def validate(self, values: dict[str, Any]) -> None:
+        from fastpersist import config
+
+        config.settings().replace(**values)
+
+    def save(self, state, path, settings):
+        self._api.save(state, path, **dict(settings, fsync=True))
+
+    def load(self, path, settings, device):
+        return self._api.load(path, map_location=device, **settings)
+
+
+# ============================================================================ measuring
+
+
+@dataclasses.dataclass
+class Point:
+    """One setting combination and its measurements (seconds per round)."""
+
+    knob: str
+    value: Any
+    settings: dict[str, Any]
+    save_seconds: list[float] = dataclasses.field(default_factory=list)
+    load_seconds: list[float] = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+    def median(self, which: str) -> float | None:
+        s = measure.summarize(getattr(self, f"{which}_seconds"))
+        return s["median"] if s else None
+
+    def gbps(self, which: str, nbytes: int) -> float | None:
+        m = self.median(which)
+        return nbytes / m / 1e9 if m else None
+
+    def score(self, nbytes: int, objective: str) -> float | None:
+        """GB/s of the objective: save, load, or both (bytes saved + loaded / total time)."""
+        if self.error:
+            return None
+        if objective == "save":
+            return self.gbps("save", nbytes)
+        if objective == "load":
+            return self.gbps("load", nbytes)
+        totals = [save + load for save, load in zip(self.save_seconds, self.load_seconds)]
+        summary = measure.summarize(totals)
+        return 2 * nbytes / summary["median"] / 1e9 if summary else None
+
+    def as_dict(self, nbytes: int, objective: str) -> dict[str, Any]:
+        return {
+            "knob": self.knob,
+            "value": self.value,
+            "save_gbps": self.gbps("save", nbytes),
+            "load_gbps": self.gbps("load", nbytes),
+            "score_gbps": self.score(nbytes, objective),
+            "save_seconds": self.save_seconds,
+            "load_seconds": self.load_seconds,
+            "error": self.error,
+        }
+
+
+@dataclasses.dataclass
+class SweepResult:
+    """What :func:`sweep` found."""
+
+    recommended: dict[str, Any]
+    defaults: dict[str, Any]
+    stages: list[tuple[Knob, list[Point], Any]]
+    final: dict[str, Point]
+    state_bytes: int
+    objective: str
+    notes: list[str]
+
+    def improvement(self) -> float | None:
+        base = self.final["default"].score(self.state_bytes, self.objective)
+        best = self.final["recommended"].score(self.state_bytes, self.objective)
+        return best / base if base and best else None
+
+
+def _flat_tensors(state: Any) -> dict[str, torch.Tensor]:
+    return models.flatten_state(state)[0]
+
+
+def _same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str | None:
+    if set(a) != set(b):
+        return "tensor names differ"
+    for key, want in a.items():
+        got = b[key]
+        if got.dtype != want.dtype or got.shape != want.shape:
+            return f"{key}: dtype or shape differs"
+        x = want.reshape(-1).view(torch.uint8)
+        y = got.reshape(-1).view(torch.uint8).to(x.device)
+        if not torch.equal(x, y):
+            return f"{key}: bytes differ"
+    return None
+
+
+def _touch(state: Any) -> None:
+    for t in _flat_tensors(state).values():
+        if t.device.type == "cpu" and t.numel():
+            int(t.reshape(-1).view(torch.uint8)[::4096].sum())
+
+
+def _measure_point(
+    backend: Backend,
+    point: Point,
+    state: Any,
+    expected: dict[str, torch.Tensor],
+    directory: str,
+    device: torch.device,
+    dropper: measure.CacheDropper,
+    index: int,
+) -> None:
+    path = os.path.join(directory, f"tune-{index}.pt")
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        backend.save(state, path, point.settings)
+        measure.fsync_paths(path)
+        save_seconds = time.perf_counter() - start
+        dropper.drop([path])
+        start = time.perf_counter()
+        loaded = backend.load(path, point.settings, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        else:
+            _touch(loaded)
+        load_seconds = time.perf_counter() - start
+        problem = _same_bytes(expected, _flat_tensors(loaded))
+        del loaded
+        if problem:
+            point.error = f"loaded bytes differ from the saved ones ({problem})"
+            return
+        point.save_seconds.append(save_seconds)
+        point.load_seconds.append(load_seconds)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        point.error = f"{type(e).__name__}: {e}"
+    finally:
+        measure.remove_path(path)
+        measure.release_memory(collect=False)  # the loaded state is freed by reference counting
+
+
+def sweep(
+    backend: Backend,
+    state: Any,
+    directory: str,
+    *,
+    knobs: Sequence[Knob] = QUICK_KNOBS,
+    repeats: int = 2,
+    objective: str = "both",
+    threshold: float = 0.05,
+    device: torch.device | str = "cpu",
+    dropper: measure.CacheDropper | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> SweepResult:
+    """Coordinate descent over ``knobs`` with ``backend``, writing only inside ``directory``.
+
+    For each knob in order, every value is measured ``repeats`` times
+    (rounds interleave the values), with the other knobs at their best value
+    so far. The best median score is adopted only if it beats the current
+    value's by more than ``threshold`` (0.05 = 5 %). Values the backend
+    rejects (invalid combination, engine that cannot start) or that fail
+    (an error, or loaded bytes that differ) are reported and never chosen.
+    Ends with a head-to-head of the recommendation against the defaults.
+
+    Raises:
+        KeyboardInterrupt: passed through; the caller removes ``directory``.
+    """
+    if objective not in ("both", "save", "load"):
+        raise ValueError(f"objective must be both, save or load, got {objective!r}")
+    device = torch.device(device)
+    dropper = dropper or measure.CacheDropper()
+    progress = progress or (lambda _text: None)
+    expected = _flat_tensors(state)
+    nbytes = sum(t.numel() * t.element_size() for t in expected.values())
+    defaults = backend.defaults()
+    current = {k.name: defaults[k.name] for k in knobs}
+    stages: list[tuple[Knob, list[Point], Any]] = []
+    notes: list[str] = []
+    counter = [0]
+
+    def run_points(points: list[Point]) -> None:
+        for round_index in range(repeats):
+            live = [p for p in points if p.error is None]
+            shift = round_index % max(len(live), 1)
+            for point in live[shift:] + live[:shift]:
+                counter[0] += 1
+                progress(f"{point.knob}={_show(point.knob, point.value)} (round {round_index + 1}/{repeats})")
+                _measure_point(backend, point, state, expected, directory, device, dropper, counter[0])
+
+    for knob in knobs:
+        points = []
+        for value in knob.values:
+            values = dict(current, **{knob.name: value})
+            point = Point(knob.name, value, values)
+            try:
+                backend.validate(values)
+            except Exception as e:
+                point.error = f"not a valid combination: {e}"
+            points.append(point)
+        if not any(p.value == current[knob.name] for p in points):
+            points.insert(0, Point(knob.name, current[knob.name], dict(current)))
+        run_points(points)
+        incumbent = next(p for p in points if p.value == current[knob.name])
+        base = incumbent.score(nbytes, objective)
+        scored = [(p.score(nbytes, objective), p) for p in points if p.score(nbytes, objective) is not None]
+        chosen = current[knob.name]
+        if scored:
+            best_score, best = max(scored, key=lambda sp: sp[0])
+            if base is None or best_score > base * (1 + threshold):
+                chosen = best.value
+        else:
+            notes.append(f"{knob.name}: every value failed; kept {current[knob.name]!r}")
+        current[knob.name] = chosen
+        stages.append((knob, points, chosen))
+
+    final = {
+        "default": Point("final", "default", {k.name: defaults[k.name] for k in knobs}),
+        "recommended": Point("final", "recommended", dict(current)),
+    }
+    run_points(list(final.values()))
+    result = SweepResult(current, {k.name: defaults[k.name] for k in knobs}, stages, final, nbytes, objective, notes)
+    ratio = result.improvement()
+    if current != result.defaults and (ratio is None or ratio < 1 + threshold / 2):
+        notes.append(
+            "the recommendation did not beat the defaults head to head "
+            f"({'failed' if ratio is None else f'{ratio:.2f}x'}); recommending the defaults"
+        )
+        result.recommended = dict(result.defaults)
+    return result
+
+
+# ============================================================================ output
+
+
+def _show(name: str, value: Any) -> str:
+    if name in ("block_size", "buffer_size") and isinstance(value, int):
+        return f"{value // _MiB}M" if value % _MiB == 0 else f"{value // 1024}K"
+    return str(value)
+
+
+def _fmt(x: float | None) -> str:
+    return f"{x:.2f}" if x is not None else "-"
+
+
+def format_sweep(result: SweepResult) -> str:
+    """The sweep as a table: one row per value tried, the chosen value of each knob marked."""
+    n, obj = result.state_bytes, result.objective
+    header = ("setting", "value", "save GB/s", "load GB/s", f"score ({obj})", "")
+    rows: list[tuple[str, ...]] = []
+    for knob, points, chosen in result.stages:
+        for i, p in enumerate(points):
+            mark = "<- chosen" if p.value == chosen else ""
+            if p.error:
+                mark = "failed: " + (p.error if len(p.error) < 70 else p.error[:67] + "...")
+            rows.append(
+                (
+                    knob.name if i == 0 else "",
+                    _show(knob.name, p.value),
+                    _fmt(p.gbps("save", n)),
+                    _fmt(p.gbps("load", n)),
+                    _fmt(p.score(n, obj)),
+                    mark,
+                )
+            )
+    for label, p in result.final.items():
+        rows.append(
+            (
+                "head to head" if label == "default" else "",
+                label,
+                _fmt(p.gbps("save", n)),
+                _fmt(p.gbps("load", n)),
+                _fmt(p.score(n, obj)),
+                p.error or "",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    align = "<<>>><"
+    lines = ["  ".join(f"{h:{a}{w}}" for h, a, w in zip(header, align, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths[:-1]))
+    lines += ["  ".join(f"{c:{a}{w}}" for c, a, w in zip(r, align, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the ``fastpersist tune`` options to ``parser``."""
+    parser.add_argument(
+        "--dir",
+        default=".",
+        help="a directory on the filesystem to tune for; a temporary subdirectory is used and removed "
+        "(default: the current directory)",
+    )
+    parser.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help=f"where to write the recommended configuration, for FASTPERSIST_CONFIG (default: ./{DEFAULT_OUT})",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer values, a smaller state and 2 repeats (about a minute on a small machine)",
+    )
+    parser.add_argument("--size", default=None, help="checkpoint size to test with (default 1G; --quick: 512M)")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds per value (default 3; --quick: 2)")
+    parser.add_argument(
+        "--optimize",
+        choices=("both", "save", "load"),
+        default="both",
+        help="what to make fast: save + load time together (default), or one of them",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=0.05,
+        help="minimum relative gain to move a setting off its current value (default: 0.05 = 5%%)",
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="where the tensors live: cpu (default), or cuda to tune GPU checkpoints"
+    )
+    parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bf16", help="tensor dtype (default: bf16)")
+    parser.add_argument(
+        "--model",
+        default=models.DEFAULT_MODEL,
+        help="whose tensor shapes the test checkpoint has, as many blocks as fit in --size "
+        f"(default: {models.DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--settings",
+        default=None,
+        help="comma-separated subset of settings to sweep (default: all of " + ", ".join(k.name for k in KNOBS) + ")",
+    )
+    parser.add_argument("--no-drop-caches", action="store_true", help="do not drop the page cache before loads")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write every measurement here")
+
+
+def _progress_printer(total: int) -> Callable[[str], None]:
+    tty = sys.stderr.isatty()
+    state = {"done": 0, "start": time.perf_counter()}
+
+    def show(text: str) -> None:
+        state["done"] += 1
+        elapsed = time.perf_counter() - state["start"]
+        if tty:
+            line = f"\r[{state['done']:>3}/~{total}] {elapsed:5.0f} s  {text}"
+            sys.stderr.write(line[:100].ljust(100))
+            sys.stderr.flush()
+
+    return show
+
+
+def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
+    """Runs ``fastpersist tune`` with parsed ``args``.
+
+    Returns:
+        0 when a configuration was written; 2 when it could not start (no
+        fastpersist, bad directory or options); 130 when interrupted (nothing
+        written, temporary files removed).
+    """
+    backend = backend or FastpersistBackend()
+    reason = backend.unavailable()
+    if reason:
+        print(f"fastpersist tune: {reason}", file=sys.stderr)
+        return 2
+    quick = bool(getattr(args, "quick", False))
+    knobs = QUICK_KNOBS if quick else KNOBS
+    if getattr(args, "settings", None):
+        wanted = [s.strip() for s in args.settings.split(",") if s.strip()]
+        unknown = [w for w in wanted if w not in {k.name for k in KNOBS}]
+        if unknown:
+            print(
+                f"fastpersist tune: cannot sweep {', '.join(unknown)}; choose from {', '.join(k.name for k in KNOBS)}",
+                file=sys.stderr,
+            )
+            return 2
+        knobs = tuple(k for k in knobs if k.name in wanted)
+    repeats = args.repeats if getattr(args, "repeats", None) else (2 if quick else 3)
+    size_text = args.size or ("512M" if quick else "1G")
+    directory = os.path.abspath(args.dir)
+    out = os.path.abspath(args.out)
+    if repeats < 1:
+        print("fastpersist tune: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    if not os.path.isdir(directory):
+        print(f"fastpersist tune: --dir {directory} is not a directory", file=sys.stderr)
+        return 2
+    if not os.path.isdir(os.path.dirname(out)):
+        print(f"fastpersist tune: cannot write {out}: its directory does not exist", file=sys.stderr)
+        return 2
+    try:
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("no CUDA device is available")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError("use cpu or cuda[:N]")
+        target = models.parse_size(size_text)
+        spec = models.get_model(getattr(args, "model", models.DEFAULT_MODEL))
+        dtype = models.DTYPES[getattr(args, "dtype", "bf16")]
+        layers = models.layers_for_size(spec, target, dtype)
+    except (ValueError, KeyError, RuntimeError) as e:
+        print(f"fastpersist tune: {e}", file=sys.stderr)
+        return 2
+    nbytes = models.state_bytes(spec, dtype, layers)
+    free = measure.filesystem_of(directory).get("free_bytes")
+    if free is not None and free < 2 * nbytes:
+        print(
+            f"fastpersist tune: {directory} has {models.format_bytes(free)} free; need about "
+            f"{models.format_bytes(2 * nbytes)}",
+            file=sys.stderr,
+        )
+        return 2
+
+    dropper = measure.CacheDropper(enabled=not getattr(args, "no_drop_caches", False))
+    points = sum(len(k.values) for k in knobs) * repeats + 2 * repeats
+    print(
+        f"tuning fastpersist for {directory} with a {models.format_bytes(nbytes)} {getattr(args, 'dtype', 'bf16')} "
+        f"checkpoint on {device}: {len(knobs)} settings, ~{points} save+load rounds, optimizing {args.optimize}",
+        file=sys.stderr,
+    )
+    print(f"  {dropper.detail}", file=sys.stderr)
+    work = None
+    started = time.perf_counter()
+    with measure.sigterm_as_interrupt():
+        try:
+            work = tempfile.mkdtemp(prefix=".fastpersist-tune-", dir=directory)
+            state = models.build_state(spec, dtype=dtype, device=device, layers=layers)
+            result = sweep(
+                backend,
+                state,
+                work,
+                knobs=knobs,
+                repeats=repeats,
+                objective=args.optimize,
+                threshold=args.threshold,
+                device=device,
+                dropper=dropper,
+                progress=_progress_printer(points),
+            )
+            del state
+        except KeyboardInterrupt:
+            if sys.stderr.isatty():
+                sys.stderr.write("\n")
+            print("fastpersist tune: interrupted; temporary files removed, nothing written", file=sys.stderr)
+            return 130
+        finally:
+            if work is not None:
+                measure.remove_path(work)
+            if sys.stderr.isatty():
+                sys.stderr.write("\r" + " " * 100 + "\r")
+    elapsed = time.perf_counter() - started
+
+    machine = measure.machine_info(directory, str(device))
+    sweep_rows = [p.as_dict(nbytes, args.optimize) for _, pts, _ in result.stages for p in pts]
+    final = {label: p.as_dict(nbytes, args.optimize) for label, p in result.final.items()}
+    measured = {
+        "date": machine["date"],
+        "dir": directory,
+        "filesystem": machine.get("filesystem"),
+        "device": str(device),
+        "state_bytes": nbytes,
+        "dtype": str(dtype).replace("torch.", ""),
+        "repeats": repeats,
+        "objective": args.optimize,
+        "threshold": args.threshold,
+        "cache": dropper.mode,
+        "default": final["default"],
+        "recommended": final["recommended"],
+        "improvement": result.improvement(),
+        "notes": result.notes,
+        "elapsed_seconds": elapsed,
+        "sweep": sweep_rows,
+    }
+    from fastpersist import config
+
+    config.save_file(out, result.recommended, measured=measured, machine=machine)
+    if getattr(args, "json", None):
+        from fastpersist.bench import report
+
+        report.write_json(
+            {"schema": "fastpersist.tune/1", "settings": result.recommended, "measured": measured, "machine": machine},
+            args.json,
+        )
+
+    print(format_sweep(result))
+    print()
+    for note in result.notes:
+        print(f"note: {note}")
+    ratio = result.improvement()
+    d, r = final["default"], final["recommended"]
+    print(
+        f"defaults:    save {_fmt(d['save_gbps'])} GB/s, load {_fmt(d['load_gbps'])} GB/s\n"
+        f"recommended: save {_fmt(r['save_gbps'])} GB/s, load {_fmt(r['load_gbps'])} GB/s"
+        + (f"  ({ratio:.2f}x on {args.optimize})" if ratio else "")
+    )
+    changed = {k: v for k, v in result.recommended.items() if v != result.defaults.get(k)}
+    if changed:
+        print("changed from the defaults: " + ", ".join(f"{k}={_show(k, v)}" for k, v in changed.items()))
+    else:
+        print("the defaults are already the best measured here; the file pins them")
+    print(f"\nwrote {out} ({elapsed:.0f} s). To use it:")
+    print(f"  export FASTPERSIST_CONFIG={out}")
+    print("or in Python, before saving or loading:")
+    print(f"  fastpersist.config.load_file({out!r})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fastpersist.bench.tune`` (the same as ``fastpersist tune``)."""
+    parser = argparse.ArgumentParser(
+        prog="fastpersist tune",
+        description="Find the fastest fastpersist settings for a filesystem and write them to a configuration file.",
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
