@@ -496,3 +496,8 @@ def flatten_state(state: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor]
 
     visit(state, prefix)
     return tensors, objects
+
+
+def state_nbytes(state: Any) -> int:
+    """Bytes of every tensor in ``state`` (what a checkpoint of it must store)."""
+    return sum(t.numel() * t.element_size() for t in flatten_state(state)[0].values())

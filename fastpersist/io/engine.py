@@ -43,6 +43,9 @@ __all__ = [
     "inject_fault",
     "probe_directory",
     "memlock_limit",
+    "crc32",
+    "copy_with_crc32",
+    "crc32_accelerated",
 ]
 
 File = _native.File
@@ -50,6 +53,12 @@ AlignedBuffer = _native.AlignedBuffer
 Request = _native.Request
 UnexpectedEndOfFileError = _native.UnexpectedEndOfFileError
 """Raised when a read reaches end of file early; subclasses both ``OSError`` and ``EOFError``."""
+
+crc32 = _native.crc32
+"""``crc32(address, length, crc=0)``: zlib's CRC-32 of memory, at memory speed (GIL released)."""
+copy_with_crc32 = _native.copy_with_crc32
+"""``copy_with_crc32(destination, source, length, crc=0)``: memcpy that returns the CRC-32 of the bytes."""
+crc32_accelerated = _native.crc32_accelerated
 
 ENGINE_NAMES = ("io_uring", "threads")
 """Engines fastpersist knows, best first."""

@@ -19,7 +19,6 @@ the bytes they read.
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from typing import Sequence
 
 import torch
@@ -28,7 +27,7 @@ from fastpersist.config import Settings
 from fastpersist.errors import ChecksumMismatchError
 from fastpersist.format.zipformat import ZipRecordInfo
 from fastpersist.io import engine, memory
-from fastpersist.tensors import host_memoryview, storage_byte_view
+from fastpersist.tensors import storage_byte_view
 
 __all__ = ["FileStorageProvider", "MmapStorageProvider"]
 
@@ -138,7 +137,7 @@ class FileStorageProvider:
             slab.loaded = True
         if self._verify:
             for record, storage in items:
-                self._check(record, zlib.crc32(host_memoryview(storage_byte_view(storage))) if record.size else 0)
+                self._check(record, engine.crc32(storage.data_ptr(), record.size) if record.size else 0)
 
     # -- CUDA -----------------------------------------------------------------
 
@@ -158,10 +157,10 @@ class FileStorageProvider:
                 for index, window in enumerate(windows):
                     slot = index % count
                     handles[slot].wait()
-                    view = host_memoryview(buffers[slot]) if self._verify else None
                     for record, destination, record_offset, buffer_offset, length in window.pieces:
-                        if view is not None:
-                            crcs[record.name] = zlib.crc32(view[buffer_offset : buffer_offset + length], crcs[record.name])
+                        if self._verify:
+                            address = buffers[slot].data_ptr() + buffer_offset
+                            crcs[record.name] = engine.crc32(address, length, crcs[record.name])
                         stream = streams.get(destination.device)
                         if stream is None:
                             stream = streams[destination.device] = torch.cuda.Stream(destination.device)
@@ -222,7 +221,7 @@ class MmapStorageProvider:
     def storage(self, record: ZipRecordInfo, device: torch.device) -> torch.UntypedStorage:
         mapped = self._mapping[record.data_offset : record.data_offset + record.size]
         if self._verify:
-            crc = zlib.crc32(host_memoryview(storage_byte_view(mapped))) if record.size else 0
+            crc = engine.crc32(mapped.data_ptr(), record.size) if record.size else 0
             if crc != record.crc:
                 raise ChecksumMismatchError(
                     f"{self._path}: record {record.name!r} is corrupt (CRC-32 {crc:#010x}, expected "

@@ -4,18 +4,19 @@ The file is produced as one sequential stream of ``buffer_size`` windows.
 For each window, in order:
 
 1. **fill** — static bytes (headers, padding, metadata) are copied in, and
-   storage bytes are copied from their tensors: CPU storages by memcpy, GPU
+   storage bytes are copied from their tensors: CPU storages by a native copy
+   that computes their CRC-32 on the way (the source is read once), GPU
    storages by an asynchronous device-to-host copy on a side CUDA stream;
-2. **finalize** — once the copies have landed, the CRC-32 of each storage
-   slice is folded into its record's running CRC, and the data descriptors
-   and central directory that fall into the window (they need those CRCs) are
-   written in;
+2. **finalize** — once the copies have landed, the CRC-32 of each GPU
+   storage slice is folded into its record's running CRC, and the data
+   descriptors and central directory that fall into the window (they need
+   those CRCs) are written in;
 3. **submit** — the window goes to the native engine, which writes it with
    O_DIRECT while the next windows are filled.
 
 Fill runs on the calling thread; finalize and submit run, window by window
 in file order, on one worker thread, so filling window ``k+1`` (a memcpy or a
-DMA) overlaps the CRC of window ``k`` (zlib releases the GIL). Each ring slot
+DMA) overlaps the work on window ``k`` (native calls release the GIL). Each ring slot
 has its own native handle, so a slot is reused as soon as *its* write is
 done. Host memory is the ring plus metadata, whatever the checkpoint's size.
 """
@@ -23,7 +24,6 @@ done. Host memory is the ring plus metadata, whatever the checkpoint's size.
 from __future__ import annotations
 
 import concurrent.futures
-import zlib
 from typing import Sequence
 
 import torch
@@ -95,7 +95,7 @@ def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None) -> lis
                 slot = slots[index % len(slots)]
                 slot.wait_idle()
                 slot.window = (start, min(start + window_size, size))
-                _fill(plan, slot, fill_cursor, streams)
+                _fill(plan, slot, fill_cursor, streams, crcs, settings.checksum)
                 slot.finalized = finalizer.submit(
                     _finalize_and_submit, plan, slot, finalize_cursor, crcs, trailer, settings, file
                 )
@@ -152,7 +152,7 @@ def side_streams(plan: SavePlan) -> dict[torch.device, "torch.cuda.Stream"]:
     return streams
 
 
-def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams) -> None:
+def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams, crcs: list[int], checksum: bool) -> None:
     start, end = slot.window
     used_streams = set()
     for segment, lo, hi in cursor.overlapping(start, end):
@@ -166,8 +166,14 @@ def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams) -> None:
                 with torch.cuda.stream(stream):
                     destination.copy_(source, non_blocking=True)
                 used_streams.add(stream)
+            elif source.device.type == "cpu" and checksum:
+                # Records are filled in file order, so this running CRC is complete
+                # before finalize (on the worker) writes the record's descriptor.
+                crcs[segment.record] = engine.copy_with_crc32(
+                    destination.data_ptr(), source.data_ptr(), hi - lo, crcs[segment.record]
+                )
             else:
-                destination.copy_(source)
+                destination.copy_(source)  # other devices (mps, xpu, ...) or no checksum
         # DESCRIPTOR and TRAILER bytes need CRCs: written at finalize.
     for stream in used_streams:
         event = torch.cuda.Event()
@@ -180,8 +186,8 @@ def _finalize_and_submit(plan, slot: _Slot, cursor: _Cursor, crcs, trailer: list
     slot.wait_copies()
     for segment, lo, hi in cursor.overlapping(start, end):
         if segment.kind is SegmentKind.STORAGE:
-            if settings.checksum:
-                crcs[segment.record] = zlib.crc32(slot.view[lo - start : hi - start], crcs[segment.record])
+            if settings.checksum and plan.records[segment.record].device.type != "cpu":
+                crcs[segment.record] = engine.crc32(slot.buffer.data_ptr() + (lo - start), hi - lo, crcs[segment.record])
         elif segment.kind is SegmentKind.DESCRIPTOR:
             data = plan.records[segment.record].entry.data_descriptor(crcs[segment.record])
             slot.view[lo - start : hi - start] = data[lo - segment.offset : hi - segment.offset]

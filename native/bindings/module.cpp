@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "fastpersist/buffer.hpp"
+#include "fastpersist/checksum.hpp"
 #include "fastpersist/engine.hpp"
 #include "fastpersist/error.hpp"
 #include "fastpersist/file.hpp"
@@ -395,4 +396,24 @@ Reaching end of file early raises UnexpectedEndOfFileError from wait() unless
   m.def("engines_compiled", &engines_compiled, "Engines built into this module, best first.");
   m.def("probe_engine", &probe_engine, py::arg("name"), py::call_guard<py::gil_scoped_release>(),
         "(usable, reason) for engine ``name``; reason is '' when usable.");
+
+  // ---------------------------------------------------------------- checksums
+  // Pointers come from tensors or AlignedBuffers the caller keeps alive for the call.
+  m.def(
+      "crc32",
+      [](uintptr_t address, size_t length, uint32_t crc) {
+        return crc32_update(crc, reinterpret_cast<const void*>(address), length);
+      },
+      py::arg("address"), py::arg("length"), py::arg("crc") = 0, py::call_guard<py::gil_scoped_release>(),
+      "CRC-32 (zlib's) of ``length`` bytes at ``address``, continued from ``crc``.");
+  m.def(
+      "copy_with_crc32",
+      [](uintptr_t destination, uintptr_t source, size_t length, uint32_t crc) {
+        return copy_with_crc32(reinterpret_cast<void*>(destination), reinterpret_cast<const void*>(source), length,
+                               crc);
+      },
+      py::arg("destination"), py::arg("source"), py::arg("length"), py::arg("crc") = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "Copies ``length`` bytes (non-overlapping) and returns their CRC-32 continued from ``crc``; reads the source once.");
+  m.def("crc32_accelerated", &crc32_accelerated, "Whether CRC-32 uses carry-less multiplication on this CPU.");
 }
