@@ -17,10 +17,10 @@ from typing import Any, BinaryIO, Callable
 import torch
 
 from fastpersist import config
-from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError
+from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, FastPersistError
 from fastpersist.format.deserializer import archive_prefix, deserialize
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
-from fastpersist.format.zipformat import ZipRecordInfo, read_directory
+from fastpersist.format.zipformat import MissingEndRecordError, ZipRecordInfo, check_structure, read_directory
 from fastpersist.io import engine
 from fastpersist.io.reader import FileStorageProvider, MmapStorageProvider
 from fastpersist.io.stream import write_plan_to_stream
@@ -80,7 +80,8 @@ def save(
     Raises:
         UnsupportedObjectError: ``obj`` cannot be pickled (nothing is written).
         IsADirectoryError, FileNotFoundError, PermissionError: the target
-            path is a directory, its directory is missing, or not writable.
+            path is a directory, its directory is missing, or not writable
+            (``OSError`` with ``errno.EROFS`` on a read-only filesystem).
         OSError: an I/O error (ENOSPC, EIO, ...), with ``errno`` and
             ``filename`` set; the previous file at the target is untouched and
             no temporary file is left behind.
@@ -95,8 +96,9 @@ def save(
         return
     if isinstance(f, (str, os.PathLike)):
         path = os.fspath(f)
-        directory = _check_target(path)
+        directory = _check_target(_resolve_target(path))
         plan = plan_save(obj, archive_name_for(path), pickle_module, pickle_protocol, _disable_byteorder_record)
+        path = _resolve_target(path)
         _write_to_path(plan, path, directory, resolved, streams=None)
     else:
         plan = plan_save(obj, archive_name_for(None), pickle_module, pickle_protocol, _disable_byteorder_record)
@@ -115,6 +117,15 @@ def _fsync_file_object(f: Any) -> None:
     os.fsync(descriptor)
 
 
+def _resolve_target(path: str) -> str:
+    """The file a save to ``path`` must replace.
+
+    torch.save writes through a symbolic link into the file it points to; the
+    atomic rename must do the same instead of replacing the link itself.
+    """
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
 def _check_target(path: str) -> str:
     """The target's directory; raises the error torch.save's open() would, with advice."""
     directory = os.path.dirname(os.path.abspath(path))
@@ -125,6 +136,8 @@ def _check_target(path: str) -> str:
             errno.ENOENT, "the directory to save into does not exist; create it first (os.makedirs)", directory
         )
     if not os.access(directory, os.W_OK | os.X_OK):
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:  # root gets here too: access() checks the mount
+            raise OSError(errno.EROFS, "the filesystem is mounted read-only; save to another filesystem", directory)
         raise PermissionError(errno.EACCES, "no permission to create files in this directory", directory)
     return directory
 
@@ -168,7 +181,11 @@ def _write_to_path(plan, path: str, directory: str, settings: config.Settings, s
     file = engine.File(temporary, "w", direct=settings.direct, truncate=True)
     try:
         try:
-            file.allocate(0, plan.size)
+            if file.direct:
+                # Reserving the blocks first makes O_DIRECT writes cheaper here and fails a full
+                # disk before any byte is written. On tmpfs (buffered) it would only zero-fill
+                # every page before the copy overwrites it.
+                file.allocate(0, plan.size)
             write_plan(plan, file, settings, streams=streams)
             if settings.fsync:
                 file.fsync()
@@ -176,11 +193,13 @@ def _write_to_path(plan, path: str, directory: str, settings: config.Settings, s
             file.close()
         _copy_mode(path, temporary)
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(temporary)
-        except FileNotFoundError:
-            pass
+        except OSError:
+            pass  # never mask the error being raised
+        if isinstance(e, OSError) and e.filename == temporary:
+            e.add_note(f"while saving {path!r}: the previous file there is untouched and the temporary file is removed")
         raise
     if settings.fsync:
         _fsync_directory(directory)
@@ -279,8 +298,9 @@ def async_save(
     if not isinstance(f, (str, os.PathLike)):
         raise TypeError(f"async_save needs a file path, got {type(f).__name__}; use save() for file objects")
     path = os.fspath(f)
-    directory = _check_target(path)
+    directory = _check_target(_resolve_target(path))
     plan = plan_save(obj, archive_name_for(path), pickle_module, pickle_protocol)
+    path = _resolve_target(path)
     # The copies must come after the work queued so far on the caller's streams,
     # which the background thread cannot see: order them here.
     streams = side_streams(plan)
@@ -301,14 +321,22 @@ class VerifyReport:
     checksummed: bool
 
 
-def verify(path: str | os.PathLike[str], *, chunk_size: int = 64 << 20) -> VerifyReport:
-    """Checks a checkpoint's structure and every record's CRC-32, without unpickling it.
+def verify(path: str | os.PathLike[str], *, chunk_size: int = 16 << 20) -> VerifyReport:
+    """Checks a whole checkpoint without unpickling it: structure, then every record's CRC-32.
+
+    The structure check covers every byte that no CRC-32 covers (local
+    headers, padding, data descriptors, central directory, end records, no
+    gaps and nothing after the end); then every record is read and its CRC-32
+    compared with the central directory's. Files written without checksums
+    (``checksum=False``, torch's ``compute_crc32=False``) get the structure
+    check only: ``report.checksummed`` is False then.
 
     Raises:
-        CorruptCheckpointError: truncated, malformed, or not a zip checkpoint.
+        CorruptCheckpointError: truncated, malformed, or not a zip checkpoint
+            (``record`` names the damaged record when there is one).
         ChecksumMismatchError: a record's bytes do not match its CRC-32
             (the exception's ``record`` names it).
-        OSError: the file cannot be read.
+        OSError: the file cannot be read (IsADirectoryError, FileNotFoundError, ...).
     """
     path = os.fspath(path)
     with open(path, "rb") as handle:
@@ -318,22 +346,38 @@ def verify(path: str | os.PathLike[str], *, chunk_size: int = 64 << 20) -> Verif
         def read_at(offset: int, length: int) -> bytes:
             return os.pread(descriptor, length, offset)
 
-        records = read_directory(read_at, size, path)
+        records = check_structure(read_at, size, path)
         archive_prefix([r.name for r in records], path)
-        checksummed = any(r.crc != 0 for r in records if r.size)
+        checksummed = _has_checksums(records)
         total = 0
-        for record in records:
-            crc = 0
-            for start in range(0, record.size, chunk_size):
-                piece = read_at(record.data_offset + start, min(chunk_size, record.size - start))
-                if not piece:
-                    raise CorruptCheckpointError(f"{path}: record {record.name!r} is cut short", path=path,
-                                                 record=record.name)  # fmt: skip
-                crc = zlib.crc32(piece, crc)
+        buffer = engine.AlignedBuffer(max(min(chunk_size, max((r.size for r in records), default=0)), 1),
+                                      lock=False, huge_pages=False)  # fmt: skip
+        for record in sorted(records, key=lambda r: r.data_offset):
+            crc = _crc_of_range(descriptor, record, buffer, path)
             total += record.size
             if checksummed and crc != record.crc:
                 _raise_mismatch(path, record, crc)
     return VerifyReport(path, len(records), total, checksummed)
+
+
+def _has_checksums(records) -> bool:
+    """False for files written without CRC-32s (every non-empty record's CRC is 0)."""
+    return any(r.crc != 0 for r in records if r.size)
+
+
+def _crc_of_range(descriptor: int, record: ZipRecordInfo, buffer, path: str | None) -> int:
+    """CRC-32 of a record's payload, read through one reused buffer (no fresh pages per chunk)."""
+    crc = 0
+    view = memoryview(buffer)
+    position, end = record.data_offset, record.data_offset + record.size
+    while position < end:
+        count = os.preadv(descriptor, [view[: min(len(view), end - position)]], position)
+        if count <= 0:
+            raise CorruptCheckpointError(f"{path}: record {record.name!r} is cut short", path=path,
+                                         record=record.name)  # fmt: skip
+        crc = engine.crc32(buffer.ptr, count, crc)  # the native CRC-32: zlib's, about twice as fast
+        position += count
+    return crc
 
 
 # ------------------------------------------------------------------------------ load
@@ -423,13 +467,75 @@ def load(
                            pickle_load_args)  # fmt: skip
 
 
-def _open_records(file, path: str) -> tuple[dict[str, ZipRecordInfo], Callable[[int, int], bytes]]:
+def _open_records(file, path: str, verify: bool) -> tuple[dict[str, ZipRecordInfo], Callable[[int, int], bytes]]:
     size = file.size()
 
     def read_at(offset: int, length: int) -> bytes:
         return os.pread(file.fd, length, offset)
 
-    return {r.name: r for r in read_directory(read_at, size, path)}, read_at
+    # Verifying also checks the bytes no CRC covers (headers, descriptors, end records).
+    parse = check_structure if verify else read_directory
+    return {r.name: r for r in parse(read_at, size, path)}, read_at
+
+
+class TruncatedCheckpointError(CorruptCheckpointError, EOFError):
+    """A file that ends too early; still an EOFError, which torch.load raised for it."""
+
+
+_LEGACY_MAGIC = b"\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"  # pickled 0x1950a86a20f9469cfc6c, torch's legacy mark
+
+
+def _is_legacy_torch_file(head: bytes) -> bool:
+    """A pre-1.6 torch file: a pickle that starts with torch's magic number, or the older tar format."""
+    return (head[:1] == b"\x80" and head[2:14] == _LEGACY_MAGIC) or head[257:262] == b"ustar"
+
+
+def _load_with_torch(path: str, map_location, torch_kwargs: dict) -> Any:
+    """torch.load for files that are not zip archives (legacy format), with clearer errors for damaged ones."""
+    with open(path, "rb") as handle:
+        head = handle.read(512)
+    if not head:
+        raise TruncatedCheckpointError(
+            f"{path} is empty (0 bytes): it is not a checkpoint. An interrupted copy or a save by a tool "
+            "without atomic commit leaves such files; restore it from a good copy", path=path,
+        )  # fmt: skip
+    legacy = _is_legacy_torch_file(head)
+    if not legacy:
+        _raise_if_damaged_zip(path)
+    try:
+        return torch.load(path, map_location, **torch_kwargs)
+    except (pickle.UnpicklingError, OSError, FastPersistError, MemoryError):
+        raise
+    except Exception as e:
+        # A real legacy file may fail for reasons of its own (map_location, user
+        # classes): those errors stay torch's. A file that is not one lets torch's
+        # legacy reader surface garbage as IndexError, KeyError, "Invalid magic
+        # number"...; say what it means instead. EOFError always means truncation.
+        if legacy and not isinstance(e, EOFError):
+            raise
+        kind = TruncatedCheckpointError if isinstance(e, EOFError) else CorruptCheckpointError
+        what = "a truncated legacy torch file" if legacy else "neither a zip checkpoint nor a legacy torch file"
+        raise kind(
+            f"{path} is {what} ({type(e).__name__}: {e}); the file is damaged or not a checkpoint: "
+            "restore it from a good copy", path=path,
+        ) from e  # fmt: skip
+
+
+def _raise_if_damaged_zip(path: str) -> None:
+    """A zip archive whose first bytes are damaged is not a legacy file: say so rather than unpickle it."""
+    with open(path, "rb") as handle:
+        descriptor = handle.fileno()
+        try:
+            records = read_directory(lambda o, n: os.pread(descriptor, n, o), os.fstat(descriptor).st_size, path)
+        except MissingEndRecordError:
+            if os.pread(descriptor, 2, 0) == b"PK":
+                raise  # a zip archive damaged at both ends (truncated, and a first header hit)
+            return  # not a zip archive: torch.load may know it
+    first = min(records, key=lambda r: r.header_offset).name if records else None
+    raise CorruptCheckpointError(
+        f"{path}: a zip archive whose first bytes are damaged (it does not start with a zip header); "
+        "restore it from a good copy", path=path, record=first,
+    )  # fmt: skip
 
 
 def _record_bytes(read_at, record: ZipRecordInfo, path: str, verify: bool) -> bytes:
@@ -466,17 +572,21 @@ def _load_from_path(path, map_location, pickle_module, weights_only, mmap, verif
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "expected a checkpoint file, got a directory", path)
     if not _is_zip(path):  # legacy (pre-1.6) or foreign format: torch.load knows them all
-        return torch.load(path, map_location, **torch_kwargs)
+        return _load_with_torch(path, map_location, torch_kwargs)
     file = engine.File(path, "r", direct=settings.direct and not mmap)
     try:
-        records, read_at = _open_records(file, path)
+        records, read_at = _open_records(file, path, verify)
         names = list(records)
         prefix = archive_prefix(names, path)
         if prefix + "constants.pkl" in records:  # a TorchScript archive
             return torch.load(path, map_location, **torch_kwargs)
-        if verify and all(r.crc == 0 for r in records.values() if r.size):
+        if verify and not _has_checksums(records.values()):
             warnings.warn(f"{path} was written without CRC-32 checksums; it cannot be verified", stacklevel=3)
             verify = False
+        if verify:  # the small records nothing else reads (version, serialization id, ...)
+            for name, record in records.items():
+                if not name.startswith(prefix + "data/") and name != prefix + "data.pkl":
+                    _record_bytes(read_at, record, path, verify)
         pickle_bytes = _record_bytes(read_at, records[prefix + "data.pkl"], path, verify)
         byteorder = b"little"
         if prefix + "byteorder" in records:
@@ -515,7 +625,20 @@ def _verify_file_object(f: BinaryIO) -> None:
         return f.read(length)
 
     try:
-        for record in read_directory(read_at, size, None):
-            _check_crc("<file object>", record, read_at(record.data_offset, record.size))
+        records = check_structure(read_at, size, None)
+        if not _has_checksums(records):
+            warnings.warn("the file object holds a checkpoint without CRC-32 checksums; it cannot be verified",
+                          stacklevel=4)  # fmt: skip
+            return
+        for record in records:
+            crc = 0
+            for position in range(0, record.size, 16 << 20):
+                piece = read_at(record.data_offset + position, min(16 << 20, record.size - position))
+                if not piece:
+                    raise CorruptCheckpointError(f"<file object>: record {record.name!r} is cut short",
+                                                 record=record.name)  # fmt: skip
+                crc = zlib.crc32(piece, crc)
+            if crc != record.crc:
+                _raise_mismatch("<file object>", record, crc)
     finally:
         f.seek(start)

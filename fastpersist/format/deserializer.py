@@ -20,7 +20,7 @@ from typing import Any, Mapping, Protocol
 import torch
 from torch.serialization import StorageType, _get_restore_location
 
-from fastpersist.errors import CorruptCheckpointError
+from fastpersist.errors import CorruptCheckpointError, FastPersistError
 from fastpersist.format.zipformat import ZipRecordInfo
 
 __all__ = ["StorageProvider", "target_device", "deserialize", "archive_prefix"]
@@ -106,9 +106,12 @@ def deserialize(
         byteorder: the file's ``byteorder`` record (None: native order).
 
     Raises:
-        pickle.UnpicklingError: weights_only refused something (torch's message).
+        pickle.UnpicklingError: weights_only refused something (torch's
+            message), or a persistent id is malformed.
         CorruptCheckpointError: the pickle names a storage the archive lacks,
-            or sizes disagree.
+            sizes disagree, or (weights_only) ``data.pkl`` is malformed in a
+            way that made one of torch's rebuild functions fail.
+        OSError, ChecksumMismatchError: reading a storage failed.
     """
     restore_location = _get_restore_location(map_location)
     meta = _is_meta(map_location)
@@ -119,6 +122,7 @@ def deserialize(
     # data, so those are filled storage by storage, as torch.load does.
     eager = not weights_only or swap
     loaded: dict[str, torch.storage.TypedStorage] = {}
+    from_storage: set[int] = set()  # ids of exceptions raised while loading a storage
 
     def load_storage(dtype: torch.dtype, nbytes: int, key: str, location: str) -> torch.storage.TypedStorage:
         name = f"{prefix}data/{key}"
@@ -140,26 +144,39 @@ def deserialize(
                 provider.flush()
             if swap:
                 storage.byteswap(dtype)
-            wrap = storage if device is not None else restore_location(storage, location)
+            wrap = storage if device is not None else _restore(restore_location, storage, location, name, path)
         typed = torch.storage.TypedStorage(wrap_storage=wrap, dtype=dtype, _internal=True)
         if typed._data_ptr() != 0:
             loaded[key] = typed
         return typed
 
     def persistent_load(saved_id: Any) -> torch.storage.TypedStorage:
+        # A damaged or hostile data.pkl can put anything in a persistent id: check
+        # its shape before using it, so that it fails as a pickle error.
         if not isinstance(saved_id, tuple) or len(saved_id) != 5:
             raise pickle.UnpicklingError(f"unexpected persistent id {saved_id!r} in a torch checkpoint")
-        typename = saved_id[0].decode("ascii") if isinstance(saved_id[0], bytes) else saved_id[0]
+        typename, storage_type, key, location, numel = saved_id
+        typename = _text(typename)
         if typename != "storage":
             raise pickle.UnpicklingError(f"unknown persistent id type {typename!r}, expected 'storage'")
-        storage_type, key, location, numel = saved_id[1:]
-        location = location.decode("ascii") if isinstance(location, bytes) else location
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        location = _text(location)
+        if storage_type is torch.UntypedStorage:
+            dtype = torch.uint8
+        elif isinstance(getattr(storage_type, "dtype", None), torch.dtype):
+            dtype = storage_type.dtype
+        else:
+            raise pickle.UnpicklingError(f"persistent id names {storage_type!r}, not a storage type")
+        if not isinstance(key, str) or not isinstance(location, str):
+            raise pickle.UnpicklingError(f"bad storage key {key!r} or location {location!r} in a persistent id")
         if key in loaded:
             return loaded[key]
         if not isinstance(numel, int) or numel < 0:
             raise pickle.UnpicklingError(f"bad element count {numel!r} for storage {key!r}")
-        return load_storage(dtype, numel * torch._utils._element_size(dtype), key, location)
+        try:
+            return load_storage(dtype, numel * torch._utils._element_size(dtype), key, location)
+        except BaseException as e:
+            from_storage.add(id(e))  # I/O, checksum and device errors: raised as they are
+            raise
 
     stream = io.BytesIO(pickle_bytes)
     if weights_only:
@@ -174,12 +191,63 @@ def deserialize(
 
     _serialization_tls.map_location = map_location
     try:
-        result = unpickler.load()
+        try:
+            result = unpickler.load()
+        except (pickle.UnpicklingError, FastPersistError, OSError, MemoryError):
+            raise
+        except Exception as e:
+            if not weights_only or id(e) in from_storage:
+                raise  # arbitrary pickles may raise anything; so may map_location
+            # The weights-only unpickler calls only torch's own rebuild functions, so
+            # anything else it raises (IndexError, KeyError, a rebuild's RuntimeError...)
+            # means data.pkl is damaged: say so instead of leaking the symptom.
+            raise CorruptCheckpointError(
+                f"{path or 'checkpoint'}: {prefix}data.pkl is malformed ({type(e).__name__}: {e}); the file is "
+                "damaged: check it with `fastpersist verify` and restore it from a good copy",
+                path=path, record=prefix + "data.pkl",
+            ) from e  # fmt: skip
         provider.flush()
+    except BaseException:
+        # torch queues sparse tensors for validation while unpickling; a failed load
+        # must not leave them to be validated (and fail) in the next, unrelated load.
+        torch._utils._sparse_tensors_to_validate.clear()
+        raise
     finally:
         _serialization_tls.map_location = None
-    torch._utils._validate_loaded_sparse_tensors()
+    try:
+        torch._utils._validate_loaded_sparse_tensors()
+    except RuntimeError as e:
+        if not weights_only:
+            raise
+        raise CorruptCheckpointError(
+            f"{path or 'checkpoint'}: a sparse tensor in the file is invalid ({e}); the file is damaged",
+            path=path, record=prefix + "data.pkl",
+        ) from e  # fmt: skip
     return result
+
+
+def _restore(restore_location, storage, location: str, name: str, path: str | None):
+    """torch's restore_location, with a clear error for a location that names no device at all."""
+    try:
+        return restore_location(storage, location)
+    except RuntimeError as e:
+        try:
+            torch.device(location)
+        except (RuntimeError, ValueError):
+            # Not even a device string (and no registered package claims it): the
+            # pickle is damaged. A real but unavailable device keeps torch's error.
+            raise CorruptCheckpointError(
+                f"{path or 'checkpoint'}: storage {name!r} has location {location!r}, which is not a device; "
+                f"the file is damaged ({e})", path=path, record=name,
+            ) from e  # fmt: skip
+        raise
+
+
+def _text(value: Any) -> Any:
+    """Persistent-id fields may be bytes in old files; decode them without failing."""
+    if isinstance(value, bytes):
+        return value.decode("ascii", errors="replace")
+    return value
 
 
 def _unpickler_class(pickle_module: Any) -> type:

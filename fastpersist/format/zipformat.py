@@ -13,9 +13,13 @@ streamed past. That is what lets one sequential pass write the file, and any
 contiguous byte range be written by a process of its own.
 
 Parsing is defensive: every size and offset read from a file is checked
-against the file's size before it is used, so a truncated or hostile file
-raises :class:`CorruptCheckpointError` instead of allocating or seeking
-wildly.
+against the file's size before it is used, records may neither overlap nor
+share a name, and each local header must agree with its central directory
+entry, so a truncated or hostile file raises :class:`CorruptCheckpointError`
+instead of allocating, seeking wildly or reading one byte range as two
+records. :func:`check_structure` goes further for ``fastpersist verify``: it
+checks every byte that no CRC-32 covers (headers, padding, data descriptors,
+end records) and that records tile the file without gaps.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ __all__ = [
     "layout_archive",
     "ZipRecordInfo",
     "read_directory",
+    "check_structure",
+    "MissingEndRecordError",
 ]
 
 PAYLOAD_ALIGNMENT = 4096
@@ -56,6 +62,11 @@ _SIG_EOCD64_LOCATOR = 0x07064B50
 _FLAGS = 0x0808  # bit 3: sizes and CRC follow in a data descriptor; bit 11: UTF-8 names
 _VERSION = 45  # zip64
 _PAD_TAG = 0x4246  # "FB", the padding extra field torch's writer uses
+# Extra fields that zip writers put in local headers: zip64, NTFS times, torch's
+# padding, Info-ZIP times and Unix ids, Unicode comment and path, the JAR marker,
+# Android's alignment. Anything else in a local header is taken for damage.
+_KNOWN_EXTRA_TAGS = frozenset({0x0001, 0x000A, _PAD_TAG, 0x5455, 0x5855, 0x7855, 0x7875, 0x6375, 0x7075, 0xCAFE,
+                               0xD935})  # fmt: skip
 _ZIP64_TAG = 0x0001
 _U32_MAX = 0xFFFFFFFF
 _U16_MAX = 0xFFFF
@@ -248,60 +259,158 @@ ReadAt = Callable[[int, int], bytes]
 """``read_at(offset, length) -> bytes``: reads exactly ``length`` bytes or fewer at EOF."""
 
 
-def _corrupt(path: str | None, message: str, record: str | None = None) -> CorruptCheckpointError:
+class MissingEndRecordError(CorruptCheckpointError):
+    """No zip end record: a truncated archive, or not a zip archive at all."""
+
+
+def _corrupt(path: str | None, message: str, record: str | None = None, kind=CorruptCheckpointError):
     where = f"{path}: " if path else ""
-    return CorruptCheckpointError(
-        f"{where}{message}; the file is truncated, damaged or not a torch checkpoint", path=path, record=record
-    )
+    return kind(f"{where}{message}; the file is truncated, damaged or not a torch checkpoint", path=path, record=record)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CentralEntry:
+    """The fields of one central directory entry that a reader or a verifier looks at."""
+
+    name: str
+    raw_name: bytes
+    version_needed: int
+    flags: int
+    method: int
+    time: int
+    date: int
+    crc: int
+    size: int
+    header_offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Directory:
+    """The central directory and where the end records are."""
+
+    entries: list[_CentralEntry]
+    cd_offset: int
+    cd_size: int
+    eocd_offset: int
+    comment_length: int
 
 
 def read_directory(read_at: ReadAt, file_size: int, path: str | None = None) -> list[ZipRecordInfo]:
     """Parses the central directory of a (possibly hostile) zip archive.
 
+    Every record's payload lies inside the file, before the central
+    directory, and no two records overlap or share a name, so a caller may
+    allocate ``record.size`` bytes and read them without further checks.
+
     Raises:
-        CorruptCheckpointError: no end record, sizes or offsets outside the
-            file, compressed records, or any other inconsistency.
+        MissingEndRecordError: no end record (a truncated file, or not a zip
+            archive); a CorruptCheckpointError.
+        CorruptCheckpointError: sizes or offsets outside the file,
+            overlapping or duplicate records, compressed records, a local
+            header that disagrees with the directory, or any other
+            inconsistency.
     """
+    directory = _read_central_directory(read_at, file_size, path)
+    records = [_locate(read_at, directory.cd_offset, path, e) for e in directory.entries]
+    _check_disjoint(records, path)
+    return records
+
+
+def check_structure(read_at: ReadAt, file_size: int, path: str | None = None) -> list[ZipRecordInfo]:
+    """:func:`read_directory`, plus a check of every byte that no CRC-32 covers.
+
+    Checks that each local header repeats its directory entry (name, flags,
+    method, version, time, CRC and sizes where present), that extra fields
+    are well formed (torch's ``FB`` padding holds only ``Z`` bytes), that
+    each data descriptor repeats the record's CRC-32 and size, and that the
+    records, the central directory and the end records follow one another
+    with no gap and nothing after the end. Together with the records'
+    CRC-32s this covers every byte of the file except informational fields
+    that no reader uses (version made by, file attributes, disk numbers,
+    comments). It reads only headers, so it is cheap.
+
+    Raises:
+        CorruptCheckpointError: with ``record`` naming the damaged record
+            when the damage is inside one (for a truncated file: the record
+            the file ends in or after, when one can be found).
+    """
+    try:
+        directory = _read_central_directory(read_at, file_size, path)
+    except MissingEndRecordError:
+        last = _last_local_header(read_at, file_size) if file_size >= _EOCD.size else None
+        if last is None:
+            raise
+        raise _corrupt(
+            path, f"the file ends at byte {file_size} without its zip end records: it was cut short "
+            f"inside or after record {last!r}", last,
+        ) from None  # fmt: skip
+    records = [_locate(read_at, directory.cd_offset, path, e) for e in directory.entries]
+    _check_disjoint(records, path)
+    expected = 0
+    order = sorted(range(len(records)), key=lambda i: records[i].header_offset)
+    for index in order:
+        entry, record = directory.entries[index], records[index]
+        if record.header_offset != expected:
+            raise _corrupt(path, f"{record.header_offset - expected:+d} unexplained bytes before record "
+                                 f"{record.name!r} at offset {expected}", record.name)  # fmt: skip
+        expected = _check_framing(read_at, entry, record, directory.cd_offset, path)
+    if expected != directory.cd_offset:
+        raise _corrupt(path, f"{directory.cd_offset - expected} unexplained bytes before the central directory")
+    _check_end_records(read_at, file_size, directory, path)
+    return records
+
+
+def _read_central_directory(read_at: ReadAt, file_size: int, path: str | None) -> _Directory:
     if file_size < _EOCD.size:
-        raise _corrupt(path, f"file is {file_size} bytes, too small for a zip archive")
+        raise _corrupt(path, f"file is {file_size} bytes, too small for a zip archive", kind=MissingEndRecordError)
     tail_length = min(file_size, _EOCD.size + _U16_MAX)
     tail = read_at(file_size - tail_length, tail_length)
+    if len(tail) != tail_length:
+        raise _corrupt(path, "the file shrank while being read")
     position = tail.rfind(struct.pack("<I", _SIG_EOCD))
     while position >= 0 and position + _EOCD.size > len(tail):
         position = tail.rfind(struct.pack("<I", _SIG_EOCD), 0, position)
     if position < 0:
-        raise _corrupt(path, "no zip end-of-central-directory record")
+        raise _corrupt(path, "no zip end-of-central-directory record", kind=MissingEndRecordError)
     eocd_offset = file_size - tail_length + position
-    _, disk, _, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, position)
+    _, disk, _, _, count, cd_size, cd_offset, comment_length = _EOCD.unpack_from(tail, position)
     if disk != 0:
         raise _corrupt(path, "multi-disk zip archives are not supported")
     if count == _U16_MAX or cd_size == _U32_MAX or cd_offset == _U32_MAX:
         locator_offset = eocd_offset - _EOCD64_LOCATOR.size
         if locator_offset < 0:
             raise _corrupt(path, "zip64 archive without its end-record locator")
-        signature, _, eocd64_offset, _ = _EOCD64_LOCATOR.unpack(read_at(locator_offset, _EOCD64_LOCATOR.size))
+        locator = read_at(locator_offset, _EOCD64_LOCATOR.size)
+        if len(locator) != _EOCD64_LOCATOR.size:
+            raise _corrupt(path, "zip64 end-record locator is cut short")
+        signature, _, eocd64_offset, _ = _EOCD64_LOCATOR.unpack(locator)
         if signature != _SIG_EOCD64_LOCATOR or eocd64_offset + _EOCD64.size > locator_offset:
             raise _corrupt(path, "bad zip64 end-record locator")
-        fields = _EOCD64.unpack(read_at(eocd64_offset, _EOCD64.size))
+        record = read_at(eocd64_offset, _EOCD64.size)
+        if len(record) != _EOCD64.size:
+            raise _corrupt(path, "zip64 end record is cut short")
+        fields = _EOCD64.unpack(record)
         if fields[0] != _SIG_EOCD64:
             raise _corrupt(path, "bad zip64 end record")
         count, cd_size, cd_offset = fields[7], fields[8], fields[9]
         directory_end = eocd64_offset
     else:
         directory_end = eocd_offset
+    # Bounds first, so that a hostile count or size never turns into an allocation.
     if cd_offset + cd_size > directory_end or cd_size < count * _CENTRAL.size:
         raise _corrupt(path, f"central directory ({count} records, {cd_size} bytes at {cd_offset}) does not fit")
     directory = read_at(cd_offset, cd_size)
     if len(directory) != cd_size:
         raise _corrupt(path, "central directory is cut short")
-    records = []
+    entries = []
+    names = set()
     position = 0
     for _ in range(count):
         if position + _CENTRAL.size > cd_size:
             raise _corrupt(path, "central directory ends inside a record")
         fields = _CENTRAL.unpack_from(directory, position)
-        (signature, _, _, flags, method, _, _, crc, csize, usize, name_len, extra_len, comment_len, _, _, _,
-         header_offset) = fields  # fmt: skip
+        (signature, _, version_needed, flags, method, time, date, crc, csize, usize, name_len, extra_len,
+         comment_len, _, _, _, header_offset) = fields  # fmt: skip
         if signature != _SIG_CENTRAL:
             raise _corrupt(path, "bad central directory record signature")
         end = position + _CENTRAL.size + name_len + extra_len + comment_len
@@ -312,12 +421,19 @@ def read_directory(read_at: ReadAt, file_size: int, path: str | None = None) -> 
         extra = directory[position + _CENTRAL.size + name_len : position + _CENTRAL.size + name_len + extra_len]
         usize, csize, header_offset = _apply_zip64_extra(extra, usize, csize, header_offset, path, name)
         if method != 0 or csize != usize:
-            raise _corrupt(path, f"record {name!r} is compressed (method {method}); torch checkpoints store records")
+            raise _corrupt(path, f"record {name!r} is compressed (method {method}); torch checkpoints store records",
+                           name)  # fmt: skip
         if flags & 0x1:
-            raise _corrupt(path, f"record {name!r} is encrypted")
-        records.append((name, header_offset, usize, crc))
+            raise _corrupt(path, f"record {name!r} is encrypted", name)
+        # Two entries with one name would let a damaged directory swap data for a
+        # record silently (the last one would win in a dict by name).
+        if name in names:
+            raise _corrupt(path, f"record {name!r} appears twice in the central directory", name)
+        names.add(name)
+        entries.append(_CentralEntry(name, raw_name, version_needed, flags, method, time, date, crc, usize,
+                                     header_offset))  # fmt: skip
         position = end
-    return [_locate(read_at, file_size, cd_offset, path, *r) for r in records]
+    return _Directory(entries, cd_offset, cd_size, eocd_offset, comment_length)
 
 
 def _apply_zip64_extra(extra: bytes, usize: int, csize: int, offset: int, path, name) -> tuple[int, int, int]:
@@ -342,16 +458,171 @@ def _apply_zip64_extra(extra: bytes, usize: int, csize: int, offset: int, path, 
     return usize, csize, offset
 
 
-def _locate(read_at: ReadAt, file_size: int, cd_offset: int, path, name, header_offset, size, crc) -> ZipRecordInfo:
-    if header_offset + _LOCAL.size > cd_offset:
-        raise _corrupt(path, f"record {name!r} has its header outside the file", name)
-    header = read_at(header_offset, _LOCAL.size)
-    if len(header) != _LOCAL.size:
+def _locate(read_at: ReadAt, cd_offset: int, path, entry: _CentralEntry) -> ZipRecordInfo:
+    name = entry.name
+    header_length = _LOCAL.size + len(entry.raw_name)
+    if entry.header_offset + header_length > cd_offset:
+        raise _corrupt(path, f"record {name!r} has its header outside the data area", name)
+    header = read_at(entry.header_offset, header_length)
+    if len(header) != header_length:
         raise _corrupt(path, f"record {name!r} header is cut short", name)
-    fields = _LOCAL.unpack(header)
+    fields = _LOCAL.unpack_from(header)
     if fields[0] != _SIG_LOCAL:
         raise _corrupt(path, f"record {name!r} has a bad local header signature", name)
-    data_offset = header_offset + _LOCAL.size + fields[9] + fields[10]
-    if data_offset + size > cd_offset:
-        raise _corrupt(path, f"record {name!r} ({size} bytes at {data_offset}) runs past the data area", name)
-    return ZipRecordInfo(name, header_offset, data_offset, size, crc)
+    # The payload offset comes from the local header, so the local header must be
+    # this record's: a damaged offset could otherwise point at another record.
+    if fields[9] != len(entry.raw_name) or header[_LOCAL.size :] != entry.raw_name:
+        local = header[_LOCAL.size : _LOCAL.size + fields[9]]
+        raise _corrupt(path, f"record {name!r} has a local header named {local!r}", name)
+    if fields[3] != 0:
+        raise _corrupt(path, f"record {name!r} is compressed (method {fields[3]}) in its local header", name)
+    data_offset = entry.header_offset + _LOCAL.size + fields[9] + fields[10]
+    if data_offset + entry.size > cd_offset:
+        raise _corrupt(path, f"record {name!r} ({entry.size} bytes at {data_offset}) runs past the data area", name)
+    return ZipRecordInfo(name, entry.header_offset, data_offset, entry.size, entry.crc)
+
+
+def _check_disjoint(records: list[ZipRecordInfo], path) -> None:
+    """Rejects records whose byte ranges overlap (a damaged offset, or a zip bomb)."""
+    ordered = sorted(records, key=lambda r: (r.header_offset, r.data_offset + r.size))
+    for before, after in zip(ordered, ordered[1:]):
+        if before.data_offset + before.size > after.header_offset:
+            raise _corrupt(path, f"records {before.name!r} and {after.name!r} overlap", after.name)
+
+
+def _check_framing(read_at: ReadAt, entry: _CentralEntry, record: ZipRecordInfo, cd_offset: int, path) -> int:
+    """Checks a record's local header, extra fields and data descriptor; returns where the record ends."""
+    name = record.name
+    header = read_at(record.header_offset, record.data_offset - record.header_offset)
+    if len(header) != record.data_offset - record.header_offset:
+        raise _corrupt(path, f"record {name!r} header is cut short", name)
+    (_, version_needed, flags, method, time, date, crc, csize, usize, name_len,
+     extra_len) = _LOCAL.unpack_from(header)  # fmt: skip
+    # Writers that need zip64 only for the offset (past 4 GiB) mark just the central
+    # entry as version 4.5; the local header keeps 1.0 or 2.0.
+    version_ok = version_needed == entry.version_needed or (entry.version_needed == 45 and version_needed in (10, 20))
+    if not version_ok or (flags, method, time, date) != (entry.flags, entry.method, entry.time, entry.date):
+        raise _corrupt(path, f"record {name!r}: its local header disagrees with the central directory "
+                             "(version, flags, method or time)", name)  # fmt: skip
+    extra = header[_LOCAL.size + name_len :]
+    zip64_values: list[int] = []
+    position = 0
+    while position < len(extra):
+        if position + 4 > len(extra):
+            raise _corrupt(path, f"record {name!r} has a truncated extra field in its local header", name)
+        tag, length = struct.unpack_from("<HH", extra, position)
+        body = extra[position + 4 : position + 4 + length]
+        if len(body) != length:
+            raise _corrupt(path, f"record {name!r} has a truncated extra field in its local header", name)
+        if tag not in _KNOWN_EXTRA_TAGS:  # a damaged tag would hide its field from these checks
+            raise _corrupt(path, f"record {name!r} has an unknown extra field {tag:#06x} in its local header", name)
+        if tag == _PAD_TAG and body.strip(b"Z"):
+            raise _corrupt(path, f"record {name!r} has damaged padding in its local header", name)
+        if tag == _ZIP64_TAG:
+            zip64_values = list(struct.unpack_from(f"<{length // 8}Q", body))
+        position += 4 + length
+    sizes = [usize, csize]
+    if _U32_MAX in sizes:  # zip64: the real sizes are in the extra field, in this order
+        sizes = [v if v != _U32_MAX else (zip64_values.pop(0) if zip64_values else -1) for v in sizes]
+    streamed = flags & 0x8
+    # With a data descriptor (bit 3) writers leave CRC and sizes 0 here (torch), or fill them in anyway.
+    crc_ok = crc == entry.crc or (streamed and crc == 0)
+    sizes_ok = sizes == [entry.size, entry.size] or (streamed and sizes == [0, 0])
+    if not (crc_ok and sizes_ok):
+        raise _corrupt(path, f"record {name!r}: its local header's CRC-32 or size disagrees with the central directory",
+                       name)  # fmt: skip
+    end = record.data_offset + record.size
+    if not streamed:
+        return end
+    # The descriptor's sizes take 8 bytes when the local header has a zip64 field. Its
+    # signature is optional in the zip specification; torch and fastpersist write it.
+    has_zip64 = _U32_MAX in (usize, csize) or any(
+        struct.unpack_from("<H", extra, p)[0] == _ZIP64_TAG for p in _extra_positions(extra)
+    )  # fmt: skip
+    candidates = [_DESCRIPTOR64, _DESCRIPTOR32] if has_zip64 else [_DESCRIPTOR32, _DESCRIPTOR64]
+    available = read_at(end, min(_DESCRIPTOR64.size, max(cd_offset - end, 0)))
+    has_signature = available[:4] == struct.pack("<I", _SIG_DESCRIPTOR)
+    if record.size == 0 and not has_signature:
+        return end  # torch's writer gives empty records no descriptor
+    found = None
+    for layout in candidates:
+        if not has_signature:
+            layout = struct.Struct("<" + layout.format[2:])
+        if len(available) >= layout.size:
+            values = layout.unpack_from(available)[1 if has_signature else 0 :]
+            # A central CRC of 0 means "not computed": fastpersist's writer with checksum=False
+            # still puts the real CRC-32 of metadata records in their descriptors.
+            if tuple(values[1:]) == (record.size, record.size) and values[0] in (entry.crc, entry.crc or values[0]):
+                return end + layout.size
+            found = found or values
+    if found is None:
+        raise _corrupt(path, f"record {name!r} has its data descriptor cut short", name)
+    raise _corrupt(path, f"record {name!r}: its data descriptor disagrees with the central directory "
+                         f"(CRC-32 {found[0]:#010x}, size {found[2]})", name)  # fmt: skip
+
+
+def _extra_positions(extra: bytes) -> list[int]:
+    positions, position = [], 0
+    while position + 4 <= len(extra):
+        positions.append(position)
+        position += 4 + struct.unpack_from("<H", extra, position + 2)[0]
+    return positions
+
+
+def _check_end_records(read_at: ReadAt, file_size: int, directory: _Directory, path) -> None:
+    """The zip64 end record and locator (when present) and the end record follow the directory exactly."""
+    expected = directory.cd_offset + directory.cd_size
+    eocd = read_at(directory.eocd_offset, _EOCD.size)
+    fields = _EOCD.unpack(eocd)
+    count = len(directory.entries)
+    locator_offset = directory.eocd_offset - _EOCD64_LOCATOR.size
+    locator = read_at(locator_offset, _EOCD64_LOCATOR.size) if locator_offset >= expected else b""
+    if len(locator) == _EOCD64_LOCATOR.size and locator[:4] == struct.pack("<I", _SIG_EOCD64_LOCATOR):
+        eocd64_offset = _EOCD64_LOCATOR.unpack(locator)[2]
+        record = read_at(eocd64_offset, _EOCD64.size) if eocd64_offset == expected else b""
+        if len(record) != _EOCD64.size:
+            raise _corrupt(path, "the zip64 end record is not right after the central directory")
+        z = _EOCD64.unpack(record)
+        if z[0] != _SIG_EOCD64 or eocd64_offset + 12 + z[1] != locator_offset:
+            raise _corrupt(path, "bad zip64 end record")
+        if (z[6], z[7], z[8], z[9]) != (count, count, directory.cd_size, directory.cd_offset):
+            raise _corrupt(path, "the zip64 end record disagrees with the central directory")
+        expected = locator_offset + _EOCD64_LOCATOR.size
+        zip64 = True
+    else:
+        zip64 = False
+    if directory.eocd_offset != expected:
+        raise _corrupt(path, f"{directory.eocd_offset - expected} unexplained bytes before the end record")
+    classic = (fields[3], fields[4], fields[5], fields[6])
+    wanted = (count, count, directory.cd_size, directory.cd_offset)
+    limits = (_U16_MAX, _U16_MAX, _U32_MAX, _U32_MAX)
+    for value, true, limit in zip(classic, wanted, limits):
+        # Values too large for the classic field are saturated; with a zip64 end
+        # record present, some writers saturate them anyway.
+        if value != min(true, limit) and not (zip64 and value == limit):
+            raise _corrupt(path, "the end record disagrees with the central directory")
+    if directory.eocd_offset + _EOCD.size + directory.comment_length != file_size:
+        raise _corrupt(path, f"{file_size - directory.eocd_offset - _EOCD.size - directory.comment_length:+d} "
+                             "bytes after the end record")  # fmt: skip
+
+
+def _last_local_header(read_at: ReadAt, file_size: int, window: int = 16 << 20) -> str | None:
+    """The name in the last plausible local header of a file that lost its end (a truncated file)."""
+    signature = struct.pack("<I", _SIG_LOCAL)
+    end = file_size
+    while end > 0:
+        start = max(0, end - window)
+        chunk = read_at(start, end - start + _LOCAL.size + 1024)
+        position = chunk.rfind(signature, 0, end - start)
+        while position >= 0:
+            if position + _LOCAL.size <= len(chunk):
+                fields = _LOCAL.unpack_from(chunk, position)
+                raw = chunk[position + _LOCAL.size : position + _LOCAL.size + fields[9]]
+                if fields[3] == 0 and 0 < fields[9] == len(raw) and b"/" in raw:
+                    try:
+                        return raw.decode("utf-8")
+                    except UnicodeDecodeError:
+                        pass
+            position = chunk.rfind(signature, 0, position)
+        end = start
+    return None
