@@ -12,6 +12,7 @@ import torch
 
 import fastpersist
 from fastpersist.format.zipformat import PAYLOAD_ALIGNMENT
+from fastpersist.tensors import storage_byte_view
 
 ALL_DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -50,7 +51,8 @@ def assert_same(a, b):
         assert a.requires_grad == b.requires_grad
         assert a.device == b.device
         assert a.storage_offset() == b.storage_offset()
-        assert bytes(a.detach().cpu().untyped_storage()) == bytes(b.detach().cpu().untyped_storage())
+        # uint8 views: exact (no NaN != NaN), and fast for large storages
+        assert torch.equal(storage_byte_view(a.untyped_storage()).cpu(), storage_byte_view(b.untyped_storage()).cpu())
     elif isinstance(a, dict):
         assert type(a) is type(b) and list(a) == list(b)
         for key in a:
@@ -302,7 +304,8 @@ def test_cuda_round_trip(dtype, any_dir):
         assert_same({k: v for k, v in obj.items() if k != "cpu"}, {k: v for k, v in loaded.items() if k != "cpu"})
         assert loaded["view"].untyped_storage().data_ptr() == loaded["w"].untyped_storage().data_ptr()
     to_cpu = fastpersist.load(path, map_location="cpu")
-    assert to_cpu["w"].device.type == "cpu" and torch.equal(to_cpu["w"].cuda(), obj["w"])
+    assert to_cpu["w"].device.type == "cpu"
+    assert_same(obj["w"].cpu(), to_cpu["w"])  # bytes: random floats include NaNs
 
 
 @pytest.mark.gpu

@@ -125,12 +125,10 @@ class SavePlan:
             elif entry.size:
                 pieces.append(Segment(SegmentKind.STORAGE, entry.data_offset, entry.size, record=index))
             if entry.descriptor_size:
-                if isinstance(record, BytesRecord):
-                    pieces.append(Segment(SegmentKind.BYTES, entry.descriptor_offset, entry.descriptor_size,
-                                          data=entry.data_descriptor(record.crc)))  # fmt: skip
-                else:
-                    pieces.append(Segment(SegmentKind.DESCRIPTOR, entry.descriptor_offset, entry.descriptor_size,
-                                          record=index))  # fmt: skip
+                # Filled from the executor's CRC table, like the central directory, so the two
+                # always agree (both 0 when checksums are off).
+                pieces.append(Segment(SegmentKind.DESCRIPTOR, entry.descriptor_offset, entry.descriptor_size,
+                                      record=index))  # fmt: skip
             position = entry.descriptor_offset + entry.descriptor_size
         pieces.append(Segment(SegmentKind.TRAILER, position, self.layout.trailer_size()))
         if position + self.layout.trailer_size() != self.size:

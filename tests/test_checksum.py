@@ -1,0 +1,57 @@
+"""The native CRC-32 equals zlib's, for every length, alignment and starting value."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from fastpersist.io import engine
+from fastpersist.tensors import host_memoryview
+
+
+def raw(tensor: torch.Tensor) -> bytes:
+    return bytes(host_memoryview(tensor))
+
+
+@pytest.fixture(scope="module")
+def data() -> torch.Tensor:
+    return torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+
+
+LENGTHS = list(range(0, 200)) + [255, 256, 4095, 4096, 4097, 65535, 65536 + 15, (1 << 20) + 7, 3 << 20]
+
+
+@pytest.mark.parametrize("offset", [0, 1, 7, 15, 16, 63])
+def test_crc32_matches_zlib(data, offset):
+    for length in LENGTHS:
+        length = min(length, data.numel() - offset)
+        piece = data[offset : offset + length]
+        expected = zlib.crc32(raw(piece))
+        assert engine.crc32(piece.data_ptr(), length) == expected, length
+        assert engine.crc32(piece.data_ptr(), length, 0xDEADBEEF) == zlib.crc32(raw(piece), 0xDEADBEEF), length
+
+
+def test_crc32_continues_across_pieces(data):
+    whole = zlib.crc32(raw(data))
+    crc = 0
+    for start, stop in [(0, 1), (1, 100), (100, 4096), (4096, 1 << 20), (1 << 20, data.numel())]:
+        crc = engine.crc32(data.data_ptr() + start, stop - start, crc)
+    assert crc == whole
+
+
+@pytest.mark.parametrize("offset", [0, 3, 16])
+def test_copy_with_crc32_copies_and_checksums(data, offset):
+    for length in LENGTHS:
+        length = min(length, data.numel() - offset)
+        source = data[offset : offset + length]
+        destination = torch.full((length + 32,), 0xAB, dtype=torch.uint8)
+        crc = engine.copy_with_crc32(destination.data_ptr() + 5, source.data_ptr(), length, 11)
+        assert crc == zlib.crc32(raw(source), 11)
+        assert torch.equal(destination[5 : 5 + length], source)
+        assert torch.all(destination[:5] == 0xAB) and torch.all(destination[5 + length :] == 0xAB)  # no overrun
+
+
+def test_acceleration_is_reported():
+    assert isinstance(engine.crc32_accelerated(), bool)
