@@ -430,8 +430,10 @@ def load(
         pickle_module: as torch.load (only with ``weights_only=False``).
         weights_only: as torch.load (default True: torch's safe unpickler).
         mmap: as torch.load: map the file instead of reading it.
-        verify: check every record's CRC-32 before returning (default: the
-            ``verify`` setting).
+        verify: check every record's CRC-32 before returning. Default: the
+            ``verify`` setting (on) for paths loaded without mmap; files
+            written without checksums are then loaded unverified, silently
+            (with a warning when ``verify=True`` is passed explicitly).
         **kwargs: ``fastpersist.config`` setting overrides; anything else is
             passed to the unpickler, as torch.load's ``pickle_load_args``.
 
@@ -443,8 +445,11 @@ def load(
     """
     overrides, pickle_load_args = _split_settings("load", kwargs, allow_other=True)
     resolved = config.resolve(overrides)
+    # The default (the ``verify`` setting) applies to paths read in full; file objects
+    # and mmap loads are verified only when asked, since that means reading them twice.
+    explicit = verify is not None
     if verify is None:
-        verify = resolved.verify
+        verify = resolved.verify and not mmap
     weights_only = _resolve_weights_only(weights_only, pickle_module)
     if mmap is None:
         from torch.utils.serialization import config as torch_config
@@ -457,14 +462,14 @@ def load(
     if pickle_module is not None:
         torch_kwargs["pickle_module"] = pickle_module
     if not isinstance(f, (str, os.PathLike)):
-        if verify:
+        if verify and explicit:
             _verify_file_object(f)
         return torch.load(f, map_location, **torch_kwargs)
     path = os.fspath(f)
     if torch._guards.detect_fake_mode(None) is not None:
         return torch.load(path, map_location, **torch_kwargs)
     return _load_from_path(path, map_location, pickle_module, weights_only, mmap, verify, resolved, torch_kwargs,
-                           pickle_load_args)  # fmt: skip
+                           pickle_load_args, warn_unverifiable=explicit)  # fmt: skip
 
 
 def _open_records(file, path: str, verify: bool) -> tuple[dict[str, ZipRecordInfo], Callable[[int, int], bytes]]:
@@ -568,7 +573,7 @@ def _is_zip(path: str) -> bool:
 
 
 def _load_from_path(path, map_location, pickle_module, weights_only, mmap, verify, settings, torch_kwargs,
-                    pickle_load_args):  # fmt: skip
+                    pickle_load_args, warn_unverifiable=True):  # fmt: skip
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "expected a checkpoint file, got a directory", path)
     if not _is_zip(path):  # legacy (pre-1.6) or foreign format: torch.load knows them all
@@ -581,7 +586,8 @@ def _load_from_path(path, map_location, pickle_module, weights_only, mmap, verif
         if prefix + "constants.pkl" in records:  # a TorchScript archive
             return torch.load(path, map_location, **torch_kwargs)
         if verify and not _has_checksums(records.values()):
-            warnings.warn(f"{path} was written without CRC-32 checksums; it cannot be verified", stacklevel=3)
+            if warn_unverifiable:
+                warnings.warn(f"{path} was written without CRC-32 checksums; it cannot be verified", stacklevel=3)
             verify = False
         if verify:  # the small records nothing else reads (version, serialization id, ...)
             for name, record in records.items():

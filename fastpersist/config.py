@@ -75,8 +75,8 @@ class Settings:
     """``save`` returns only once the file and its directory entry are durable."""
     checksum: bool = True
     """Write CRC-32 for every record (verified by ``zipfile`` and ``fastpersist verify``)."""
-    verify: bool = False
-    """``load`` verifies every record's CRC-32 before returning."""
+    verify: bool = True
+    """``load`` of a path verifies every record's CRC-32 (overlapped with the reads; see docs/reliability.md)."""
     huge_pages: bool = True
     """Ask for transparent huge pages for large load destinations (fewer page faults)."""
 
