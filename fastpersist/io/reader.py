@@ -177,19 +177,23 @@ class FileStorageProvider:
         streams: dict[torch.device, torch.cuda.Stream] = {}
         crcs = {record.name: 0 for record, _ in items}
         count = min(self._settings.buffer_count, len(windows))
+        # One worker checksums windows in file order (running CRCs stay consistent) while
+        # this thread queues the host-to-device copies; a slot is refilled only once both
+        # its copies and its checksum are done.
+        checker = concurrent.futures.ThreadPoolExecutor(1) if self._verify else None
         with memory.lease_buffers(count, self._settings.buffer_size) as buffers:
             handles = [engine.make_handle(self._settings) for _ in buffers]
             events: list[list[torch.cuda.Event]] = [[] for _ in buffers]
+            checked: list[concurrent.futures.Future | None] = [None] * count
             try:
                 for index in range(count):
                     self._submit_window(handles[index], buffers[index], windows[index])
                 for index, window in enumerate(windows):
                     slot = index % count
                     handles[slot].wait()
+                    if checker is not None:
+                        checked[slot] = checker.submit(_window_crcs, window, buffers[slot].data_ptr(), crcs)
                     for record, destination, record_offset, buffer_offset, length in window.pieces:
-                        if self._verify:
-                            address = buffers[slot].data_ptr() + buffer_offset
-                            crcs[record.name] = engine.crc32(address, length, crcs[record.name])
                         stream = streams.get(destination.device)
                         if stream is None:
                             stream = streams[destination.device] = torch.cuda.Stream(destination.device)
@@ -204,8 +208,10 @@ class FileStorageProvider:
                     following = index + count
                     if following < len(windows):
                         for event in events[slot]:
-                            event.synchronize()  # the slot's copies are done: refill it
+                            event.synchronize()  # the slot's copies are done
                         events[slot].clear()
+                        if checked[slot] is not None:
+                            checked[slot].result()  # and so is its checksum: refill it
                         self._submit_window(handles[slot], buffers[slot], windows[following])
             finally:
                 for handle in handles:
@@ -213,6 +219,8 @@ class FileStorageProvider:
                         handle.wait()
                     except OSError:
                         pass
+                if checker is not None:
+                    checker.shutdown(wait=True)
                 for stream in streams.values():
                     stream.synchronize()
         if self._verify:
@@ -264,6 +272,12 @@ class MmapStorageProvider:
 
     def flush(self) -> None:
         pass
+
+
+def _window_crcs(window: "_Window", address: int, crcs: dict[str, int]) -> None:
+    """Folds the bytes of every record piece in a read window into the records' running CRC-32s."""
+    for record, _, _, buffer_offset, length in window.pieces:
+        crcs[record.name] = engine.crc32(address + buffer_offset, length, crcs[record.name])
 
 
 @dataclasses.dataclass
