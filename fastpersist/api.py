@@ -164,13 +164,18 @@ def _remove_stale_temporaries(path: str) -> None:
 
 
 def _process_alive(pid: int) -> bool:
+    """Whether ``pid`` can still be writing: a zombie (killed, not yet reaped) cannot."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _write_to_path(plan, path: str, directory: str, settings: config.Settings, streams) -> None:

@@ -70,7 +70,9 @@ class Settings:
     buffer_size: int = 64 * _MiB
     """Bytes in each staging buffer of the writer's and reader's ring."""
     buffer_count: int = 4
-    """Staging buffers in the ring (at least 2: one fills while another is written)."""
+    """Staging buffers in the save ring (at least 2: one fills while another is written)."""
+    read_buffer_count: int = 8
+    """Staging buffers in the CUDA-load ring: reads in flight while earlier windows are copied to the GPU."""
     fsync: bool = True
     """``save`` returns only once the file and its directory entry are durable."""
     checksum: bool = True
@@ -167,8 +169,9 @@ def _validate(s: Settings) -> None:
         raise ConfigError(f"queue_depth must be between 1 and 4096, got {s.queue_depth}")
     if not 1 <= s.intra_op_parallelism <= 256:
         raise ConfigError(f"intra_op_parallelism must be between 1 and 256, got {s.intra_op_parallelism}")
-    if not 2 <= s.buffer_count <= 64:
-        raise ConfigError(f"buffer_count must be between 2 and 64, got {s.buffer_count}")
+    for name in ("buffer_count", "read_buffer_count"):
+        if not 2 <= getattr(s, name) <= 64:
+            raise ConfigError(f"{name} must be between 2 and 64, got {getattr(s, name)}")
 
 
 _DEFAULTS = Settings()

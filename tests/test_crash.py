@@ -51,9 +51,13 @@ SETTINGS = [
 
 @pytest.fixture(scope="module")
 def zygote():
+    # The child must import this checkout's fastpersist even when it is built in place
+    # rather than installed (a script's sys.path starts at its own folder).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     process = subprocess.Popen(
         [sys.executable, os.path.join(os.path.dirname(__file__), "_crash_child.py")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
     )  # fmt: skip
     try:
         assert process.stdout.readline().strip() == "ready"

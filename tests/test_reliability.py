@@ -21,6 +21,7 @@ import pickle
 import shutil
 import struct
 import subprocess
+import time
 import sys
 import tempfile
 import warnings
@@ -337,6 +338,24 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
     assert not stale.exists() and alive.exists() and other.exists()
     # Readers never see temporaries: the checkpoint is the committed file.
     assert same(obj, fastpersist.load(path, verify=True))
+
+
+def test_temporaries_of_killed_but_unreaped_savers_are_removed(tmp_path):
+    """A saver killed by SIGKILL stays a zombie until its parent reaps it; it writes nothing more."""
+    path = tmp_path / "ckpt.pt"
+    zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        zombie.kill()
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{zombie.pid}/stat", "rb").read().rsplit(b")", 1)[1].split()[0] != b"Z":
+            assert time.monotonic() < deadline, "the child did not become a zombie"
+            time.sleep(0.01)
+        stale = tmp_path / f".ckpt.pt.fastpersist-{zombie.pid}-0badc0de.tmp"
+        stale.write_bytes(b"partial")
+        small_checkpoint(path)
+        assert not stale.exists()
+    finally:
+        zombie.wait()
 
 
 # ----------------------------------------------------------------------------- damaged files

@@ -77,7 +77,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("queue_depth", (4, 8, 16, 32, 64), "requests in flight per lane"),
     Knob("intra_op_parallelism", _lanes(8), "lanes splitting one request"),
     Knob("buffer_size", _sizes(16, 32, 64, 128, 256), "bytes per staging buffer"),
-    Knob("buffer_count", (2, 3, 4, 8), "staging buffers in the ring"),
+    Knob("buffer_count", (2, 3, 4, 8), "staging buffers in the save ring"),
+    Knob("read_buffer_count", (4, 8, 16), "staging buffers in the CUDA-load ring (only matters with --device cuda)"),
     Knob("single_submit", (False, True), "one system call per request (io_uring)"),
     Knob("overlap_events", (True, False), "reap completions while submitting"),
     Knob("huge_pages", (True, False), "transparent huge pages for load destinations"),
@@ -89,7 +90,7 @@ QUICK_KNOBS: tuple[Knob, ...] = (
     Knob("queue_depth", (8, 16, 32), "requests in flight per lane"),
     Knob("intra_op_parallelism", _lanes(2), "lanes splitting one request"),
     Knob("buffer_size", _sizes(32, 64, 128), "bytes per staging buffer"),
-    Knob("buffer_count", (2, 4), "staging buffers in the ring"),
+    Knob("buffer_count", (2, 4), "staging buffers in the save ring"),
     Knob("huge_pages", (True, False), "transparent huge pages for load destinations"),
 )
 

@@ -176,7 +176,7 @@ class FileStorageProvider:
             return
         streams: dict[torch.device, torch.cuda.Stream] = {}
         crcs = {record.name: 0 for record, _ in items}
-        count = min(self._settings.buffer_count, len(windows))
+        count = min(self._settings.read_buffer_count, len(windows))
         # One worker checksums windows in file order (running CRCs stay consistent) while
         # this thread queues the host-to-device copies; a slot is refilled only once both
         # its copies and its checksum are done.
