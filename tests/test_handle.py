@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from fastpersist.tensors import host_memoryview
+
 from fastpersist.io import engine
 from fastpersist.io.handle import AioHandle
 
@@ -23,7 +25,7 @@ def _random(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 
 def _bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return bytes(host_memoryview(t.contiguous().view(torch.uint8))) if t.numel() else b""
 
 
 def test_getters():

@@ -18,6 +18,8 @@ import time
 import pytest
 import torch
 
+from fastpersist.tensors import host_memoryview
+
 from fastpersist.errors import ConfigError, EngineUnavailableError
 from fastpersist.io import engine
 from fastpersist.io.memory import aligned_empty
@@ -66,7 +68,7 @@ def test_round_trip_every_size(any_dir, engine_name, offset, shift):
         handle.submit_write(source.data_ptr(), size, path, offset, keepalive=source, truncate=True)
         assert handle.wait() == 1
         assert os.path.getsize(path) == offset + size
-        assert _file_bytes(path, offset) == source.numpy().tobytes(), f"size {size}"
+        assert _file_bytes(path, offset) == bytes(host_memoryview(source)), f"size {size}"
 
         _, destination = _random_aligned(size, shift, seed=size + 1)
         request = handle.submit_read(destination.data_ptr(), size, path, offset, keepalive=destination)
@@ -101,7 +103,7 @@ def test_unaligned_memory_goes_buffered_but_stays_exact(disk_dir):
     handle.submit_write(source.data_ptr(), size, path, 0, keepalive=source)
     handle.wait()
     assert handle.stats()["bytes_direct"] == 0
-    assert _file_bytes(path) == source.numpy().tobytes()
+    assert _file_bytes(path) == bytes(host_memoryview(source))
 
 
 def test_direct_disabled_by_handle(disk_dir):
@@ -141,8 +143,8 @@ def test_many_requests_outstanding(any_dir, engine_name, lanes, overlap, single_
     assert handle.pending() == 0 and all(r.done for r in requests)
     whole = _file_bytes(shared)
     for i, (source, offset) in enumerate(zip(sources, offsets)):
-        assert _file_bytes(os.path.join(any_dir, f"m{i}")) == source.numpy().tobytes()
-        assert whole[offset : offset + source.numel()] == source.numpy().tobytes()
+        assert _file_bytes(os.path.join(any_dir, f"m{i}")) == bytes(host_memoryview(source))
+        assert whole[offset : offset + source.numel()] == bytes(host_memoryview(source))
     destinations = [torch.zeros_like(s) for s in sources]
     with engine.File(shared, "r") as f:
         for destination, offset in zip(destinations, offsets):
@@ -186,7 +188,7 @@ def test_keepalive_is_held_until_completion_and_released_by_wait(disk_dir):
     size = 32 * BLOCK
     handle = engine.IoHandle(block_size=BLOCK, queue_depth=1, direct=False)
     _, source = _random_aligned(size)
-    expected = source.numpy().tobytes()
+    expected = bytes(host_memoryview(source))
     alive = weakref.ref(source)
     handle.submit_write(source.data_ptr(), size, os.path.join(disk_dir, "k"), 0, keepalive=source)
     del source
@@ -209,10 +211,10 @@ def test_truncate_flag_and_overwrite(disk_dir):
     handle.submit_write(small.data_ptr(), small.numel(), path, 0, keepalive=small)  # no truncate: tail stays
     handle.wait()
     assert os.path.getsize(path) == big.numel()
-    assert _file_bytes(path)[: small.numel()] == small.numpy().tobytes()
+    assert _file_bytes(path)[: small.numel()] == bytes(host_memoryview(small))
     handle.submit_write(small.data_ptr(), small.numel(), path, 0, keepalive=small, truncate=True)
     handle.wait()
-    assert _file_bytes(path) == small.numpy().tobytes()
+    assert _file_bytes(path) == bytes(host_memoryview(small))
     handle.submit_write(small.data_ptr(), 0, path, 0, truncate=True)  # empty write truncates to 0
     handle.wait()
     assert os.path.getsize(path) == 0
@@ -453,7 +455,7 @@ def test_read_past_end_of_file(disk_dir, engine_name):
     request = handle.submit_read(destination.data_ptr(), destination.numel(), path, 0, keepalive=destination, allow_short=True)
     handle.wait()
     assert request.bytes_transferred == 10000
-    assert destination[:10000].numpy().tobytes() == payload
+    assert bytes(host_memoryview(destination[:10000])) == payload
     with pytest.raises(EOFError):  # entirely past the end
         handle.submit_read(destination.data_ptr(), 10, path, 20000)
         handle.wait()
@@ -477,7 +479,7 @@ def test_injected_eio_raises_and_handle_is_reusable(disk_dir, engine_name, lanes
     assert handle.pending() == 0
     handle.submit_write(source.data_ptr(), size, path, 0, keepalive=source)  # the fault fired once
     assert handle.wait() == 1
-    assert _file_bytes(path) == source.numpy().tobytes()
+    assert _file_bytes(path) == bytes(host_memoryview(source))
     assert not engine.IoHandle().faulty  # outside the block: healthy
 
 
@@ -504,7 +506,7 @@ def test_injected_short_transfer_is_recovered(any_dir, engine_name, op, shift):
         handle = engine.IoHandle(block_size=BLOCK, queue_depth=2, engine=engine_name)
     handle.submit_write(source.data_ptr(), size, path, 4096, keepalive=source, truncate=True)
     handle.wait()
-    assert _file_bytes(path, 4096) == source.numpy().tobytes()
+    assert _file_bytes(path, 4096) == bytes(host_memoryview(source))
     _, destination = _random_aligned(size, shift, seed=9)
     handle.submit_read(destination.data_ptr(), size, path, 4096, keepalive=destination)
     handle.wait()

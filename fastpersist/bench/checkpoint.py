@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from fastpersist.tensors import host_memoryview
 from fastpersist.bench import measure, models, report
 
 __all__ = [
@@ -305,9 +306,10 @@ class SafetensorsSave(SaveMethod):
 
     def unavailable(self, ctx):
         try:
+            import numpy  # noqa: F401  (safetensors.torch converts through numpy)
             import safetensors.torch  # noqa: F401
         except ImportError as e:
-            return f"safetensors is not installed ({e})"
+            return f"safetensors (with numpy) is not installed ({e})"
         return None
 
     def save(self, state, path, ctx):
@@ -506,7 +508,7 @@ class RawWrite(SaveMethod):
                 data = t.detach().reshape(-1).view(torch.uint8)
                 if data.device.type != "cpu":
                     data = data.cpu()
-                view = memoryview(data.numpy())
+                view = host_memoryview(data.contiguous())
                 while view:
                     written = os.write(fd, view)
                     view = view[written:]

@@ -30,7 +30,7 @@ import torch
 
 from fastpersist.io import engine as engine_module
 from fastpersist.io import memory
-from fastpersist.tensors import cast_to_byte_tensor
+from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
 
 __all__ = ["AioHandle"]
 
@@ -304,7 +304,7 @@ class AioHandle:
             with open(target, "rb") as f:
                 f.seek(file_offset)
                 got = f.read(nbytes)
-        if got != expected.numpy().tobytes():
+        if got != bytes(host_memoryview(expected)):
             name = target if not isinstance(target, int) else f"<fd {target}>"
             raise IOError(f"validation failed: the {nbytes} bytes at offset {file_offset} of {name} differ from the tensor")
 
