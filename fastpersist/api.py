@@ -5,22 +5,28 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import errno
-import threading
-import zlib
 import glob
 import os
 import pickle
 import secrets
+import threading
 import warnings
+import zlib
 from typing import Any, BinaryIO, Callable
 
 import torch
 
 from fastpersist import config
-from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, FastPersistError
+from fastpersist.errors import CorruptCheckpointError, FastPersistError
 from fastpersist.format.deserializer import archive_prefix, deserialize
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
-from fastpersist.format.zipformat import MissingEndRecordError, ZipRecordInfo, check_structure, read_directory
+from fastpersist.format.zipformat import (
+    MissingEndRecordError,
+    ZipRecordInfo,
+    check_record_crc,
+    check_structure,
+    read_directory,
+)
 from fastpersist.io import engine
 from fastpersist.io.reader import FileStorageProvider, MmapStorageProvider
 from fastpersist.io.stream import write_plan_to_stream
@@ -361,7 +367,7 @@ def verify(path: str | os.PathLike[str], *, chunk_size: int = 16 << 20) -> Verif
             crc = _crc_of_range(descriptor, record, buffer, path)
             total += record.size
             if checksummed and crc != record.crc:
-                _raise_mismatch(path, record, crc)
+                check_record_crc(record, crc, path)
     return VerifyReport(path, len(records), total, checksummed)
 
 
@@ -560,16 +566,7 @@ def _record_bytes(read_at, record: ZipRecordInfo, path: str, verify: bool) -> by
 def _check_crc(path: str, record: ZipRecordInfo, data) -> None:
     crc = zlib.crc32(data)
     if crc != record.crc:
-        _raise_mismatch(path, record, crc)
-
-
-def _raise_mismatch(path: str, record: ZipRecordInfo, crc: int) -> None:
-    raise ChecksumMismatchError(
-        f"{path}: record {record.name!r} is corrupt: its CRC-32 is {crc:#010x}, the archive says "
-        f"{record.crc:#010x}. Restore the checkpoint from a good copy",
-        path=path,
-        record=record.name,
-    )
+        check_record_crc(record, crc, path)
 
 
 def _is_zip(path: str) -> bool:
@@ -650,6 +647,6 @@ def _verify_file_object(f: BinaryIO) -> None:
                                                  record=record.name)  # fmt: skip
                 crc = zlib.crc32(piece, crc)
             if crc != record.crc:
-                _raise_mismatch("<file object>", record, crc)
+                check_record_crc(record, crc, "<file object>")
     finally:
         f.seek(start)

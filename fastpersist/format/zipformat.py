@@ -28,7 +28,7 @@ import dataclasses
 import struct
 from typing import Callable, Iterable, Sequence
 
-from fastpersist.errors import CorruptCheckpointError
+from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError
 
 __all__ = [
     "PAYLOAD_ALIGNMENT",
@@ -626,3 +626,14 @@ def _last_local_header(read_at: ReadAt, file_size: int, window: int = 16 << 20) 
             position = chunk.rfind(signature, 0, position)
         end = start
     return None
+
+
+def check_record_crc(record: ZipRecordInfo, crc: int, path: str | None) -> None:
+    """Raises ChecksumMismatchError, naming the record, unless ``crc`` is the CRC-32 the archive stores for it."""
+    if crc != record.crc:
+        raise ChecksumMismatchError(
+            f"{path or 'checkpoint'}: record {record.name!r} is corrupt: its CRC-32 is {crc:#010x}, "
+            f"the archive says {record.crc:#010x}. Restore the checkpoint from a good copy",
+            path=path,
+            record=record.name,
+        )

@@ -26,8 +26,7 @@ from typing import Sequence
 import torch
 
 from fastpersist.config import Settings
-from fastpersist.errors import ChecksumMismatchError
-from fastpersist.format.zipformat import ZipRecordInfo
+from fastpersist.format.zipformat import ZipRecordInfo, check_record_crc
 from fastpersist.io import engine, memory
 from fastpersist.tensors import storage_byte_view
 
@@ -231,13 +230,7 @@ class FileStorageProvider:
         handle.submit_read(buffer.data_ptr(), window.end - window.start, self._file, window.start, buffer)
 
     def _check(self, record: ZipRecordInfo, crc: int) -> None:
-        if crc != record.crc:
-            raise ChecksumMismatchError(
-                f"{self._path}: record {record.name!r} is corrupt: its CRC-32 is {crc:#010x}, the archive says "
-                f"{record.crc:#010x}. Restore the checkpoint from a good copy",
-                path=self._path,
-                record=record.name,
-            )
+        check_record_crc(record, crc, self._path)
 
 
 class MmapStorageProvider:
@@ -258,14 +251,7 @@ class MmapStorageProvider:
     def storage(self, record: ZipRecordInfo, device: torch.device) -> torch.UntypedStorage:
         mapped = self._mapping[record.data_offset : record.data_offset + record.size]
         if self._verify:
-            crc = engine.crc32(mapped.data_ptr(), record.size) if record.size else 0
-            if crc != record.crc:
-                raise ChecksumMismatchError(
-                    f"{self._path}: record {record.name!r} is corrupt (CRC-32 {crc:#010x}, expected "
-                    f"{record.crc:#010x}). Restore the checkpoint from a good copy",
-                    path=self._path,
-                    record=record.name,
-                )
+            check_record_crc(record, engine.crc32(mapped.data_ptr(), record.size) if record.size else 0, self._path)
         if device.type == "cpu":
             return mapped
         return mapped.to(device=device)
