@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-__all__ = ["cast_to_byte_tensor", "storage_byte_view", "byte_view_to_storage", "host_memoryview"]
+__all__ = ["cast_to_byte_tensor", "storage_byte_view", "host_memoryview"]
 
 
 def storage_byte_view(storage: torch.UntypedStorage | torch.TypedStorage) -> torch.Tensor:
@@ -27,11 +27,6 @@ def storage_byte_view(storage: torch.UntypedStorage | torch.TypedStorage) -> tor
     view = torch.empty(0, dtype=torch.uint8, device=storage.device)
     view.set_(storage, 0, (storage.nbytes(),), (1,))
     return view
-
-
-def byte_view_to_storage(view: torch.Tensor) -> torch.UntypedStorage:
-    """The untyped storage behind a uint8 view made by :func:`storage_byte_view`."""
-    return view.untyped_storage()
 
 
 def cast_to_byte_tensor(tensor: torch.Tensor) -> torch.Tensor:

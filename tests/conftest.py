@@ -7,6 +7,7 @@ runs minutes. Each is skipped, never passed, where the machine lacks it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -67,16 +68,32 @@ def any_dir(request, tmp_path):
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def small_tmpfs():
-    """A 4 MiB tmpfs mount, to provoke ENOSPC. Needs root and mount(8)."""
+@contextlib.contextmanager
+def mounted_tmpfs(options: str, prefix: str):
+    """A tmpfs mounted with ``options`` on a fresh directory; skips without root or mount(8)."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root and mount(8) for a size-limited tmpfs")
-    path = tempfile.mkdtemp(prefix="fastpersist-enospc-")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", path], capture_output=True, text=True)
+        pytest.skip("needs root and mount(8) for a tmpfs of its own")
+    path = tempfile.mkdtemp(prefix=prefix)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path], capture_output=True, text=True)
     if result.returncode != 0:
         os.rmdir(path)
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    yield path
-    subprocess.run(["umount", "-l", path], capture_output=True)
-    shutil.rmtree(path, ignore_errors=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], capture_output=True)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_tmpfs():
+    """A 4 MiB tmpfs mount, to provoke ENOSPC. Needs root and mount(8)."""
+    with mounted_tmpfs("size=4m", "fastpersist-enospc-") as path:
+        yield path
+
+
+@pytest.fixture
+def readonly_tmpfs():
+    """A read-only tmpfs mount (EROFS on any write). Needs root and mount(8)."""
+    with mounted_tmpfs("ro,size=1m", "fastpersist-ro-") as path:
+        yield path

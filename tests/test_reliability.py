@@ -171,21 +171,6 @@ def test_parent_directory_missing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.fixture
-def readonly_tmpfs():
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root and mount(8)")
-    path = tempfile.mkdtemp(prefix="fastpersist-ro-")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", path], capture_output=True, text=True)
-    if result.returncode != 0:
-        os.rmdir(path)
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    yield path
-    subprocess.run(["umount", "-l", path], capture_output=True)
-    os.rmdir(path)
-
-
-@pytest.mark.root
 def test_read_only_filesystem(readonly_tmpfs):
     target = os.path.join(readonly_tmpfs, "ckpt.pt")
     with pytest.raises(OSError, match="read-only") as info:

@@ -100,10 +100,6 @@ class SavePlan:
     def storages(self) -> tuple[StorageRecord, ...]:
         return tuple(r for r in self.records if isinstance(r, StorageRecord))
 
-    @property
-    def storage_bytes(self) -> int:
-        return sum(r.entry.size for r in self.storages)
-
     def devices(self) -> set[torch.device]:
         return {r.device for r in self.storages}
 
