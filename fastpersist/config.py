@@ -42,6 +42,7 @@ __all__ = [
     "save_file",
     "environment_variable",
     "describe",
+    "split_overrides",
 ]
 
 ENGINES = ("auto", "io_uring", "threads")
@@ -109,6 +110,24 @@ def describe() -> list[tuple[str, str, Any, str]]:
     source = inspect.getsource(Settings)
     docs = dict(re.findall(r"^\s+(\w+): [^\n]+\n\s+\"\"\"(.+?)\"\"\"", source, re.M))
     return [(n, environment_variable(n), getattr(_DEFAULTS, n), docs.get(n, "")) for n in _FIELDS]
+
+
+def split_overrides(function: str, kwargs: Mapping[str, Any], allow_other: bool) -> tuple[dict, dict]:
+    """Splits a call's keyword arguments into setting overrides and the rest.
+
+    Raises:
+        TypeError: ``allow_other`` is False and a keyword is not a setting name
+            (the message lists the settings), as Python does for unknown keywords.
+    """
+    overrides = {k: v for k, v in kwargs.items() if k in _FIELDS}
+    other = {k: v for k, v in kwargs.items() if k not in _FIELDS}
+    if other and not allow_other:
+        name = next(iter(other))
+        raise TypeError(
+            f"{function}() got an unexpected keyword argument {name!r}; "
+            f"fastpersist settings are: {', '.join(sorted(_FIELDS))}"
+        )
+    return overrides, other
 
 
 def _check_name(name: str) -> None:

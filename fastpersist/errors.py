@@ -17,6 +17,7 @@ __all__ = [
     "CorruptCheckpointError",
     "ChecksumMismatchError",
     "UnsupportedObjectError",
+    "TruncatedCheckpointError",
 ]
 
 
@@ -52,3 +53,8 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class UnsupportedObjectError(FastPersistError, TypeError):
     """The object to save contains something fastpersist cannot serialize."""
+
+
+class TruncatedCheckpointError(CorruptCheckpointError, EOFError):
+    """A file that ends too early; still an EOFError, which torch.load raised for it."""
+

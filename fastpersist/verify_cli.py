@@ -38,17 +38,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(path: str, require_checksums: bool) -> tuple[int, dict]:
-    from fastpersist import api
+    from fastpersist import loading, verification
     from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError
 
     result: dict = {"path": path}
     try:
         with open(path, "rb") as handle:
             head = handle.read(512)
-        if head[:4] != b"PK\x03\x04" and api._is_legacy_torch_file(head):
+        if head[:4] != b"PK\x03\x04" and loading._is_legacy_torch_file(head):
             result.update(status="error", error="a legacy (pre-1.6) torch file: it has no checksums to verify")
             return EXIT_ERROR, result
-        report = api.verify(path)
+        report = verification.verify(path)
     except (ChecksumMismatchError, CorruptCheckpointError) as e:
         kind = "checksum" if isinstance(e, ChecksumMismatchError) else "structure"
         result.update(status="corrupt", kind=kind, record=e.record, error=str(e))

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist import api, cli
+from fastpersist import cli, commit
 from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedObjectError
 from fastpersist.format.zipformat import check_structure, read_directory
 
@@ -304,7 +304,7 @@ def test_interrupted_save_removes_its_temporary(tmp_path, monkeypatch):
         file.allocate(0, plan.size)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(api, "write_plan", interrupted)
+    monkeypatch.setattr(commit, "write_plan", interrupted)
     with pytest.raises(KeyboardInterrupt):
         fastpersist.save({"new": torch.ones(10)}, path)
     assert temporaries(tmp_path) == [] and same(old, fastpersist.load(path, verify=True))

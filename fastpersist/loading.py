@@ -1,0 +1,254 @@
+"""``load``: the drop-in replacement for ``torch.load``."""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import warnings
+import zlib
+from typing import Any, BinaryIO, Callable
+
+import torch
+
+from fastpersist import config
+from fastpersist.errors import CorruptCheckpointError, FastPersistError, TruncatedCheckpointError
+from fastpersist.format.deserializer import archive_prefix, deserialize
+from fastpersist.format.zipformat import (
+    MissingEndRecordError,
+    ZipRecordInfo,
+    check_record_crc,
+    check_structure,
+    read_directory,
+)
+from fastpersist.io import engine
+from fastpersist.io.reader import FileStorageProvider, MmapStorageProvider
+from fastpersist.verification import has_checksums, verify_file_object
+
+__all__ = ["load"]
+
+
+def _resolve_weights_only(weights_only: bool | None, pickle_module: Any) -> bool:
+    """torch.load's rules: default True, the TORCH_FORCE_*WEIGHTS_ONLY_LOAD variables."""
+    from torch.serialization import _default_to_weights_only
+
+    explicit = weights_only is not None
+    if weights_only is None:
+        weights_only = _default_to_weights_only(pickle_module)
+    truthy = ("1", "y", "yes", "true")
+    force = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in truthy
+    force_not = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in truthy
+    if force and force_not:
+        raise RuntimeError(
+            "Only one of `TORCH_FORCE_WEIGHTS_ONLY_LOAD` or `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` should be set, but both were set."
+        )
+    if force:
+        return True
+    if force_not and not explicit:
+        return False
+    if weights_only and pickle_module is not None:
+        raise RuntimeError(
+            "Can not safely load weights when explicit pickle_module is specified (as torch.load says)"
+        )
+    return bool(weights_only)
+
+
+def load(
+    f: str | os.PathLike[str] | BinaryIO,
+    map_location: Any = None,
+    pickle_module: Any = None,
+    *,
+    weights_only: bool | None = None,
+    mmap: bool | None = None,
+    verify: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Loads a checkpoint like ``torch.load``, reading storages in parallel with O_DIRECT.
+
+    Reads any torch.save zip file (any alignment) as well as fastpersist's.
+    CPU tensors land in page-aligned memory that becomes their storage; CUDA
+    targets are streamed through page-locked buffers straight to the device.
+
+    Args:
+        f: a path, or a readable binary file object (handled by torch.load).
+        map_location: as torch.load (str, torch.device, dict or callable).
+        pickle_module: as torch.load (only with ``weights_only=False``).
+        weights_only: as torch.load (default True: torch's safe unpickler).
+        mmap: as torch.load: map the file instead of reading it.
+        verify: check every record's CRC-32 before returning. Default: the
+            ``verify`` setting (on) for paths loaded without mmap; files
+            written without checksums are then loaded unverified, silently
+            (with a warning when ``verify=True`` is passed explicitly).
+        **kwargs: ``fastpersist.config`` setting overrides; anything else is
+            passed to the unpickler, as torch.load's ``pickle_load_args``.
+
+    Raises:
+        FileNotFoundError, PermissionError, IsADirectoryError: as open().
+        CorruptCheckpointError: truncated, damaged or non-checkpoint file.
+        ChecksumMismatchError: (verify) a record's bytes do not match its CRC-32.
+        pickle.UnpicklingError: weights_only refused an object (torch's message).
+    """
+    overrides, pickle_load_args = config.split_overrides("load", kwargs, allow_other=True)
+    resolved = config.resolve(overrides)
+    # The default (the ``verify`` setting) applies to paths read in full; file objects
+    # and mmap loads are verified only when asked, since that means reading them twice.
+    explicit = verify is not None
+    if verify is None:
+        verify = resolved.verify and not mmap
+    weights_only = _resolve_weights_only(weights_only, pickle_module)
+    if mmap is None:
+        from torch.utils.serialization import config as torch_config
+
+        mmap = torch_config.load.mmap
+    if pickle_load_args and weights_only:
+        warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
+        pickle_load_args = {}
+    torch_kwargs = dict(weights_only=weights_only, mmap=mmap, **pickle_load_args)
+    if pickle_module is not None:
+        torch_kwargs["pickle_module"] = pickle_module
+    if not isinstance(f, (str, os.PathLike)):
+        if verify and explicit:
+            verify_file_object(f)
+        return torch.load(f, map_location, **torch_kwargs)
+    path = os.fspath(f)
+    if torch._guards.detect_fake_mode(None) is not None:
+        return torch.load(path, map_location, **torch_kwargs)
+    return _load_from_path(path, map_location, pickle_module, weights_only, mmap, verify, resolved, torch_kwargs,
+                           pickle_load_args, warn_unverifiable=explicit)  # fmt: skip
+
+
+def _open_records(file, path: str, verify: bool) -> tuple[dict[str, ZipRecordInfo], Callable[[int, int], bytes]]:
+    size = file.size()
+
+    def read_at(offset: int, length: int) -> bytes:
+        return os.pread(file.fd, length, offset)
+
+    # Verifying also checks the bytes no CRC covers (headers, descriptors, end records).
+    parse = check_structure if verify else read_directory
+    return {r.name: r for r in parse(read_at, size, path)}, read_at
+
+
+_LEGACY_MAGIC = b"\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"  # pickled 0x1950a86a20f9469cfc6c, torch's legacy mark
+
+
+def _is_legacy_torch_file(head: bytes) -> bool:
+    """A pre-1.6 torch file: a pickle that starts with torch's magic number, or the older tar format."""
+    return (head[:1] == b"\x80" and head[2:14] == _LEGACY_MAGIC) or head[257:262] == b"ustar"
+
+
+def _load_with_torch(path: str, map_location, torch_kwargs: dict) -> Any:
+    """torch.load for files that are not zip archives (legacy format), with clearer errors for damaged ones."""
+    with open(path, "rb") as handle:
+        head = handle.read(512)
+    if not head:
+        raise TruncatedCheckpointError(
+            f"{path} is empty (0 bytes): it is not a checkpoint. An interrupted copy or a save by a tool "
+            "without atomic commit leaves such files; restore it from a good copy", path=path,
+        )  # fmt: skip
+    legacy = _is_legacy_torch_file(head)
+    if not legacy:
+        _raise_if_damaged_zip(path)
+    try:
+        return torch.load(path, map_location, **torch_kwargs)
+    except (pickle.UnpicklingError, OSError, FastPersistError, MemoryError):
+        raise
+    except Exception as e:
+        # A real legacy file may fail for reasons of its own (map_location, user
+        # classes): those errors stay torch's. A file that is not one lets torch's
+        # legacy reader surface garbage as IndexError, KeyError, "Invalid magic
+        # number"...; say what it means instead. EOFError always means truncation.
+        if legacy and not isinstance(e, EOFError):
+            raise
+        kind = TruncatedCheckpointError if isinstance(e, EOFError) else CorruptCheckpointError
+        what = "a truncated legacy torch file" if legacy else "neither a zip checkpoint nor a legacy torch file"
+        raise kind(
+            f"{path} is {what} ({type(e).__name__}: {e}); the file is damaged or not a checkpoint: "
+            "restore it from a good copy", path=path,
+        ) from e  # fmt: skip
+
+
+def _raise_if_damaged_zip(path: str) -> None:
+    """A zip archive whose first bytes are damaged is not a legacy file: say so rather than unpickle it."""
+    with open(path, "rb") as handle:
+        descriptor = handle.fileno()
+        try:
+            records = read_directory(lambda o, n: os.pread(descriptor, n, o), os.fstat(descriptor).st_size, path)
+        except MissingEndRecordError:
+            if os.pread(descriptor, 2, 0) == b"PK":
+                raise  # a zip archive damaged at both ends (truncated, and a first header hit)
+            return  # not a zip archive: torch.load may know it
+    first = min(records, key=lambda r: r.header_offset).name if records else None
+    raise CorruptCheckpointError(
+        f"{path}: a zip archive whose first bytes are damaged (it does not start with a zip header); "
+        "restore it from a good copy", path=path, record=first,
+    )  # fmt: skip
+
+
+def _record_bytes(read_at, record: ZipRecordInfo, path: str, verify: bool) -> bytes:
+    data = read_at(record.data_offset, record.size)
+    if len(data) != record.size:
+        raise CorruptCheckpointError(f"{path}: record {record.name!r} is cut short", path=path, record=record.name)
+    if verify:
+        _check_crc(path, record, data)
+    return data
+
+
+def _check_crc(path: str, record: ZipRecordInfo, data) -> None:
+    crc = zlib.crc32(data)
+    if crc != record.crc:
+        check_record_crc(record, crc, path)
+
+
+def _is_zip(path: str) -> bool:
+    with open(path, "rb") as handle:
+        return handle.read(4) == b"PK\x03\x04"
+
+
+def _load_from_path(path, map_location, pickle_module, weights_only, mmap, verify, settings, torch_kwargs,
+                    pickle_load_args, warn_unverifiable=True):  # fmt: skip
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "expected a checkpoint file, got a directory", path)
+    if not _is_zip(path):  # legacy (pre-1.6) or foreign format: torch.load knows them all
+        return _load_with_torch(path, map_location, torch_kwargs)
+    file = engine.File(path, "r", direct=settings.direct and not mmap)
+    try:
+        records, read_at = _open_records(file, path, verify)
+        names = list(records)
+        prefix = archive_prefix(names, path)
+        if prefix + "constants.pkl" in records:  # a TorchScript archive
+            return torch.load(path, map_location, **torch_kwargs)
+        if verify and not has_checksums(records.values()):
+            if warn_unverifiable:
+                warnings.warn(f"{path} was written without CRC-32 checksums; it cannot be verified", stacklevel=3)
+            verify = False
+        if verify:  # the small records nothing else reads (version, serialization id, ...)
+            for name, record in records.items():
+                if not name.startswith(prefix + "data/") and name != prefix + "data.pkl":
+                    _record_bytes(read_at, record, path, verify)
+        pickle_bytes = _record_bytes(read_at, records[prefix + "data.pkl"], path, verify)
+        byteorder = b"little"
+        if prefix + "byteorder" in records:
+            byteorder = _record_bytes(read_at, records[prefix + "byteorder"], path, verify)
+            if byteorder not in (b"little", b"big"):
+                raise CorruptCheckpointError(f"{path}: unknown byte order record {byteorder!r}", path=path)
+        storages = [r for name, r in records.items() if name.startswith(prefix + "data/")]
+        if mmap:
+            provider = MmapStorageProvider(path, file.size(), verify=verify)
+        else:
+            provider = FileStorageProvider(file, storages, settings, verify=verify, path=path)
+        try:
+            return deserialize(
+                pickle_bytes, records, prefix, provider, map_location=map_location, pickle_module=pickle_module,
+                weights_only=weights_only, byteorder=byteorder, path=path, **pickle_load_args,
+            )  # fmt: skip
+        except pickle.UnpicklingError as e:
+            if not weights_only:
+                raise
+            from torch.serialization import UNSAFE_MESSAGE
+
+            raise pickle.UnpicklingError(
+                f"Weights only load failed. {UNSAFE_MESSAGE}\nWeightsUnpickler error: {e}"
+            ) from None
+    finally:
+        file.close()
+
