@@ -683,7 +683,7 @@ def test_failed_load_does_not_poison_the_next_one(tmp_path):
 
 
 def test_verify_command_exit_codes(tmp_path, capsys):
-    from fastpersist import verify_cli
+    from fastpersist.cli import verify as verify_cli
 
     good, bad, missing = tmp_path / "good.pt", tmp_path / "bad.pt", tmp_path / "missing.pt"
     small_checkpoint(good)
@@ -718,14 +718,14 @@ def test_verify_command_exit_codes(tmp_path, capsys):
     torch.save({"a": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
     assert run(legacy)[0] == 2
     # As a program: the exit status reaches the shell.
-    result = subprocess.run([sys.executable, "-m", "fastpersist.verify_cli", str(good), str(bad)],
+    result = subprocess.run([sys.executable, "-m", "fastpersist.cli.verify", str(good), str(bad)],
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 1 and "CORRUPT" in result.stdout and "OK" in result.stdout
 
 
 def test_verify_subcommand_of_the_main_command(tmp_path):
     if "verify" not in cli.COMMANDS:
-        pytest.skip("fastpersist/cli.py does not register `verify` yet")
+        pytest.skip("fastpersist/cli does not register `verify` yet")
     good = tmp_path / "good.pt"
     small_checkpoint(good)
     result = subprocess.run([sys.executable, "-m", "fastpersist", "verify", str(good)], capture_output=True,

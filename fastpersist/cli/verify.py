@@ -9,8 +9,8 @@ damaged record is named), 2 for a usage error or a file that cannot be read
 or checked (missing, a directory, a legacy pre-1.6 torch file). With several
 files the highest status wins.
 
-Registered as a subcommand of ``fastpersist`` (``fastpersist/cli.py``); also
-runs on its own as ``python -m fastpersist.verify_cli PATH...``.
+Registered as a subcommand of ``fastpersist`` (``fastpersist/cli/__init__.py``); also
+runs on its own as ``python -m fastpersist.cli.verify PATH...``.
 """
 
 from __future__ import annotations

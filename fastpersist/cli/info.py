@@ -1,80 +1,21 @@
-"""The ``fastpersist`` command line: ``fastpersist <command> [options]``.
+"""``fastpersist info``: what fastpersist would use on this machine.
 
-Commands are kept in :data:`COMMANDS`: name -> a :class:`Command`
-(``add_arguments(parser)``, ``run(args) -> exit code``, help), a plain
-``(add_arguments, run)`` tuple, or the dotted name of a module defining
-``add_arguments``, ``run`` and optionally ``HELP`` -- imported only when the
-parser is built, and left out if it cannot be imported. ``verify``
-(:mod:`fastpersist.verify_cli`) and ``tune`` (:mod:`fastpersist.bench.tune`)
-are registered that way; add more with :func:`register_command`.
-
-``fastpersist info`` reports what fastpersist would use on this machine:
-versions, I/O engines (compiled, usable, and why not), direct-I/O support of
-a directory, the memory-lock limit and CUDA devices. ``--json`` prints the
-same as one JSON document.
+Versions, I/O engines (compiled, usable, and why not), direct-I/O support of a
+directory, the memory-lock limit and CUDA devices; ``--json`` prints the same
+as one JSON document.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
-import re
-import sys
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any
 
-__all__ = ["Command", "COMMANDS", "register_command", "build_parser", "main", "collect_info"]
+__all__ = ["HELP", "add_arguments", "run", "collect_info"]
 
-
-class Command(NamedTuple):
-    """One subcommand: argument declarations, implementation and help line."""
-
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-    help: str = ""
-
-
-COMMANDS: dict[str, Union[Command, tuple, str]] = {}
-
-
-def register_command(
-    name: str,
-    add_arguments: Union[Callable[[argparse.ArgumentParser], None], str],
-    run: Optional[Callable[[argparse.Namespace], int]] = None,
-    help: str = "",  # noqa: A002 - argparse's word
-) -> None:
-    """Adds (or replaces) subcommand ``name``.
-
-    ``register_command("x", add_arguments, run, help="...")``, or
-    ``register_command("x", "package.module")`` for a module defining
-    ``add_arguments``, ``run`` and ``HELP`` (imported lazily).
-    """
-    if isinstance(add_arguments, str):
-        COMMANDS[name] = add_arguments
-    else:
-        if run is None:
-            raise TypeError("register_command needs run() when add_arguments is a function")
-        COMMANDS[name] = Command(add_arguments, run, help)
-
-
-def _resolve(entry: Union[Command, tuple, str]) -> Optional[Command]:
-    if isinstance(entry, str):
-        try:
-            module = importlib.import_module(entry)
-        except ImportError:
-            return None
-        doc = (module.__doc__ or "").strip().splitlines()
-        summary = re.sub(r"^``[^`]*``:\s*", "", doc[0]) if doc else ""
-        return Command(module.add_arguments, module.run, getattr(module, "HELP", summary))
-    if isinstance(entry, Command):
-        return entry
-    add_arguments, run = entry[0], entry[1]
-    return Command(add_arguments, run, entry[2] if len(entry) > 2 else "")
-
-
-# ----------------------------------------------------------------------------- info
+HELP = "versions, I/O engines, O_DIRECT support, memory lock limit, CUDA"
 
 
 def _fastpersist_version() -> str:
@@ -212,52 +153,15 @@ def _print_info(info: dict[str, Any]) -> None:
             print(f"  [{dev['index']}] {dev['name']}, {_limit_text(dev['memory_bytes'])}")
 
 
-def _info_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default=".", help="directory to probe for O_DIRECT support (default: current)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
 
-def _info_run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     info = collect_info(args.dir)
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=False))
     else:
         _print_info(info)
     return 0
-
-
-register_command(
-    "info", _info_arguments, _info_run, help="versions, I/O engines, O_DIRECT support, memory lock limit, CUDA"
-)
-register_command("verify", "fastpersist.verify_cli")
-register_command("tune", "fastpersist.bench.tune")
-
-
-# ----------------------------------------------------------------------------- entry point
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastpersist", description="fastpersist: fast PyTorch checkpoints")
-    sub = parser.add_subparsers(dest="command", metavar="command")
-    for name, entry in COMMANDS.items():
-        command = _resolve(entry)
-        if command is None:
-            continue
-        p = sub.add_parser(name, help=command.help, description=command.help)
-        command.add_arguments(p)
-        p.set_defaults(_run=command.run)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Runs the command line; returns the exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "_run", None) is None:
-        parser.print_help()
-        return 2
-    return int(args._run(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
