@@ -190,7 +190,7 @@ class IoHandle(_native.IoHandle):
     """Asynchronous I/O handle (see the module docstring and docs/io-engine.md).
 
     Args:
-        block_size: bytes per chunk (multiple of 4096).
+        block_size: bytes per chunk (multiple of 512; direct chunks are rounded to the file alignment).
         queue_depth: chunks each lane keeps in flight.
         single_submit: one submission system call per chunk (io_uring).
         overlap_events: reap while submitting (sliding window) instead of batch by batch.

@@ -32,6 +32,7 @@ __all__ = [
     "lease_buffers",
     "release_pooled_buffers",
     "is_locked_tensor",
+    "is_managed_locked_memory",
     "cast_to_byte_tensor",
     "PAGE_SIZE",
 ]
@@ -46,6 +47,9 @@ _warn_lock = threading.Lock()
 # free_cpu_locked_tensor and is_locked_tensor recognise them.
 _locked_registry: dict[int, bool] = {}
 _registry_lock = threading.Lock()
+# data_ptr -> nbytes of the same tensors, so that slices and views inside a
+# locked allocation are recognised too (is_managed_locked_memory).
+_locked_sizes: dict[int, int] = {}
 
 
 def _warn_unlocked(reason: str) -> None:
@@ -113,6 +117,7 @@ def new_cpu_locked_tensor(numel: int, dtype: torch.dtype = torch.uint8) -> torch
     if nbytes:
         with _registry_lock:
             _locked_registry[tensor.data_ptr()] = buffer.locked
+            _locked_sizes[tensor.data_ptr()] = nbytes
     return tensor
 
 
@@ -124,6 +129,7 @@ def free_cpu_locked_tensor(tensor: torch.Tensor) -> bool:
     Returns True if ``tensor`` was one of ours.
     """
     with _registry_lock:
+        _locked_sizes.pop(tensor.data_ptr(), None)
         return _locked_registry.pop(tensor.data_ptr(), None) is not None
 
 
@@ -131,6 +137,30 @@ def is_locked_tensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` was made by :func:`new_cpu_locked_tensor` and its memory is locked."""
     with _registry_lock:
         return bool(_locked_registry.get(tensor.data_ptr(), False))
+
+
+def is_managed_locked_memory(tensor: torch.Tensor) -> bool:
+    """Whether every byte of CPU ``tensor`` lies inside one allocation made by :func:`new_cpu_locked_tensor`.
+
+    Recognises the tensor itself and any slice or view of it (DeepNVMe's
+    pinned-tensor manager matches address ranges the same way). Allocations
+    whose ``mlock`` failed count too: they are page-aligned and managed, only
+    not locked (see :func:`is_locked_tensor`).
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+        return False
+    start = tensor.data_ptr()
+    if tensor.numel() == 0:
+        end = start
+    else:
+        # Highest byte the view can touch (torch strides are never negative).
+        span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size > 0)
+        end = start + (span + 1) * tensor.element_size()
+    with _registry_lock:
+        for base, nbytes in _locked_sizes.items():
+            if base <= start and end <= base + nbytes:
+                return True
+    return False
 
 
 def aligned_empty(nbytes: int, huge_pages: bool = True, lock: bool = False) -> torch.Tensor:
