@@ -126,9 +126,7 @@ def deepspeed_memcpy(dest: torch.Tensor, src: torch.Tensor) -> int:
     """DeepNVMe's ``deepspeed_memcpy``: copies ``src`` into ``dest`` (same number of bytes); returns 0."""
     dest_bytes, src_bytes = cast_to_byte_tensor(dest), cast_to_byte_tensor(src)
     if dest_bytes.numel() != src_bytes.numel():
-        raise ValueError(
-            f"deepspeed_memcpy: dest has {dest_bytes.numel()} bytes, src {src_bytes.numel()}"
-        )
+        raise ValueError(f"deepspeed_memcpy: dest has {dest_bytes.numel()} bytes, src {src_bytes.numel()}")
     dest_bytes.copy_(src_bytes)
     return 0
 
@@ -167,14 +165,8 @@ class UtilsBuilder(_Builder):
 class PinHandle:
     """DeepSpeed's ``pin_handle``: locked CPU tensors from the process-wide registry that AioHandle shares."""
 
-    def new_cpu_locked_tensor(
-        self, num_elem: int, example_tensor: Any = None
-    ) -> torch.Tensor:
-        dtype = (
-            example_tensor.dtype
-            if isinstance(example_tensor, torch.Tensor)
-            else (example_tensor or torch.uint8)
-        )
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any = None) -> torch.Tensor:
+        dtype = example_tensor.dtype if isinstance(example_tensor, torch.Tensor) else (example_tensor or torch.uint8)
         return memory.new_cpu_locked_tensor(num_elem, dtype)
 
     def free_cpu_locked_tensor(self, locked_tensor: torch.Tensor) -> bool:

@@ -71,14 +71,10 @@ def _async_flag(async_op: bool | None, kwargs: dict[str, Any], method: str) -> b
     """Resolves DeepNVMe's ``async`` keyword (a Python keyword, so it comes through ``**kwargs``)."""
     unknown = sorted(set(kwargs) - {"async"})
     if unknown:
-        raise TypeError(
-            f"{method}() got unexpected keyword argument(s): {', '.join(unknown)}"
-        )
+        raise TypeError(f"{method}() got unexpected keyword argument(s): {', '.join(unknown)}")
     if "async" in kwargs:
         if async_op is not None and bool(async_op) != bool(kwargs["async"]):
-            raise TypeError(
-                f"{method}() got both async_op={async_op} and async={kwargs['async']}; pass one"
-            )
+            raise TypeError(f"{method}() got both async_op={async_op} and async={kwargs['async']}; pass one")
         return bool(kwargs["async"])
     return bool(async_op)
 
@@ -88,18 +84,12 @@ def _resolve_target(filename: Any, fd: int | None, method: str) -> PathOrFd:
         if filename is not None:
             raise TypeError(f"{method}() takes either filename or fd, not both")
         if not isinstance(fd, int) or isinstance(fd, bool):
-            raise TypeError(
-                f"{method}(): fd must be an int file descriptor, got {type(fd).__name__}"
-            )
+            raise TypeError(f"{method}(): fd must be an int file descriptor, got {type(fd).__name__}")
         return fd
     if filename is None:
-        raise TypeError(
-            f"{method}() needs filename (a path) or fd (an open file descriptor)"
-        )
+        raise TypeError(f"{method}() needs filename (a path) or fd (an open file descriptor)")
     if isinstance(filename, bool):
-        raise TypeError(
-            f"{method}(): filename must be a path or an int file descriptor, got a bool"
-        )
+        raise TypeError(f"{method}(): filename must be a path or an int file descriptor, got a bool")
     return filename if isinstance(filename, int) else os.fspath(filename)
 
 
@@ -170,9 +160,7 @@ class AioHandle:
         cuda_chunks: int = _DEFAULT_RING_SLOTS,
     ) -> None:
         if cuda_chunk_bytes < 4096 or cuda_chunk_bytes % 4096:
-            raise ValueError(
-                f"cuda_chunk_bytes must be a positive multiple of 4096, got {cuda_chunk_bytes}"
-            )
+            raise ValueError(f"cuda_chunk_bytes must be a positive multiple of 4096, got {cuda_chunk_bytes}")
         if cuda_chunks < 1:
             raise ValueError(f"cuda_chunks must be >= 1, got {cuda_chunks}")
         try:
@@ -235,9 +223,7 @@ class AioHandle:
         return self._handle.direct
 
     # ------------------------------------------------------------------ memory
-    def new_cpu_locked_tensor(
-        self, num_elem: int, example_tensor: Any = None, **kwargs: Any
-    ) -> torch.Tensor:
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any = None, **kwargs: Any) -> torch.Tensor:
         """A page-locked CPU tensor of ``num_elem`` elements with the dtype of ``example_tensor``.
 
         ``example_tensor`` may be a tensor (DeepNVMe's signature) or a dtype;
@@ -245,14 +231,10 @@ class AioHandle:
         """
         if "example_tenosr" in kwargs:
             if example_tensor is not None:
-                raise TypeError(
-                    "new_cpu_locked_tensor() got both example_tensor and example_tenosr"
-                )
+                raise TypeError("new_cpu_locked_tensor() got both example_tensor and example_tenosr")
             example_tensor = kwargs.pop("example_tenosr")
         if kwargs:
-            raise TypeError(
-                f"new_cpu_locked_tensor() got unexpected keyword argument(s): {', '.join(sorted(kwargs))}"
-            )
+            raise TypeError(f"new_cpu_locked_tensor() got unexpected keyword argument(s): {', '.join(sorted(kwargs))}")
         if example_tensor is None:
             dtype = torch.uint8
         elif isinstance(example_tensor, torch.Tensor):
@@ -260,9 +242,7 @@ class AioHandle:
         elif isinstance(example_tensor, torch.dtype):
             dtype = example_tensor
         else:
-            raise TypeError(
-                f"example_tensor must be a tensor or a torch.dtype, got {type(example_tensor).__name__}"
-            )
+            raise TypeError(f"example_tensor must be a tensor or a torch.dtype, got {type(example_tensor).__name__}")
         return memory.new_cpu_locked_tensor(num_elem, dtype)
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
@@ -288,9 +268,7 @@ class AioHandle:
         truncate: bool = False,
     ) -> int:
         """Writes ``buffer`` and waits; returns 1 (this call's operation)."""
-        return self.pwrite(
-            buffer, filename, False, False, file_offset, fd=fd, truncate=truncate
-        )
+        return self.pwrite(buffer, filename, False, False, file_offset, fd=fd, truncate=truncate)
 
     def async_pwrite(
         self,
@@ -302,9 +280,7 @@ class AioHandle:
         truncate: bool = False,
     ) -> int:
         """Starts writing ``buffer`` to a path or a descriptor (``fd=`` or positional int); returns 0. Call :meth:`wait`."""
-        return self.pwrite(
-            buffer, filename, False, True, file_offset, fd=fd, truncate=truncate
-        )
+        return self.pwrite(buffer, filename, False, True, file_offset, fd=fd, truncate=truncate)
 
     def pwrite(
         self,
@@ -341,9 +317,7 @@ class AioHandle:
         """
         async_op = _async_flag(async_op, kwargs, "pwrite")
         target = _resolve_target(filename, fd, "pwrite")
-        return self._transfer(
-            True, buffer, target, validate, async_op, file_offset, truncate
-        )
+        return self._transfer(True, buffer, target, validate, async_op, file_offset, truncate)
 
     def write(
         self,
@@ -405,9 +379,7 @@ class AioHandle:
         """
         async_op = _async_flag(async_op, kwargs, "pread")
         target = _resolve_target(filename, fd, "pread")
-        return self._transfer(
-            False, buffer, target, validate, async_op, file_offset, False
-        )
+        return self._transfer(False, buffer, target, validate, async_op, file_offset, False)
 
     def read(
         self,
@@ -474,24 +446,16 @@ class AioHandle:
         truncate: bool,
     ) -> int:
         if not isinstance(buffer, torch.Tensor):
-            raise TypeError(
-                f"buffer must be a torch.Tensor, got {type(buffer).__name__}"
-            )
+            raise TypeError(f"buffer must be a torch.Tensor, got {type(buffer).__name__}")
         if file_offset < 0:
             raise ValueError(f"file_offset must be >= 0, got {file_offset}")
         data = cast_to_byte_tensor(buffer)
         device = data.device.type
         if device == "cpu":
-            return self._cpu_transfer(
-                write, data, target, validate, async_op, file_offset, truncate
-            )
+            return self._cpu_transfer(write, data, target, validate, async_op, file_offset, truncate)
         if device == "cuda":
-            return self._cuda_transfer(
-                write, data, target, validate, async_op, file_offset, truncate
-            )
-        raise ValueError(
-            f"AioHandle supports CPU and CUDA tensors, got a tensor on {data.device}"
-        )
+            return self._cuda_transfer(write, data, target, validate, async_op, file_offset, truncate)
+        raise ValueError(f"AioHandle supports CPU and CUDA tensors, got a tensor on {data.device}")
 
     def _submit(
         self,
@@ -514,9 +478,7 @@ class AioHandle:
                 truncate=truncate,
                 detached=detached,
             )
-        return self._handle.submit_read(
-            ptr, nbytes, target, offset, keepalive=keepalive, detached=detached
-        )
+        return self._handle.submit_read(ptr, nbytes, target, offset, keepalive=keepalive, detached=detached)
 
     def _cpu_transfer(
         self,
@@ -544,13 +506,9 @@ class AioHandle:
                     False,
                 )
                 if validate:
-                    self._actions.append(
-                        lambda: self._validate(data, target, file_offset)
-                    )
+                    self._actions.append(lambda: self._validate(data, target, file_offset))
             return 0
-        request = self._submit(
-            write, data.data_ptr(), nbytes, target, file_offset, data, truncate, True
-        )
+        request = self._submit(write, data.data_ptr(), nbytes, target, file_offset, data, truncate, True)
         self._handle.wait_request(request)
         if validate:
             self._validate(data, target, file_offset)
@@ -570,17 +528,20 @@ class AioHandle:
         if isinstance(target, int):
             file, close = target, None
         else:
-            file = engine_module.File(
-                target, "w" if write else "r", direct=self._handle.direct
-            )
+            file = engine_module.File(target, "w" if write else "r", direct=self._handle.direct)
             close = file.close
+        # Everything the caller queued on its current stream so far (the kernels
+        # producing `data`, or still reading it) comes before our copies, even
+        # when the job runs later in the worker thread.
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(data.device))
 
         def job() -> None:
             try:
                 if write:
-                    self._ring_write(data, file, file_offset, truncate)
+                    self._ring_write(data, file, file_offset, truncate, ready)
                 else:
-                    self._ring_read(data, file, file_offset)
+                    self._ring_read(data, file, file_offset, ready)
             finally:
                 if close is not None:
                     close()
@@ -597,16 +558,12 @@ class AioHandle:
     def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
         # Called with self._lock held. A fork leaves the parent's worker thread behind: start a new one.
         if self._executor is None or self._executor_pid != os.getpid():
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="fastpersist-aio"
-            )
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastpersist-aio")
             self._executor_pid = os.getpid()
         return self._executor
 
     def _side_stream(self, device: torch.device) -> Any:
-        index = (
-            device.index if device.index is not None else torch.cuda.current_device()
-        )
+        index = device.index if device.index is not None else torch.cuda.current_device()
         with self._lock:
             stream = self._streams.get(index)
             if stream is None:
@@ -619,7 +576,12 @@ class AioHandle:
         return chunk, min(self._ring_slots, len(pieces)), pieces
 
     def _ring_write(
-        self, data: torch.Tensor, file: Any, file_offset: int, truncate: bool
+        self,
+        data: torch.Tensor,
+        file: Any,
+        file_offset: int,
+        truncate: bool,
+        ready: Any,
     ) -> None:
         nbytes = data.numel()
         if nbytes == 0:
@@ -629,7 +591,7 @@ class AioHandle:
         stream = self._side_stream(data.device)
         chunk, slots, pieces = self._ring_geometry(nbytes)
         # The caller's kernels that produce `data` run on its current stream.
-        stream.wait_stream(torch.cuda.current_stream(data.device))
+        stream.wait_event(ready)
         with memory.lease_buffers(slots, chunk) as ring:
             events = [torch.cuda.Event() for _ in range(slots)]
             in_flight: list[Any] = [None] * slots
@@ -641,9 +603,7 @@ class AioHandle:
                         request, in_flight[i] = in_flight[i], None
                         self._handle.wait_request(request)
                     with torch.cuda.stream(stream):
-                        ring[i][:length].copy_(
-                            data[off : off + length], non_blocking=True
-                        )
+                        ring[i][:length].copy_(data[off : off + length], non_blocking=True)
                         events[i].record(stream)
                     events[i].synchronize()
                     last = off + length == nbytes
@@ -664,14 +624,14 @@ class AioHandle:
         if error is not None:
             raise error
 
-    def _ring_read(self, data: torch.Tensor, file: Any, file_offset: int) -> None:
+    def _ring_read(self, data: torch.Tensor, file: Any, file_offset: int, ready: Any) -> None:
         nbytes = data.numel()
         if nbytes == 0:
             return
         stream = self._side_stream(data.device)
         chunk, slots, pieces = self._ring_geometry(nbytes)
         # Do not overwrite `data` while the caller's queued kernels may still read it.
-        stream.wait_stream(torch.cuda.current_stream(data.device))
+        stream.wait_event(ready)
         with memory.lease_buffers(slots, chunk) as ring:
             events = [torch.cuda.Event() for _ in range(slots)]
             in_flight: list[Any] = [None] * slots
@@ -694,15 +654,11 @@ class AioHandle:
                     request, in_flight[i] = in_flight[i], None
                     self._handle.wait_request(request)
                     with torch.cuda.stream(stream):
-                        data[off : off + length].copy_(
-                            ring[i][:length], non_blocking=True
-                        )
+                        data[off : off + length].copy_(ring[i][:length], non_blocking=True)
                         events[i].record(stream)
                     following = k + slots
                     if following < len(pieces):
-                        events[
-                            i
-                        ].synchronize()  # the chunk left the ring slot; refill it
+                        events[i].synchronize()  # the chunk left the ring slot; refill it
                         off2, length2 = pieces[following]
                         in_flight[i] = self._submit(
                             False,
@@ -721,9 +677,7 @@ class AioHandle:
         if error is not None:
             raise error
 
-    def _drain(
-        self, in_flight: list[Any], error: BaseException | None
-    ) -> BaseException | None:
+    def _drain(self, in_flight: list[Any], error: BaseException | None) -> BaseException | None:
         """Waits for every request still in flight (ring buffers go back only then); keeps the first error."""
         for i, request in enumerate(in_flight):
             if request is None:

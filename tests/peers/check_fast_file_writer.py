@@ -27,19 +27,14 @@ def _state(device):
         "empty": torch.empty(0),
         "meta": {"step": 7, "name": "x"},
     }
-    return {
-        k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-        for k, v in state.items()
-    }
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
 
 
 def _equal(a, b):
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, torch.Tensor):
-        return (
-            a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
-        )
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
     return a == b
 
 
@@ -64,14 +59,8 @@ def test_builder_is_fastpersist():
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("double_buffer", [True, False])
 @pytest.mark.parametrize("intra_op_parallelism", [1, 2])
-def test_torch_save_through_fast_file_writer(
-    tmp_path, device, double_buffer, intra_op_parallelism
-):
-    handle = (
-        AsyncIOBuilder()
-        .load(verbose=False)
-        .aio_handle(1 << 20, 8, False, False, intra_op_parallelism)
-    )
+def test_torch_save_through_fast_file_writer(tmp_path, device, double_buffer, intra_op_parallelism):
+    handle = AsyncIOBuilder().load(verbose=False).aio_handle(1 << 20, 8, False, False, intra_op_parallelism)
     use_cuda_pinned = get_accelerator().device_name() == "cuda"
     pinned = _pinned(handle, use_cuda_pinned)
     path = tmp_path / "ckpt.pt"

@@ -9,9 +9,7 @@ import os
 
 
 def pytest_addoption(parser):
-    parser.addoption(
-        "--fp-json", default=None, help="write a JSON summary of the run to this path"
-    )
+    parser.addoption("--fp-json", default=None, help="write a JSON summary of the run to this path")
 
 
 _records = []
