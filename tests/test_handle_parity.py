@@ -493,3 +493,17 @@ def test_cuda_concurrent_blocking_calls(disk_dir):
         t.join()
     assert results == {i: (1, 1, True) for i in range(3)}
     assert h.wait() == 0
+
+
+def test_repr_of_a_failed_construction_does_not_crash():
+    # pytest shows `self = repr(...)` of every frame of a failing test; a handle
+    # whose native construction failed used to crash the interpreter there.
+    from fastpersist.io import engine
+
+    with pytest.raises(ValueError) as info:
+        engine.IoHandle(block_size=100)
+    tb = info.value.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    half_made = tb.tb_frame.f_locals.get("self")
+    assert "construction failed" in repr(half_made)

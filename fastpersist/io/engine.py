@@ -232,6 +232,14 @@ class IoHandle(_native.IoHandle):
             )
         except _native.EngineUnavailableError as e:
             raise EngineUnavailableError(str(e)) from None
+        self._constructed = True
+
+    def __repr__(self) -> str:
+        # A failed __init__ leaves no native object behind; pytest and debuggers
+        # call repr() on it while showing the traceback (the native repr would crash).
+        if not self.__dict__.get("_constructed", False):
+            return "<fastpersist IoHandle (construction failed)>"
+        return super().__repr__()
 
 
 def make_handle(settings: Any = None, **overrides: Any) -> IoHandle:
