@@ -507,3 +507,39 @@ def test_repr_of_a_failed_construction_does_not_crash():
         tb = tb.tb_next
     half_made = tb.tb_frame.f_locals.get("self")
     assert "construction failed" in repr(half_made)
+
+
+def test_validate_through_a_write_only_direct_fd(disk_dir):
+    h = AioHandle()
+    path = os.path.join(disk_dir, "v.bin")
+    data = h.new_cpu_locked_tensor(8192, torch.uint8)
+    data.copy_(_payload(8192, seed=8))
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | getattr(os, "O_DIRECT", 0), 0o644)
+    try:
+        assert h.pwrite(data, fd=fd, validate=True) == 1
+        assert h.pwrite(data, fd=fd, validate=True, file_offset=8192, **{"async": True}) == 0
+        assert h.wait() == 1
+    finally:
+        os.close(fd)
+        h.free_cpu_locked_tensor(data)
+    assert _read(path) == _bytes(data) * 2
+
+
+def test_native_detached_requests_are_not_seen_by_wait(disk_dir):
+    from fastpersist.io import engine
+
+    handle = engine.IoHandle(block_size=4096, queue_depth=4, intra_op_parallelism=2)
+    good = torch.zeros(1 << 16, dtype=torch.uint8)
+    short_path = os.path.join(disk_dir, "short")
+    with open(short_path, "wb") as f:
+        f.write(b"y" * 10)
+    detached = handle.submit_read(good.data_ptr(), good.numel(), short_path, keepalive=good, detached=True)
+    attached = handle.submit_write(good.data_ptr(), good.numel(), os.path.join(disk_dir, "w"), keepalive=good)
+    assert handle.wait() == 1  # the attached write only; the detached failure is not raised here
+    assert attached.done
+    with pytest.raises(EOFError):
+        handle.wait_request(detached)
+    assert detached.done and detached.failed
+    ok = handle.submit_write(good.data_ptr(), good.numel(), os.path.join(disk_dir, "w2"), keepalive=good, detached=True)
+    assert handle.wait_request(ok) == 1
+    assert handle.wait() == 0 and handle.pending() == 0

@@ -693,7 +693,10 @@ class AioHandle:
         expected = data.cpu() if data.device.type != "cpu" else data
         nbytes = expected.numel()
         if isinstance(target, int):
-            got = os.pread(target, nbytes, file_offset)
+            # Through a fresh read-only description: the caller's fd may be write-only or O_DIRECT.
+            with open(f"/proc/self/fd/{target}", "rb") as f:
+                f.seek(file_offset)
+                got = f.read(nbytes)
         else:
             with open(target, "rb") as f:
                 f.seek(file_offset)
