@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from fastpersist.bench import checkpoint, measure, models, report
+from fastpersist.bench.methods import fastpersist_methods, torch_baselines
 
 _WARM = measure.CacheDropper(enabled=False)  # tests that need no cold reads skip the (slow) cache drop
 BASELINE_METHODS = "torch.save,torch.save-fast,safetensors,dcp,torch.load,torch.load-mmap,safetensors.load,dcp.load"
 
 
 def _fastpersist_ready() -> bool:
-    return checkpoint.FastpersistSave().unavailable(checkpoint.BenchContext()) is None
+    return fastpersist_methods.FastpersistSave().unavailable(checkpoint.BenchContext()) is None
 
 
 # ----------------------------------------------------------------------------- catalogue
@@ -165,7 +166,7 @@ def test_verify_state_reports_the_first_difference():
     assert "missing" in checkpoint.verify_state(expected, models.flatten_state(missing))
 
 
-class _CorruptingTorchSave(checkpoint.TorchSave):
+class _CorruptingTorchSave(torch_baselines.TorchSave):
     """torch.save, then one flipped byte in the middle of a tensor payload (torch.load does not check CRCs)."""
 
     name = "corrupting-torch.save"
@@ -186,7 +187,7 @@ class _CorruptingTorchSave(checkpoint.TorchSave):
         return {}
 
 
-class _CorruptingLoad(checkpoint.TorchLoad):
+class _CorruptingLoad(torch_baselines.TorchLoad):
     name = "corrupting-torch.load"
     label = "torch.load that damages a tensor"
 
@@ -199,14 +200,14 @@ class _CorruptingLoad(checkpoint.TorchLoad):
 def test_a_corrupted_file_or_load_is_reported_failed_not_timed(tmp_path):
     state = models.build_state("toy")
 
-    class ReadsCorrupted(checkpoint.TorchLoad):
+    class ReadsCorrupted(torch_baselines.TorchLoad):
         name = "reads-corrupted"
         source = "corrupting-torch.save"
 
     results = checkpoint.run_benchmark(
         state,
-        [checkpoint.TorchSave(), _CorruptingTorchSave()],
-        [checkpoint.TorchLoad(), _CorruptingLoad(), ReadsCorrupted()],
+        [torch_baselines.TorchSave(), _CorruptingTorchSave()],
+        [torch_baselines.TorchLoad(), _CorruptingLoad(), ReadsCorrupted()],
         str(tmp_path),
         repeats=2,
         warmup=0,
@@ -245,13 +246,13 @@ def test_a_corrupted_file_or_load_is_reported_failed_not_timed(tmp_path):
 
 
 def test_a_method_that_raises_is_failed_and_its_loads_skipped(tmp_path):
-    class Broken(checkpoint.TorchSave):
+    class Broken(torch_baselines.TorchSave):
         name = "broken"
 
         def save(self, state, path, ctx):
             raise OSError(28, "No space left on device")
 
-    class ReadsBroken(checkpoint.TorchLoad):
+    class ReadsBroken(torch_baselines.TorchLoad):
         name = "reads-broken"
         source = "broken"
 
@@ -331,7 +332,7 @@ def test_training_state_round_trips_through_every_baseline(tmp_path):
 
 def test_a_load_without_its_save_runs_that_save_untimed(tmp_path):
     results = checkpoint.run_benchmark(
-        models.build_state("toy"), [], [checkpoint.TorchLoad()], str(tmp_path), repeats=1, warmup=0
+        models.build_state("toy"), [], [torch_baselines.TorchLoad()], str(tmp_path), repeats=1, warmup=0
     )
     helper, load = results
     assert helper.name == "torch.save" and not helper.timed and helper.status == "ok"
@@ -425,7 +426,7 @@ def test_cuda_state_round_trips_through_every_method(tmp_path):
 
 
 def test_keyboard_interrupt_removes_the_temporary_directory(tmp_path, monkeypatch, capsys):
-    class Interrupting(checkpoint.TorchSave):
+    class Interrupting(torch_baselines.TorchSave):
         name = "interrupting"
 
         def save(self, state, path, ctx):
