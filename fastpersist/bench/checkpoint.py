@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
+from fastpersist import config
 from fastpersist.bench import measure, models, report
 from fastpersist.bench.methods import LOAD_METHODS, SAVE_METHODS, BenchContext, LoadMethod, SaveMethod, register
 from fastpersist.bench.runner import MethodResult, run_benchmark, verify_state
@@ -183,7 +184,6 @@ def _parse_fp_settings(items: Sequence[str]) -> dict[str, Any]:
         key, value = item.split("=", 1)
         values[key.strip()] = value.strip()
     if values:
-        from fastpersist import config
 
         config.settings().replace(**values)  # validates names and values (raises ConfigError)
     return values
@@ -305,7 +305,6 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
     except Exception as e:  # ConfigError
         parser.error(str(e))
     if args.config:
-        from fastpersist import config
 
         try:
             config.load_file(args.config)
@@ -324,7 +323,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
         dtype = models.DTYPES[args.dtype]
         layers = args.layers
         if args.size:
-            layers = models.layers_for_size(spec, models.parse_size(args.size), dtype, args.training_state)
+            layers = models.layers_for_size(spec, config.parse_size(args.size), dtype, args.training_state)
         if layers is None:
             layers = spec.default_layers if spec.default_layers is not None else spec.num_layers
         expected_bytes = models.state_bytes(spec, dtype, layers, args.training_state)
@@ -434,7 +433,6 @@ def _document(
 ) -> dict[str, Any]:
     fastpersist_settings = None
     try:
-        from fastpersist import config
 
         fastpersist_settings = config.resolve(ctx.fastpersist_overrides).as_dict()
     except Exception:

@@ -38,14 +38,17 @@ from typing import Any
 
 import torch
 
-from fastpersist.config import _coerce  # size parsing shared with the settings ("16M", "4G")
+from fastpersist.config import parse_size
 from fastpersist.io import engine, memory
 
 __all__ = ["main", "build_parser", "run"]
 
 
 def _size(text: str) -> int:
-    return _coerce("block_size", text)
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fastpersist import config
 from fastpersist.bench import measure, models
 
 __all__ = [
@@ -140,12 +141,10 @@ class FastpersistBackend(Backend):
         return self._reason
 
     def defaults(self) -> dict[str, Any]:
-        from fastpersist import config
 
         return config.settings().as_dict()
 
     def validate(self, values: dict[str, Any]) -> None:
-        from fastpersist import config
 
         config.settings().replace(**values)
 
@@ -539,7 +538,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
             raise ValueError("no CUDA device is available")
         if device.type not in ("cpu", "cuda"):
             raise ValueError("use cpu or cuda[:N]")
-        target = models.parse_size(size_text)
+        target = config.parse_size(size_text)
         spec = models.get_model(getattr(args, "model", models.DEFAULT_MODEL))
         dtype = models.DTYPES[getattr(args, "dtype", "bf16")]
         layers = models.layers_for_size(spec, target, dtype)
@@ -616,7 +615,6 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
         "elapsed_seconds": elapsed,
         "sweep": sweep_rows,
     }
-    from fastpersist import config
 
     config.save_file(out, result.recommended, measured=measured, machine=machine)
     if getattr(args, "json", None):
