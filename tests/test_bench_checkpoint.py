@@ -13,11 +13,11 @@ import zipfile
 import pytest
 import torch
 
-from fastpersist import config
+from fastpersist import config, system
 from fastpersist.bench import checkpoint, measure, models, report
 from fastpersist.bench.methods import fastpersist_methods, torch_baselines
 
-_WARM = measure.CacheDropper(enabled=False)  # tests that need no cold reads skip the (slow) cache drop
+_WARM = system.CacheDropper(enabled=False)  # tests that need no cold reads skip the (slow) cache drop
 BASELINE_METHODS = "torch.save,torch.save-fast,safetensors,dcp,torch.load,torch.load-mmap,safetensors.load,dcp.load"
 
 

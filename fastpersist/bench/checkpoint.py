@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from fastpersist import config
+from fastpersist import config, system
 from fastpersist.bench import measure, models, report
 from fastpersist.bench.methods import LOAD_METHODS, SAVE_METHODS, BenchContext, LoadMethod, SaveMethod, register
 from fastpersist.bench.runner import MethodResult, run_benchmark, verify_state
@@ -189,17 +189,6 @@ def _parse_fp_settings(items: Sequence[str]) -> dict[str, Any]:
     return values
 
 
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 class _Progress:
     """A dependency-free progress line on stderr (a line per round when stderr is not a terminal)."""
 
@@ -334,7 +323,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
     if not os.path.isdir(parent):
         print(f"error: --dir {parent} is not a directory", file=sys.stderr)
         return 2
-    fs = measure.filesystem_of(parent)
+    fs = system.filesystem_of(parent)
     outputs = len(saves) + sum(1 for m in loads if m.source not in {s.name for s in saves})
     need = int(expected_bytes * 1.05) * max(outputs, 1) * dist.world_size
     if fs.get("free_bytes") is not None and fs["free_bytes"] < need:
@@ -345,7 +334,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
             file=sys.stderr,
         )
         return 2
-    available = _available_memory()
+    available = system.available_memory()
     if available is not None and device.type == "cpu" and expected_bytes * 3 > available and dist.is_main:
         print(
             f"warning: the state ({models.format_bytes(expected_bytes)}) plus a loaded copy and a verification "
@@ -353,7 +342,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
             file=sys.stderr,
         )
 
-    dropper = measure.CacheDropper(enabled=not args.no_drop_caches)
+    dropper = system.CacheDropper(enabled=not args.no_drop_caches)
     work = None
     interrupted = False
     document: dict[str, Any] | None = None
@@ -426,7 +415,7 @@ def _document(
     tensor_count: int,
     results: list[MethodResult],
     parent: str,
-    dropper: measure.CacheDropper,
+    dropper: system.CacheDropper,
     ctx: BenchContext,
     elapsed: float,
     build_seconds: float,

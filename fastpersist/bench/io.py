@@ -12,8 +12,8 @@ Method (both tools treated alike):
   ``fallocate=native``; ``--no-fallocate`` turns it off for both), written
   sequentially, then fsync'ed; the time includes the fsync.
 * read: the file just written, read sequentially (O_DIRECT bypasses the
-  page cache; with ``--buffered`` the cache is dropped first when running as
-  root).
+  page cache; with ``--buffered`` the file's pages are dropped first, see
+  :class:`fastpersist.system.CacheDropper`).
 * the engine's source and destination buffers are allocated and touched once,
   outside the timing; each read is verified byte for byte against the source
   (outside the timing).
@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from fastpersist import system
 from fastpersist.config import parse_size
 from fastpersist.io import engine, memory
 
@@ -77,16 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _drop_caches() -> None:
-    if os.geteuid() == 0:
-        try:
-            os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-        except OSError:
-            pass
-
-
 def _engine_write(handle: Any, source: torch.Tensor, path: str, size: int, fallocate: bool, direct: bool) -> float:
     if os.path.exists(path):
         os.unlink(path)
@@ -103,7 +94,7 @@ def _engine_write(handle: Any, source: torch.Tensor, path: str, size: int, fallo
 
 def _engine_read(handle: Any, destination: torch.Tensor, path: str, size: int, direct: bool) -> float:
     if not direct:
-        _drop_caches()
+        system.CacheDropper().drop([path])
     with engine.File(path, "r", direct=direct) as f:
         start = time.perf_counter()
         handle.submit_read(destination.data_ptr(), size, f, 0, keepalive=destination)
@@ -133,7 +124,7 @@ def _fio(path: str, rw: str, args: argparse.Namespace) -> float:
         command.append("--end_fsync=1")
     else:
         if args.buffered:
-            _drop_caches()
+            system.CacheDropper().drop([path])
     if args.threads > 1:
         # One file split among the jobs, like the engine's lanes split one request.
         command[command.index(f"--size={args.size}")] = f"--size={args.size // args.threads}"
@@ -153,8 +144,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if size % 4096 or args.block_size % 4096:
         raise SystemExit("--size and --block-size must be multiples of 4096")
     use_fio = args.fio
-    if use_fio and shutil.which("fio") is None:
-        print("fio is not on PATH; running the engine only", file=sys.stderr)
+    if use_fio and system.find_fio() is None:
+        print(f"{system.FIO_INSTALL_HINT}; running the engine only", file=sys.stderr)
         use_fio = False
     handle = engine.IoHandle(
         block_size=args.block_size,

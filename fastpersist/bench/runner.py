@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fastpersist import system
 from fastpersist.bench import measure, models
 from fastpersist.bench.methods import SAVE_METHODS, BenchContext, LoadMethod, SaveMethod
 
@@ -147,7 +148,7 @@ def _rotate(items: Sequence[Any], k: int) -> list[Any]:
 
 
 def _path_bytes(path: str) -> int:
-    return sum(os.path.getsize(f) for f in measure.files_under(path))
+    return sum(os.path.getsize(f) for f in system.files_under(path))
 
 
 def _short_error(e: BaseException) -> str:
@@ -164,7 +165,7 @@ def run_benchmark(
     ctx: BenchContext | None = None,
     repeats: int = 3,
     warmup: int = 1,
-    dropper: measure.CacheDropper | None = None,
+    dropper: system.CacheDropper | None = None,
     progress: Callable[[str], None] | None = None,
     state_bytes: int | None = None,
 ) -> list[MethodResult]:
@@ -187,7 +188,7 @@ def run_benchmark(
         then the untimed helper saves, then the loads.
     """
     ctx = ctx or BenchContext()
-    dropper = dropper or measure.CacheDropper()
+    dropper = dropper or system.CacheDropper()
     progress = progress or (lambda _text: None)
     if state_bytes is None:
         state_bytes = sum(t.numel() * t.element_size() for t in models.flatten_state(state)[0].values())
@@ -237,7 +238,7 @@ def run_benchmark(
                     del loaded
                 except Exception as e:
                     problem = f"reading the file back failed: {_short_error(e)}"
-                measure.release_memory()
+                system.release_memory()
                 if problem:
                     result.fail(f"verification failed: {problem}")
                     continue
@@ -267,7 +268,7 @@ def run_benchmark(
                 except Exception as e:
                     problem = f"comparing the loaded state failed: {_short_error(e)}"
                 del loaded
-                measure.release_memory()
+                system.release_memory()
                 if problem:
                     result.fail(f"verification failed: {problem}")
                     continue
@@ -287,7 +288,7 @@ def run_benchmark(
 def _measure_save(
     method: SaveMethod, state: Any, path: str, ctx: BenchContext, result: MethodResult
 ) -> dict[str, Any] | None:
-    measure.release_memory()
+    system.release_memory()
     ctx.synchronize()
     ctx.dist.barrier()
     try:
@@ -317,7 +318,7 @@ def _measure_save(
 def _measure_load(
     method: LoadMethod, state: Any, path: str, ctx: BenchContext, result: MethodResult
 ) -> tuple[dict[str, Any] | None, Any]:
-    measure.release_memory()
+    system.release_memory()
     ctx.synchronize()
     try:
         with measure.PeakMemory() as memory:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fastpersist import config
+from fastpersist import config, system
 from fastpersist.bench import measure, models
 
 __all__ = [
@@ -251,7 +251,7 @@ def _measure_point(
     expected: dict[str, torch.Tensor],
     directory: str,
     device: torch.device,
-    dropper: measure.CacheDropper,
+    dropper: system.CacheDropper,
     index: int,
 ) -> None:
     path = os.path.join(directory, f"tune-{index}.pt")
@@ -283,7 +283,7 @@ def _measure_point(
         point.error = f"{type(e).__name__}: {e}"
     finally:
         measure.remove_path(path)
-        measure.release_memory(collect=False)  # the loaded state is freed by reference counting
+        system.release_memory(collect=False)  # the loaded state is freed by reference counting
 
 
 def sweep(
@@ -296,7 +296,7 @@ def sweep(
     objective: str = "both",
     threshold: float = 0.05,
     device: torch.device | str = "cpu",
-    dropper: measure.CacheDropper | None = None,
+    dropper: system.CacheDropper | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SweepResult:
     """Coordinate descent over ``knobs`` with ``backend``, writing only inside ``directory``.
@@ -315,7 +315,7 @@ def sweep(
     if objective not in ("both", "save", "load"):
         raise ValueError(f"objective must be both, save or load, got {objective!r}")
     device = torch.device(device)
-    dropper = dropper or measure.CacheDropper()
+    dropper = dropper or system.CacheDropper()
     progress = progress or (lambda _text: None)
     expected = _flat_tensors(state)
     nbytes = sum(t.numel() * t.element_size() for t in expected.values())
@@ -546,7 +546,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
         print(f"fastpersist tune: {e}", file=sys.stderr)
         return 2
     nbytes = models.state_bytes(spec, dtype, layers)
-    free = measure.filesystem_of(directory).get("free_bytes")
+    free = system.filesystem_of(directory).get("free_bytes")
     if free is not None and free < 2 * nbytes:
         print(
             f"fastpersist tune: {directory} has {models.format_bytes(free)} free; need about "
@@ -555,7 +555,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
         )
         return 2
 
-    dropper = measure.CacheDropper(enabled=not getattr(args, "no_drop_caches", False))
+    dropper = system.CacheDropper(enabled=not getattr(args, "no_drop_caches", False))
     points = sum(len(k.values) for k in knobs) * repeats + 2 * repeats
     print(
         f"tuning fastpersist for {directory} with a {models.format_bytes(nbytes)} {getattr(args, 'dtype', 'bf16')} "
