@@ -27,8 +27,16 @@ import torch
 
 from fastpersist import config, system
 from fastpersist.bench import measure, models, report
-from fastpersist.bench.methods import LOAD_METHODS, SAVE_METHODS, BenchContext, LoadMethod, SaveMethod, register
+from fastpersist.bench.methods import (
+    LOAD_METHODS,
+    SAVE_METHODS,
+    BenchContext,
+    LoadMethod,
+    SaveMethod,
+    register,
+)
 from fastpersist.bench.runner import MethodResult, run_benchmark, verify_state
+from fastpersist.cli import display
 
 __all__ = [
     "BenchContext",
@@ -139,12 +147,7 @@ def _print_models() -> None:
                 spec.description,
             )
         )
-    widths = [max(len(r[i]) for r in rows + [("model", "layers", "params", "bf16", "")]) for i in range(4)]
-    print(
-        f"{'model':<{widths[0]}}  {'layers':>{widths[1]}}  {'params':>{widths[2]}}  {'bf16':>{widths[3]}}  description"
-    )
-    for r in rows:
-        print(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}")
+    print(display.format_table(("model", "layers", "params", "bf16", "description"), rows, "<>>><", rule=False))
 
 
 def _print_methods(ctx: BenchContext) -> None:
@@ -187,42 +190,6 @@ def _parse_fp_settings(items: Sequence[str]) -> dict[str, Any]:
 
         config.settings().replace(**values)  # validates names and values (raises ConfigError)
     return values
-
-
-class _Progress:
-    """A dependency-free progress line on stderr (a line per round when stderr is not a terminal)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total = max(total, 1)
-        self.done = 0
-        self.enabled = enabled
-        self.tty = sys.stderr.isatty()
-        self.start = time.perf_counter()
-        self._last_round = ""
-
-    def __call__(self, text: str) -> None:
-        if not self.enabled:
-            return
-        self.done += 1
-        elapsed = time.perf_counter() - self.start
-        if self.tty:
-            width = 24
-            filled = int(width * min(self.done, self.total) / self.total)
-            bar = "#" * filled + "." * (width - filled)
-            line = f"\r[{bar}] {self.done}/{self.total} {elapsed:5.0f} s  {text}"
-            sys.stderr.write(line[:120].ljust(120))
-            sys.stderr.flush()
-        else:
-            current = text.split(":", 1)[0]
-            if current != self._last_round:
-                self._last_round = current
-                sys.stderr.write(f"[{elapsed:5.0f} s] {current}\n")
-                sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\r" + " " * 120 + "\r")
-            sys.stderr.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -363,7 +330,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
             state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             build_seconds = time.perf_counter() - build_start
             ops = (args.repeats + args.warmup) * (len(saves) + len(loads))
-            progress = _Progress(ops, enabled=dist.is_main and not args.no_progress)
+            progress = display.Progress(ops, enabled=dist.is_main and not args.no_progress)
             started = time.perf_counter()
             try:
                 results = run_benchmark(

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from fastpersist import system
+from fastpersist.cli import display
 from fastpersist.config import parse_size
 from fastpersist.io import engine, memory
 
@@ -256,7 +257,7 @@ def _print_table(doc: dict[str, Any]) -> None:
         f"direct {s['direct']}, fallocate {s['fallocate']}, fs {doc['filesystem']['fs_type']}, "
         f"median of {s['repeats']}"
     )
-    print(f"{'op':<6} {'engine GB/s':>12} {'fio GB/s':>10} {'ratio':>7}   samples (engine | fio)")
+    rows = []
     for op in ("write", "read"):
         e = doc["gbps_median"][f"engine_{op}"]
         if e is None:
@@ -265,9 +266,9 @@ def _print_table(doc: dict[str, Any]) -> None:
         r = doc["ratio_engine_to_fio"][op]
         es = " ".join(f"{v:.2f}" for v in doc["gbps_samples"][f"engine_{op}"])
         fs = " ".join(f"{v:.2f}" for v in doc["gbps_samples"][f"fio_{op}"])
-        print(
-            f"{op:<6} {e:>12.2f} {('%.2f' % f) if f else '-':>10} {('%.0f%%' % (100 * r)) if r else '-':>7}   {es} | {fs}"
-        )
+        rows.append((op, f"{e:.2f}", f"{f:.2f}" if f else "-", f"{100 * r:.0f}%" if r else "-", f"{es} | {fs}"))
+    header = ("op", "engine GB/s", "fio GB/s", "ratio", "samples (engine | fio)")
+    print(display.format_table(header, rows, "<>>><", rule=False))
 
 
 def main(argv: list[str] | None = None) -> int:

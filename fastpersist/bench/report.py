@@ -13,6 +13,8 @@ import json
 import os
 from typing import Any, Sequence
 
+from fastpersist.cli import display
+
 __all__ = ["load_result", "write_json", "format_table", "to_markdown", "save_png", "rows"]
 
 SCHEMA_PREFIX = "fastpersist.bench.checkpoint/"
@@ -164,13 +166,15 @@ def format_table(document: dict[str, Any], status_width: int = 70) -> str:
         if not op_rows:
             continue
         columns = [c for c in _COLUMNS if c[0] != "blocked" or any(r["blocked"] != "-" for r in op_rows)]
-        widths = [max(len(head), *(len(r[key]) for r in op_rows)) for key, head, _ in columns]
         lines.append("")
         lines.append(title)
-        lines.append("  ".join(f"{head:{align}{w}}" for (key, head, align), w in zip(columns, widths)).rstrip())
-        lines.append("  ".join("-" * w for w in widths))
-        for r in op_rows:
-            lines.append("  ".join(f"{r[key]:{align}{w}}" for (key, head, align), w in zip(columns, widths)).rstrip())
+        lines.append(
+            display.format_table(
+                [head for _, head, _ in columns],
+                [[r[key] for key, _, _ in columns] for r in op_rows],
+                "".join(align for _, _, align in columns),
+            )
+        )
     lines.append("")
     lines.append(_baseline_note(document) + "; GB = 10^9 bytes of tensor data")
     lines.append("blocked s = time async_save kept the caller; RSS delta = peak minus RSS before the call")

@@ -34,6 +34,7 @@ import torch
 
 from fastpersist import config, system
 from fastpersist.bench import measure, models
+from fastpersist.cli import display
 
 __all__ = [
     "Knob",
@@ -420,12 +421,7 @@ def format_sweep(result: SweepResult) -> str:
                 p.error or "",
             )
         )
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    align = "<<>>><"
-    lines = ["  ".join(f"{h:{a}{w}}" for h, a, w in zip(header, align, widths)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths[:-1]))
-    lines += ["  ".join(f"{c:{a}{w}}" for c, a, w in zip(r, align, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
+    return display.format_table(header, rows, "<<>>><")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -477,21 +473,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-drop-caches", action="store_true", help="do not drop the page cache before loads")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write every measurement here")
-
-
-def _progress_printer(total: int) -> Callable[[str], None]:
-    tty = sys.stderr.isatty()
-    state = {"done": 0, "start": time.perf_counter()}
-
-    def show(text: str) -> None:
-        state["done"] += 1
-        elapsed = time.perf_counter() - state["start"]
-        if tty:
-            line = f"\r[{state['done']:>3}/~{total}] {elapsed:5.0f} s  {text}"
-            sys.stderr.write(line[:100].ljust(100))
-            sys.stderr.flush()
-
-    return show
 
 
 def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
@@ -565,6 +546,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
     print(f"  {dropper.detail}", file=sys.stderr)
     work = None
     started = time.perf_counter()
+    progress = display.Progress(points, approximate=True)
     with measure.sigterm_as_interrupt():
         try:
             work = tempfile.mkdtemp(prefix=".fastpersist-tune-", dir=directory)
@@ -579,19 +561,17 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
                 threshold=args.threshold,
                 device=device,
                 dropper=dropper,
-                progress=_progress_printer(points),
+                progress=progress,
             )
             del state
         except KeyboardInterrupt:
-            if sys.stderr.isatty():
-                sys.stderr.write("\n")
+            progress.close()
             print("fastpersist tune: interrupted; temporary files removed, nothing written", file=sys.stderr)
             return 130
         finally:
             if work is not None:
                 measure.remove_path(work)
-            if sys.stderr.isatty():
-                sys.stderr.write("\r" + " " * 100 + "\r")
+            progress.close()
     elapsed = time.perf_counter() - started
 
     machine = measure.machine_info(directory, str(device))

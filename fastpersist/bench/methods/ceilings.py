@@ -7,7 +7,12 @@ import os
 import torch
 
 from fastpersist.bench import measure, models
-from fastpersist.bench.methods.base import LoadMethod, SaveMethod, fastpersist_api, register
+from fastpersist.bench.methods.base import (
+    LoadMethod,
+    SaveMethod,
+    fastpersist_api,
+    register,
+)
 from fastpersist.tensors import host_memoryview
 
 __all__ = ["RawWrite", "EngineCeilingWrite", "EngineCeilingRead"]

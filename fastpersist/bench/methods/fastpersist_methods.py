@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import time
 
-from fastpersist.bench.methods.base import LoadMethod, SaveMethod, fastpersist_api, register, torch_load
+from fastpersist.bench.methods.base import (
+    LoadMethod,
+    SaveMethod,
+    fastpersist_api,
+    register,
+    torch_load,
+)
 
 __all__ = ["FastpersistSave", "FastpersistAsyncSave", "FastpersistLoad", "FastpersistLoadTorchFile"]
 
