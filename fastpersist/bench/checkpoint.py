@@ -105,6 +105,20 @@ def build_parser() -> argparse.ArgumentParser:
         "afterwards (default: the current directory)",
     )
     how.add_argument("--no-drop-caches", action="store_true", help="leave the page cache alone (warm loads)")
+    how.add_argument(
+        "--order-seed", type=int, default=0, help="seed of the random method order of every round (recorded)"
+    )
+    how.add_argument(
+        "--no-ceiling",
+        action="store_true",
+        help="do not measure the storage ceiling (best of fio and an engine grid; see docs/checkpoint-benchmark.md)",
+    )
+    how.add_argument("--no-fio", action="store_true", help="leave fio out of the ceiling even when it is installed")
+    how.add_argument(
+        "--ceiling-grid-size",
+        default="256M",
+        help="file size of each grid point of the ceiling search (the finalists use the state's size)",
+    )
     how.add_argument("--dcp-threads", type=int, default=_default_dcp_threads(), help="DCP FileSystemWriter threads")
     how.add_argument(
         "--fp-setting",
@@ -332,7 +346,9 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
             ops = (args.repeats + args.warmup) * (len(saves) + len(loads))
             progress = display.Progress(ops, enabled=dist.is_main and not args.no_progress)
             started = time.perf_counter()
+            schedule: list[dict[str, Any]] = []
             try:
+                ceiling = None if args.no_ceiling else _measure_ceiling(args, work, state_bytes, ctx, progress)
                 results = run_benchmark(
                     state,
                     saves,
@@ -344,6 +360,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
                     dropper=dropper,
                     progress=progress,
                     state_bytes=state_bytes,
+                    order_seed=args.order_seed,
+                    schedule=schedule,
                 )
             finally:
                 progress.close()
@@ -351,6 +369,9 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
             document = _document(
                 args, spec, layers, state_bytes, len(tensors), results, parent, dropper, ctx, elapsed, build_seconds
             )
+            document["order"] = {"seed": args.order_seed, "rounds": schedule}
+            document["ceiling"] = ceiling
+            report.annotate_ceiling(document)
             failed = any(r.status == "FAILED" for r in results)
         except KeyboardInterrupt:
             interrupted = True
@@ -365,6 +386,10 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
     if not dist.is_main:
         return 1 if failed else 0
     print(report.format_table(document))
+    problems = report.measurement_problems(document)
+    if problems:
+        print(f"\nMEASUREMENT PROBLEM: {', '.join(problems)} exceeded the storage ceiling measured in this run; "
+              "the ceiling or the method's timing is wrong, so these ratios are not results.")  # fmt: skip
     if args.json:
         report.write_json(document, args.json)
         print(f"\nresults written to {args.json}")
@@ -372,6 +397,39 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
         note = report.save_png(document, args.png)
         print(f"chart: {note}")
     return 1 if failed else 0
+
+
+def _measure_ceiling(
+    args: argparse.Namespace, work: str, state_bytes: int, ctx: BenchContext, progress: Any
+) -> dict[str, Any] | None:
+    """The storage ceiling on rank 0 (the others wait), or None when it cannot be measured here."""
+    from fastpersist.bench.methods import ceilings
+
+    ceiling = None
+    if ctx.dist.is_main:
+        try:
+            grid_bytes = config.parse_size(args.ceiling_grid_size)
+            settings = config.resolve(ctx.fastpersist_overrides)
+            available = system.available_memory()
+            nbytes = state_bytes if available is None else min(state_bytes, available // 4)
+            ceiling = ceilings.measure_ceiling(
+                work,
+                nbytes,
+                engine_name=settings.engine,
+                use_fio=not args.no_fio,
+                read_buffers=(settings.buffer_size, settings.read_buffer_count),
+                grid_bytes=grid_bytes,
+                passes=2,
+                seed=args.order_seed,
+                progress=progress,
+            )
+            if ceiling["fio"]["note"]:
+                print(f"note: {ceiling['fio']['note']}", file=sys.stderr)
+        except (ImportError, OSError, RuntimeError, ValueError) as e:
+            ceiling = {"error": f"{type(e).__name__}: {e}"}
+            print(f"warning: the storage ceiling could not be measured: {ceiling['error']}", file=sys.stderr)
+    ctx.dist.barrier()
+    return ceiling
 
 
 def _document(
@@ -387,12 +445,7 @@ def _document(
     elapsed: float,
     build_seconds: float,
 ) -> dict[str, Any]:
-    fastpersist_settings = None
-    try:
-
-        fastpersist_settings = config.resolve(ctx.fastpersist_overrides).as_dict()
-    except Exception:
-        pass
+    fastpersist_settings = config.resolve(ctx.fastpersist_overrides).as_dict()
     return {
         "schema": SCHEMA,
         "machine": measure.machine_info(parent, str(ctx.device)),
@@ -408,6 +461,7 @@ def _document(
             "warmup": args.warmup,
             "dir": parent,
             "seed": args.seed,
+            "order_seed": args.order_seed,
             "dcp_threads": args.dcp_threads,
             "cache": dropper.mode,
             "cache_detail": dropper.detail,

@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from fastpersist import system
+from fastpersist.bench.methods import ceilings
 from fastpersist.cli import display
 from fastpersist.config import parse_size
 from fastpersist.io import engine, memory
@@ -105,37 +105,12 @@ def _engine_read(handle: Any, destination: torch.Tensor, path: str, size: int, d
 
 
 def _fio(path: str, rw: str, args: argparse.Namespace) -> float:
-    """fio bandwidth in GB/s for one sequential job."""
-    command = [
-        "fio",
-        "--name=fastpersist-bench",
-        f"--filename={path}",
-        f"--rw={rw}",
-        f"--bs={args.block_size}",
-        f"--iodepth={args.queue_depth}",
-        "--ioengine=io_uring",
-        f"--direct={0 if args.buffered else 1}",
-        f"--size={args.size}",
-        f"--numjobs={args.threads}",
-        "--group_reporting",
-        "--output-format=json",
-        f"--fallocate={'none' if args.no_fallocate else 'native'}",
-    ]
-    if rw == "write":
-        command.append("--end_fsync=1")
-    else:
-        if args.buffered:
-            system.CacheDropper().drop([path])
-    if args.threads > 1:
-        # One file split among the jobs, like the engine's lanes split one request.
-        command[command.index(f"--size={args.size}")] = f"--size={args.size // args.threads}"
-        command.append(f"--offset_increment={args.size // args.threads}")
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"fio failed ({result.returncode}): {result.stderr.strip() or result.stdout[-2000:]}")
-    document = json.loads(result.stdout[result.stdout.index("{") :])
-    job = document["jobs"][0][rw]
-    return job["bw_bytes"] / 1e9
+    """fio bandwidth in GB/s for one sequential job with the engine's settings."""
+    if rw == "read" and args.buffered:
+        system.CacheDropper().drop([path])
+    command = ceilings.fio_command(path, rw, args.size, args.block_size, args.queue_depth, direct=not args.buffered,
+                                   threads=args.threads, fallocate=not args.no_fallocate, verify=False)  # fmt: skip
+    return ceilings.run_fio(command, rw) / 1e9
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

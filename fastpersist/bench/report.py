@@ -68,12 +68,71 @@ def _mib(n: float | None) -> str:
     return f"{sign}{abs(n) / 2**20:,.0f} MiB"
 
 
+CEILING_OP = {"save": "write", "load": "read"}
+
+
+def annotate_ceiling(document: dict[str, Any]) -> None:
+    """Adds ``ceiling_ratio`` and ``measurement_problem`` to every result of ``document`` (in place).
+
+    ``ceiling_ratio`` is the method's median GB/s over the storage ceiling of
+    its operation measured in the same run (None without one). A ratio above
+    1.0 cannot be a result: the ceiling is the best any tool moved these bytes
+    on this storage, so such a method is flagged ``measurement_problem``.
+    """
+    ceiling = document.get("ceiling") or {}
+    for r in document["results"]:
+        limit = (ceiling.get(CEILING_OP[r["op"]]) or {}).get("gbps")
+        gbps = (r.get("summary") or {}).get("gbps")
+        ratio = gbps["median"] / limit if limit and gbps and r["status"] == "ok" else None
+        r["ceiling_ratio"] = ratio
+        r["measurement_problem"] = ratio is not None and ratio > 1.0
+
+
+def measurement_problems(document: dict[str, Any]) -> list[str]:
+    """Labels of the methods faster than the storage ceiling of their run."""
+    return [f"{r['op']} {r['label']}" for r in document["results"] if r.get("measurement_problem")]
+
+
+def _ceiling_rows(document: dict[str, Any]) -> list[dict[str, str]]:
+    ceiling = document.get("ceiling") or {}
+    out = []
+    for op, kind in CEILING_OP.items():
+        part = ceiling.get(kind)
+        row = {"op": op, "method": f"ceiling-{kind}", "seconds": "-", "blocked": "-", "rss_delta": "-",
+               "peak_rss": "-", "ratio": "-", "ceiling_ratio": "1.00x"}  # fmt: skip
+        if ceiling.get("error") or not part:
+            if ceiling.get("error"):
+                out.append(dict(row, label=f"storage {kind} ceiling", gbps="-", range="-", ceiling_ratio="-",
+                                status=f"not measured: {ceiling['error']}"))  # fmt: skip
+            continue
+        best = part.get("best")
+        if not best:
+            out.append(dict(row, label=f"storage {kind} ceiling", gbps="-", range="-", ceiling_ratio="-",
+                            status="FAILED: no candidate completed and verified"))  # fmt: skip
+            continue
+        values = [s["gbps"] for s in part["samples"] if s.get("gbps")]
+        tools = "fio and engine" if (ceiling.get("fio") or {}).get("path") else "engine (fio not installed)"
+        block = best["block_size"]
+        size = f"{block >> 20}M" if block >= 1 << 20 else f"{block >> 10}K"
+        out.append(
+            dict(
+                row,
+                label=f"{kind} ceiling: {best['tool']} {size} QD{best['queue_depth']} (best of {tools} grid)",
+                gbps=f"{part['gbps']:.2f}",
+                range=f"{min(values):.2f}-{max(values):.2f}",
+                status="verified (bytes read back compared)",
+            )
+        )
+    return out
+
+
 def rows(document: dict[str, Any]) -> list[dict[str, str]]:
-    """One dict of display strings per method, in run order (saves, then loads).
+    """One dict of display strings per method, in run order (saves, then loads), then the ceilings.
 
     Keys: op, method, label, gbps, range, seconds, blocked, rss_delta,
-    peak_rss, ratio, status. A FAILED or skipped method has ``-`` for every
-    figure and its reason in ``status``.
+    peak_rss, ratio, ceiling_ratio, status. A FAILED or skipped method has
+    ``-`` for every figure and its reason in ``status``; a method faster than
+    the ceiling has ``MEASUREMENT PROBLEM`` in ``status`` instead of a result.
     """
     baselines = document.get("baselines", {})
     medians = {
@@ -86,7 +145,8 @@ def rows(document: dict[str, Any]) -> list[dict[str, str]]:
         s = r["summary"]
         row = {"op": r["op"], "method": r["method"], "label": r["label"]}
         if r["status"] != "ok" or not s.get("gbps"):
-            row.update(gbps="-", range="-", seconds="-", blocked="-", rss_delta="-", peak_rss="-", ratio="-")
+            row.update(gbps="-", range="-", seconds="-", blocked="-", rss_delta="-", peak_rss="-", ratio="-",
+                       ceiling_ratio="-")  # fmt: skip
             reason = r.get("reason") or ("no timed samples" if r["status"] == "ok" else "")
             row["status"] = f"{r['status']}: {reason}" if reason else r["status"]
         else:
@@ -100,8 +160,15 @@ def rows(document: dict[str, Any]) -> list[dict[str, str]]:
             base = medians.get((r["op"], baselines.get(r["op"], "")))
             row["ratio"] = f"{g['median'] / base:.2f}x" if base else "-"
             row["status"] = "verified" if r.get("timed", True) else "verified (not selected; ran to feed a load)"
+            limit = r.get("ceiling_ratio")
+            row["ceiling_ratio"] = f"{limit:.2f}x" if limit is not None else "-"
+            if r.get("measurement_problem"):
+                row["status"] = f"MEASUREMENT PROBLEM: {limit:.2f}x the storage ceiling, not a result"
         out.append(row)
-    return out
+    ceiling_rows = _ceiling_rows(document)
+    saves = [r for r in out if r["op"] == "save"] + [r for r in ceiling_rows if r["op"] == "save"]
+    loads = [r for r in out if r["op"] == "load"] + [r for r in ceiling_rows if r["op"] == "load"]
+    return saves + loads
 
 
 def _headline(document: dict[str, Any]) -> list[str]:
@@ -136,6 +203,7 @@ _COLUMNS = [
     ("rss_delta", "RSS delta", ">"),
     ("peak_rss", "peak RSS", ">"),
     ("ratio", "vs", ">"),
+    ("ceiling_ratio", "of ceiling", ">"),
     ("status", "result", "<"),
 ]
 
@@ -200,8 +268,8 @@ def to_markdown(documents: dict[str, Any] | Sequence[dict[str, Any]]) -> str:
         parts.append(f"**{_md_escape(headline[0])}**  ")
         parts.extend(f"{_md_escape(text)}  " for text in headline[1:] if text)
         parts.append("")
-        parts.append("| op | method | GB/s | range | time s | blocked s | RSS delta | vs baseline | result |")
-        parts.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        parts.append("| op | method | GB/s | range | time s | blocked s | RSS delta | vs baseline | of ceiling | result |")
+        parts.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
         for r in rows(document):
             parts.append(
                 "| "
@@ -216,6 +284,7 @@ def to_markdown(documents: dict[str, Any] | Sequence[dict[str, Any]]) -> str:
                         r["blocked"],
                         r["rss_delta"],
                         r["ratio"],
+                        r["ceiling_ratio"],
                         r["status"],
                     )
                 )

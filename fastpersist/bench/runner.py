@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -140,11 +141,10 @@ class MethodResult:
         }
 
 
-def _rotate(items: Sequence[Any], k: int) -> list[Any]:
-    if not items:
-        return []
-    k %= len(items)
-    return list(items[k:]) + list(items[:k])
+def _shuffled(items: Sequence[Any], rng: random.Random) -> list[Any]:
+    order = list(items)
+    rng.shuffle(order)
+    return order
 
 
 def _path_bytes(path: str) -> int:
@@ -168,12 +168,17 @@ def run_benchmark(
     dropper: system.CacheDropper | None = None,
     progress: Callable[[str], None] | None = None,
     state_bytes: int | None = None,
+    order_seed: int = 0,
+    schedule: list[dict[str, Any]] | None = None,
 ) -> list[MethodResult]:
     """Runs every method ``warmup + repeats`` times, interleaved, and verifies each result.
 
-    Round ``r`` runs every save in the order rotated by ``r`` (so a disk that
-    slows down over the run hurts all methods alike), then every load after
-    dropping the page cache, then deletes the round's files. A save is timed
+    Every round runs the saves in a fresh random order, then the loads (each
+    after dropping the page cache) in a fresh random order, then deletes the
+    round's files: no method always follows another, so a disk that drifts
+    over the run hurts all methods alike. The orders come from
+    ``random.Random(order_seed)`` (the same on every rank) and are appended to
+    ``schedule`` (``{"round", "warmup", "save", "load"}`` per round) when given. A save is timed
     from the call to the end of :func:`measure.fsync_paths` of what it wrote;
     a load from the call until the state is complete on the device. Each saved
     file is read back and each loaded state compared with the original
@@ -215,12 +220,18 @@ def run_benchmark(
             results[(op, m.name)].reason = reason
 
     rounds = warmup + repeats
+    rng = random.Random(order_seed)
     for round_index in range(rounds):
         is_warmup = round_index < warmup
+        save_order = _shuffled(saves, rng)
+        load_order = _shuffled(load_methods, rng)
+        if schedule is not None:
+            schedule.append({"round": round_index, "warmup": is_warmup,
+                             "save": [m.name for m in save_order], "load": [m.name for m in load_order]})  # fmt: skip
         written: dict[str, str] = {}  # save method -> its verified output, for the loads
         created: dict[str, str] = {}  # everything to delete at the end of the round
         try:
-            for method in _rotate(saves, round_index):
+            for method in save_order:
                 result = results[("save", method.name)]
                 if result.status != "ok":
                     continue
@@ -245,7 +256,7 @@ def run_benchmark(
                 written[method.name] = path
                 sample.update(round=round_index, warmup=is_warmup, gbps=state_bytes / sample["seconds"] / 1e9)
                 result.samples.append(sample)
-            for method in _rotate(list(load_methods), round_index):
+            for method in load_order:
                 result = results[("load", method.name)]
                 if result.status != "ok":
                     continue
