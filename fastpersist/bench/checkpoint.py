@@ -323,6 +323,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
             file=sys.stderr,
         )
 
+    code = measure.code_version()  # now: the code that runs, whatever is edited meanwhile
     dropper = system.CacheDropper(enabled=not args.no_drop_caches)
     work = None
     interrupted = False
@@ -369,6 +370,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
             document = _document(
                 args, spec, layers, state_bytes, len(tensors), results, parent, dropper, ctx, elapsed, build_seconds
             )
+            document["machine"]["code"] = code
             document["order"] = {"seed": args.order_seed, "rounds": schedule}
             document["ceiling"] = ceiling
             report.annotate_ceiling(document)

@@ -189,7 +189,8 @@ def code_version() -> dict[str, Any]:
     """Which code produced a result: fastpersist's version and, from a git checkout, the commit.
 
     ``commit`` is the full hash of HEAD (None outside a checkout), ``dirty``
-    whether tracked files differ from it (None when unknown).
+    whether the code (the package, the native sources, setup.py) differs from
+    it (None when unknown); edits to docs do not count.
     """
     import fastpersist
 
@@ -206,7 +207,7 @@ def code_version() -> dict[str, Any]:
     commit = git("rev-parse", "HEAD")
     if commit:
         info["commit"] = commit
-        status = git("status", "--porcelain", "--untracked-files=no")
+        status = git("status", "--porcelain", "--untracked-files=no", "--", "fastpersist", "native", "setup.py")
         info["dirty"] = None if status is None else bool(status)
     return info
 
