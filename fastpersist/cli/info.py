@@ -88,6 +88,7 @@ def collect_info(directory: str = ".") -> dict[str, Any]:
             "transparent_huge_pages": system.transparent_huge_pages(),
         },
         "cuda": _cuda_info(),
+        "tools": {"fio": system.find_fio(), "fio_note": None if system.find_fio() else system.FIO_INSTALL_HINT},
         "settings": config.settings().as_dict(),
     }
 
@@ -122,6 +123,9 @@ def _print_info(info: dict[str, Any]) -> None:
     print(f"  memlock limit     {_limit_text(m['memlock_soft_bytes'])} (hard {_limit_text(m['memlock_hard_bytes'])})")
     print(f"  CAP_IPC_LOCK      {cap}" + ("   (locking is not limited by the memlock limit)" if cap == "yes" else ""))
     print(f"  transparent huge pages  {m['transparent_huge_pages']}")
+    fio = info["tools"]["fio"]
+    print("\nBenchmark tools")
+    print(f"  fio               {fio or 'not installed: ' + info['tools']['fio_note'].split('; ', 1)[1]}")
     c = info["cuda"]
     print("\nCUDA")
     if not c["available"]:
