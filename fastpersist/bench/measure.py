@@ -168,6 +168,7 @@ def machine_info(directory: str | None = None, device: str = "cpu") -> dict[str,
         "transparent_hugepage": system.transparent_huge_pages(),
         "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
         "euid": os.geteuid() if hasattr(os, "geteuid") else None,
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     try:
         info["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -208,6 +208,7 @@ def _headline(document: dict[str, Any]) -> list[str]:
     host = (
         f"{m.get('hostname')}, {m.get('cpu_count')} CPUs, {(m.get('ram_bytes') or 0) / 2**30:.0f} GiB RAM, "
         f"torch {m.get('torch')}, {m.get('date')}"
+        + (f", load average {m['loadavg'][0]:.1f} at the end" if m.get("loadavg") else "")
     )
     order = document.get("order")
     rounds = (
