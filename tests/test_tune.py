@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from fastpersist import config
+from fastpersist import config, system
 from fastpersist.bench import measure, models, tune
 from fastpersist.errors import EngineUnavailableError
 
@@ -117,7 +117,7 @@ def test_values_that_fail_or_corrupt_are_never_chosen(tmp_path):
     )
     knobs = [k for k in tune.QUICK_KNOBS if k.name in ("engine", "queue_depth")]
     result = tune.sweep(
-        backend, state, str(tmp_path), knobs=knobs, repeats=1, dropper=measure.CacheDropper(enabled=False)
+        backend, state, str(tmp_path), knobs=knobs, repeats=1, dropper=system.CacheDropper(enabled=False)
     )
     stages = {knob.name: (points, chosen) for knob, points, chosen in result.stages}
     engine_points, _ = stages["engine"]
@@ -150,7 +150,7 @@ def test_a_clear_winner_is_adopted_and_noise_is_not(tmp_path, monkeypatch):
         knobs=knobs,
         repeats=2,
         threshold=0.5,
-        dropper=measure.CacheDropper(enabled=False),
+        dropper=system.CacheDropper(enabled=False),
     )
     assert result.recommended["block_size"] == 2 << 20
     # buffer_count makes no difference here: the default stays (0.5 threshold >> noise)

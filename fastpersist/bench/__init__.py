@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "io": ("fastpersist.bench.io", "sequential write/read throughput of the I/O engine, optionally against fio"),
     "checkpoint": ("fastpersist.bench.checkpoint", "save/load a real-shaped checkpoint with every method"),
     "aio_handle": ("fastpersist.bench.aio_handle", "AioHandle tensor I/O: CPU locked, CUDA ring vs whole bounce"),
+    "report": ("fastpersist.bench.report", "Markdown of results; --update-docs regenerates the docs' tables"),
 }
 """Subcommand name -> (module defining ``main(argv)``, one-line description)."""
 

@@ -438,5 +438,21 @@ own request and sees only its own error, whatever other threads do on the handle
       py::arg("destination"), py::arg("source"), py::arg("length"), py::arg("crc") = 0,
       py::call_guard<py::gil_scoped_release>(),
       "Copies ``length`` bytes (non-overlapping) and returns their CRC-32 continued from ``crc``; reads the source once.");
+  m.def(
+      "crc32_of",
+      [](py::object data, uint32_t crc) {
+        // PyBUF_SIMPLE accepts contiguous buffers only; the view pins the bytes while the GIL is released.
+        Py_buffer view;
+        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+        uint32_t result;
+        {
+          py::gil_scoped_release release;
+          result = crc32_update(crc, view.buf, static_cast<size_t>(view.len));
+        }
+        PyBuffer_Release(&view);
+        return result;
+      },
+      py::arg("data"), py::arg("crc") = 0,
+      "CRC-32 (zlib's) of a contiguous buffer (bytes, bytearray, memoryview, array), continued from ``crc``.");
   m.def("crc32_accelerated", &crc32_accelerated, "Whether CRC-32 uses carry-less multiplication on this CPU.");
 }
