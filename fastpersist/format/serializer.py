@@ -22,7 +22,7 @@ from torch.serialization import location_tag, normalize_storage_type
 
 from fastpersist.errors import UnsupportedObjectError
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
-from fastpersist.format.zipformat import PAYLOAD_ALIGNMENT, layout_archive
+from fastpersist.format.zipformat import is_packed_storage, layout_archive, storage_alignment_claim
 from fastpersist.tensors import storage_byte_view
 
 __all__ = ["plan_save", "archive_name_for"]
@@ -112,19 +112,20 @@ def plan_save(
         ) from e
 
     prefix = archive_name + "/"
-    metadata = [
-        ("data.pkl", buffer.getvalue()),
-        (".format_version", b"1"),
-        (".storage_alignment", str(PAYLOAD_ALIGNMENT).encode()),
-    ]
+    views = {key: storage_byte_view(storage) for key, storage in storages.items()}
+    metadata = [("data.pkl", buffer.getvalue())]
+    # Small storages are packed at 64 bytes; a file that mixes packed and page-aligned
+    # storages declares no alignment (torch then reads offsets from the local headers).
+    alignment = storage_alignment_claim(view.numel() for view in views.values())
+    if alignment is not None:
+        metadata += [(".format_version", b"1"), (".storage_alignment", str(alignment).encode())]
     if not disable_byteorder_record:
         metadata.append(("byteorder", sys.byteorder.encode()))
     closing = [("version", b"3\n"), (".data/serialization_id", _serialization_id())]
 
-    views = {key: storage_byte_view(storage) for key, storage in storages.items()}
     layout = layout_archive(
         [(prefix + name, len(data), False) for name, data in metadata]
-        + [(f"{prefix}data/{key}", view.numel(), True) for key, view in views.items()]
+        + [(f"{prefix}data/{key}", view.numel(), not is_packed_storage(view.numel())) for key, view in views.items()]
         + [(prefix + name, len(data), False) for name, data in closing]
     )
     entries = iter(layout.entries)
