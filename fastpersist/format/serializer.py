@@ -28,6 +28,7 @@ from fastpersist.tensors import storage_byte_view
 __all__ = ["plan_save", "archive_name_for"]
 
 DEFAULT_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
+_PLAIN_TYPES = frozenset({str, int, float, bool, tuple, list, dict, type(None), bytes, torch.Size, torch.dtype})
 
 
 def archive_name_for(path: str | os.PathLike[str] | None) -> str:
@@ -65,10 +66,15 @@ def plan_save(
     id_map: dict[int, str] = {}
     storage_dtypes: dict[int, torch.dtype] = {}
 
+    typed_storage = torch.storage.TypedStorage
+    is_storage = torch.is_storage
+    plain_types = _PLAIN_TYPES
+
     def persistent_id(item: Any):
-        if not (isinstance(item, torch.storage.TypedStorage) or torch.is_storage(item)):
+        # Called for every object pickled (19 per tensor): the common types leave at once.
+        if type(item) in plain_types or not (isinstance(item, typed_storage) or is_storage(item)):
             return None
-        if isinstance(item, torch.storage.TypedStorage):
+        if isinstance(item, typed_storage):
             storage = item._untyped_storage
             storage_dtype = item.dtype
             storage_type = getattr(torch, item._pickle_storage_type())
@@ -100,9 +106,13 @@ def plan_save(
         def persistent_id(self, item):
             return persistent_id(item)
 
-    buffer = io.BytesIO()
+    pickler = _Pickler(buffer := io.BytesIO(), protocol=pickle_protocol)
+    if pickle_module is pickle:
+        # The C pickler calls an instance attribute directly: one Python frame less per object.
+        pickler.persistent_id = persistent_id
+
     try:
-        _Pickler(buffer, protocol=pickle_protocol).dump(obj)
+        pickler.dump(obj)
     except UnsupportedObjectError:
         raise
     except (pickle.PicklingError, TypeError, AttributeError) as e:

@@ -415,5 +415,7 @@ Reaching end of file early raises UnexpectedEndOfFileError from wait() unless
       py::arg("destination"), py::arg("source"), py::arg("length"), py::arg("crc") = 0,
       py::call_guard<py::gil_scoped_release>(),
       "Copies ``length`` bytes (non-overlapping) and returns their CRC-32 continued from ``crc``; reads the source once.");
+  m.def("crc32_combine", &crc32_combine, py::arg("crc_first"), py::arg("crc_second"), py::arg("length_second"),
+        "CRC-32 of two ranges back to back from each one's CRC-32 (zlib's crc32_combine).");
   m.def("crc32_accelerated", &crc32_accelerated, "Whether CRC-32 uses carry-less multiplication on this CPU.");
 }
