@@ -102,14 +102,18 @@ def plan_save(
         storages[key] = storage
         return ("storage", storage_type, key, location, storage_numel)
 
-    class _Pickler(pickle_module.Pickler):  # type: ignore[name-defined,misc]
-        def persistent_id(self, item):
-            return persistent_id(item)
-
-    pickler = _Pickler(buffer := io.BytesIO(), protocol=pickle_protocol)
+    buffer = io.BytesIO()
     if pickle_module is pickle:
-        # The C pickler calls an instance attribute directly: one Python frame less per object.
+        # The C pickler's persistent_id attribute is called directly: one Python frame less per object.
+        pickler = pickle.Pickler(buffer, protocol=pickle_protocol)
         pickler.persistent_id = persistent_id
+    else:
+
+        class _Pickler(pickle_module.Pickler):  # type: ignore[name-defined,misc]
+            def persistent_id(self, item):
+                return persistent_id(item)
+
+        pickler = _Pickler(buffer, protocol=pickle_protocol)
 
     try:
         pickler.dump(obj)
