@@ -22,6 +22,7 @@ from fastpersist.errors import (
 )
 from fastpersist.io.handle import AioHandle
 from fastpersist.io.memory import free_cpu_locked_tensor, new_cpu_locked_tensor
+from fastpersist.io.memory import release_pooled_buffers as release_buffers
 from fastpersist.tensors import cast_to_byte_tensor
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "new_cpu_locked_tensor",
     "free_cpu_locked_tensor",
     "cast_to_byte_tensor",
+    "release_buffers",
     "config",
     "errors",
     "FastPersistError",

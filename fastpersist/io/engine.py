@@ -47,6 +47,7 @@ __all__ = [
     "crc32_of",
     "copy_with_crc32",
     "crc32_accelerated",
+    "crc32_combine",
 ]
 
 File = _native.File
@@ -63,6 +64,8 @@ entry point for bytes already in Python objects (``crc32`` takes an address)."""
 copy_with_crc32 = _native.copy_with_crc32
 """``copy_with_crc32(destination, source, length, crc=0)``: memcpy that returns the CRC-32 of the bytes."""
 crc32_accelerated = _native.crc32_accelerated
+crc32_combine = _native.crc32_combine
+"""``crc32_combine(crc_first, crc_second, length_second)``: CRC-32 of two ranges back to back (zlib's)."""
 
 ENGINE_NAMES = ("io_uring", "threads")
 """Engines fastpersist knows, best first."""

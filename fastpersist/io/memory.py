@@ -31,6 +31,7 @@ __all__ = [
     "aligned_empty",
     "lease_buffers",
     "release_pooled_buffers",
+    "ring_shape",
     "is_locked_tensor",
     "is_managed_locked_memory",
     "cast_to_byte_tensor",
@@ -259,3 +260,29 @@ def release_pooled_buffers() -> int:
 def pooled_bytes() -> int:
     """Bytes currently allocated by the pool (idle and leased)."""
     return _pool.allocated_bytes()
+
+
+_MIN_RING_BUFFER = 1 << 20
+
+
+def ring_shape(total_bytes: int, buffer_size: int, buffer_count: int) -> tuple[int, int]:
+    """``(count, size)`` of the staging ring for moving ``total_bytes``, at most ``buffer_count`` x ``buffer_size``.
+
+    The ring is sized to the checkpoint: a 3 MB save leases one 4 MiB buffer,
+    not four 64 MiB ones (pinning 256 MiB for a tiny file was the old
+    behaviour). Sizes below ``buffer_size`` are powers of two (at least 1 MiB),
+    so the process-wide pool holds a handful of size classes, not one per
+    checkpoint size; large checkpoints get the full ring, whatever their size
+    (host memory does not grow with the checkpoint). Free idle buffers with
+    :func:`release_pooled_buffers` (``fastpersist.release_buffers()``).
+    """
+    if total_bytes <= 0 or buffer_size <= 0 or buffer_count <= 0:
+        return (min(1, max(buffer_count, 0)), max(min(buffer_size, _MIN_RING_BUFFER), 0))
+    size = buffer_size
+    if total_bytes < buffer_size:
+        size = _MIN_RING_BUFFER
+        while size < total_bytes:
+            size *= 2
+        size = min(size, buffer_size)
+    count = min(buffer_count, -(-total_bytes // size))
+    return (count, size)
