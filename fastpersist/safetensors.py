@@ -486,7 +486,7 @@ def _is_complete(tensor: torch.Tensor) -> bool:
 
 
 def save_model(model: torch.nn.Module, filename: str | os.PathLike[str], metadata: dict[str, str] | None = None,
-               force_contiguous: bool = False, **settings: Any) -> None:  # fmt: skip
+               force_contiguous: bool = True, **settings: Any) -> None:  # fmt: skip
     """``safetensors.torch.save_model``: drops the duplicate names of shared (tied) weights, then :func:`save_file`."""
     state_dict = model.state_dict()
     removed = _remove_duplicate_names(state_dict)
@@ -505,16 +505,19 @@ def save_model(model: torch.nn.Module, filename: str | os.PathLike[str], metadat
 
 
 def load_model(model: torch.nn.Module, filename: str | os.PathLike[str], strict: bool = True,
-               device: Any = "cpu", **settings: Any) -> tuple[list[str], list[str]]:  # fmt: skip
+               device: Any = "cpu", **settings: Any) -> tuple[set[str], list[str]]:  # fmt: skip
     """``safetensors.torch.load_model``: loads into ``model``, re-tying shared weights; returns (missing, unexpected)."""
     state_dict = load_file(filename, device=device, **settings)
     model_state = model.state_dict()
     to_removes = _remove_duplicate_names(model_state, preferred_names=list(state_dict))
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    missing = set(missing)
+    missing, unexpected = set(missing), list(unexpected)
     for names in to_removes.values():
         for name in names:
-            missing.discard(name)
+            if name in missing:
+                missing.remove(name)  # tied to a tensor that was loaded
+            else:
+                unexpected.append(name)  # the file has it, but the model ties it to another
     if strict and (missing or unexpected):
         missing_text = ", ".join(f'"{k}"' for k in sorted(missing))
         unexpected_text = ", ".join(f'"{k}"' for k in sorted(unexpected))
@@ -524,7 +527,7 @@ def load_model(model: torch.nn.Module, filename: str | os.PathLike[str], strict:
         if unexpected:
             error += f"\n    Unexpected key(s) in state_dict: {unexpected_text}"
         raise RuntimeError(error)
-    return sorted(missing), sorted(unexpected)
+    return missing, unexpected
 
 
 __all__ += ["InvalidSafetensorsError", "SafetensorsSlice", "find_shared_tensors"]
