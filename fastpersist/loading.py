@@ -10,7 +10,7 @@ from typing import Any, BinaryIO, Callable
 
 import torch
 
-from fastpersist import config
+from fastpersist import config, formats
 from fastpersist.errors import CorruptCheckpointError, FastPersistError, TruncatedCheckpointError
 from fastpersist.format.deserializer import archive_prefix, deserialize
 from fastpersist.format.zipformat import (
@@ -64,7 +64,9 @@ def load(
 ) -> Any:
     """Loads a checkpoint like ``torch.load``, reading storages in parallel with O_DIRECT.
 
-    Reads any torch.save zip file (any alignment) as well as fastpersist's.
+    Reads any torch.save zip file (any alignment) as well as fastpersist's,
+    and safetensors files (recognised by their first bytes; see
+    :mod:`fastpersist.formats`).
     CPU tensors land in page-aligned memory that becomes their storage; CUDA
     targets are streamed through page-locked buffers straight to the device.
 
@@ -106,6 +108,8 @@ def load(
     if pickle_module is not None:
         torch_kwargs["pickle_module"] = pickle_module
     if not isinstance(f, (str, os.PathLike)):
+        if _is_safetensors_stream(f):
+            return formats.load_safetensors_bytes(f.read(), map_location)
         if verify and explicit:
             verify_file_object(f)
         return torch.load(f, map_location, **torch_kwargs)
@@ -222,6 +226,19 @@ def _check_crc(path: str, record: ZipRecordInfo, data) -> None:
         check_record_crc(record, crc, path)
 
 
+def _is_safetensors_stream(f) -> bool:
+    """A seekable file object positioned at a safetensors file (its position is kept)."""
+    try:
+        if not f.seekable():
+            return False
+        position = f.tell()
+        head = f.read(9)
+        f.seek(position)
+    except (AttributeError, OSError, ValueError):
+        return False
+    return isinstance(head, bytes) and formats.looks_like_safetensors(head)
+
+
 def _is_zip(path: str) -> bool:
     with open(path, "rb") as handle:
         return handle.read(4) == b"PK\x03\x04"
@@ -231,6 +248,8 @@ def _load_from_path(path, map_location, pickle_module, weights_only, mmap, verif
                     pickle_load_args, warn_unverifiable=True):  # fmt: skip
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "expected a checkpoint file, got a directory", path)
+    if formats.is_safetensors_file(path):
+        return formats.load_safetensors(path, map_location, settings.as_dict())
     if not _is_zip(path):  # legacy (pre-1.6) or foreign format: torch.load knows them all
         return _load_with_torch(path, map_location, torch_kwargs)
     file = engine.File(path, "r", direct=settings.direct and not mmap)

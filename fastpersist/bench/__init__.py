@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "aio_handle": ("fastpersist.bench.aio_handle", "AioHandle tensor I/O: CPU locked, CUDA ring vs whole bounce"),
     "report": ("fastpersist.bench.report", "Markdown of results; --update-docs regenerates the docs' tables"),
     "shapes": ("fastpersist.bench.shapes", "many-small / many-medium / huge / mixed states vs torch, fio and a sink"),
+    "safetensors": ("fastpersist.bench.safetensors_bench", "safetensors files: fastpersist vs the safetensors library"),
 }
 """Subcommand name -> (module defining ``main(argv)``, one-line description)."""
 
