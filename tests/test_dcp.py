@@ -374,3 +374,67 @@ def test_failing_rank_fails_every_rank(worlds):
             failure
         )  # rank 2's failure, on every rank
     assert not (worlds["root"] / "fail4" / ".metadata").exists()
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+def _cuda_state() -> dict:
+    torch.manual_seed(1)
+    return {
+        "w": torch.randn(1024, 1024, device="cuda").to(
+            torch.bfloat16
+        ),  # 2 MiB: several 1 MiB windows
+        "odd": torch.randn(12345, device="cuda"),  # not a whole number of pages
+        "view": torch.randn(4096, device="cuda")[7:3000],
+        "transposed": torch.randn(33, 65, device="cuda").t(),
+        "cpu": torch.randn(300, 300),
+        "empty": torch.empty(0, device="cuda"),
+        "step": 3,
+    }
+
+
+def _to(state, device):
+    return {
+        k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+        for k, v in state.items()
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"buffer_size": 1 << 20, "buffer_count": 2, "read_buffer_count": 2}],
+)
+def test_cuda_round_trip(tmp_path, settings):
+    """GPU shards through the pinned ring; loads into CUDA and CPU tensors, and by FileSystemReader."""
+    state = _cuda_state()
+    _save(state, tmp_path, **settings)
+    _load(tmp_path, state, **settings)  # into CUDA tensors (the ring), verified
+    _load(tmp_path, _to(state, "cpu"), **settings)  # into CPU tensors, in place
+    _load(tmp_path, _to(state, "cpu"), FileSystemReader)
+
+
+@pytest.mark.gpu
+def test_cuda_reads_filesystem_writer_and_corruption(tmp_path):
+    state = _cuda_state()
+    _save(state, tmp_path / "theirs", FileSystemWriter)
+    _load(tmp_path / "theirs", state)
+    _save(state, tmp_path / "ours")
+    info = _info(tmp_path / "ours", "w")
+    _flip_byte(
+        tmp_path / "ours" / info.relative_path, info.fastpersist["offset"] + 12345
+    )
+    with pytest.raises(BaseException) as caught:
+        _load(tmp_path / "ours", state)
+    assert "ChecksumMismatchError" in _describe(caught.value)
+
+
+@pytest.mark.gpu
+def test_cuda_async_save(tmp_path):
+    state = _cuda_state()
+    future = dcp.async_save(
+        state, storage_writer=FastPersistWriter(str(tmp_path)), no_dist=True
+    )
+    getattr(future, "upload_completion", future).result()
+    _load(tmp_path, state)

@@ -217,8 +217,7 @@ class _PlanReader:
                 else:
                     staged.append((requests, info, extension))
             self._read_in_place(in_place)
-            for entry in to_device:
-                self._read_to_device(*entry)
+            self._read_to_device(to_device)
             for entry in staged:
                 self._read_staged(*entry)
             for entry in foreign:
@@ -322,17 +321,21 @@ class _PlanReader:
         for request, destination, _, _ in entries:
             self.planner.commit_tensor(request, destination)
 
-    def _read_to_device(
-        self, request: ReadItem, destination: torch.Tensor, info, extension: dict
-    ) -> None:
-        nbytes = extension["nbytes"]
-        crc = 0
-        if nbytes:
-            crc = _stream_to_device(self._file(info.relative_path), extension["offset"], nbytes,
-                                    cast_to_byte_tensor(destination), self.settings, self.verify)  # fmt: skip
-        if self.verify:
-            self._check(crc, extension, info, request)
-        self.planner.commit_tensor(request, destination)
+    def _read_to_device(self, entries: list) -> None:
+        pieces = [
+            (
+                self._file(info.relative_path),
+                extension["offset"],
+                extension["nbytes"],
+                cast_to_byte_tensor(destination),
+            )
+            for _, destination, info, extension in entries
+        ]
+        crcs = _stream_to_device(pieces, self.settings, self.verify)
+        for (request, destination, info, extension), crc in zip(entries, crcs):
+            if self.verify:
+                self._check(crc, extension, info, request)
+            self.planner.commit_tensor(request, destination)
 
     def _read_staged(self, requests: list[ReadItem], info, extension: dict) -> None:
         dtype = _dtype(extension)
@@ -434,61 +437,73 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
 
 
-def _stream_to_device(
-    file, offset: int, nbytes: int, destination: torch.Tensor, settings, verify: bool
-) -> int:
-    """Reads ``nbytes`` at ``offset`` into the CUDA uint8 tensor ``destination`` through pinned buffers.
+def _stream_to_device(pieces: list, settings, verify: bool) -> list[int]:
+    """Reads payloads into CUDA uint8 tensors through one ring of page-locked buffers.
 
-    Windows start on a page so the ring's aligned buffers are read with
-    O_DIRECT; each buffer's host-to-device copy runs on a side stream while
-    the following windows are read. Returns the CRC-32 of the bytes (0 when
-    ``verify`` is off).
+    Args:
+        pieces: ``(file, offset, nbytes, destination)``; ``destination`` a CUDA uint8 tensor of ``nbytes``.
+
+    Every payload is cut into windows that start on a page, so the ring's
+    aligned buffers are read with O_DIRECT; ``read_buffer_count`` windows are
+    in flight while earlier ones are checksummed and copied host-to-device on
+    a side stream; a buffer is refilled once its copy is done.
+
+    Returns:
+        The CRC-32 of each payload (0 when ``verify`` is off).
     """
     window = settings.buffer_size
-    start = offset - offset % PAGE
-    windows = [
-        (s, min(s + window, offset + nbytes))
-        for s in range(start, offset + nbytes, window)
-    ]
+    windows = []  # (piece index, file, window start, window end, payload start)
+    for number, (file, offset, nbytes, _) in enumerate(pieces):
+        end = offset + nbytes
+        for start in range(offset - offset % PAGE, end, window):
+            windows.append((number, file, start, min(start + window, end), offset))
+    crcs = [0] * len(pieces)
+    if not windows:
+        return crcs
     count = max(1, min(settings.read_buffer_count, len(windows)))
-    crc = 0
-    stream = torch.cuda.Stream(destination.device)
-    stream.wait_stream(torch.cuda.current_stream(destination.device))
+    streams: dict = {}
+    for _, _, _, destination in pieces:
+        if destination.device not in streams:
+            stream = streams[destination.device] = torch.cuda.Stream(destination.device)
+            stream.wait_stream(torch.cuda.current_stream(destination.device))
     with memory.lease_buffers(count, window) as buffers:
         handles = [engine.make_handle(settings) for _ in buffers]
-        events: list = [None] * count
+
+        def submit(slot: int, number: int) -> None:
+            _, file, lo, hi, _ = windows[number]
+            handles[slot].submit_read(
+                buffers[slot].data_ptr(), hi - lo, file, lo, buffers[slot]
+            )
+
         try:
             for number in range(count):
-                lo, hi = windows[number]
-                handles[number].submit_read(
-                    buffers[number].data_ptr(), hi - lo, file, lo, buffers[number]
-                )
-            for number, (lo, hi) in enumerate(windows):
+                submit(number, number)
+            for number, (index, _, lo, hi, offset) in enumerate(windows):
                 slot = number % count
                 handles[slot].wait()
                 first = max(lo, offset)
                 piece = buffers[slot][first - lo : hi - lo]
                 if verify:
-                    crc = engine.crc32(piece.data_ptr(), hi - first, crc)
+                    crcs[index] = engine.crc32(
+                        piece.data_ptr(), hi - first, crcs[index]
+                    )
+                destination = pieces[index][3]
+                stream = streams[destination.device]
                 with torch.cuda.stream(stream):
                     destination[first - offset : hi - offset].copy_(
                         piece, non_blocking=True
                     )
                     event = torch.cuda.Event()
                     event.record(stream)
-                events[slot] = event
-                following = number + count
-                if following < len(windows):
+                if number + count < len(windows):
                     event.synchronize()  # the buffer's copy is done: refill it
-                    lo2, hi2 = windows[following]
-                    handles[slot].submit_read(
-                        buffers[slot].data_ptr(), hi2 - lo2, file, lo2, buffers[slot]
-                    )
+                    submit(slot, number + count)
         finally:
             for handle in handles:
                 try:
                     handle.wait()
                 except OSError:
                     pass
-            stream.synchronize()
-    return crc
+            for stream in streams.values():
+                stream.synchronize()
+    return crcs
