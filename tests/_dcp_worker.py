@@ -51,7 +51,7 @@ def full_state() -> dict:
 def sharded(mesh, full: dict, *, blank: bool = False) -> dict:
     state = {}
     for name, tensor in full.items():
-        source = torch.zeros_like(tensor) if blank else tensor
+        source = (torch.zeros_like(tensor) if blank else tensor).to(mesh.device_type)
         if name == "replicated":
             state[name] = source.clone()
         elif name == "replicated_dtensor":
@@ -68,7 +68,7 @@ def check(state: dict, full: dict) -> None:
         value = state[name]
         if hasattr(value, "full_tensor"):
             value = value.full_tensor()
-        if not torch.equal(value, tensor):
+        if not torch.equal(value.cpu(), tensor):
             raise AssertionError(f"{name} differs after load")
     if state["step"] != 42 or state["extra"]["lr"] != 0.5:
         raise AssertionError(
@@ -94,9 +94,16 @@ def scenario(report: dict, name: str, function) -> None:
 
 def main() -> int:
     phase, root = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
+    device = os.environ.get("DCP_TEST_DEVICE", "cpu")
+    if (
+        device == "cuda"
+    ):  # NCCL for the tensors, gloo for DCP's object collectives and async_save
+        torch.cuda.set_device(int(os.environ["RANK"]) % torch.cuda.device_count())
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device, (world,))
     full = full_state()
     report: dict = {}
     path = lambda name: os.path.join(root, name)
@@ -165,6 +172,29 @@ def main() -> int:
 
         scenario(report, "failing_save_ran", failing_save)
         report["failing_rank"] = failure
+    elif phase == "nccl":
+        scenario(report, "save_fastpersist",
+                 lambda: dcp.save(sharded(mesh, full), storage_writer=FastPersistWriter(path("nccl"))))  # fmt: skip
+        scenario(
+            report,
+            "load_fastpersist",
+            lambda: load_and_check(mesh, path("nccl"), FastPersistReader),
+        )
+        scenario(
+            report,
+            "load_filesystem_reader",
+            lambda: load_and_check(mesh, path("nccl"), FileSystemReader),
+        )
+
+        def async_save() -> None:
+            response = dcp.async_save(
+                sharded(mesh, full),
+                storage_writer=FastPersistWriter(path("nccl-async")),
+            )
+            getattr(response, "upload_completion", response).result()
+            load_and_check(mesh, path("nccl-async"), FastPersistReader)
+
+        scenario(report, "async_save", async_save)
     elif phase == "load2":
         scenario(
             report,

@@ -288,10 +288,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_world(world: int, phase: str, root, timeout: int = 240) -> list[dict]:
+def _run_world(
+    world: int, phase: str, root, timeout: int = 240, device: str = "cpu"
+) -> list[dict]:
     port = _free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # fmt: skip
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DCP_TEST_DEVICE=device)  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
                                         + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))  # fmt: skip
     processes = [
@@ -438,3 +440,16 @@ def test_cuda_async_save(tmp_path):
     )
     getattr(future, "upload_completion", future).result()
     _load(tmp_path, state)
+
+
+@pytest.mark.multigpu
+def test_nccl_two_gpus_dtensor(tmp_path):
+    """DTensor shards on two GPUs (NCCL): save, load both ways, async_save."""
+    reports = _run_world(2, "nccl", tmp_path, device="cuda")
+    for key in (
+        "save_fastpersist",
+        "load_fastpersist",
+        "load_filesystem_reader",
+        "async_save",
+    ):
+        _check_all(reports, key)
