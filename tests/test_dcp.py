@@ -453,3 +453,27 @@ def test_nccl_two_gpus_dtensor(tmp_path):
         "async_save",
     ):
         _check_all(reports, key)
+
+
+def test_without_collectives_per_rank_metadata(tmp_path):
+    """use_collectives=False: each rank commits its own __{rank}.metadata, as FileSystemWriter does."""
+    state = _state()
+    dcp.save(
+        state,
+        storage_writer=FastPersistWriter(str(tmp_path)),
+        no_dist=True,
+        use_collectives=False,
+    )
+    assert (tmp_path / "__0.metadata").exists() and not (
+        tmp_path / ".metadata"
+    ).exists()
+    ours = FastPersistReader(str(tmp_path)).read_metadata(rank=0)
+    theirs = FileSystemReader(str(tmp_path)).read_metadata(rank=0)
+    assert ours.storage_data.keys() == theirs.storage_data.keys()
+    assert {index.fqn for index in ours.storage_data} >= {"weight", "big", "step"}
+
+
+def test_validate_checkpoint_id(tmp_path):
+    assert FastPersistWriter.validate_checkpoint_id(str(tmp_path / "new"))
+    assert FastPersistReader.validate_checkpoint_id(tmp_path)
+    assert not FastPersistWriter.validate_checkpoint_id("s3://bucket/ckpt")
