@@ -133,12 +133,20 @@ def test_buffered_fallback_on_tmpfs(shm_dir):
 
 
 @pytest.mark.parametrize(
-    "settings", [{"engine": "threads"}, {"direct": False}, {"buffer_size": 1 << 20}]
+    "settings",
+    [
+        {"engine": "threads"},
+        {"direct": False},
+        {"buffer_size": 1 << 20},
+        {"checksum": False},
+        {"block_size": 1 << 20, "queue_depth": 2, "intra_op_parallelism": 2},
+    ],
 )
 def test_engine_settings(tmp_path, settings):
     state = _state()
     _save(state, tmp_path, **settings)
     _load(tmp_path, state, **settings)
+    _load(tmp_path, state, FileSystemReader)
 
 
 def test_checkpoint_id_and_reuse(tmp_path):

@@ -242,6 +242,8 @@ class _PlanReader:
         return str(self.reader.path / info.relative_path)
 
     def _check(self, crc: int, extension: dict, info, request: ReadItem) -> None:
+        if extension["crc32"] is None:
+            return  # written with checksum=False
         if crc != extension["crc32"]:
             raise ChecksumMismatchError(
                 f"{self._where(info)}: item {request.storage_index.fqn!r} (offset {info.offset}) is corrupt: "

@@ -274,7 +274,7 @@ class FastPersistWriter(StorageWriter):
                     "kind": "tensor",
                     "offset": item.payload_offset,
                     "nbytes": item.nbytes,
-                    "crc32": crcs[position],
+                    "crc32": crcs[position] if self.settings.checksum else None,
                     "dtype": str(item.tensor.dtype).removeprefix("torch."),
                     "shape": tuple(item.tensor.shape),
                 }
