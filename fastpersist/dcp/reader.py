@@ -35,6 +35,7 @@ import os
 import pickle
 import time
 import uuid
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,10 @@ from fastpersist import config
 from fastpersist.dcp.layout import EXTENSION_ATTRIBUTE, EXTENSION_VERSION, PAGE
 from fastpersist.dcp.writer import METADATA_FILE, validate_checkpoint_path
 from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError
+from fastpersist.format.deserializer import archive_prefix, deserialize
 from fastpersist.format.zipformat import read_directory
 from fastpersist.io import engine, memory
-from fastpersist.tensors import cast_to_byte_tensor
+from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
 
 __all__ = ["FastPersistReader"]
 
@@ -362,11 +364,52 @@ class _PlanReader:
             )
 
     def _read_foreign(self, requests: list[ReadItem], info) -> None:
+        """A FileSystemWriter item: a torch.save archive, unpickled over the bytes read (no second copy)."""
         data = self._read_exact(info, info.offset, info.length)
-        view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
-        if self.verify:
-            self._verify_archive(view, info, requests[0])
-        stored = torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
+        where = self._where(info)
+        base = data.data_ptr()
+
+        def read_at(offset: int, length: int) -> bytes:
+            return bytes(host_memoryview(data)[offset : offset + length])
+
+        records = {r.name: r for r in read_directory(read_at, info.length, where)}
+        if self.verify and any(r.crc for r in records.values() if r.size):
+            for (
+                record
+            ) in records.values():  # (no CRC-32s at all: torch's compute_crc32=False)
+                crc = (
+                    engine.crc32(base + record.data_offset, record.size)
+                    if record.size
+                    else 0
+                )
+                if crc != record.crc:
+                    raise ChecksumMismatchError(
+                        f"{where}: item {requests[0].storage_index.fqn!r} (offset {info.offset}) is corrupt: "
+                        f"record {record.name!r} has CRC-32 {crc:#010x}, its archive says {record.crc:#010x}. "
+                        "Restore the checkpoint from a good copy",
+                        path=where,
+                        record=requests[0].storage_index.fqn,
+                    )
+        prefix = archive_prefix(list(records), where)
+        pickle_record = records[prefix + "data.pkl"]
+        byteorder = records.get(prefix + "byteorder")
+        stored = deserialize(
+            read_at(pickle_record.data_offset, pickle_record.size),
+            records,
+            prefix,
+            _SliceProvider(data),
+            map_location="cpu",
+            weights_only=True,
+            byteorder=read_at(byteorder.data_offset, byteorder.size)
+            if byteorder
+            else None,
+            path=where,
+        )
+        if not isinstance(stored, torch.Tensor):
+            raise CorruptCheckpointError(
+                f"{where}: item {requests[0].storage_index.fqn!r} holds a {type(stored).__name__}, not a tensor",
+                path=where,
+            )
         for request in requests:
             self._copy_into(
                 request,
@@ -374,30 +417,6 @@ class _PlanReader:
                     stored, request.storage_offsets, request.lengths
                 ),
             )
-
-    def _verify_archive(self, view: memoryview, info, request: ReadItem) -> None:
-        where = self._where(info)
-
-        def read_at(offset: int, length: int) -> bytes:
-            return bytes(view[offset : offset + length])
-
-        records = read_directory(read_at, len(view), where)
-        if not any(r.crc for r in records if r.size):
-            return  # written without CRC-32s (torch's compute_crc32=False): nothing to verify
-        for record in records:
-            crc = (
-                engine.crc32(_address(view) + record.data_offset, record.size)
-                if record.size
-                else 0
-            )
-            if crc != record.crc:
-                raise ChecksumMismatchError(
-                    f"{where}: item {request.storage_index.fqn!r} (offset {info.offset}) is corrupt: record "
-                    f"{record.name!r} has CRC-32 {crc:#010x}, its archive says {record.crc:#010x}. "
-                    "Restore the checkpoint from a good copy",
-                    path=where,
-                    record=request.storage_index.fqn,
-                )
 
     def _copy_into(self, request: ReadItem, source: torch.Tensor) -> None:
         destination = self.planner.resolve_tensor(request).detach()
@@ -412,16 +431,26 @@ class _PlanReader:
 
     def _read_bytes(self, request: ReadItem, info, extension: dict | None) -> None:
         data = self._read_exact(info, info.offset, info.length)
-        raw = bytes(memoryview(data.numpy())) if data.numel() else b""
+        raw = bytes(host_memoryview(data))
         if self.verify and extension is not None:
-            import zlib
+            self._check(zlib.crc32(raw), extension, info, request)
+        self.planner.load_bytes(request, io.BytesIO(raw))
 
-            crc = zlib.crc32(raw)
-            if crc != extension["crc32"]:
-                self._check(crc, extension, info, request)
-        value = io.BytesIO(raw)
-        value.seek(0)
-        self.planner.load_bytes(request, value)
+
+class _SliceProvider:
+    """Storages that are slices of one buffer holding a whole archive (format.deserializer's provider)."""
+
+    def __init__(self, data: torch.Tensor):
+        self._data = data
+
+    def storage(self, record, device: torch.device) -> torch.UntypedStorage:
+        offset = (
+            self._data.storage_offset() + record.data_offset
+        )  # the slice keeps the buffer alive
+        return self._data.untyped_storage()[offset : offset + record.size]
+
+    def flush(self) -> None:
+        pass
 
 
 def _dtype(extension: dict) -> torch.dtype:
@@ -431,12 +460,6 @@ def _dtype(extension: dict) -> torch.dtype:
             f"unknown dtype {extension['dtype']!r} in checkpoint metadata"
         )
     return dtype
-
-
-def _address(view: memoryview) -> int:
-    import ctypes
-
-    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
 
 
 def _stream_to_device(pieces: list, settings, verify: bool) -> list[int]:
