@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("fastpersist.bench.report", "Markdown of results; --update-docs regenerates the docs' tables"),
     "shapes": ("fastpersist.bench.shapes", "many-small / many-medium / huge / mixed states vs torch, fio and a sink"),
     "safetensors": ("fastpersist.bench.safetensors_bench", "safetensors files: fastpersist vs the safetensors library"),
+    "dcp": ("fastpersist.bench.dcp", "torch.distributed.checkpoint: FileSystemWriter/Reader vs FastPersistWriter/Reader"),
 }
 """Subcommand name -> (module defining ``main(argv)``, one-line description)."""
 
