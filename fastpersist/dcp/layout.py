@@ -32,12 +32,13 @@ parses the archives instead.
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from collections.abc import Sequence
 
 import torch
 
 from fastpersist.format.plan import SavePlan, SegmentKind
+from fastpersist.io import engine
+from fastpersist.io.writer import initial_crcs
 from fastpersist.format.serializer import plan_save
 
 __all__ = [
@@ -119,7 +120,7 @@ class TensorItem:
 
     def static_pieces(self, payload_crc: int) -> list[tuple[int, bytes]]:
         """(absolute offset, bytes) of every non-payload byte of the archive."""
-        crcs = [getattr(r, "crc", 0) for r in self.plan.records]
+        crcs = initial_crcs(self.plan, True)
         crcs[self.storage_record] = payload_crc
         pieces = []
         for segment in self.plan.segments():
@@ -151,7 +152,7 @@ class BytesItem:
 
     @property
     def crc(self) -> int:
-        return zlib.crc32(self.data)
+        return engine.crc32_of(self.data)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,6 @@ import os
 import pickle
 import time
 import uuid
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -433,7 +432,7 @@ class _PlanReader:
         data = self._read_exact(info, info.offset, info.length)
         raw = bytes(host_memoryview(data))
         if self.verify and extension is not None:
-            self._check(zlib.crc32(raw), extension, info, request)
+            self._check(engine.crc32_of(raw), extension, info, request)
         self.planner.load_bytes(request, io.BytesIO(raw))
 
 
