@@ -70,6 +70,7 @@ def _resolve(entry: Union[Command, tuple, str]) -> Optional[Command]:
 for _name in ("info", "verify"):
     register_command(_name, f"fastpersist.cli.{_name}")
 register_command("tune", "fastpersist.bench.tune")
+register_command("merge", "fastpersist.cli.merge")
 
 
 # ----------------------------------------------------------------------------- entry point
