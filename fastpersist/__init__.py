@@ -16,6 +16,7 @@ from fastpersist.errors import (
     ChecksumMismatchError,
     ConfigError,
     CorruptCheckpointError,
+    DistributedCheckpointError,
     EngineUnavailableError,
     FastPersistError,
     UnsupportedObjectError,
@@ -44,4 +45,5 @@ __all__ = [
     "CorruptCheckpointError",
     "ChecksumMismatchError",
     "UnsupportedObjectError",
+    "DistributedCheckpointError",
 ]

@@ -55,6 +55,10 @@ def _do(rank: int, world: int, directory: str, step: dict):
     kind = step["op"]
     path = _path(directory, rank, step)
     state = make_state(step.get("seed", 0))
+    if step.get("device") == "cuda":  # every rank's tensors on its GPU (ranks share GPUs when there are fewer)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        state = {k: v.cuda() if isinstance(v, torch.Tensor) else [t.cuda() for t in v] if isinstance(v, list) else v
+                 for k, v in state.items()}  # fmt: skip
     options = dict(group=dist.group.WORLD, layout=step.get("layout", "file"), writers=step.get("writers", "all"),
                    timeout=step.get("timeout", 20), buffer_size=256 << 10, block_size=64 << 10)  # fmt: skip
     if kind == "save":
@@ -77,8 +81,8 @@ def _do(rank: int, world: int, directory: str, step: dict):
         dsave._last.clear()
         return {"bytes": stats.bytes_written, "size": stats.file_size, "writers": stats.writers}
     if kind == "load":
-        loaded = fastpersist.load(path, group=dist.group.WORLD, timeout=step.get("timeout", 20))
-        return {"same": same(loaded, state)}
+        loaded = fastpersist.load(path, group=dist.group.WORLD, timeout=step.get("timeout", 20), map_location="cpu")
+        return {"same": same(loaded, make_state(step.get("seed", 0)))}
     raise ValueError(kind)
 
 

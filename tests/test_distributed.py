@@ -170,3 +170,31 @@ def test_killed_rank_is_detected_by_timeout(tmp_path):
     assert port_results[2] is None  # rank 2 died in step 1 (os._exit in its write)
     assert same(fastpersist.load(tmp_path / "ckpt.pt"), make_state(1))
     assert temporaries(tmp_path) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["file", "parts"])
+def test_save_from_cuda_tensors(layout, tmp_path):
+    """Each rank writes its slice from its own GPU copy (ranks share the GPUs when there are fewer)."""
+    results = spawn(2, tmp_path, [{"op": "save", "layout": layout, "device": "cuda"},
+                                  {"op": "load", "device": "cuda"}])  # fmt: skip
+    ok(results, 0)
+    assert all(r["same"] for r in ok(results, 1))
+    assert same(fastpersist.load(tmp_path / "ckpt.pt", map_location="cpu"), make_state())
+    if layout == "file":
+        assert same(torch.load(tmp_path / "ckpt.pt", map_location="cpu"), make_state())
+
+
+def test_ranks_benchmark_runs_and_verifies(tmp_path):
+    from fastpersist.bench import ranks
+
+    out = tmp_path / "ranks.json"
+    code = ranks.main(["--ranks", "2", "--size", "3M", "--repeat", "1", "--dir", str(tmp_path), "--json", str(out),
+                       "--markdown", str(tmp_path / "ranks.md")])  # fmt: skip
+    assert code == 0
+    document = json.loads(out.read_text())
+    assert [r["ranks"] for r in document["results"]] == [1, 2]  # the single writer is always measured
+    two = document["results"][1]
+    assert two["verified"] and len(two["per_rank"]) == 2
+    assert sum(p["bytes"] for p in two["per_rank"]) <= two["file_bytes"]
+    assert "| 2 |" in (tmp_path / "ranks.md").read_text()

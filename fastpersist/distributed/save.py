@@ -61,6 +61,8 @@ class SaveStats:
     write_seconds: float
     total_seconds: float
     file_size: int
+    steps: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds from the start of the save to the end of each step's exchange (plan, write, commit)."""
 
 
 _last: dict[str, SaveStats] = {}
@@ -207,6 +209,7 @@ def save(
 
     try:
         reports = coordinator.run("plan", prepare)
+        marks = {"plan": time.perf_counter() - began}
         _check_same_plan(reports)
         plan = _with_serialization_id(state["plan"], reports[0]["serialization_id"])
         writer_list = writer_ranks([r["host"] for r in reports], writers)
@@ -232,6 +235,7 @@ def save(
             return {"slices": slices, "part": part and dataclasses.asdict(part)}
 
         written = coordinator.run("write", write)
+        marks["write"] = time.perf_counter() - began
 
         def finish() -> None:
             if rank != 0:
@@ -251,6 +255,7 @@ def save(
                 _write_atomically(state["target"], state["directory"], manifest.to_json(), settings)
 
         coordinator.run("commit", finish)
+        marks["commit"] = time.perf_counter() - began
     except BaseException:
         temporary = state.get("temporary")
         if temporary:
@@ -269,7 +274,7 @@ def save(
     _last["stats"] = SaveStats(
         rank=rank, world_size=coordinator.size, writers=len(writer_list),
         bytes_written=mine.length if mine else 0, write_seconds=timing.get("write", 0.0),
-        total_seconds=time.perf_counter() - began, file_size=plan.size,
+        total_seconds=time.perf_counter() - began, file_size=plan.size, steps=marks,
     )  # fmt: skip
 
 
