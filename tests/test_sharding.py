@@ -83,3 +83,27 @@ def test_crc32_combine_large_lengths_and_many_pieces():
     assert crc32_combine_all(pieces) == zlib.crc32(data)
     with pytest.raises(ValueError):
         crc32_combine(0, 0, -1)
+
+
+def test_descriptor_patches_cover_exactly_what_writers_cannot_write():
+    """Records spanning a boundary (and descriptors straddling one) are patched; others are the writers'."""
+    import torch
+
+    from fastpersist.distributed.save import _descriptor_patches
+    from fastpersist.distributed.sharding import plan_ranges
+    from fastpersist.format.serializer import plan_save
+
+    plan = plan_save({f"t{i}": torch.zeros(3000 + 517 * i, dtype=torch.uint8) for i in range(40)}, "a")
+    crcs = [0] * len(plan.records)
+    for writers in (1, 2, 3, 7):
+        ranges = plan_ranges(plan, writers, alignment=4096)
+        patched = {offset for offset, _ in _descriptor_patches(plan, crcs, ranges)}
+        for record in plan.records:
+            entry = record.entry
+            if not entry.descriptor_size:
+                continue
+            lo, hi = entry.descriptor_offset, entry.descriptor_offset + entry.descriptor_size
+            holders = [r for r in ranges if r.length and r.start < hi and lo < r.end]
+            writable = all(entry.data_offset >= r.start for r in holders)
+            assert (lo in patched) == (not writable)
+        assert len(patched) <= 2 * (writers - 1)

@@ -142,12 +142,19 @@ def _combined_crcs(plan: SavePlan, slices: list[dict[int, tuple[int, int]]], che
     return crcs
 
 
-def _descriptor_patches(plan: SavePlan, crcs: list[int]) -> list[tuple[int, bytes]]:
-    return [
-        (r.entry.descriptor_offset, r.entry.data_descriptor(c))
-        for r, c in zip(plan.records, crcs)
-        if r.entry.descriptor_size
-    ]
+def _descriptor_patches(plan: SavePlan, crcs: list[int], ranges) -> list[tuple[int, bytes]]:
+    """Data descriptors no writer could write: their record starts in an earlier writer's range."""
+    patches = []
+    for record, crc in zip(plan.records, crcs):
+        entry = record.entry
+        if not entry.descriptor_size:
+            continue
+        lo, hi = entry.descriptor_offset, entry.descriptor_offset + entry.descriptor_size
+        # A writer zeroes the descriptor bytes it holds when the record started before its range
+        # (io.writer); a descriptor may straddle two ranges.
+        if any(r.length and r.start < hi and lo < r.end and entry.data_offset < r.start for r in ranges):
+            patches.append((entry.descriptor_offset, entry.data_descriptor(crc)))
+    return patches
 
 
 def save(
@@ -223,7 +230,8 @@ def save(
             if mine is None:
                 return {"slices": {}, "part": None}
             if layout == "file":
-                slices = _write_range(plan, reports[0]["temporary"], mine, settings, destination_offset=None)
+                # Rank 0's data is made durable by its commit fsync of the same file: one journal commit less.
+                slices = _write_range(plan, reports[0]["temporary"], mine, settings, fsync=rank != 0)
                 part = None
             else:
                 name = part_name(state["target"], token, mine.index, len(ranges))
@@ -242,13 +250,14 @@ def save(
                 return
             crcs = _combined_crcs(plan, [w["slices"] for w in written], settings.checksum)
             if layout == "file":
-                _commit_file(plan, crcs, state["temporary"], state["target"], state["directory"], settings)
+                _commit_file(plan, crcs, _descriptor_patches(plan, crcs, ranges), state["temporary"], state["target"],
+                             state["directory"], settings)  # fmt: skip
                 state.pop("temporary")
             else:
                 parts = tuple(PartInfo(**w["part"]) for w in sorted((w for w in written if w["part"]),
                                                                     key=lambda w: w["part"]["index"]))  # fmt: skip
                 manifest = Manifest(
-                    size=plan.size, token=token, parts=parts, patches=tuple(_descriptor_patches(plan, crcs)),
+                    size=plan.size, token=token, parts=parts, patches=tuple(_descriptor_patches(plan, crcs, ranges)),
                     trailer_offset=plan.layout.central_directory_offset, trailer=plan.trailer(crcs),
                     world_size=coordinator.size,
                 )  # fmt: skip
@@ -312,12 +321,11 @@ def _create_presized(target: str, directory: str, size: int, settings: config.Se
     return temporary
 
 
-def _write_range(plan: SavePlan, file_path: str, byte_range: ByteRange, settings, destination_offset):
+def _write_range(plan: SavePlan, file_path: str, byte_range: ByteRange, settings, fsync: bool = True):
     file = engine.File(file_path, "w", direct=settings.direct, truncate=False)
     try:
-        crcs = write_plan(plan, file, settings, byte_range=(byte_range.start, byte_range.end),
-                          destination_offset=destination_offset)  # fmt: skip
-        if settings.fsync:
+        crcs = write_plan(plan, file, settings, byte_range=(byte_range.start, byte_range.end))
+        if settings.fsync and fsync:
             file.fsync()
     finally:
         file.close()
@@ -349,11 +357,12 @@ def _write_part(plan: SavePlan, final: str, directory: str, byte_range: ByteRang
     return _slice_crcs(plan, crcs, byte_range)
 
 
-def _commit_file(plan: SavePlan, crcs: list[int], temporary: str, target: str, directory: str, settings) -> None:
+def _commit_file(plan: SavePlan, crcs: list[int], patches, temporary: str, target: str, directory: str,
+                 settings) -> None:  # fmt: skip
     """Rank 0, after every range is durable: descriptors and trailer, fsync, rename, directory fsync."""
     descriptor = os.open(temporary, os.O_WRONLY)
     try:
-        for offset, data in _descriptor_patches(plan, crcs):
+        for offset, data in patches:
             _pwrite_all(descriptor, data, offset)
         _pwrite_all(descriptor, plan.trailer(crcs), plan.layout.central_directory_offset)
         if settings.fsync:

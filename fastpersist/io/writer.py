@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from fastpersist.config import Settings
-from fastpersist.format.plan import SavePlan, Segment, SegmentKind
+from fastpersist.format.plan import SavePlan, Segment, SegmentKind, StorageRecord
 from fastpersist.io import engine, memory
 from fastpersist.tensors import host_memoryview
 
@@ -72,9 +72,10 @@ def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None, byte_r
         streams: side CUDA streams from :func:`side_streams`, made on the
             thread that queued the tensors' producers (default: made here).
         byte_range: ``(start, end)``: write only these bytes of the plan (one
-            rank's share of a data-parallel save). Data descriptors and the
-            trailer in the range are written as zeros (they need whole-record
-            CRC-32s; the committing rank writes them).
+            rank's share of a data-parallel save). The data descriptors of
+            records that start before ``start`` and the trailer are written as
+            zeros (they need CRC-32s of bytes outside the range; the
+            committing rank writes them).
         destination_offset: file offset of the range's first byte (default:
             ``start``, i.e. where it lies in the whole file).
 
@@ -93,7 +94,9 @@ def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None, byte_r
     shift = 0 if destination_offset is None else destination_offset - first  # plan offset -> file offset
     partial = byte_range is not None
     window_size = settings.buffer_size
-    crcs = [getattr(record, "crc", 0) if settings.checksum and not partial else 0 for record in plan.records]
+    crcs = [getattr(record, "crc", 0) if settings.checksum else 0 for record in plan.records]
+    if partial:  # storage CRCs of the range's slices only (the caller combines them across ranges)
+        crcs = [0 if isinstance(record, StorageRecord) else crc for record, crc in zip(plan.records, crcs)]
     if streams is None:
         streams = side_streams(plan)
     with memory.lease_buffers(settings.buffer_count, window_size) as buffers:
@@ -111,7 +114,8 @@ def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None, byte_r
                 slot.window = (start, min(start + window_size, size))
                 _fill(plan, slot, fill_cursor, streams, crcs, settings.checksum)
                 slot.finalized = finalizer.submit(
-                    _finalize_and_submit, plan, slot, finalize_cursor, crcs, trailer, settings, file, shift, partial
+                    _finalize_and_submit, plan, slot, finalize_cursor, crcs, trailer, settings, file, shift,
+                    first if partial else None,
                 )
             for slot in slots:
                 slot.wait_idle()
@@ -196,12 +200,13 @@ def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams, crcs: list[int]
 
 
 def _finalize_and_submit(plan, slot: _Slot, cursor: _Cursor, crcs, trailer: list[bytes], settings, file,
-                         shift: int = 0, partial: bool = False) -> None:  # fmt: skip
+                         shift: int = 0, range_start: int | None = None) -> None:  # fmt: skip
     start, end = slot.window
     slot.wait_copies()
     for segment, lo, hi in cursor.overlapping(start, end):
-        if partial and segment.kind in (SegmentKind.DESCRIPTOR, SegmentKind.TRAILER):
-            slot.view[lo - start : hi - start] = bytes(hi - lo)  # the committing rank writes these
+        if range_start is not None and (segment.kind is SegmentKind.TRAILER or (
+                segment.kind is SegmentKind.DESCRIPTOR and plan.records[segment.record].entry.data_offset < range_start)):
+            slot.view[lo - start : hi - start] = bytes(hi - lo)  # the committing rank writes these  # fmt: skip
         elif segment.kind is SegmentKind.STORAGE:
             if settings.checksum and plan.records[segment.record].device.type != "cpu":
                 crcs[segment.record] = engine.crc32(slot.buffer.data_ptr() + (lo - start), hi - lo, crcs[segment.record])
