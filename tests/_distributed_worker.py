@@ -86,11 +86,13 @@ def _do(rank: int, world: int, directory: str, step: dict):
     raise ValueError(kind)
 
 
-def run(rank: int, world: int, port: int, directory: str, steps: list) -> None:
+def run(rank: int, world: int, port: int, directory: str, steps: list, backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     results = []
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world)
         for step in steps:
             try:
                 results.append({"ok": _do(rank, world, directory, step)})
