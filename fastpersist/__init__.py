@@ -16,6 +16,7 @@ from fastpersist.errors import (
     ChecksumMismatchError,
     ConfigError,
     CorruptCheckpointError,
+    DistributedCheckpointError,
     EngineUnavailableError,
     FastPersistError,
     UnsupportedObjectError,
@@ -50,4 +51,5 @@ __all__ = [
     "save_file",
     "load_file",
     "safe_open",
+    "DistributedCheckpointError",
 ]

@@ -19,6 +19,7 @@ __all__ = [
     "UnsupportedObjectError",
     "TruncatedCheckpointError",
     "InvalidSafetensorsError",
+    "DistributedCheckpointError",
 ]
 
 
@@ -60,7 +61,6 @@ class TruncatedCheckpointError(CorruptCheckpointError, EOFError):
     """A file that ends too early; still an EOFError, which torch.load raised for it."""
 
 
-
 class InvalidSafetensorsError(CorruptCheckpointError):
     """A safetensors file whose header is invalid: bad length, JSON, dtype, shape or offsets.
 
@@ -68,3 +68,20 @@ class InvalidSafetensorsError(CorruptCheckpointError):
     tensor `x`", "incomplete metadata, file not fully covered", ...) and says
     which tensor is at fault (also in ``record``).
     """
+
+
+class DistributedCheckpointError(FastPersistError, RuntimeError):
+    """A collective (data-parallel) save or load failed on one or more ranks.
+
+    Raised on every rank of the group, so that no rank goes on as if the
+    checkpoint existed. Nothing was committed: the previous checkpoint at the
+    path is intact.
+
+    Attributes:
+        failures: group rank -> what went wrong there (an exception's text,
+            or that the rank did not report within the timeout).
+    """
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None):
+        super().__init__(message)
+        self.failures = dict(failures or {})

@@ -60,6 +60,8 @@ def load(
     weights_only: bool | None = None,
     mmap: bool | None = None,
     verify: bool | None = None,
+    group: Any = None,
+    timeout: float | None = None,
     **kwargs: Any,
 ) -> Any:
     """Loads a checkpoint like ``torch.load``, reading storages in parallel with O_DIRECT.
@@ -80,6 +82,12 @@ def load(
             ``verify`` setting (on) for paths loaded without mmap; files
             written without checksums are then loaded unverified, silently
             (with a warning when ``verify=True`` is passed explicitly).
+        group: a ``torch.distributed`` process group (or ``True``: the
+            default one): a collective load of a sharded checkpoint
+            (``layout="parts"``) when each rank sees only some parts; they
+            travel between ranks through torch.distributed. A sharded
+            checkpoint whose parts are all visible loads without a group.
+        timeout: (with ``group``) seconds to wait for the other ranks.
         **kwargs: ``fastpersist.config`` setting overrides; anything else is
             passed to the unpickler, as torch.load's ``pickle_load_args``.
 
@@ -114,10 +122,37 @@ def load(
             verify_file_object(f)
         return torch.load(f, map_location, **torch_kwargs)
     path = os.fspath(f)
+    sharded = _load_sharded(path, group, timeout, verify, dict(map_location=map_location, pickle_module=pickle_module,
+                                                               weights_only=weights_only, **pickle_load_args))
+    if sharded is not _NOT_SHARDED:
+        return sharded
     if torch._guards.detect_fake_mode(None) is not None:
         return torch.load(path, map_location, **torch_kwargs)
     return _load_from_path(path, map_location, pickle_module, weights_only, mmap, verify, resolved, torch_kwargs,
                            pickle_load_args, warn_unverifiable=explicit)  # fmt: skip
+
+
+_NOT_SHARDED = object()
+
+
+def _load_sharded(path: str, group: Any, timeout: float | None, verify: bool, load_kwargs: dict) -> Any:
+    """A sharded checkpoint (manifest + parts), or a collective load; else _NOT_SHARDED."""
+    if group is not None and group is not False:
+        from fastpersist.distributed import load as distributed_load
+        from fastpersist.distributed import save as distributed_save
+
+        if distributed_save.is_collective(group):
+            return distributed_load.load_collective(
+                path, None if group is True else group, load_kwargs, verify=verify,
+                timeout=distributed_save.DEFAULT_TIMEOUT if timeout is None else timeout,
+            )  # fmt: skip
+    from fastpersist.distributed.manifest import is_manifest
+
+    if os.path.isfile(path) and is_manifest(path):
+        from fastpersist.distributed.load import load_parts
+
+        return load_parts(path, load_kwargs, verify=verify)
+    return _NOT_SHARDED
 
 
 def _open_records(file, path: str, verify: bool) -> tuple[dict[str, ZipRecordInfo], Callable[[int, int], bytes]]:

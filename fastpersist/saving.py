@@ -23,6 +23,11 @@ def save(
     pickle_protocol: int = DEFAULT_PROTOCOL,
     _use_new_zipfile_serialization: bool = True,
     _disable_byteorder_record: bool = False,
+    *,
+    group: Any = None,
+    layout: str = "file",
+    writers: str = "all",
+    timeout: float | None = None,
     **settings: Any,
 ) -> None:
     """Saves ``obj`` like ``torch.save``, as fast as the storage allows.
@@ -43,6 +48,18 @@ def save(
             are streamed through its ``write`` method).
         pickle_module, pickle_protocol, _use_new_zipfile_serialization,
             _disable_byteorder_record: as ``torch.save``.
+        group: a ``torch.distributed`` process group (or ``True`` for the
+            default one): a collective, data-parallel save that every rank
+            calls with the same replicated object; each rank writes a disjoint
+            slice (see :mod:`fastpersist.distributed`, docs/distributed.md).
+            Without a group, or with a group of one rank, it is the ordinary
+            single-process save. ``f`` must then be a path.
+        layout: (with ``group``) ``"file"``: one ordinary checkpoint on a
+            shared filesystem; ``"parts"``: one part per writer on its own
+            storage, plus a manifest at ``f``.
+        writers: (with ``group``) ``"all"`` ranks write, or one per ``"node"``.
+        timeout: (with ``group``) seconds a rank waits for the others at each
+            step before raising (default 600).
         **settings: per-call overrides of any ``fastpersist.config`` setting
             (``buffer_size``, ``engine``, ``fsync``, ``checksum``, ...), and
             ``format="torch"|"safetensors"`` (default: safetensors for paths
@@ -64,6 +81,18 @@ def save(
         return
     overrides, _ = config.split_overrides("save", settings, allow_other=False)
     resolved = config.resolve(overrides)
+    if group is not None and group is not False:
+        from fastpersist.distributed import save as distributed_save
+
+        if distributed_save.is_collective(group):
+            if not isinstance(f, (str, os.PathLike)):
+                raise TypeError("a collective save (group=...) needs a path, not a file object")
+            distributed_save.save(
+                obj, f, group=None if group is True else group, layout=layout, writers=writers,
+                timeout=distributed_save.DEFAULT_TIMEOUT if timeout is None else timeout, pickle_module=pickle_module,
+                pickle_protocol=pickle_protocol, disable_byteorder_record=_disable_byteorder_record, settings=resolved,
+            )  # fmt: skip
+            return
     if not _use_new_zipfile_serialization:
         # The legacy (pre-1.6) format has no aligned records; torch writes it.
         torch.save(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization=False)

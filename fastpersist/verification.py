@@ -41,8 +41,17 @@ def verify(path: str | os.PathLike[str], *, chunk_size: int = 16 << 20) -> Verif
         ChecksumMismatchError: a record's bytes do not match its CRC-32
             (the exception's ``record`` names it).
         OSError: the file cannot be read (IsADirectoryError, FileNotFoundError, ...).
+
+    ``path`` may also be the manifest of a sharded checkpoint
+    (``layout="parts"``): its parts are checked as the file they stand for.
     """
     path = os.fspath(path)
+    from fastpersist.distributed.manifest import is_manifest
+
+    if os.path.isfile(path) and is_manifest(path):  # a sharded checkpoint (layout="parts"): check its parts
+        from fastpersist.distributed.verify import verify_sharded
+
+        return verify_sharded(path, chunk_size=chunk_size)
     with open(path, "rb") as handle:
         descriptor = handle.fileno()
         size = os.fstat(descriptor).st_size

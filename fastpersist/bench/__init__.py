@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "shapes": ("fastpersist.bench.shapes", "many-small / many-medium / huge / mixed states vs torch, fio and a sink"),
     "safetensors": ("fastpersist.bench.safetensors_bench", "safetensors files: fastpersist vs the safetensors library"),
     "dcp": ("fastpersist.bench.dcp", "torch.distributed.checkpoint: FileSystemWriter/Reader vs FastPersistWriter/Reader"),
+    "ranks": ("fastpersist.bench.ranks", "data-parallel sharded save (group=...) against the number of ranks"),
 }
 """Subcommand name -> (module defining ``main(argv)``, one-line description)."""
 

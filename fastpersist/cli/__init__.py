@@ -71,6 +71,7 @@ for _name in ("info", "verify"):
     register_command(_name, f"fastpersist.cli.{_name}")
 register_command("tune", "fastpersist.bench.tune")
 register_command("convert", "fastpersist.cli.convert")
+register_command("merge", "fastpersist.cli.merge")
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -23,13 +23,14 @@ done. Host memory is the ring plus metadata, whatever the checkpoint's size.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 from typing import Sequence
 
 import torch
 
 from fastpersist.config import Settings
-from fastpersist.format.plan import BytesRecord, SavePlan, Segment, SegmentKind
+from fastpersist.format.plan import BytesRecord, SavePlan, Segment, SegmentKind, StorageRecord
 from fastpersist.io import checksum as crc_pool
 from fastpersist.io import engine, memory
 from fastpersist.tensors import host_memoryview
@@ -70,7 +71,8 @@ def initial_crcs(plan: SavePlan, checksum: bool) -> list[int]:
     return [engine.crc32_of(record.data) if isinstance(record, BytesRecord) else 0 for record in plan.records]
 
 
-def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None) -> list[int]:
+def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None, byte_range=None,
+               destination_offset: int | None = None) -> list[int]:  # fmt: skip
     """Writes every byte of ``plan`` into ``file`` (a native File opened for writing).
 
     Args:
@@ -79,9 +81,18 @@ def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None) -> lis
         settings: buffer size and count, engine settings, checksum.
         streams: side CUDA streams from :func:`side_streams`, made on the
             thread that queued the tensors' producers (default: made here).
+        byte_range: ``(start, end)``: write only these bytes of the plan (one
+            rank's share of a data-parallel save). The data descriptors of
+            records that start before ``start`` and the trailer are written as
+            zeros (they need CRC-32s of bytes outside the range; the
+            committing rank writes them).
+        destination_offset: file offset of the range's first byte (default:
+            ``start``, i.e. where it lies in the whole file).
 
     Returns:
         The CRC-32 of every record, in plan order (zeros when checksums are off).
+        With ``byte_range``: the CRC-32 of each storage record's bytes inside
+        the range (0 for the others), for combination across ranks.
 
     Raises:
         OSError: from the engine (errno and filename set). When it raises,
@@ -89,26 +100,33 @@ def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None) -> lis
             the file's contents are then undefined (the caller discards it).
     """
     segments = plan.segments()
-    size = plan.size
-    # Sized to the checkpoint: a tiny save does not pin the full ring.
-    count, window_size = memory.ring_shape(size, settings.buffer_size, settings.buffer_count)
+    first, size = (0, plan.size) if byte_range is None else byte_range
+    shift = 0 if destination_offset is None else destination_offset - first  # plan offset -> file offset
+    partial = byte_range is not None
+    # Sized to the checkpoint (or this rank's range): a small save does not pin the full ring.
+    count, window_size = memory.ring_shape(size - first, settings.buffer_size, settings.buffer_count)
     crcs = initial_crcs(plan, settings.checksum)
+    if partial:  # storage CRCs of the range's slices only (the caller combines them across ranges)
+        crcs = [0 if isinstance(record, StorageRecord) else crc for record, crc in zip(plan.records, crcs)]
     if streams is None:
         streams = side_streams(plan)
     with memory.lease_buffers(count, window_size) as buffers:
         slots = [_Slot(buffer, engine.make_handle(settings)) for buffer in buffers]
         fill_cursor = _Cursor(segments)
         finalize_cursor = _Cursor(segments)
+        if partial:  # skip the segments that end before the range
+            fill_cursor.first = finalize_cursor.first = bisect.bisect_right([s.end for s in segments], first)
         trailer: list[bytes] = []
         finalizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fastpersist-crc")
         try:
-            for index, start in enumerate(range(0, size, window_size)):
+            for index, start in enumerate(range(first, size, window_size)):
                 slot = slots[index % len(slots)]
                 slot.wait_idle()
                 slot.window = (start, min(start + window_size, size))
                 _fill(plan, slot, fill_cursor, streams, crcs, settings.checksum)
                 slot.finalized = finalizer.submit(
-                    _finalize_and_submit, plan, slot, finalize_cursor, crcs, trailer, settings, file
+                    _finalize_and_submit, plan, slot, finalize_cursor, crcs, trailer, settings, file, shift,
+                    first if partial else None,
                 )
             for slot in slots:
                 slot.wait_idle()
@@ -200,11 +218,15 @@ def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams, crcs: list[int]
         slot.events.append(event)
 
 
-def _finalize_and_submit(plan, slot: _Slot, cursor: _Cursor, crcs, trailer: list[bytes], settings, file) -> None:
+def _finalize_and_submit(plan, slot: _Slot, cursor: _Cursor, crcs, trailer: list[bytes], settings, file,
+                         shift: int = 0, range_start: int | None = None) -> None:  # fmt: skip
     start, end = slot.window
     slot.wait_copies()
     for segment, lo, hi in cursor.overlapping(start, end):
-        if segment.kind is SegmentKind.STORAGE:
+        if range_start is not None and (segment.kind is SegmentKind.TRAILER or (
+                segment.kind is SegmentKind.DESCRIPTOR and plan.records[segment.record].entry.data_offset < range_start)):
+            slot.view[lo - start : hi - start] = bytes(hi - lo)  # the committing rank writes these  # fmt: skip
+        elif segment.kind is SegmentKind.STORAGE:
             if settings.checksum and plan.records[segment.record].device.type != "cpu":
                 # Spread over the cores: one thread's CRC-32 (~14 GB/s) would cap GPU saves.
                 crcs[segment.record] = crc_pool.crc32(slot.buffer.data_ptr() + (lo - start), hi - lo,
@@ -216,4 +238,4 @@ def _finalize_and_submit(plan, slot: _Slot, cursor: _Cursor, crcs, trailer: list
             if not trailer:
                 trailer.append(plan.trailer(crcs))
             slot.view[lo - start : hi - start] = trailer[0][lo - segment.offset : hi - segment.offset]
-    slot.handle.submit_write(slot.buffer.data_ptr(), end - start, file, start, slot.buffer)
+    slot.handle.submit_write(slot.buffer.data_ptr(), end - start, file, start + shift, slot.buffer)

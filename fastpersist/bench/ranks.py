@@ -1,0 +1,292 @@
+"""``python -m fastpersist.bench ranks``: data-parallel sharded save against the number of ranks.
+
+For each N in ``--ranks`` it spawns N processes (torch.multiprocessing, one
+``torch.distributed`` group, gloo by default), each holding the same state of
+``--size`` bytes (on ``cuda:rank % device_count`` with ``--device cuda``), and
+times ``--repeat`` collective saves (``fastpersist.save(..., group=...)``):
+
+* per rank: bytes written (~ total/N) and its write time (range write + fsync);
+* end to end: first rank's start (after a barrier) to last rank's return, i.e.
+  until rank 0 has committed the durable file;
+* N = 1 is the single-process ``fastpersist.save`` (always run: the
+  single-writer baseline of the same run).
+
+With one shared disk, the end-to-end time should not exceed the single
+writer's. With per-rank targets whose rates are independent (one SSD per
+rank; give ``--dir`` one directory per rank with ``--layout parts``), the
+N-rank time is projected from the measured single-writer rate as
+``(total/N) / rate_1 + coordination``, where coordination is the measured
+end-to-end time minus the slowest rank's write time. Every saved checkpoint
+is verified (structure and CRC-32s) and its first run is loaded back and
+compared. See docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from fastpersist.bench import measure, models
+
+__all__ = ["SCHEMA", "build_parser", "main", "to_markdown"]
+
+SCHEMA = "fastpersist.bench.ranks/1"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fastpersist.bench ranks", description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (1 is always added)")
+    parser.add_argument("--size", default="2G", help="checkpoint size (e.g. 256M, 2G)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where each rank's state lives")
+    parser.add_argument("--dir", default=None,
+                        help="target directory; a comma list gives rank r the directory r %% len (per-rank targets, "
+                             "with --layout parts)")  # fmt: skip
+    parser.add_argument("--layout", default="file", choices=["file", "parts"])
+    parser.add_argument("--writers", default="all", choices=["all", "node"])
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--json", default=None, help="write the result document here")
+    parser.add_argument("--markdown", default=None, help="write the table and a text chart (Markdown) here")
+    parser.add_argument("--render", nargs="+", default=None, metavar="JSON",
+                        help="do not run: print the Markdown of earlier --json results")  # fmt: skip
+    return parser
+
+
+def _state(size: int, device: str, rank: int) -> dict[str, torch.Tensor]:
+    """``size`` bytes of bf16 in 64 MiB tensors plus an odd-sized last one; the same on every rank."""
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
+    generator = torch.Generator(device=device).manual_seed(0)
+    state, index, left = {}, 0, size // 2
+    while left > 0:
+        count = min(left, 32 << 20)
+        if left - count == 0 and count > 1000:
+            count -= 1000  # an odd tail, so ranges and records do not line up
+        state[f"t{index}"] = torch.randn(count, dtype=torch.float32, device=device, generator=generator).to(torch.bfloat16)
+        left -= count
+        index += 1
+    return state
+
+
+def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> None:
+    import torch.distributed as dist
+
+    import fastpersist
+    from fastpersist.distributed import save as dsave
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(args["backend"], rank=rank, world_size=world)
+    if args["backend"] == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    state = _state(args["size"], args["device"], rank)
+    if args["device"] == "cuda":
+        torch.cuda.synchronize()
+    directories = args["dirs"]
+    path = os.path.join(directories[rank % len(directories)], "ranks-bench.pt")
+    records = []
+    for repeat in range(args["repeat"]):
+        dist.barrier()
+        start = time.time()
+        if world == 1:
+            began = time.perf_counter()
+            fastpersist.save(state, path)
+            write_seconds = time.perf_counter() - began
+            written = os.path.getsize(path)
+            steps = {}
+        else:
+            fastpersist.save(state, path, group=dist.group.WORLD, layout=args["layout"], writers=args["writers"],
+                             timeout=args["timeout"])  # fmt: skip
+            stats = dsave.last_stats()
+            write_seconds, written = stats.write_seconds, stats.bytes_written
+            steps = stats.steps
+        end = time.time()
+        dist.barrier()
+        check = {}
+        if rank == 0:
+            report = fastpersist.verify(path)
+            check = {"verified_records": report.records, "checksummed": report.checksummed}
+            if repeat == 0:
+                loaded = fastpersist.load(path, map_location="cpu")
+                check["round_trip"] = all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
+            check["file_bytes"] = sum(os.path.getsize(f) for f in _files_of(path))
+        dist.barrier()
+        records.append({"rank": rank, "repeat": repeat, "start": start, "end": end, "bytes": written,
+                        "write_seconds": write_seconds, "steps": steps, **check})  # fmt: skip
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as handle:
+        json.dump(records, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _files_of(path: str) -> list[str]:
+    from fastpersist.distributed.manifest import is_manifest, read_manifest
+
+    if not is_manifest(path):
+        return [path]
+    manifest = read_manifest(path)
+    return [path] + [os.path.join(os.path.dirname(path), p.name) for p in manifest.parts]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(world: int, args: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_worker, args=(world, _free_port(), args, out), nprocs=world, start_method="spawn")
+        rows = []
+        for rank in range(world):
+            with open(os.path.join(out, f"rank-{rank}.json")) as handle:
+                rows.extend(json.load(handle))
+    return rows
+
+
+def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
+    repeats = sorted({r["repeat"] for r in rows})
+    end_to_end = []
+    slowest_write = []
+    for repeat in repeats:
+        these = [r for r in rows if r["repeat"] == repeat]
+        end_to_end.append(max(r["end"] for r in these) - min(r["start"] for r in these))
+        slowest_write.append(max(r["write_seconds"] for r in these))
+    per_rank = []
+    for rank in range(world):
+        mine = [r for r in rows if r["rank"] == rank]
+        seconds = measure.summarize([r["write_seconds"] for r in mine])
+        per_rank.append({"rank": rank, "bytes": mine[0]["bytes"], "write_seconds": seconds,
+                         "write_GBps": mine[0]["bytes"] / seconds["median"] / 1e9 if seconds["median"] else None})  # fmt: skip
+    checks = [r for r in rows if r["rank"] == 0]
+    e2e = measure.summarize(end_to_end)
+    return {
+        "ranks": world,
+        "end_to_end_seconds": e2e,
+        "end_to_end_GBps": size / e2e["median"] / 1e9,
+        "slowest_write_seconds": measure.summarize(slowest_write),
+        "coordination_seconds": measure.summarize([e - w for e, w in zip(end_to_end, slowest_write)]),
+        "per_rank": per_rank,
+        "rank0_steps_seconds": {step: measure.summarize([r["steps"][step] for r in checks if step in r["steps"]])
+                                for step in ("plan", "write", "commit")} if world > 1 else None,  # fmt: skip
+        "file_bytes": checks[0].get("file_bytes"),
+        "verified": all(c.get("verified_records") for c in checks) and checks[0].get("round_trip", False),
+    }
+
+
+def _project(results: list[dict[str, Any]]) -> None:
+    """Adds the projection for independent per-rank targets: each rank writing at the single writer's rate."""
+    single = next(r for r in results if r["ranks"] == 1)
+    rate = single["per_rank"][0]["write_GBps"] * 1e9
+    baseline = single["end_to_end_seconds"]["median"]
+    for r in results:
+        largest = max(p["bytes"] for p in r["per_rank"])
+        coordination = max(r["coordination_seconds"]["median"], 0.0) if r["ranks"] > 1 else 0.0
+        projected = largest / rate + coordination
+        r["projected_independent_seconds"] = projected
+        r["projected_speedup"] = baseline / projected
+        r["measured_speedup"] = baseline / r["end_to_end_seconds"]["median"]
+
+
+def _print(document: dict[str, Any]) -> None:
+    print(f"size {models.format_bytes(document['size'])}, device {document['device']}, layout {document['layout']}, "
+          f"writers {document['writers']}, repeat {document['repeat']}, dirs {document['dirs']}")  # fmt: skip
+    print(f"{'N':>3} {'per-rank bytes':>15} {'per-rank write s':>17} {'per-rank GB/s':>14} {'end-to-end s':>13} "
+          f"{'GB/s':>6} {'vs N=1':>7} {'projected s':>12} {'proj. x':>8} ok")  # fmt: skip
+    for r in document["results"]:
+        bytes_ = max(p["bytes"] for p in r["per_rank"])
+        write = max(p["write_seconds"]["median"] for p in r["per_rank"])
+        rate = min(p["write_GBps"] or 0 for p in r["per_rank"] if p["bytes"]) if any(p["bytes"] for p in r["per_rank"]) else 0
+        print(f"{r['ranks']:>3} {models.format_bytes(bytes_):>15} {write:>17.3f} {rate:>14.2f} "
+              f"{r['end_to_end_seconds']['median']:>13.3f} {r['end_to_end_GBps']:>6.2f} {r['measured_speedup']:>6.2f}x "
+              f"{r['projected_independent_seconds']:>12.3f} {r['projected_speedup']:>7.2f}x {r['verified']}")  # fmt: skip
+
+
+def _bar(value: float, scale: float, width: int = 40) -> str:
+    cells = int(round(value / scale * width * 8)) if scale > 0 else 0
+    return "\u2588" * (cells // 8) + ("\u258f\u258e\u258d\u258c\u258b\u258a\u2589"[cells % 8 - 1] if cells % 8 else "")
+
+
+def to_markdown(document: dict[str, Any], title: str | None = None) -> str:
+    """A Markdown table of one result document, and a text bar chart of end-to-end GB/s against N."""
+    machine = document["machine"]
+    lines = [f"#### {title or 'sharded save against N ranks'}", "",
+             f"{machine.get('cpu_count')} cores, {machine.get('device_name')}, torch {machine.get('torch')}, "
+             f"{models.format_bytes(document['size'])} bf16 on {document['device']}, layout `{document['layout']}`, "
+             f"writers `{document['writers']}`, {document['repeat']} repeats (medians), target {document['dirs']}", "",
+             "| N | per-rank bytes | per-rank write (s) | per-rank GB/s | end-to-end (s) | end-to-end GB/s | "
+             "vs single writer | projected, independent targets (s) | projected speed-up |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in document["results"]:
+        writing = [p for p in r["per_rank"] if p["bytes"]]
+        lines.append(
+            f"| {r['ranks']} | {models.format_bytes(max(p['bytes'] for p in r['per_rank']))} | "
+            f"{max(p['write_seconds']['median'] for p in writing):.3f} | "
+            f"{min(p['write_GBps'] for p in writing):.2f} | {r['end_to_end_seconds']['median']:.3f} | "
+            f"{r['end_to_end_GBps']:.2f} | {r['measured_speedup']:.2f}x | "
+            f"{r['projected_independent_seconds']:.3f} | {r['projected_speedup']:.2f}x |"
+        )  # fmt: skip
+    scale = max(max(r["end_to_end_GBps"], document["size"] / r["projected_independent_seconds"] / 1e9)
+                for r in document["results"])  # fmt: skip
+    lines += ["", "```", "end-to-end GB/s (measured M, projected for independent per-rank targets P)"]
+    for r in document["results"]:
+        projected = document["size"] / r["projected_independent_seconds"] / 1e9
+        lines.append(f"N={r['ranks']:<3} M {_bar(r['end_to_end_GBps'], scale)} {r['end_to_end_GBps']:.2f}")
+        lines.append(f"      P {_bar(projected, scale)} {projected:.2f}")
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.render:
+        for path in args.render:
+            with open(path) as handle:
+                print(to_markdown(json.load(handle), os.path.basename(path)))
+        return 0
+    ranks = sorted({1, *(int(n) for n in args.ranks.split(",") if n.strip())})
+    size = models.parse_size(args.size)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device here", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(dir=(args.dir or ".").split(",")[0]) as scratch:
+        dirs = [d for d in args.dir.split(",")] if args.dir and "," in args.dir else [scratch]
+        settings = {"size": size, "device": args.device, "layout": args.layout, "writers": args.writers,
+                    "backend": args.backend, "repeat": args.repeat, "timeout": args.timeout, "dirs": dirs}  # fmt: skip
+        results = []
+        for world in ranks:
+            rows = _run(world, settings)
+            results.append(_summarize(world, rows, size))
+            for d in dirs:
+                for name in os.listdir(d):
+                    if name.startswith("ranks-bench.pt"):
+                        os.unlink(os.path.join(d, name))
+    _project(results)
+    document = {"schema": SCHEMA, "machine": measure.machine_info(dirs[0] if os.path.isdir(dirs[0]) else None,
+                                                                 args.device),  # fmt: skip
+                **{k: v for k, v in settings.items() if k != "dirs"}, "dirs": args.dir or "(temporary)",
+                "results": results}  # fmt: skip
+    _print(document)
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(to_markdown(document))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as handle:
+            json.dump(document, handle, indent=2)
+    return 0 if all(r["verified"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

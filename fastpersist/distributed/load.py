@@ -1,0 +1,262 @@
+"""Loading a checkpoint saved as parts (``layout="parts"``), alone or collectively.
+
+* All parts visible (one machine, shared filesystem, or copied together):
+  :func:`load_parts` rebuilds the ordinary file's bytes in memory from the
+  parts and the manifest, checks its structure and every record's CRC-32,
+  and unpickles it as ``fastpersist.load`` would.
+* Each rank sees only its own part (node-local storage): :func:`load_collective`,
+  called by every rank of a group. Ranks exchange which parts (and whether
+  the manifest) they see; each part is read by the lowest rank that sees it
+  and travels to every rank by ``torch.distributed.broadcast``. The group's
+  size need not be the saving world size.
+
+Memory: the whole file's bytes are held once in host memory while the
+objects are built (plus the objects themselves). ``fastpersist merge`` turns
+parts into one ordinary file, which loads without that copy.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import os
+import re
+import zlib
+from typing import Any
+
+import torch
+
+from fastpersist.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
+from fastpersist.distributed.manifest import Manifest, is_manifest, read_manifest
+from fastpersist.errors import CorruptCheckpointError, DistributedCheckpointError, TruncatedCheckpointError
+from fastpersist.format.zipformat import check_record_crc, check_structure
+
+__all__ = ["PartsSource", "assemble", "load_parts", "load_collective", "check_bytes"]
+
+_PART = re.compile(r"^(?P<name>.+)\.(?P<token>[0-9a-f]+)\.part-(?P<index>\d+)-of-(?P<count>\d+)$")
+
+
+class PartsSource:
+    """Random access to the bytes of the ordinary file a manifest stands for, read from its parts.
+
+    Args:
+        manifest: the manifest.
+        directory: where the parts are (default: beside the manifest).
+        extra: explicit part paths, by part index (they win over ``directory``).
+    """
+
+    def __init__(self, manifest: Manifest, directory: str, extra: dict[int, str] | None = None):
+        self.manifest = manifest
+        self._descriptors: dict[int, int] = {}
+        self.paths = {}
+        for part in manifest.parts:
+            path = (extra or {}).get(part.index) or os.path.join(directory, part.name)
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    2, f"part {part.index} of the sharded checkpoint is missing (written on host "
+                    f"{part.host or '?'}); copy it beside the manifest, or load collectively (group=) on ranks "
+                    "that see it", path,
+                ) from None  # fmt: skip
+            if size != part.length:
+                raise TruncatedCheckpointError(
+                    f"{path}: part {part.index} has {size} bytes, the manifest says {part.length}; restore it",
+                    path=path,
+                )
+            self.paths[part.index] = path
+
+    @property
+    def size(self) -> int:
+        return self.manifest.size
+
+    def close(self) -> None:
+        for descriptor in self._descriptors.values():
+            os.close(descriptor)
+        self._descriptors.clear()
+
+    def __enter__(self) -> PartsSource:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _descriptor(self, index: int) -> int:
+        if index not in self._descriptors:
+            self._descriptors[index] = os.open(self.paths[index], os.O_RDONLY)
+        return self._descriptors[index]
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        end = min(offset + length, self.size)
+        out = bytearray()
+        for part in self.manifest.parts:
+            lo, hi = max(offset, part.start), min(end, part.end)
+            if lo < hi:
+                out += os.pread(self._descriptor(part.index), hi - lo, lo - part.start)
+        lo, hi = max(offset, self.manifest.trailer_offset), end
+        if lo < hi:
+            t = self.manifest.trailer_offset
+            out += self.manifest.trailer[lo - t : hi - t]
+        _apply_patches(out, offset, self.manifest)
+        return bytes(out)
+
+
+def _apply_patches(buffer, offset: int, manifest: Manifest) -> None:
+    end = offset + len(buffer)
+    for position, data in manifest.patches:
+        lo, hi = max(position, offset), min(position + len(data), end)
+        if lo < hi:
+            buffer[lo - offset : hi - offset] = data[lo - position : hi - position]
+
+
+def assemble(manifest: Manifest, directory: str, extra: dict[int, str] | None = None) -> torch.Tensor:
+    """The whole ordinary file's bytes (uint8 CPU tensor), read from all parts."""
+    source = PartsSource(manifest, directory, extra)
+    buffer = torch.empty(manifest.size, dtype=torch.uint8)
+    view = memoryview(buffer.numpy()) if manifest.size else memoryview(bytearray())
+    for part in manifest.parts:
+        _read_file_into(source.paths[part.index], view[part.start : part.end])
+    finish(buffer, manifest)
+    return buffer
+
+
+def _read_file_into(path: str, view: memoryview) -> None:
+    with open(path, "rb") as handle:
+        position = 0
+        while position < len(view):
+            count = handle.readinto(view[position:])
+            if not count:
+                raise TruncatedCheckpointError(f"{path}: part ends early", path=path)
+            position += count
+
+
+def finish(buffer: torch.Tensor, manifest: Manifest) -> None:
+    """Writes the manifest's patches (data descriptors) and trailer into the assembled bytes."""
+    data = buffer.numpy()
+    for position, patch in manifest.patches:
+        data[position : position + len(patch)] = memoryview(patch).cast("B")
+    t = manifest.trailer_offset
+    data[t : manifest.size] = memoryview(manifest.trailer).cast("B")
+
+
+def check_bytes(buffer: torch.Tensor, path: str) -> None:
+    """Structure and every record's CRC-32 of an assembled file (what ``fastpersist.verify`` checks)."""
+    view = memoryview(buffer.numpy()) if buffer.numel() else memoryview(b"")
+
+    def read_at(offset: int, length: int) -> bytes:
+        return bytes(view[offset : offset + length])
+
+    records = check_structure(read_at, len(view), path)
+    if not any(r.crc for r in records if r.size):
+        return  # saved with checksum=False: structure only
+    for record in records:
+        crc = zlib.crc32(view[record.data_offset : record.data_offset + record.size])
+        if crc != record.crc:
+            check_record_crc(record, crc, path)
+
+
+def _deserialize(buffer: torch.Tensor, path: str, load_kwargs: dict[str, Any]) -> Any:
+    from fastpersist import loading
+
+    return loading.load(io.BytesIO(memoryview(buffer.numpy())), **load_kwargs)
+
+
+def load_parts(path: str, load_kwargs: dict[str, Any], verify: bool = True) -> Any:
+    """Loads a sharded checkpoint whose parts are all visible beside its manifest."""
+    manifest = read_manifest(path)
+    buffer = assemble(manifest, os.path.dirname(os.path.abspath(path)))
+    if verify:
+        check_bytes(buffer, path)
+    return _deserialize(buffer, path, load_kwargs)
+
+
+def _local_parts(path: str) -> dict[str, dict[int, str]]:
+    """token -> {part index: path} for the part files this rank sees beside ``path``."""
+    directory, name = os.path.split(os.path.abspath(path))
+    found: dict[str, dict[int, str]] = {}
+    for candidate in glob.glob(os.path.join(glob.escape(directory), f"{glob.escape(name)}.*.part-*-of-*")):
+        match = _PART.match(os.path.basename(candidate))
+        if match and match["name"] == name:
+            found.setdefault(match["token"], {})[int(match["index"])] = candidate
+    return found
+
+
+def load_collective(path: str, group: Any, load_kwargs: dict[str, Any], verify: bool = True,
+                    timeout: float = DEFAULT_TIMEOUT) -> Any:  # fmt: skip
+    """Collective load: every rank of ``group`` calls it; parts may be visible on some ranks only.
+
+    A path holding an ordinary checkpoint file is simply loaded by each rank.
+
+    Raises:
+        DistributedCheckpointError: on every rank, when no rank sees the
+            manifest or some part, or a rank fails or times out.
+    """
+    import torch.distributed as dist
+
+    coordinator = Coordinator(group, timeout, "load")
+
+    def survey() -> dict[str, Any]:
+        manifest = None
+        ordinary = False
+        if os.path.isfile(path):
+            if is_manifest(path):
+                with open(path, "rb") as handle:
+                    manifest = handle.read()
+            else:
+                ordinary = True
+        return {"manifest": manifest, "ordinary": ordinary, "parts": _local_parts(path)}
+
+    views = coordinator.run("survey", survey)
+    holders = [r for r, v in enumerate(views) if v["manifest"] is not None]
+    if not holders:
+        if all(v["ordinary"] for v in views):
+            from fastpersist import loading
+
+            return loading.load(path, **load_kwargs)
+        raise DistributedCheckpointError(
+            f"collective load of {path}: no rank sees a checkpoint or sharded-checkpoint manifest there",
+            {r: "no manifest" for r in range(coordinator.size)},
+        )
+    manifest = Manifest.from_json(views[holders[0]]["manifest"], path)
+    sources = {}
+    for part in manifest.parts:
+        seen = [r for r, v in enumerate(views) if part.index in v["parts"].get(manifest.token, {})]
+        if not seen:
+            raise DistributedCheckpointError(
+                f"collective load of {path}: part {part.index} ({part.name}, written on host {part.host or '?'}) "
+                "is visible on no rank; the checkpoint cannot be rebuilt", {},
+            )  # fmt: skip
+        sources[part.index] = seen[0]
+    mine = views[coordinator.rank]["parts"].get(manifest.token, {})
+
+    buffer = torch.empty(manifest.size, dtype=torch.uint8)
+
+    def read_mine() -> None:
+        view = memoryview(buffer.numpy()) if manifest.size else memoryview(bytearray())
+        for part in manifest.parts:
+            if sources[part.index] == coordinator.rank:
+                size = os.stat(mine[part.index]).st_size
+                if size != part.length:
+                    raise TruncatedCheckpointError(f"{mine[part.index]}: {size} bytes, manifest says {part.length}",
+                                                   path=mine[part.index])  # fmt: skip
+                _read_file_into(mine[part.index], view[part.start : part.end])
+
+    coordinator.run("read", read_mine)
+    backend = dist.get_backend(coordinator.group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    for part in manifest.parts:
+        if not part.length:
+            continue
+        piece = buffer[part.start : part.end]
+        carrier = piece if device.type == "cpu" else piece.to(device)
+        dist.broadcast(carrier, src=coordinator.global_rank(sources[part.index]), group=coordinator.group)
+        if carrier is not piece:
+            piece.copy_(carrier)
+    finish(buffer, manifest)
+
+    def check() -> None:
+        if verify:
+            check_bytes(buffer, path)
+
+    coordinator.run("verify", check)
+    return _deserialize(buffer, path, load_kwargs)

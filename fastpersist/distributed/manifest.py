@@ -1,0 +1,138 @@
+"""The manifest of a checkpoint saved as per-rank parts (``layout="parts"``).
+
+The manifest is a small JSON file at the checkpoint's path, written last and
+atomically by rank 0 once every part is durable. It describes how to rebuild
+the ordinary torch zip file: the parts hold the file's bytes up to the
+central directory, in order; the manifest holds what needs every rank's
+CRC-32s (each record's data descriptor and the trailer: central directory
+and end records), so the parts themselves never need rewriting.
+
+Parts are named ``<path>.<token>.part-<k>-of-<n>`` (``token`` is unique per
+save, so a failed save never touches the previous checkpoint's parts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from fastpersist.errors import CorruptCheckpointError
+
+__all__ = ["FORMAT", "Manifest", "PartInfo", "is_manifest", "read_manifest", "part_name"]
+
+FORMAT = "fastpersist-sharded"
+VERSION = 1
+
+
+def part_name(path: str, token: str, index: int, count: int) -> str:
+    """The file name of part ``index`` (0-based) of ``count`` for a save to ``path``."""
+    return f"{os.path.basename(path)}.{token}.part-{index}-of-{count}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PartInfo:
+    """One part: file ``name`` (beside the manifest) holds bytes ``[start, end)`` of the checkpoint."""
+
+    index: int
+    name: str
+    start: int
+    end: int
+    host: str = ""
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """What a sharded checkpoint is made of.
+
+    Attributes:
+        size: the size of the ordinary checkpoint file it stands for.
+        token: this save's unique token (in every part's name).
+        parts: the parts, in file order; they cover ``[0, patches_end)``.
+        patches: ``(offset, bytes)`` written over the parts (data descriptors).
+        trailer_offset: where the trailer (central directory, end records) starts.
+        trailer: its bytes; ``trailer_offset + len(trailer) == size``.
+        world_size: ranks that saved it.
+    """
+
+    size: int
+    token: str
+    parts: tuple[PartInfo, ...]
+    patches: tuple[tuple[int, bytes], ...]
+    trailer_offset: int
+    trailer: bytes
+    world_size: int
+
+    def to_json(self) -> bytes:
+        document = {
+            "format": FORMAT,
+            "version": VERSION,
+            "size": self.size,
+            "token": self.token,
+            "world_size": self.world_size,
+            "parts": [dataclasses.asdict(p) for p in self.parts],
+            "patches": [[offset, data.hex()] for offset, data in self.patches],
+            "trailer_offset": self.trailer_offset,
+            "trailer": self.trailer.hex(),
+        }
+        return json.dumps(document, indent=1).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str | None = None) -> Manifest:
+        try:
+            document = json.loads(data)
+            if document.get("format") != FORMAT:
+                raise ValueError("not a fastpersist sharded-checkpoint manifest")
+            if document.get("version") != VERSION:
+                raise ValueError(f"manifest version {document.get('version')} is not supported (expected {VERSION})")
+            manifest = cls(
+                size=int(document["size"]),
+                token=str(document["token"]),
+                parts=tuple(PartInfo(**p) for p in document["parts"]),
+                patches=tuple((int(o), bytes.fromhex(h)) for o, h in document["patches"]),
+                trailer_offset=int(document["trailer_offset"]),
+                trailer=bytes.fromhex(document["trailer"]),
+                world_size=int(document["world_size"]),
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptCheckpointError(f"{path}: damaged sharded-checkpoint manifest ({e})", path=path) from e
+        manifest.check(path)
+        return manifest
+
+    def check(self, path: str | None = None) -> None:
+        """Raises CorruptCheckpointError when the pieces do not tile the file."""
+        position = 0
+        for part in self.parts:
+            if part.start != position or part.end < part.start:
+                raise CorruptCheckpointError(f"{path}: manifest parts do not tile the file at {position}", path=path)
+            position = part.end
+        if position != self.trailer_offset or self.trailer_offset + len(self.trailer) != self.size:
+            raise CorruptCheckpointError(f"{path}: manifest parts and trailer do not add up to {self.size} bytes",
+                                         path=path)  # fmt: skip
+        for offset, data in self.patches:
+            if offset < 0 or offset + len(data) > self.trailer_offset:
+                raise CorruptCheckpointError(f"{path}: manifest patch at {offset} is out of range", path=path)
+
+
+def is_manifest(path: str) -> bool:
+    """Whether ``path`` is a sharded-checkpoint manifest (cheap: looks at the first bytes)."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(256)
+    except OSError:
+        return False
+    return head.lstrip()[:1] == b"{" and FORMAT.encode() in head
+
+
+def read_manifest(path: str) -> Manifest:
+    with open(path, "rb") as handle:
+        return Manifest.from_json(handle.read(), path)
+
+
+def as_dict(manifest: Manifest) -> dict[str, Any]:
+    return json.loads(manifest.to_json())
