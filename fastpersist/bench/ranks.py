@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from fastpersist import config
 from fastpersist.bench import measure, models
 
 __all__ = ["SCHEMA", "build_parser", "main", "to_markdown"]
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(to_markdown(json.load(handle), os.path.basename(path)))
         return 0
     ranks = sorted({1, *(int(n) for n in args.ranks.split(",") if n.strip())})
-    size = models.parse_size(args.size)
+    size = config.parse_size(args.size)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)
         return 2

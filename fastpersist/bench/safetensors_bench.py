@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from fastpersist import config, system
 from fastpersist.bench import measure, models
 
 __all__ = ["build_parser", "main", "run"]
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    size = models.parse_size(args.size)
+    size = config.parse_size(args.size)
     spec = models.get_model(args.model)
     layers = models.layers_for_size(spec, size, torch.bfloat16)
     state = models.build_state(spec, dtype=torch.bfloat16, device=device, layers=layers)
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ours_path = os.path.join(directory, "fastpersist.safetensors")
     theirs_path = os.path.join(directory, "library.safetensors")
     raw_path = os.path.join(directory, "ceiling.bin")
-    dropper = measure.CacheDropper(enabled=not args.no_drop_caches)
+    dropper = system.CacheDropper(enabled=not args.no_drop_caches)
     settings = ours._settings("bench", {})
     raw_size = -(-nbytes // 4096) * 4096
 
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for repeat in range(args.repeats):
             for name, (_, action) in saves.items():
                 _sync_device(device)
-                measure.release_memory()
+                system.release_memory()
                 with measure.PeakMemory() as peak:
                     start = time.perf_counter()
                     action()
@@ -187,7 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     problems.append(f"load {name}: {path} missing (its save was skipped)")
                     continue
                 dropper.drop([path])
-                measure.release_memory()
+                system.release_memory()
                 _sync_device(device)
                 start = time.perf_counter()
                 result = action()

@@ -133,7 +133,7 @@ def _combined_crcs(plan: SavePlan, slices: list[dict[int, tuple[int, int]]], che
     crcs = []
     for index, record in enumerate(plan.records):
         if isinstance(record, BytesRecord):
-            crcs.append(record.crc)
+            crcs.append(engine.crc32_of(record.data))
             continue
         pieces = [s[index] for s in slices if index in s]
         if sum(length for _, length in pieces) != record.entry.size:
