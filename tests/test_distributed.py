@@ -21,6 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 import fastpersist
+import fastpersist.cli
 from _distributed_worker import make_state, same  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
@@ -136,6 +137,25 @@ def test_node_local_parts_loaded_by_fewer_ranks(tmp_path):
     verify = subprocess.run([sys.executable, "-m", "fastpersist", "verify", os.path.join(dirs[0], "ckpt.pt")],
                             capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(fastpersist.__file__)))  # fmt: skip
     assert verify.returncode == 0 and verify.stdout.startswith("OK"), verify.stdout + verify.stderr
+    # A part kept elsewhere is named with --part; a damaged part is caught by verify, load and merge.
+    part = sorted(glob.glob(os.path.join(dirs[0], "ckpt.pt.*.part-3-of-4")))[0]
+    elsewhere = shutil.move(part, tmp_path / os.path.basename(part))
+    assert fastpersist.cli.main(["merge", os.path.join(dirs[0], "ckpt.pt"), str(tmp_path / "again.pt"),
+                                 "--part", str(elsewhere)]) == 0  # fmt: skip
+    assert same(torch.load(tmp_path / "again.pt"), make_state())
+    shutil.move(elsewhere, part)
+    with open(part, "r+b") as handle:
+        handle.seek(os.path.getsize(part) // 2)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    verify = subprocess.run([sys.executable, "-m", "fastpersist", "verify", os.path.join(dirs[0], "ckpt.pt")],
+                            capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(fastpersist.__file__)))  # fmt: skip
+    assert verify.returncode == 1 and verify.stdout.startswith("CORRUPT"), verify.stdout + verify.stderr
+    with pytest.raises(fastpersist.ChecksumMismatchError):
+        fastpersist.load(os.path.join(dirs[0], "ckpt.pt"))
+    assert fastpersist.cli.main(["merge", os.path.join(dirs[0], "ckpt.pt"), str(tmp_path / "bad.pt")]) == 1
+    assert not os.path.exists(tmp_path / "bad.pt") and temporaries(tmp_path) == []
 
 
 @pytest.mark.parametrize("layout", ["file", "parts"])

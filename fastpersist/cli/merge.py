@@ -4,8 +4,8 @@
 written there by rank 0); its parts are looked up beside it, or given with
 ``--part FILE`` (repeatable; the part index is read from the file name). The
 output is an ordinary torch zip checkpoint that ``torch.load`` reads, written
-atomically (temporary file, fsync, rename, directory fsync) and then verified
-(structure and every CRC-32).
+atomically (temporary file, fsync, verified: structure and every CRC-32, then
+rename and directory fsync): a damaged set leaves nothing at ``OUT``.
 
 Exit status: 0 merged and verified, 1 the parts are damaged or do not match
 the manifest, 2 a usage error or an unreadable/missing file.
@@ -62,6 +62,11 @@ def merge(manifest_path: str, output: str, parts: list[str] = (), verify: bool =
                 os.fsync(descriptor)
             finally:
                 os.close(descriptor)
+            report = None
+            if verify:  # before the rename: a damaged set never replaces anything at OUT
+                from fastpersist.verification import verify as verify_file
+
+                report = verify_file(temporary)
             commit._copy_mode(target, temporary)
             os.replace(temporary, target)
         except BaseException:
@@ -71,11 +76,7 @@ def merge(manifest_path: str, output: str, parts: list[str] = (), verify: bool =
                 pass
             raise
     commit.fsync_directory(directory)
-    if verify:
-        from fastpersist.verification import verify as verify_file
-
-        return verify_file(target)
-    return None
+    return report
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ import torch
 
 from fastpersist.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from fastpersist.distributed.manifest import Manifest, is_manifest, read_manifest
-from fastpersist.errors import CorruptCheckpointError, DistributedCheckpointError, TruncatedCheckpointError
+from fastpersist.errors import DistributedCheckpointError, TruncatedCheckpointError
 from fastpersist.format.zipformat import check_record_crc, check_structure
 
 __all__ = ["PartsSource", "assemble", "load_parts", "load_collective", "check_bytes"]
