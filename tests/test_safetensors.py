@@ -13,6 +13,7 @@ import torch
 safetensors_torch = pytest.importorskip("safetensors.torch")
 import safetensors
 
+import fastpersist
 from fastpersist import safetensors as fs
 from fastpersist.errors import InvalidSafetensorsError, UnsupportedObjectError
 from fastpersist.format import safetensors as layout
@@ -382,3 +383,16 @@ def test_cuda_round_trip_both_ways(tmp_path):
             _same(loaded[name], tensor)
     with fs.safe_open(path, device="cuda:0") as f:
         assert torch.equal(f.get_slice("big")[100:200], tensors["big"][100:200])
+
+
+@pytest.mark.gpu
+def test_cuda_async_save_and_front_door(tmp_path):
+    state = {"w": torch.randn(1000, 1000, device="cuda"), "b": torch.arange(7, device="cuda")}
+    future = fs.async_save_file(state, tmp_path / "a.safetensors")
+    future.result()
+    loaded = fastpersist.load(tmp_path / "a.safetensors", map_location="cuda")
+    for name, tensor in state.items():
+        assert loaded[name].device.type == "cuda"
+        _same(loaded[name], tensor)
+    with fs.safe_open(tmp_path / "a.safetensors", device="cuda") as f:
+        _same(f.get_tensor("b"), state["b"])
