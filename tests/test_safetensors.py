@@ -396,3 +396,38 @@ def test_cuda_async_save_and_front_door(tmp_path):
         _same(loaded[name], tensor)
     with fs.safe_open(tmp_path / "a.safetensors", device="cuda") as f:
         _same(f.get_tensor("b"), state["b"])
+
+
+def test_lazy_access_reads_only_the_bytes_asked_for(tmp_path, monkeypatch):
+    tensors = {"a": torch.randn(300, 40), "b": torch.arange(1000, dtype=torch.int64), "c": torch.ones(5)}
+    path = tmp_path / "lazy.safetensors"
+    fs.save_file(tensors, path)
+    ranges = []
+    original = fs._Reader.read
+
+    def spy(self, pieces, device):
+        pieces = list(pieces)
+        ranges.extend((start, end) for _, start, end in pieces)
+        return original(self, pieces, device)
+
+    monkeypatch.setattr(fs._Reader, "read", spy)
+    with fs.safe_open(path) as f:
+        entry = f._open().header.tensors["b"]
+        assert torch.equal(f.get_tensor("b"), tensors["b"])
+        assert ranges == [(entry.start, entry.end)]
+        ranges.clear()
+        a = f._open().header.tensors["a"]
+        assert torch.equal(f.get_slice("a")[10:12], tensors["a"][10:12])
+        assert ranges == [(a.start + 10 * 160, a.start + 12 * 160)]
+
+
+def test_safe_open_is_usable_from_several_threads(tmp_path):
+    import concurrent.futures
+
+    tensors = {f"t{i}": torch.full((1000 + i,), float(i)) for i in range(16)}
+    path = tmp_path / "threads.safetensors"
+    fs.save_file(tensors, path)
+    with fs.safe_open(path) as f, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = dict(zip(tensors, pool.map(f.get_tensor, tensors)))
+    for name, tensor in tensors.items():
+        assert torch.equal(results[name], tensor)
