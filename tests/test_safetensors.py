@@ -431,3 +431,14 @@ def test_safe_open_is_usable_from_several_threads(tmp_path):
         results = dict(zip(tensors, pool.map(f.get_tensor, tensors)))
     for name, tensor in tensors.items():
         assert torch.equal(results[name], tensor)
+
+
+def test_verify_checks_a_safetensors_header_and_size(tmp_path):
+    path = tmp_path / "v.safetensors"
+    fs.save_file({"a": torch.ones(10), "b": torch.zeros(3, dtype=torch.int8)}, path)
+    report = fastpersist.verify(path)
+    assert (report.records, report.bytes, report.checksummed) == (2, 43, False)
+    with open(path, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(InvalidSafetensorsError, match="not fully covered"):
+        fastpersist.verify(path)
