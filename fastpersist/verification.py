@@ -9,6 +9,7 @@ from typing import BinaryIO
 
 from fastpersist.errors import CorruptCheckpointError
 from fastpersist.format.deserializer import archive_prefix
+from fastpersist.format.safetensors import header_length, looks_like_safetensors, parse_header
 from fastpersist.format.zipformat import ZipRecordInfo, check_alignment_claim, check_record_crc, check_structure
 from fastpersist.io import engine
 
@@ -33,7 +34,8 @@ def verify(path: str | os.PathLike[str], *, chunk_size: int = 16 << 20) -> Verif
     gaps and nothing after the end); then every record is read and its CRC-32
     compared with the central directory's. Files written without checksums
     (``checksum=False``, torch's ``compute_crc32=False``) get the structure
-    check only: ``report.checksummed`` is False then.
+    check only: ``report.checksummed`` is False then. So do safetensors files
+    (which have no checksums): their header, offsets and size are checked.
 
     Raises:
         CorruptCheckpointError: truncated, malformed, or not a zip checkpoint
@@ -59,6 +61,10 @@ def verify(path: str | os.PathLike[str], *, chunk_size: int = 16 << 20) -> Verif
         def read_at(offset: int, length: int) -> bytes:
             return os.pread(descriptor, length, offset)
 
+        if looks_like_safetensors(read_at(0, 9)):
+            # No checksums in the format: its header, offsets and size are what can be checked.
+            header = parse_header(read_at(0, 8 + header_length(read_at(0, 8), size, path)), size, path)
+            return VerifyReport(path, len(header.tensors), size - header.data_offset, checksummed=False)
         records = check_structure(read_at, size, path)
         archive_prefix([r.name for r in records], path)
         checksummed = has_checksums(records)

@@ -13,6 +13,7 @@ import torch
 safetensors_torch = pytest.importorskip("safetensors.torch")
 import safetensors
 
+import fastpersist
 from fastpersist import safetensors as fs
 from fastpersist.errors import InvalidSafetensorsError, UnsupportedObjectError
 from fastpersist.format import safetensors as layout
@@ -382,3 +383,62 @@ def test_cuda_round_trip_both_ways(tmp_path):
             _same(loaded[name], tensor)
     with fs.safe_open(path, device="cuda:0") as f:
         assert torch.equal(f.get_slice("big")[100:200], tensors["big"][100:200])
+
+
+@pytest.mark.gpu
+def test_cuda_async_save_and_front_door(tmp_path):
+    state = {"w": torch.randn(1000, 1000, device="cuda"), "b": torch.arange(7, device="cuda")}
+    future = fs.async_save_file(state, tmp_path / "a.safetensors")
+    future.result()
+    loaded = fastpersist.load(tmp_path / "a.safetensors", map_location="cuda")
+    for name, tensor in state.items():
+        assert loaded[name].device.type == "cuda"
+        _same(loaded[name], tensor)
+    with fs.safe_open(tmp_path / "a.safetensors", device="cuda") as f:
+        _same(f.get_tensor("b"), state["b"])
+
+
+def test_lazy_access_reads_only_the_bytes_asked_for(tmp_path, monkeypatch):
+    tensors = {"a": torch.randn(300, 40), "b": torch.arange(1000, dtype=torch.int64), "c": torch.ones(5)}
+    path = tmp_path / "lazy.safetensors"
+    fs.save_file(tensors, path)
+    ranges = []
+    original = fs._Reader.read
+
+    def spy(self, pieces, device):
+        pieces = list(pieces)
+        ranges.extend((start, end) for _, start, end in pieces)
+        return original(self, pieces, device)
+
+    monkeypatch.setattr(fs._Reader, "read", spy)
+    with fs.safe_open(path) as f:
+        entry = f._open().header.tensors["b"]
+        assert torch.equal(f.get_tensor("b"), tensors["b"])
+        assert ranges == [(entry.start, entry.end)]
+        ranges.clear()
+        a = f._open().header.tensors["a"]
+        assert torch.equal(f.get_slice("a")[10:12], tensors["a"][10:12])
+        assert ranges == [(a.start + 10 * 160, a.start + 12 * 160)]
+
+
+def test_safe_open_is_usable_from_several_threads(tmp_path):
+    import concurrent.futures
+
+    tensors = {f"t{i}": torch.full((1000 + i,), float(i)) for i in range(16)}
+    path = tmp_path / "threads.safetensors"
+    fs.save_file(tensors, path)
+    with fs.safe_open(path) as f, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = dict(zip(tensors, pool.map(f.get_tensor, tensors)))
+    for name, tensor in tensors.items():
+        assert torch.equal(results[name], tensor)
+
+
+def test_verify_checks_a_safetensors_header_and_size(tmp_path):
+    path = tmp_path / "v.safetensors"
+    fs.save_file({"a": torch.ones(10), "b": torch.zeros(3, dtype=torch.int8)}, path)
+    report = fastpersist.verify(path)
+    assert (report.records, report.bytes, report.checksummed) == (2, 43, False)
+    with open(path, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(InvalidSafetensorsError, match="not fully covered"):
+        fastpersist.verify(path)

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="where the state lives and loads go: cpu or cuda[:N] (default cpu)")
     p.add_argument("--size", default="4G", help="state size, e.g. 4G (decimal) or 2GiB (default 4G)")
     p.add_argument("--model", default="llama-3.2-1b", choices=models.model_names(), help="layer shapes to use")
-    p.add_argument("--dir", default=None, help="directory for the files (default: a temporary one under the cwd)")
+    p.add_argument("--dir", default=None, help="directory for the files (default: a new one under the cwd)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per method; medians reported (default 3)")
     p.add_argument("--json", default=None, help="write the result document here")
     p.add_argument("--no-drop-caches", action="store_true", help="warm loads (do not drop the page cache)")
@@ -102,6 +102,7 @@ def _touch(result: Any) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import safetensors.torch as library
 
+    import fastpersist
     from fastpersist import safetensors as ours
     from fastpersist.io import engine, memory
 
@@ -118,6 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ours_path = os.path.join(directory, "fastpersist.safetensors")
     theirs_path = os.path.join(directory, "library.safetensors")
     raw_path = os.path.join(directory, "ceiling.bin")
+    torch_path = os.path.join(directory, "fastpersist-torch.pt")
     dropper = system.CacheDropper(enabled=not args.no_drop_caches)
     settings = ours._settings("bench", {})
     raw_size = -(-nbytes // 4096) * 4096
@@ -147,6 +149,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ceiling": ("O_DIRECT write of the same bytes (engine) + fsync", ceiling_write),
         "fastpersist": ("fastpersist.save_file (durable)", lambda: ours.save_file(state, ours_path)),
         "safetensors": ("safetensors.torch.save_file + fsync", library_save),
+        "fastpersist-torch": ("fastpersist.save of the same dict, torch format, no CRC (context)",
+                              lambda: fastpersist.save(state, torch_path, checksum=False)),  # fmt: skip
     }
     loads: dict[str, tuple[str, Callable[[], Any], str]] = {
         "ceiling": ("O_DIRECT read of the file (engine)", ceiling_read, raw_path),
@@ -200,7 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if problem:
                         problems.append(f"load {name}: {problem}")
                 del result
-    for path in (ours_path, theirs_path, raw_path):
+    for path in (ours_path, theirs_path, raw_path, torch_path):
         measure.remove_path(path)
     if args.dir is None:
         os.rmdir(directory)
