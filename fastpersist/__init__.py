@@ -21,6 +21,9 @@ from fastpersist.errors import (
     UnsupportedObjectError,
 )
 from fastpersist.io.handle import AioHandle
+from fastpersist.futures import pending_saves, release_buffers, wait_all
+from fastpersist.checkpointer import Checkpointer
+from fastpersist.errors import TensorModifiedError
 from fastpersist.io.memory import free_cpu_locked_tensor, new_cpu_locked_tensor
 from fastpersist.tensors import cast_to_byte_tensor
 
@@ -44,4 +47,9 @@ __all__ = [
     "CorruptCheckpointError",
     "ChecksumMismatchError",
     "UnsupportedObjectError",
+    "TensorModifiedError",
+    "wait_all",
+    "pending_saves",
+    "release_buffers",
+    "Checkpointer",
 ]

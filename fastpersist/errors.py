@@ -18,6 +18,7 @@ __all__ = [
     "ChecksumMismatchError",
     "UnsupportedObjectError",
     "TruncatedCheckpointError",
+    "TensorModifiedError",
 ]
 
 
@@ -58,3 +59,22 @@ class UnsupportedObjectError(FastPersistError, TypeError):
 class TruncatedCheckpointError(CorruptCheckpointError, EOFError):
     """A file that ends too early; still an EOFError, which torch.load raised for it."""
 
+
+
+class TensorModifiedError(FastPersistError, RuntimeError):
+    """A tensor changed while a pipelined ``async_save`` was still reading it; nothing was committed.
+
+    The file would have mixed old and new values (with valid CRCs), so the save
+    is failed instead and the previous file at the path stays. Wait for the save
+    before modifying the state (``fastpersist.Checkpointer`` does it before each
+    optimizer step), or use ``async_save(..., mode="snapshot")``.
+
+    Attributes:
+        path: the checkpoint that was not written.
+        names: where the modified tensors were found in the object (as many as known).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, names: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.path = path
+        self.names = names
