@@ -62,17 +62,32 @@ class Checkpointer:
         mode: str | None = None,
         **settings: Any,
     ):
-        if isinstance(optimizers, torch.optim.Optimizer):
-            optimizers = [optimizers]
         self.mode = mode
         self.settings = settings
         self._pending: list[futures.SaveFuture] = []
         self._hooks = []
+        self.attach(optimizers, model=model)
+
+    def attach(
+        self,
+        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (),
+        *,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        """Adds the waiting hooks to more optimizers (and a model's normalization layers)."""
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
         for optimizer in optimizers:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
         if model is not None:
             for layer in _normalization_layers(model):
                 self._hooks.append(layer.register_forward_pre_hook(self._before_forward))
+
+    def detach(self) -> None:
+        """Removes every hook (pending saves are not waited for)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def save(self, obj: object, path: str | os.PathLike[str], **settings: Any) -> futures.SaveFuture:
         """Starts an async save of ``obj`` to ``path``; raises the error of an earlier save first."""
@@ -116,9 +131,7 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for pending saves (raising the first error) and removes the hooks."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self.detach()
         self.wait()
 
     def __enter__(self) -> "Checkpointer":
@@ -128,9 +141,7 @@ class Checkpointer:
         if exc[0] is None:
             self.close()
         else:
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks = []
+            self.detach()
             # The exception already propagating wins; a save's error stays unchecked, so it is
             # still reported (at the next async_save or at exit), not swallowed here.
             pending, self._pending = self._pending, []

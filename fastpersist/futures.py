@@ -47,7 +47,7 @@ from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, pl
 from fastpersist.io import memory, staging
 from fastpersist.io.writer import side_streams
 
-__all__ = ["async_save", "SaveFuture", "wait_all", "release_buffers", "pending_saves"]
+__all__ = ["async_save", "SaveFuture", "wait_all", "release_buffers", "pending_saves", "run_in_order"]
 
 _PENDING, _RUNNING, _FINISHED = "pending", "running", "finished"
 
@@ -381,17 +381,33 @@ def async_save(
             commit_plan(plan, path, directory, resolved, streams, before_commit=lambda: _check_unmodified(path, recorded))
 
     future._work = work
+    return _submit(future)
+
+
+def _submit(future: SaveFuture) -> SaveFuture:
     with _lock:
         run_here = _exiting
         if not run_here:
             _in_flight.append(future)
     if run_here or not _worker.submit(future):
-        # At interpreter exit nothing may be left behind: save now, in the caller.
+        # At interpreter exit nothing may be left behind: run it now, in the caller.
         with _lock:
             if future in _in_flight:
                 _in_flight.remove(future)
         future._run()
     return future
+
+
+def run_in_order(function: Callable[[], None], path: str) -> SaveFuture:
+    """Runs ``function()`` on the save thread after every save queued so far; returns its future.
+
+    For work that must follow pending writes, like removing a checkpoint file
+    (Lightning's top-k cleanup) while a save of it may still be queued. Its
+    errors are reported like a save's.
+    """
+    future = SaveFuture(os.fspath(path), "call")
+    future._work = function
+    return _submit(future)
 
 
 def _complete_at_exit() -> None:
