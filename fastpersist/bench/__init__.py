@@ -17,6 +17,7 @@ __all__ = ["SUBCOMMANDS", "register"]
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "io": ("fastpersist.bench.io", "sequential write/read throughput of the I/O engine, optionally against fio"),
     "checkpoint": ("fastpersist.bench.checkpoint", "save/load a real-shaped checkpoint with every method"),
+    "training": ("fastpersist.bench.training", "overhead of checkpointing every iteration of a training loop"),
 }
 """Subcommand name -> (module defining ``main(argv)``, one-line description)."""
 
