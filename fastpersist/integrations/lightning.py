@@ -75,9 +75,12 @@ def _settings_from(storage_options: Any, owner: str) -> dict[str, Any]:
         return {}
     if isinstance(storage_options, dict):
         return dict(storage_options)
+    # Lightning's own wording first (code matches on it), then what we do accept.
     raise TypeError(
-        f"`Trainer.save_checkpoint(..., storage_options=...)` for {owner} takes a dict of fastpersist settings "
-        f"(for example {{'fsync': False}}), got {type(storage_options).__name__}"
+        "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
+        f" is not supported for `{owner}`. Please implement your custom `CheckpointIO`"
+        " to define how you'd like to use `storage_options`. (fastpersist takes a dict of its settings here,"
+        f" for example {{'fsync': False}}; got {type(storage_options).__name__})"
     )
 
 
