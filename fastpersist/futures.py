@@ -378,7 +378,10 @@ def async_save(
         recorded = recorder.recorded
 
         def work() -> None:
-            commit_plan(plan, path, directory, resolved, streams, before_commit=lambda: _check_unmodified(path, recorded))
+            def check() -> None:
+                _check_unmodified(path, recorded)
+
+            commit_plan(plan, path, directory, resolved, streams, before_commit=check)
 
     future._work = work
     return _submit(future)

@@ -148,7 +148,8 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
 
         def __init__(self, **settings: Any) -> None:
             super().__init__()
-            fastpersist.config.resolve(fastpersist.config.split_overrides("FastPersistCheckpointIO", settings, False)[0])
+            overrides, _ = fastpersist.config.split_overrides("FastPersistCheckpointIO", settings, allow_other=False)
+            fastpersist.config.resolve(overrides)  # an unknown name or a bad value raises here, not at the first save
             self.settings = settings
 
         def save_checkpoint(
