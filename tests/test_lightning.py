@@ -269,3 +269,57 @@ def test_ddp_gloo_two_ranks(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "resumed at epoch 2" in run.stdout and "ranks=2" in run.stdout
+
+
+class _FakeStrategy:
+    """Enough of a Lightning strategy for the hook: a CheckpointIO slot and a rank-0-only save."""
+
+    is_global_zero = False  # a non-zero rank: Lightning's own save_checkpoint would skip CheckpointIO
+
+    def __init__(self):
+        self._checkpoint_io = None
+        self.checkpoint_io = None
+        self.rank_zero_saves = 0
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+        self.rank_zero_saves += 1
+
+
+def test_sharded_hook_calls_save_with_the_group_on_every_rank(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from fastpersist.integrations import lightning as integration
+
+    calls = []
+    real_save = fastpersist.save
+
+    def save_with_group(obj, f, *args, group=None, **kwargs):  # the signature of issue 9's sharded save
+        calls.append(group)
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(fastpersist, "save", save_with_group)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert integration.save_supports_group()
+    strategy = install_sharded_save(_FakeStrategy())
+    assert isinstance(strategy.checkpoint_io, FastPersistCheckpointIO)
+    strategy.save_checkpoint({"w": torch.ones(3)}, tmp_path / "a.ckpt")
+    assert len(calls) == 1 and strategy.rank_zero_saves == 0, "this rank wrote its slice through fastpersist"
+    assert torch.equal(torch.load(tmp_path / "a.ckpt")["w"], torch.ones(3))
+
+
+def test_sharded_hook_falls_back_to_rank_zero_without_group_support(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    def save_without_group(obj, f, **kwargs):
+        raise AssertionError("must not be called on this rank")
+
+    monkeypatch.setattr(fastpersist, "save", save_without_group)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    strategy = install_sharded_save(_FakeStrategy())
+    with pytest.warns(RuntimeWarning, match="no sharded save"):
+        strategy.save_checkpoint({"w": torch.ones(3)}, tmp_path / "a.ckpt")
+    strategy.save_checkpoint({"w": torch.ones(3)}, tmp_path / "a.ckpt")  # warned once
+    assert strategy.rank_zero_saves == 2
