@@ -173,6 +173,8 @@ def snapshot_plan(plan: SavePlan) -> Snapshot:
                     stream.wait_stream(torch.cuda.current_stream(source.device))
                 with torch.cuda.stream(stream):
                     destination.copy_(source, non_blocking=True)
+                # The caller may drop the tensor at once: its memory must not be reused before the copy ran.
+                source.record_stream(stream)
             else:
                 destination.copy_(source)
             copies[id(record)] = destination
