@@ -22,8 +22,10 @@ from fastpersist.errors import (
     UnsupportedObjectError,
 )
 from fastpersist.io.handle import AioHandle
+from fastpersist.futures import pending_saves, release_buffers, wait_all
+from fastpersist.checkpointer import Checkpointer
+from fastpersist.errors import TensorModifiedError
 from fastpersist.io.memory import free_cpu_locked_tensor, new_cpu_locked_tensor
-from fastpersist.io.memory import release_pooled_buffers as release_buffers
 from fastpersist.safetensors import load_file, safe_open, save_file
 from fastpersist.tensors import cast_to_byte_tensor
 
@@ -52,4 +54,8 @@ __all__ = [
     "load_file",
     "safe_open",
     "DistributedCheckpointError",
+    "TensorModifiedError",
+    "wait_all",
+    "pending_saves",
+    "Checkpointer",
 ]

@@ -83,8 +83,12 @@ def remove_stale_temporaries(path: str) -> None:
             pass
 
 
-def commit_plan(plan, path: str, directory: str, settings: config.Settings, streams) -> None:
-    """Writes ``plan`` to a temporary file beside ``path``, makes it durable, renames it over ``path``."""
+def commit_plan(plan, path: str, directory: str, settings: config.Settings, streams, *, before_commit=None) -> None:
+    """Writes ``plan`` to a temporary file beside ``path``, makes it durable, renames it over ``path``.
+
+    ``before_commit``, if given, is called once every byte is written and before the rename;
+    whatever it raises aborts the save (the temporary file is removed, ``path`` is untouched).
+    """
     remove_stale_temporaries(path)
     name = os.path.basename(path)
     temporary = os.path.join(directory, f".{name}{_TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}.tmp")
@@ -101,6 +105,8 @@ def commit_plan(plan, path: str, directory: str, settings: config.Settings, stre
                 file.fsync()
         finally:
             file.close()
+        if before_commit is not None:
+            before_commit()
         _copy_mode(path, temporary)
         os.replace(temporary, path)
     except BaseException as e:

@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 ENGINES = ("auto", "io_uring", "threads")
+ASYNC_MODES = ("pipelined", "snapshot")
 CONFIG_FILE_VERSION = 1
 _MiB = 1 << 20
 
@@ -84,6 +85,10 @@ class Settings:
     """``load`` of a path verifies every record's CRC-32 (overlapped with the reads; see docs/reliability.md)."""
     huge_pages: bool = True
     """Ask for transparent huge pages for large load destinations (fewer page faults)."""
+    async_mode: str = "pipelined"
+    """``async_save``: ``pipelined`` (write from the live tensors) or ``snapshot`` (copy to pinned staging first)."""
+    async_max_pending: int = 1
+    """``async_save``: saves in flight at most; a new save first waits for the oldest to finish."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -219,6 +224,10 @@ def _validate(s: Settings) -> None:
         raise ConfigError(f"queue_depth must be between 1 and 4096, got {s.queue_depth}")
     if not 1 <= s.intra_op_parallelism <= 256:
         raise ConfigError(f"intra_op_parallelism must be between 1 and 256, got {s.intra_op_parallelism}")
+    if s.async_mode not in ASYNC_MODES:
+        raise ConfigError(f"async_mode must be one of {ASYNC_MODES}, got {s.async_mode!r}")
+    if not 1 <= s.async_max_pending <= 64:
+        raise ConfigError(f"async_max_pending must be between 1 and 64, got {s.async_max_pending}")
     for name in ("buffer_count", "read_buffer_count"):
         if not 2 <= getattr(s, name) <= 64:
             raise ConfigError(f"{name} must be between 2 and 64, got {getattr(s, name)}")

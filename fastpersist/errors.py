@@ -20,6 +20,7 @@ __all__ = [
     "TruncatedCheckpointError",
     "InvalidSafetensorsError",
     "DistributedCheckpointError",
+    "TensorModifiedError",
 ]
 
 
@@ -85,3 +86,22 @@ class DistributedCheckpointError(FastPersistError, RuntimeError):
     def __init__(self, message: str, failures: dict[int, str] | None = None):
         super().__init__(message)
         self.failures = dict(failures or {})
+
+
+class TensorModifiedError(FastPersistError, RuntimeError):
+    """A tensor changed while a pipelined ``async_save`` was still reading it; nothing was committed.
+
+    The file would have mixed old and new values (with valid CRCs), so the save
+    is failed instead and the previous file at the path stays. Wait for the save
+    before modifying the state (``fastpersist.Checkpointer`` does it before each
+    optimizer step), or use ``async_save(..., mode="snapshot")``.
+
+    Attributes:
+        path: the checkpoint that was not written.
+        names: where the modified tensors were found in the object (as many as known).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, names: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.path = path
+        self.names = names

@@ -197,7 +197,7 @@ def async_save_file(
     background thread of :func:`fastpersist.async_save`, in call order with
     other background saves. Do not modify the tensors until the future is done.
     """
-    from fastpersist.futures import SaveFuture, _background
+    from fastpersist.futures import run_in_order
     from fastpersist.io.writer import side_streams
 
     _check_tensors(tensors)
@@ -206,7 +206,7 @@ def async_save_file(
     path = resolve_target(os.fspath(filename))
     directory = check_target(path)
     streams = side_streams(plan)  # ordered after the caller's queued work, on the caller's thread
-    return SaveFuture(_background().submit(commit_plan, plan, path, directory, resolved, streams), path)
+    return run_in_order(lambda: commit_plan(plan, path, directory, resolved, streams), path)
 
 
 def save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:

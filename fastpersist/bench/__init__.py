@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "safetensors": ("fastpersist.bench.safetensors_bench", "safetensors files: fastpersist vs the safetensors library"),
     "dcp": ("fastpersist.bench.dcp", "torch.distributed.checkpoint: FileSystemWriter/Reader vs FastPersistWriter/Reader"),
     "ranks": ("fastpersist.bench.ranks", "data-parallel sharded save (group=...) against the number of ranks"),
+    "training": ("fastpersist.bench.training", "overhead of checkpointing every iteration of a training loop"),
 }
 """Subcommand name -> (module defining ``main(argv)``, one-line description)."""
 

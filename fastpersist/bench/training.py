@@ -1,0 +1,372 @@
+"""Checkpoint every iteration of a small transformer's training: what does it cost?
+
+    python -m fastpersist.bench training --dir /dev/shm/fp --json out.json        # GPU if present
+    python -m fastpersist.bench training --report out.json --svg docs/images/async.svg   # table + chart
+
+For each method the same training loop (forward, backward, AdamW step,
+``loss.item()``) runs ``--iterations`` timed iterations after ``--warmup``,
+checkpointing model + optimizer state after every iteration; the time per
+iteration is compared with the same loop without checkpoints, in the same
+run. Each method runs in a fresh process (so pools and caches of one do not
+help or hurt the next), in interleaved order when ``--repeats`` > 1.
+
+Methods:
+
+* ``none`` -- no checkpoint (the baseline);
+* ``fastpersist-pipelined`` -- ``fastpersist.Checkpointer`` (async, no copy;
+  the optimizer step waits for the pending save);
+* ``fastpersist-snapshot`` -- ``Checkpointer(mode="snapshot")`` (async, pinned host copy);
+* ``fastpersist-sync`` -- ``fastpersist.save`` (durable on return);
+* ``torch.save`` -- ``torch.save`` + ``fsync`` (durable, like ours);
+* ``lightning-async`` -- Lightning's ``AsyncCheckpointIO`` around its
+  ``TorchCheckpointIO`` as shipped (clones every tensor on the device, no fsync).
+
+The time of a run includes waiting, after the last iteration, for the saves
+still pending (``drained``); ``steady`` excludes it. Memory: peak device
+memory allocated and peak host RSS over the timed loop, above what the loop
+without checkpoints uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+SCHEMA = "fastpersist-training-bench/1"
+METHODS = ["none", "fastpersist-pipelined", "fastpersist-snapshot", "fastpersist-sync", "torch.save", "lightning-async"]
+
+
+def _build(args, device):
+    import torch
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(
+        args.d_model, args.heads, 4 * args.d_model, dropout=0.0, batch_first=True, norm_first=True
+    )
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(args.vocab, args.d_model),
+        torch.nn.TransformerEncoder(layer, args.layers, enable_nested_tensor=False),
+        torch.nn.Linear(args.d_model, args.vocab),
+    ).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
+    return model, optimizer, tokens
+
+
+def _iteration(model, optimizer, tokens, amp: bool):
+    import torch
+
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=amp):
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _run_one(args) -> dict[str, Any]:
+    """One method in this process; returns its measurements."""
+    import torch
+
+    import fastpersist
+    from fastpersist.bench.measure import PeakMemory, release_memory
+
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    model, optimizer, tokens = _build(args, device)
+    amp = device.type == "cuda"
+    path = os.path.join(args.dir, f"bench-{args.method}-{os.getpid()}.pt")
+    method = args.method
+    blocked: list[float] = []
+
+    def state():
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    checkpointer = None
+    lightning_io = None
+    if method in ("fastpersist-pipelined", "fastpersist-snapshot"):
+        checkpointer = fastpersist.Checkpointer(optimizer, model=model, mode=method.split("-")[1])
+    elif method == "lightning-async":
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+        lightning_io = AsyncCheckpointIO(TorchCheckpointIO())
+
+    def checkpoint():
+        started = time.perf_counter()
+        if method == "none":
+            return
+        if checkpointer is not None:
+            checkpointer.save(state(), path)
+        elif method == "fastpersist-sync":
+            fastpersist.save(state(), path)
+        elif method == "torch.save":
+            torch.save(state(), path)
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+        elif method == "lightning-async":
+            lightning_io.save_checkpoint(state(), path)
+        blocked.append(time.perf_counter() - started)
+
+    def drain():
+        if checkpointer is not None:
+            checkpointer.wait()
+        if lightning_io is not None:
+            lightning_io.teardown()
+
+    for _ in range(args.warmup):
+        _iteration(model, optimizer, tokens, amp)
+        checkpoint()
+    drain()
+    checkpoint_bytes = os.path.getsize(path) if os.path.exists(path) else 0
+    release_memory()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base_gpu = torch.cuda.memory_allocated()
+    blocked.clear()
+    with PeakMemory() as host:
+        started = time.perf_counter()
+        for index in range(args.iterations):
+            _iteration(model, optimizer, tokens, amp)
+            if (index + 1) % args.every == 0:
+                checkpoint()
+        steady = time.perf_counter() - started
+        drain()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        drained = time.perf_counter() - started
+    result = {
+        "method": method,
+        "iterations": args.iterations,
+        "steady_s": steady,
+        "drained_s": drained,
+        "per_iteration_s": drained / args.iterations,
+        "blocked_per_save_s": statistics.median(blocked) if blocked else 0.0,
+        "checkpoint_bytes": checkpoint_bytes,
+        "peak_host_delta_bytes": host.delta,
+        "peak_host_bytes": host.peak,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        "peak_gpu_delta_bytes": (torch.cuda.max_memory_allocated() - base_gpu) if device.type == "cuda" else None,
+    }
+    if os.path.exists(path):
+        os.unlink(path)
+    return result
+
+
+def _measure_d2h(args) -> float | None:
+    """Seconds to copy the checkpoint's tensors device-to-host into pinned memory (the snapshot's cost)."""
+    import torch
+
+    if args.device != "cuda":
+        return None
+    model, optimizer, tokens = _build(args, torch.device("cuda"))
+    _iteration(model, optimizer, tokens, True)
+    tensors = list(model.state_dict().values()) + [
+        v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.is_cuda
+    ]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for h, t in zip(host, tensors):
+            h.copy_(t, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def _child_argv(args, method: str, out: str) -> list[str]:
+    argv = [sys.executable, "-m", "fastpersist.bench", "training", "--child", "--method", method, "--out", out]
+    for name in ("dir", "device", "d_model", "layers", "heads", "vocab", "batch", "seq", "iterations", "warmup", "every"):
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return argv
+
+
+def _orchestrate(args) -> dict[str, Any]:
+    from fastpersist.bench.measure import machine_info
+
+    os.makedirs(args.dir, exist_ok=True)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"unknown methods {sorted(unknown)}; known: {METHODS}")
+    if "none" not in methods:
+        methods.insert(0, "none")
+    samples: dict[str, list[dict]] = {m: [] for m in methods}
+    errors: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for repeat in range(args.repeats):
+            order = methods if repeat % 2 == 0 else list(reversed(methods))
+            for method in order:
+                out = os.path.join(scratch, f"{method}-{repeat}.json")
+                run = subprocess.run(_child_argv(args, method, out), capture_output=True, text=True)
+                if run.returncode != 0:
+                    errors[method] = (run.stderr or run.stdout)[-2000:]
+                    print(f"{method}: failed\n{errors[method]}", file=sys.stderr)
+                    continue
+                with open(out) as f:
+                    samples[method].append(json.load(f))
+                print(f"{method}: {samples[method][-1]['per_iteration_s'] * 1000:.1f} ms/iteration", file=sys.stderr)
+    base = statistics.median(s["per_iteration_s"] for s in samples["none"]) if samples["none"] else None
+    base_steady = statistics.median(s["steady_s"] / s["iterations"] for s in samples["none"]) if samples["none"] else None
+    base_host = statistics.median(s["peak_host_bytes"] for s in samples["none"]) if samples["none"] else None
+    base_gpu = samples["none"][0]["peak_gpu_bytes"] if samples["none"] else None
+    results = []
+    for method in methods:
+        if not samples[method]:
+            results.append({"method": method, "error": errors.get(method, "no sample")})
+            continue
+        per = statistics.median(s["per_iteration_s"] for s in samples[method])
+        steady = statistics.median(s["steady_s"] / s["iterations"] for s in samples[method])
+        host_peak = statistics.median(s["peak_host_bytes"] for s in samples[method])
+        gpu_peak = samples[method][0]["peak_gpu_bytes"]
+        results.append({
+            "method": method,
+            "per_iteration_s": per,
+            "steady_per_iteration_s": steady,
+            "overhead_pct": None if not base else 100.0 * (per - base) / base,
+            "steady_overhead_pct": None if not base_steady else 100.0 * (steady - base_steady) / base_steady,
+            "blocked_per_save_s": statistics.median(s["blocked_per_save_s"] for s in samples[method]),
+            "checkpoint_bytes": samples[method][0]["checkpoint_bytes"],
+            "peak_host_bytes": host_peak,
+            "extra_host_bytes": None if base_host is None else host_peak - base_host,
+            "peak_gpu_bytes": gpu_peak,
+            "extra_gpu_bytes": None if gpu_peak is None or base_gpu is None else gpu_peak - base_gpu,
+            "samples": samples[method],
+        })  # fmt: skip
+    checkpoint_bytes = max((r.get("checkpoint_bytes") or 0) for r in results)
+    return {
+        "schema": SCHEMA,
+        "machine": machine_info(args.dir, device=args.device),
+        "config": {k: getattr(args, k) for k in ("device", "d_model", "layers", "heads", "vocab", "batch", "seq",
+                                                   "iterations", "warmup", "repeats", "dir", "every")},  # fmt: skip
+        "checkpoint_bytes": checkpoint_bytes,
+        "d2h_seconds": _measure_d2h(args),
+        "results": results,
+    }
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:,.0f}"
+
+
+def to_markdown(document: dict[str, Any]) -> str:
+    """The result as a Markdown table (one row per method)."""
+    config = document["config"]
+    base = next((r for r in document["results"] if r["method"] == "none" and "error" not in r), None)
+    lines = [
+        f"Device `{config['device']}` ({document['machine'].get('device_name')}, "
+        f"{document['machine'].get('cpu_count')} CPUs), checkpoint {document['checkpoint_bytes'] / 1e6:,.0f} MB "
+        f"(model + AdamW), {config['iterations']} iterations, checkpoint every {config.get('every', 1)}, "
+        f"median of {config['repeats']}; "
+        f"iteration without checkpoint {base['per_iteration_s'] * 1000:.1f} ms"
+        + (f", device-to-host copy of the state {document['d2h_seconds'] * 1000:.1f} ms" if document.get("d2h_seconds") else "")
+        + ".",
+        "",
+        "| method | ms / iteration | overhead | overhead (steady) | blocked per save (ms) | extra peak GPU (MiB) | extra peak host RSS (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]  # fmt: skip
+    for r in document["results"]:
+        if "error" in r:
+            lines.append(f"| {r['method']} | failed | | | | | |")
+            continue
+        lines.append(
+            f"| {r['method']} | {r['per_iteration_s'] * 1000:.1f} | {r['overhead_pct']:+.1f}% | "
+            f"{r['steady_overhead_pct']:+.1f}% | {r['blocked_per_save_s'] * 1000:.1f} | {_mib(r['extra_gpu_bytes'])} | "
+            f"{_mib(r['extra_host_bytes'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def to_svg(documents: list[dict[str, Any]], titles: list[str]) -> str:
+    """A horizontal bar chart of the overhead per method, one panel per document."""
+    bar, gap, left, width = 18, 6, 190, 420
+    parts, y = [], 10
+    for document, title in zip(documents, titles):
+        rows = [r for r in document["results"] if r["method"] != "none" and "error" not in r]
+        top = max([abs(r["overhead_pct"]) for r in rows] + [5.0])
+        parts.append(f'<text x="10" y="{y + 14}" font-size="14" font-weight="bold">{title}</text>')
+        y += 24
+        for r in rows:
+            length = width * max(r["overhead_pct"], 0) / top
+            color = "#2a7" if r["method"].startswith("fastpersist-") and r["method"] != "fastpersist-sync" else "#888"
+            parts.append(f'<text x="{left - 6}" y="{y + 13}" font-size="12" text-anchor="end">{r["method"]}</text>')
+            parts.append(f'<rect x="{left}" y="{y}" width="{length:.1f}" height="{bar}" fill="{color}"/>')
+            parts.append(f'<text x="{left + length + 4:.1f}" y="{y + 13}" font-size="12">{r["overhead_pct"]:+.1f}%</text>')
+            y += bar + gap
+        five = left + width * 5 / top
+        parts.append(f'<line x1="{five:.1f}" y1="{y - (bar + gap) * len(rows)}" x2="{five:.1f}" y2="{y}" '
+                     'stroke="#c33" stroke-dasharray="4,3"/>')  # fmt: skip
+        parts.append(f'<text x="{five + 3:.1f}" y="{y + 12}" font-size="11" fill="#c33">5%</text>')
+        y += 26
+    height = y + 10
+    header = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 90}" height="{height}" '
+              'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>')  # fmt: skip
+    return header + "".join(parts) + "</svg>\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastpersist.bench training", description=__doc__.split("\n\n")[0])
+    import torch
+
+    gpu = torch.cuda.is_available()
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints are written")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if gpu else "cpu")
+    # GPU defaults: a ~0.25 GB checkpoint (21M parameters + AdamW) and an iteration of roughly 0.1 s on
+    # an H100, so that the write of one checkpoint (~2 GB/s here) can hide behind one iteration.
+    parser.add_argument("--d-model", type=int, default=512 if gpu else 256)
+    parser.add_argument("--layers", type=int, default=4 if gpu else 2)
+    parser.add_argument("--heads", type=int, default=8 if gpu else 4)
+    parser.add_argument("--vocab", type=int, default=8192 if gpu else 2048)
+    parser.add_argument("--batch", type=int, default=64 if gpu else 8)
+    parser.add_argument("--seq", type=int, default=2048 if gpu else 64)
+    parser.add_argument("--every", type=int, default=1, help="checkpoint every N iterations (default: every one)")
+    parser.add_argument("--iterations", type=int, default=20 if gpu else 8)
+    parser.add_argument("--warmup", type=int, default=3 if gpu else 2)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--json", help="write the result document here")
+    parser.add_argument("--report", nargs="+", metavar="JSON", help="print Markdown tables of earlier results")
+    parser.add_argument("--svg", help="with --report: write a bar chart of the overheads here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--method", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        with open(args.out, "w") as f:
+            json.dump(_run_one(args), f)
+        return 0
+    if args.report:
+        documents = []
+        for path in args.report:
+            with open(path) as f:
+                documents.append(json.load(f))
+            if documents[-1].get("schema") != SCHEMA:
+                raise SystemExit(f"{path}: not a result of 'python -m fastpersist.bench training --json'")
+        for path, document in zip(args.report, documents):
+            print(f"`{os.path.basename(path)}`: " + to_markdown(document))
+        if args.svg:
+            titles = [f"{d['machine'].get('device_name')} ({d['config']['device']}): overhead per iteration"
+                      for d in documents]  # fmt: skip
+            with open(args.svg, "w") as f:
+                f.write(to_svg(documents, titles))
+        return 0
+    document = _orchestrate(args)
+    print(to_markdown(document))
+    if args.json:
+        from fastpersist.bench.report import write_json
+
+        write_json(document, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
