@@ -410,7 +410,7 @@ def summary_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
         st, se, m = document["state"], document["settings"], document["machine"]
         fs = (m.get("filesystem") or {}).get("type", "?")
         device = se["device"] if se["device"] == "cpu" else m.get("device_name", se["device"])
-        what = f"{_gb(st['bytes'])} {se['dtype']} {se['model']} on {device}, {fs}"
+        what = f"{_gb(st['bytes'])} {se['dtype']} {se['model']} on {device}, {fs}; {m.get('hostname')}, {m.get('cpu_count')} CPUs"
         ceiling = document.get("ceiling") or {}
         cells = [
             f"[{name}](docs/results/{name})",
