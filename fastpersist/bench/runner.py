@@ -196,7 +196,7 @@ def run_benchmark(
     dropper = dropper or system.CacheDropper()
     progress = progress or (lambda _text: None)
     if state_bytes is None:
-        state_bytes = sum(t.numel() * t.element_size() for t in models.flatten_state(state)[0].values())
+        state_bytes = models.state_nbytes(state)
     expected = models.flatten_state(state)
 
     results: dict[tuple[str, str], MethodResult] = {}
