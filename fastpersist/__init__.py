@@ -22,6 +22,8 @@ from fastpersist.errors import (
 )
 from fastpersist.io.handle import AioHandle
 from fastpersist.io.memory import free_cpu_locked_tensor, new_cpu_locked_tensor
+from fastpersist.io.memory import release_pooled_buffers as release_buffers
+from fastpersist.safetensors import load_file, safe_open, save_file
 from fastpersist.tensors import cast_to_byte_tensor
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "new_cpu_locked_tensor",
     "free_cpu_locked_tensor",
     "cast_to_byte_tensor",
+    "release_buffers",
     "config",
     "errors",
     "FastPersistError",
@@ -44,4 +47,7 @@ __all__ = [
     "CorruptCheckpointError",
     "ChecksumMismatchError",
     "UnsupportedObjectError",
+    "save_file",
+    "load_file",
+    "safe_open",
 ]

@@ -18,6 +18,7 @@ __all__ = [
     "ChecksumMismatchError",
     "UnsupportedObjectError",
     "TruncatedCheckpointError",
+    "InvalidSafetensorsError",
 ]
 
 
@@ -58,3 +59,12 @@ class UnsupportedObjectError(FastPersistError, TypeError):
 class TruncatedCheckpointError(CorruptCheckpointError, EOFError):
     """A file that ends too early; still an EOFError, which torch.load raised for it."""
 
+
+
+class InvalidSafetensorsError(CorruptCheckpointError):
+    """A safetensors file whose header is invalid: bad length, JSON, dtype, shape or offsets.
+
+    The message uses the safetensors library's wording ("invalid offset for
+    tensor `x`", "incomplete metadata, file not fully covered", ...) and says
+    which tensor is at fault (also in ``record``).
+    """

@@ -8,7 +8,7 @@ import pickle
 import threading
 from typing import Any
 
-from fastpersist import config
+from fastpersist import config, formats
 from fastpersist.commit import check_target, commit_plan, resolve_target
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io.writer import side_streams
@@ -82,6 +82,8 @@ def async_save(
         UnsupportedObjectError, IsADirectoryError, FileNotFoundError,
         PermissionError, TypeError, ConfigError: at once, as :func:`save`.
     """
+    if formats.wants_safetensors(f, settings.pop("format", None)):
+        return formats.async_save_safetensors(obj, f, settings)
     overrides, _ = config.split_overrides("async_save", settings, allow_other=False)
     resolved = config.resolve(overrides)
     if not isinstance(f, (str, os.PathLike)):

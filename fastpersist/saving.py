@@ -8,7 +8,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from fastpersist import config
+from fastpersist import config, formats
 from fastpersist.commit import check_target, commit_plan, fsync_file_object, resolve_target
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io.stream import write_plan_to_stream
@@ -44,7 +44,9 @@ def save(
         pickle_module, pickle_protocol, _use_new_zipfile_serialization,
             _disable_byteorder_record: as ``torch.save``.
         **settings: per-call overrides of any ``fastpersist.config`` setting
-            (``buffer_size``, ``engine``, ``fsync``, ``checksum``, ...).
+            (``buffer_size``, ``engine``, ``fsync``, ``checksum``, ...), and
+            ``format="torch"|"safetensors"`` (default: safetensors for paths
+            ending in ``.safetensors``; see :mod:`fastpersist.formats`).
 
     Raises:
         UnsupportedObjectError: ``obj`` cannot be pickled (nothing is written).
@@ -57,6 +59,9 @@ def save(
         TypeError: an unknown keyword argument.
         ConfigError: an invalid setting value.
     """
+    if formats.wants_safetensors(f, settings.pop("format", None)):
+        formats.save_safetensors(obj, f, settings)  # format="safetensors" or a .safetensors path
+        return
     overrides, _ = config.split_overrides("save", settings, allow_other=False)
     resolved = config.resolve(overrides)
     if not _use_new_zipfile_serialization:

@@ -29,11 +29,13 @@ def storage_byte_view(storage: torch.UntypedStorage | torch.TypedStorage) -> tor
     return view
 
 
-def cast_to_byte_tensor(tensor: torch.Tensor) -> torch.Tensor:
+def cast_to_byte_tensor(tensor: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
     """A zero-copy 1-D uint8 view of the bytes of a contiguous tensor.
 
     Mirrors DeepNVMe's ``cast_to_byte_tensor``. The result shares memory with
-    ``tensor`` (writes through it change ``tensor``) and keeps it alive.
+    ``tensor`` (writes through it change ``tensor``) and keeps it alive. Given a
+    list (or tuple) of tensors, returns the list of their byte views, as
+    DeepNVMe's overload does.
 
     Raises:
         TypeError: ``tensor`` is not a ``torch.Tensor``.
@@ -41,6 +43,8 @@ def cast_to_byte_tensor(tensor: torch.Tensor) -> torch.Tensor:
             use ``storage_byte_view(tensor.untyped_storage())`` for the whole
             storage, or ``tensor.contiguous()`` for a copy.
     """
+    if isinstance(tensor, (list, tuple)):
+        return [cast_to_byte_tensor(t) for t in tensor]
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"cast_to_byte_tensor expects a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_contiguous():

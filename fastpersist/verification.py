@@ -9,7 +9,7 @@ from typing import BinaryIO
 
 from fastpersist.errors import CorruptCheckpointError
 from fastpersist.format.deserializer import archive_prefix
-from fastpersist.format.zipformat import ZipRecordInfo, check_record_crc, check_structure
+from fastpersist.format.zipformat import ZipRecordInfo, check_alignment_claim, check_record_crc, check_structure
 from fastpersist.io import engine
 
 __all__ = ["verify", "VerifyReport", "has_checksums", "verify_file_object"]
@@ -61,6 +61,8 @@ def verify(path: str | os.PathLike[str], *, chunk_size: int = 16 << 20) -> Verif
             total += record.size
             if checksummed and crc != record.crc:
                 check_record_crc(record, crc, path)
+        # After the CRCs, so that damaged bytes are reported as such first.
+        check_alignment_claim(records, read_at, path)
     return VerifyReport(path, len(records), total, checksummed)
 
 

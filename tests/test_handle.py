@@ -89,13 +89,13 @@ def test_truncation_rules(disk_dir):
     path = os.path.join(disk_dir, "trunc")
     big, small = _random(100_000, torch.uint8, 1), _random(1000, torch.uint8, 2)
     h.sync_pwrite(big, path)
-    h.sync_pwrite(small, path)  # offset 0 through a path: truncated to the written size
-    assert os.path.getsize(path) == 1000
-    h.sync_pwrite(big, path)
-    h.sync_pwrite(small, path, truncate=False)  # keep what lies beyond
+    h.sync_pwrite(small, path)  # like DeepNVMe: a write at offset 0 keeps what lies beyond
     assert os.path.getsize(path) == 100_000
     assert open(path, "rb").read() == _bytes(small) + _bytes(big)[1000:]
-    h.sync_pwrite(small, path, file_offset=4096)  # nonzero offset never truncates
+    h.sync_pwrite(small, path, truncate=True)  # explicit: the file ends where the write ends
+    assert os.path.getsize(path) == 1000
+    h.sync_pwrite(big, path)
+    h.sync_pwrite(small, path, file_offset=4096)  # nonzero offset, no truncate: size unchanged
     assert os.path.getsize(path) == 100_000
 
 

@@ -152,12 +152,17 @@ def test_thousands_of_small_tensors(tmp_path):
     check_round_trip(obj, tmp_path)
 
 
-def test_payloads_are_page_aligned(tmp_path):
+def test_large_payloads_are_page_aligned_small_ones_packed(tmp_path):
     path = tmp_path / "ckpt.pt"
-    fastpersist.save({"a": torch.randn(1000), "b": torch.randn(3), "c": torch.randn(5000)}, path)
+    fastpersist.save({"a": torch.randn(1000), "b": torch.randn(3), "c": torch.randn(50_000)}, path)
     reader = torch._C.PyTorchFileReader(str(path))
-    for key in range(3):
-        assert reader.get_record_offset(f"data/{key}") % PAYLOAD_ALIGNMENT == 0
+    assert reader.get_record_offset("data/2") % PAYLOAD_ALIGNMENT == 0  # 200 KB: O_DIRECT-aligned
+    for key in range(2):  # below PACKED_RECORD_LIMIT: packed at 64 bytes, as torch.save does
+        assert reader.get_record_offset(f"data/{key}") % 64 == 0
+    assert not reader.has_record(".storage_alignment")  # mixed alignment: no claim (see docs/format.md)
+    path = tmp_path / "large.pt"
+    fastpersist.save({"a": torch.randn(20_000), "c": torch.randn(50_000)}, path)
+    reader = torch._C.PyTorchFileReader(str(path))
     assert reader.get_record(".storage_alignment") == str(PAYLOAD_ALIGNMENT).encode()
 
 

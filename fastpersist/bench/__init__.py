@@ -17,7 +17,11 @@ __all__ = ["SUBCOMMANDS", "register"]
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "io": ("fastpersist.bench.io", "sequential write/read throughput of the I/O engine, optionally against fio"),
     "checkpoint": ("fastpersist.bench.checkpoint", "save/load a real-shaped checkpoint with every method"),
+    "aio_handle": ("fastpersist.bench.aio_handle", "AioHandle tensor I/O: CPU locked, CUDA ring vs whole bounce"),
     "report": ("fastpersist.bench.report", "Markdown of results; --update-docs regenerates the docs' tables"),
+    "shapes": ("fastpersist.bench.shapes", "many-small / many-medium / huge / mixed states vs torch, fio and a sink"),
+    "safetensors": ("fastpersist.bench.safetensors_bench", "safetensors files: fastpersist vs the safetensors library"),
+    "dcp": ("fastpersist.bench.dcp", "torch.distributed.checkpoint: FileSystemWriter/Reader vs FastPersistWriter/Reader"),
 }
 """Subcommand name -> (module defining ``main(argv)``, one-line description)."""
 

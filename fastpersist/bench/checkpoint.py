@@ -213,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         0 when every method that ran verified, 1 when one FAILED, 2 on bad
         arguments or an unusable directory, 130 when interrupted.
     """
+    if any(a == "--shape" or a.startswith("--shape=") for a in (sys.argv[1:] if argv is None else argv)):
+        from fastpersist.bench import shapes  # --shape many-small|many-medium|huge|mixed, --sink (issue 15)
+
+        return shapes.main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     dist = measure.DistributedEnv()

@@ -69,6 +69,7 @@ def _resolve(entry: Union[Command, tuple, str]) -> Optional[Command]:
 
 for _name in ("info", "verify", "tune", "bench"):
     register_command(_name, f"fastpersist.cli.{_name}")
+register_command("convert", "fastpersist.cli.convert")
 
 
 # ----------------------------------------------------------------------------- entry point

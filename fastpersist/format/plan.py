@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -56,12 +56,13 @@ class SegmentKind(enum.Enum):
     TRAILER = "trailer"  # central directory + end records: needs every CRC-32
 
 
-@dataclasses.dataclass(frozen=True)
-class Segment:
+class Segment(NamedTuple):
     """``length`` bytes of the file at ``offset``.
 
     ``record`` indexes :attr:`SavePlan.records` (STORAGE, DESCRIPTOR);
-    ``data`` holds the bytes of a BYTES segment.
+    ``data`` holds the bytes of a BYTES segment. An immutable tuple (cheaper
+    to build than a frozen dataclass: a plan of 100,000 small tensors has
+    300,000 segments).
     """
 
     kind: SegmentKind

@@ -22,12 +22,13 @@ from torch.serialization import location_tag, normalize_storage_type
 
 from fastpersist.errors import UnsupportedObjectError
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
-from fastpersist.format.zipformat import PAYLOAD_ALIGNMENT, layout_archive
+from fastpersist.format.zipformat import is_packed_storage, layout_archive, storage_alignment_claim
 from fastpersist.tensors import storage_byte_view
 
 __all__ = ["plan_save", "archive_name_for"]
 
 DEFAULT_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
+_PLAIN_TYPES = frozenset({str, int, float, bool, tuple, list, dict, type(None), bytes, torch.Size, torch.dtype})
 
 
 def archive_name_for(path: str | os.PathLike[str] | None) -> str:
@@ -65,10 +66,15 @@ def plan_save(
     id_map: dict[int, str] = {}
     storage_dtypes: dict[int, torch.dtype] = {}
 
+    typed_storage = torch.storage.TypedStorage
+    is_storage = torch.is_storage
+    plain_types = _PLAIN_TYPES
+
     def persistent_id(item: Any):
-        if not (isinstance(item, torch.storage.TypedStorage) or torch.is_storage(item)):
+        # Called for every object pickled (19 per tensor): the common types leave at once.
+        if type(item) in plain_types or not (isinstance(item, typed_storage) or is_storage(item)):
             return None
-        if isinstance(item, torch.storage.TypedStorage):
+        if isinstance(item, typed_storage):
             storage = item._untyped_storage
             storage_dtype = item.dtype
             storage_type = getattr(torch, item._pickle_storage_type())
@@ -96,13 +102,21 @@ def plan_save(
         storages[key] = storage
         return ("storage", storage_type, key, location, storage_numel)
 
-    class _Pickler(pickle_module.Pickler):  # type: ignore[name-defined,misc]
-        def persistent_id(self, item):
-            return persistent_id(item)
-
     buffer = io.BytesIO()
+    if pickle_module is pickle:
+        # The C pickler's persistent_id attribute is called directly: one Python frame less per object.
+        pickler = pickle.Pickler(buffer, protocol=pickle_protocol)
+        pickler.persistent_id = persistent_id
+    else:
+
+        class _Pickler(pickle_module.Pickler):  # type: ignore[name-defined,misc]
+            def persistent_id(self, item):
+                return persistent_id(item)
+
+        pickler = _Pickler(buffer, protocol=pickle_protocol)
+
     try:
-        _Pickler(buffer, protocol=pickle_protocol).dump(obj)
+        pickler.dump(obj)
     except UnsupportedObjectError:
         raise
     except (pickle.PicklingError, TypeError, AttributeError) as e:
@@ -112,19 +126,20 @@ def plan_save(
         ) from e
 
     prefix = archive_name + "/"
-    metadata = [
-        ("data.pkl", buffer.getvalue()),
-        (".format_version", b"1"),
-        (".storage_alignment", str(PAYLOAD_ALIGNMENT).encode()),
-    ]
+    views = {key: storage_byte_view(storage) for key, storage in storages.items()}
+    metadata = [("data.pkl", buffer.getvalue())]
+    # Small storages are packed at 64 bytes; a file that mixes packed and page-aligned
+    # storages declares no alignment (torch then reads offsets from the local headers).
+    alignment = storage_alignment_claim(view.numel() for view in views.values())
+    if alignment is not None:
+        metadata += [(".format_version", b"1"), (".storage_alignment", str(alignment).encode())]
     if not disable_byteorder_record:
         metadata.append(("byteorder", sys.byteorder.encode()))
     closing = [("version", b"3\n"), (".data/serialization_id", _serialization_id())]
 
-    views = {key: storage_byte_view(storage) for key, storage in storages.items()}
     layout = layout_archive(
         [(prefix + name, len(data), False) for name, data in metadata]
-        + [(f"{prefix}data/{key}", view.numel(), True) for key, view in views.items()]
+        + [(f"{prefix}data/{key}", view.numel(), not is_packed_storage(view.numel())) for key, view in views.items()]
         + [(prefix + name, len(data), False) for name, data in closing]
     )
     entries = iter(layout.entries)

@@ -47,6 +47,7 @@ __all__ = [
     "crc32_of",
     "copy_with_crc32",
     "crc32_accelerated",
+    "crc32_combine",
 ]
 
 File = _native.File
@@ -63,6 +64,8 @@ entry point for bytes already in Python objects (``crc32`` takes an address)."""
 copy_with_crc32 = _native.copy_with_crc32
 """``copy_with_crc32(destination, source, length, crc=0)``: memcpy that returns the CRC-32 of the bytes."""
 crc32_accelerated = _native.crc32_accelerated
+crc32_combine = _native.crc32_combine
+"""``crc32_combine(crc_first, crc_second, length_second)``: CRC-32 of two ranges back to back (zlib's)."""
 
 ENGINE_NAMES = ("io_uring", "threads")
 """Engines fastpersist knows, best first."""
@@ -194,7 +197,7 @@ class IoHandle(_native.IoHandle):
     """Asynchronous I/O handle (see the module docstring and docs/io-engine.md).
 
     Args:
-        block_size: bytes per chunk (multiple of 4096).
+        block_size: bytes per chunk (multiple of 512; direct chunks are rounded to the file alignment).
         queue_depth: chunks each lane keeps in flight.
         single_submit: one submission system call per chunk (io_uring).
         overlap_events: reap while submitting (sliding window) instead of batch by batch.
@@ -236,6 +239,14 @@ class IoHandle(_native.IoHandle):
             )
         except _native.EngineUnavailableError as e:
             raise EngineUnavailableError(str(e)) from None
+        self._constructed = True
+
+    def __repr__(self) -> str:
+        # A failed __init__ leaves no native object behind; pytest and debuggers
+        # call repr() on it while showing the traceback (the native repr would crash).
+        if not self.__dict__.get("_constructed", False):
+            return "<fastpersist IoHandle (construction failed)>"
+        return super().__repr__()
 
 
 def make_handle(settings: Any = None, **overrides: Any) -> IoHandle:

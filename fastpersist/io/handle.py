@@ -1,30 +1,36 @@
 """``AioHandle``: DeepNVMe's ``aio_handle`` tensor API over the fastpersist engine.
 
-A drop-in for code written against ``deepspeed.ops.op_builder.AsyncIOBuilder().load().aio_handle``::
+A drop-in for code written against ``deepspeed.ops.op_builder.AsyncIOBuilder().load().aio_handle``
+(``fastpersist.deepnvme.AsyncIOBuilder`` builds it the same way)::
 
     from fastpersist.io.handle import AioHandle
     h = AioHandle(block_size=1 << 20, queue_depth=32)
-    h.async_pwrite(tensor, "/nvme/x.bin")   # returns at once
+    h.async_pwrite(tensor, "/nvme/x.bin")   # returns 0 at once
     h.wait()                                # 1 completed op; raises the first error
-    h.sync_pread(out, "/nvme/x.bin")
+    h.sync_pread(out, "/nvme/x.bin")        # 1
 
-Differences from DeepNVMe (see docs/io-engine.md): a file written from offset 0
-through a path is truncated to the written size (pass ``truncate=False`` to keep
-bytes beyond it); short transfers are resubmitted and every completion is
-checked; errors are ``OSError`` subclasses with ``errno`` and ``filename``.
+Deliberate differences from DeepNVMe are listed in docs/deepnvme-parity.md.
+The main ones: errors raise ``OSError`` subclasses (with ``errno`` and
+``filename``) or ``ValueError``/``TypeError`` where DeepNVMe returns -1, prints
+or aborts; a blocking call returns only its own count (1), whatever other
+threads have in flight on the handle; writes never truncate unless
+``truncate=True``.
 
-Tensors: any contiguous CPU tensor is written/read in place (as bytes). CUDA
-tensors go through a pinned bounce buffer from :mod:`fastpersist.io.memory`:
-device-to-host copy then write; read then host-to-device copy in ``wait()``
-(or before a synchronous call returns).
+Tensors: contiguous CPU tensors (locked, torch-pinned or plain) are written and
+read in place. CUDA tensors are copied through a small ring of pinned host
+chunks (default 4 x 8 MiB, from :mod:`fastpersist.io.memory`) on a side
+stream, overlapping the device copies with the file I/O; a tensor of any size
+pins at most the ring.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import os
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any, Union
 
 import torch
 
@@ -32,46 +38,112 @@ from fastpersist.io import engine as engine_module
 from fastpersist.io import memory
 from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
 
-__all__ = ["AioHandle"]
+__all__ = ["AioHandle", "is_pinned"]
 
 PathOrFd = Union[str, "os.PathLike[str]", int]
 
-_BOUNCE_GRANULE = 1 << 20
+_logger = logging.getLogger("fastpersist.io.handle")
+
+#: DeepNVMe's O_DIRECT alignment unit; get_alignment() is this times intra_op_parallelism.
+O_DIRECT_ALIGNMENT = 4096
+_DEFAULT_RING_CHUNK = 8 << 20
+_DEFAULT_RING_SLOTS = 4
+_MIN_RING_CHUNK = 64 << 10
+
+_logged_block_rounding = False
+_log_lock = threading.Lock()
 
 
-@dataclass
-class _Completion:
-    """Work to finish in wait(): host-to-device copies, validation, returning bounce buffers."""
+def _log_block_rounding_once(block_size: int) -> None:
+    global _logged_block_rounding
+    with _log_lock:
+        if _logged_block_rounding:
+            return
+        _logged_block_rounding = True
+    _logger.info(
+        "AioHandle block_size=%d is not a multiple of the 4096-byte O_DIRECT alignment: direct chunks are "
+        "rounded to the file's alignment and unaligned heads/tails go through the page cache (logged once)",
+        block_size,
+    )
 
-    actions: list[Callable[[], None]] = field(default_factory=list)
+
+def _async_flag(async_op: bool | None, kwargs: dict[str, Any], method: str) -> bool:
+    """Resolves DeepNVMe's ``async`` keyword (a Python keyword, so it comes through ``**kwargs``)."""
+    unknown = sorted(set(kwargs) - {"async"})
+    if unknown:
+        raise TypeError(f"{method}() got unexpected keyword argument(s): {', '.join(unknown)}")
+    if "async" in kwargs:
+        if async_op is not None and bool(async_op) != bool(kwargs["async"]):
+            raise TypeError(f"{method}() got both async_op={async_op} and async={kwargs['async']}; pass one")
+        return bool(kwargs["async"])
+    return bool(async_op)
 
 
-def _bounce_size(nbytes: int) -> int:
-    # Round so that the pool sees few distinct sizes (it keeps one set per size).
-    if nbytes <= 64 * _BOUNCE_GRANULE:
-        return max(_BOUNCE_GRANULE, -(-nbytes // _BOUNCE_GRANULE) * _BOUNCE_GRANULE)
-    granule = 64 * _BOUNCE_GRANULE
-    return -(-nbytes // granule) * granule
+def _resolve_target(filename: Any, fd: int | None, method: str) -> PathOrFd:
+    if fd is not None:
+        if filename is not None:
+            raise TypeError(f"{method}() takes either filename or fd, not both")
+        if not isinstance(fd, int) or isinstance(fd, bool):
+            raise TypeError(f"{method}(): fd must be an int file descriptor, got {type(fd).__name__}")
+        return fd
+    if filename is None:
+        raise TypeError(f"{method}() needs filename (a path) or fd (an open file descriptor)")
+    if isinstance(filename, bool):
+        raise TypeError(f"{method}(): filename must be a path or an int file descriptor, got a bool")
+    return filename if isinstance(filename, int) else os.fspath(filename)
+
+
+def is_pinned(buffer: torch.Tensor) -> bool:
+    """Whether ``buffer`` is directly usable for DMA: torch-pinned, or inside a locked allocation.
+
+    Slices and views of tensors made by ``new_cpu_locked_tensor`` count as
+    pinned; the registry is process-wide, so every handle agrees.
+    """
+    if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
+        return False
+    if memory.is_managed_locked_memory(buffer):
+        return True
+    try:
+        return bool(buffer.is_pinned())
+    except RuntimeError:  # CPU-only torch builds may raise instead of answering
+        return False
+
+
+def _ring_chunk(nbytes: int, limit: int) -> int:
+    # Few distinct sizes so the buffer pool reuses them: powers of two from 64 KiB to the limit.
+    size = _MIN_RING_CHUNK
+    while size < nbytes and size < limit:
+        size *= 2
+    return min(size, limit)
 
 
 class AioHandle:
     """Asynchronous tensor reads and writes (DeepNVMe ``aio_handle`` parity).
 
     Args:
-        block_size: bytes per I/O request submitted to the engine.
-        queue_depth: requests each lane keeps in flight.
+        block_size: bytes per I/O request; any multiple of 512 up to 1 GiB (as
+            DeepNVMe). Direct (O_DIRECT) chunks are rounded to the file's
+            alignment, logged once.
+        queue_depth: requests each lane keeps in flight, 1..32768 (lanes allocate
+            at most 4096 slots each).
         single_submit: one submission system call per request.
         overlap_events: reap completions while submitting.
         intra_op_parallelism: lanes (threads) splitting each operation.
         engine: ``auto``, ``io_uring`` or ``threads`` (keyword only).
         direct: use O_DIRECT where the filesystem allows it (keyword only).
+        cuda_chunk_bytes: size of each pinned ring chunk for CUDA tensors.
+        cuda_chunks: number of ring chunks (copies and file I/O overlap across them).
 
     Raises:
+        ValueError: invalid sizes (DeepNVMe would abort or misbehave).
         EngineUnavailableError: a named engine cannot start.
 
     Call order: any number of ``async_*`` calls, then ``wait()`` before touching
     the tensors again (reads) or reusing them (writes). Tensors are referenced
-    by the handle until their I/O completes.
+    by the handle until their I/O completes. Blocking calls (``sync_*``,
+    ``pread``/``pwrite`` without ``async``, ``read``, ``write``) may run from
+    several threads at once on one handle; each waits for and reports only its
+    own operation.
     """
 
     def __init__(
@@ -84,18 +156,35 @@ class AioHandle:
         *,
         engine: str = "auto",
         direct: bool = True,
+        cuda_chunk_bytes: int = _DEFAULT_RING_CHUNK,
+        cuda_chunks: int = _DEFAULT_RING_SLOTS,
     ) -> None:
-        self._handle = engine_module.IoHandle(
-            block_size=block_size,
-            queue_depth=queue_depth,
-            single_submit=single_submit,
-            overlap_events=overlap_events,
-            intra_op_parallelism=intra_op_parallelism,
-            engine=engine,
-            direct=direct,
-        )
+        if cuda_chunk_bytes < 4096 or cuda_chunk_bytes % 4096:
+            raise ValueError(f"cuda_chunk_bytes must be a positive multiple of 4096, got {cuda_chunk_bytes}")
+        if cuda_chunks < 1:
+            raise ValueError(f"cuda_chunks must be >= 1, got {cuda_chunks}")
+        try:
+            self._handle = engine_module.IoHandle(
+                block_size=block_size,
+                queue_depth=queue_depth,
+                single_submit=single_submit,
+                overlap_events=overlap_events,
+                intra_op_parallelism=intra_op_parallelism,
+                engine=engine,
+                direct=direct,
+            )
+        except (TypeError, OverflowError) as e:
+            raise ValueError(f"invalid AioHandle settings: {e}") from None
+        if direct and block_size % O_DIRECT_ALIGNMENT:
+            _log_block_rounding_once(block_size)
+        self._ring_chunk = cuda_chunk_bytes
+        self._ring_slots = cuda_chunks
         self._lock = threading.Lock()
-        self._completion = _Completion()
+        self._actions: list[Callable[[], None]] = []
+        self._futures: list[concurrent.futures.Future] = []
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor_pid = 0
+        self._streams: dict[int, Any] = {}
 
     # ------------------------------------------------------------------ getters
     def get_block_size(self) -> int:
@@ -117,6 +206,15 @@ class AioHandle:
         """Alias of :meth:`get_intra_op_parallelism` (older DeepNVMe name)."""
         return self._handle.intra_op_parallelism
 
+    def get_alignment(self) -> int:
+        """Bytes that buffer sizes and file offsets should be multiples of for fully direct I/O.
+
+        DeepNVMe's value: ``intra_op_parallelism * 4096`` (``FastFileWriter``
+        sizes its buffers with it). fastpersist itself accepts any size and
+        offset: unaligned heads and tails go through the page cache.
+        """
+        return self._handle.intra_op_parallelism * O_DIRECT_ALIGNMENT
+
     def get_engine(self) -> str:
         """The engine in use (``io_uring`` or ``threads``)."""
         return self._handle.engine
@@ -125,35 +223,76 @@ class AioHandle:
         return self._handle.direct
 
     # ------------------------------------------------------------------ memory
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any = torch.uint8) -> torch.Tensor:
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any = None, **kwargs: Any) -> torch.Tensor:
         """A page-locked CPU tensor of ``num_elem`` elements with the dtype of ``example_tensor``.
 
-        ``example_tensor`` may be a tensor (DeepNVMe's signature) or a dtype.
+        ``example_tensor`` may be a tensor (DeepNVMe's signature) or a dtype;
+        DeepNVMe's misspelled keyword ``example_tenosr`` is accepted too.
         """
-        dtype = example_tensor.dtype if isinstance(example_tensor, torch.Tensor) else example_tensor
+        if "example_tenosr" in kwargs:
+            if example_tensor is not None:
+                raise TypeError("new_cpu_locked_tensor() got both example_tensor and example_tenosr")
+            example_tensor = kwargs.pop("example_tenosr")
+        if kwargs:
+            raise TypeError(f"new_cpu_locked_tensor() got unexpected keyword argument(s): {', '.join(sorted(kwargs))}")
+        if example_tensor is None:
+            dtype = torch.uint8
+        elif isinstance(example_tensor, torch.Tensor):
+            dtype = example_tensor.dtype
+        elif isinstance(example_tensor, torch.dtype):
+            dtype = example_tensor
+        else:
+            raise TypeError(f"example_tensor must be a tensor or a torch.dtype, got {type(example_tensor).__name__}")
         return memory.new_cpu_locked_tensor(num_elem, dtype)
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
+        """Forgets a tensor made by :meth:`new_cpu_locked_tensor`; True if it was one."""
         return memory.free_cpu_locked_tensor(tensor)
 
-    # ------------------------------------------------------------------ writes
-    def sync_pwrite(self, buffer: torch.Tensor, filename: PathOrFd, file_offset: int = 0, **kwargs: Any) -> int:
-        """Writes ``buffer`` and waits; returns the number of completed operations."""
-        return self.pwrite(buffer, filename, False, False, file_offset, **kwargs)
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` is directly usable for DMA: torch-pinned, or inside a locked allocation.
 
-    def async_pwrite(self, buffer: torch.Tensor, filename: PathOrFd, file_offset: int = 0, **kwargs: Any) -> int:
-        """Starts writing ``buffer``; returns 0 at once. Call :meth:`wait`."""
-        return self.pwrite(buffer, filename, False, True, file_offset, **kwargs)
+        Slices and views of tensors made by :meth:`new_cpu_locked_tensor` (by any
+        handle: the registry is process-wide) count as pinned.
+        """
+        return is_pinned(buffer)
+
+    # ------------------------------------------------------------------ writes
+    def sync_pwrite(
+        self,
+        buffer: torch.Tensor,
+        filename: Any = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+        truncate: bool = False,
+    ) -> int:
+        """Writes ``buffer`` and waits; returns 1 (this call's operation)."""
+        return self.pwrite(buffer, filename, False, False, file_offset, fd=fd, truncate=truncate)
+
+    def async_pwrite(
+        self,
+        buffer: torch.Tensor,
+        filename: Any = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+        truncate: bool = False,
+    ) -> int:
+        """Starts writing ``buffer`` to a path or a descriptor (``fd=`` or positional int); returns 0. Call :meth:`wait`."""
+        return self.pwrite(buffer, filename, False, True, file_offset, fd=fd, truncate=truncate)
 
     def pwrite(
         self,
         buffer: torch.Tensor,
-        filename: PathOrFd,
+        filename: Any = None,
         validate: bool = False,
-        async_op: bool = False,
+        async_op: bool | None = None,
         file_offset: int = 0,
         *,
-        truncate: bool | None = None,
+        fd: int | None = None,
+        truncate: bool = False,
+        **kwargs: Any,
     ) -> int:
         """Writes the bytes of ``buffer`` to ``filename`` (a path or an open fd) at ``file_offset``.
 
@@ -161,152 +300,412 @@ class AioHandle:
             buffer: a contiguous CPU or CUDA tensor.
             filename: path (created if missing) or a file descriptor open for writing.
             validate: read the bytes back after the write and compare (raises ``IOError`` on mismatch).
-            async_op: return at once (0); :meth:`wait` completes it.
+            async_op: return at once (0); :meth:`wait` completes it. DeepNVMe's
+                keyword ``async`` is accepted too (``pwrite(..., **{"async": True})``).
             file_offset: where the first byte goes.
-            truncate: for a path written from offset 0 the file is truncated to
-                the written size unless ``truncate=False``; a nonzero offset
-                never truncates; descriptors are never truncated unless ``truncate=True``.
+            fd: an open descriptor instead of ``filename`` (DeepNVMe's keyword).
+            truncate: after the write, set the file size to ``file_offset + nbytes``.
+                Off by default: like DeepNVMe, a write never shortens the file.
 
         Returns:
-            0 when ``async_op``, else the number of operations :meth:`wait` completed.
+            0 when asynchronous, else 1 (this call's operation only).
 
         Raises:
             OSError subclasses (FileNotFoundError, PermissionError, ...) for open
-            errors at once, and for I/O errors from :meth:`wait`.
+            errors at once, and for I/O errors from :meth:`wait` (or from this
+            call when blocking).
         """
-        data = cast_to_byte_tensor(buffer)
-        nbytes = data.numel()
-        is_path = not isinstance(filename, int)
-        if truncate is None:
-            truncate = is_path and file_offset == 0
-        target = os.fspath(filename) if is_path else filename
-        if data.device.type == "cpu":
-            self._handle.submit_write(data.data_ptr(), nbytes, target, file_offset, keepalive=data, truncate=truncate)
-        elif data.device.type == "cuda":
-            bounce, give_back = self._lease_bounce(nbytes)
-            try:
-                bounce[:nbytes].copy_(data, non_blocking=False)
-                self._handle.submit_write(
-                    bounce.data_ptr(), nbytes, target, file_offset, keepalive=bounce, truncate=truncate
-                )
-            except BaseException:
-                give_back()
-                raise
-            self._after_wait(give_back)
-        else:
-            raise ValueError(f"AioHandle supports CPU and CUDA tensors, got a tensor on {data.device}")
-        if validate:
-            self._after_wait(lambda: self._validate(data, target, file_offset))
-        return 0 if async_op else self.wait()
+        async_op = _async_flag(async_op, kwargs, "pwrite")
+        target = _resolve_target(filename, fd, "pwrite")
+        return self._transfer(True, buffer, target, validate, async_op, file_offset, truncate)
+
+    def write(
+        self,
+        buffer: torch.Tensor,
+        filename: Any = None,
+        validate: bool = False,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+        truncate: bool = False,
+    ) -> int:
+        """Blocking write (DeepNVMe's non-parallel ``write``); returns 0 like DeepNVMe, raises on error."""
+        target = _resolve_target(filename, fd, "write")
+        self._transfer(True, buffer, target, validate, False, file_offset, truncate)
+        return 0
 
     # ------------------------------------------------------------------ reads
-    def sync_pread(self, buffer: torch.Tensor, filename: PathOrFd, file_offset: int = 0) -> int:
-        """Reads into ``buffer`` and waits; returns the number of completed operations."""
-        return self.pread(buffer, filename, False, False, file_offset)
+    def sync_pread(
+        self,
+        buffer: torch.Tensor,
+        filename: Any = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Reads into ``buffer`` and waits; returns 1 (this call's operation)."""
+        return self.pread(buffer, filename, False, False, file_offset, fd=fd)
 
-    def async_pread(self, buffer: torch.Tensor, filename: PathOrFd, file_offset: int = 0) -> int:
+    def async_pread(
+        self,
+        buffer: torch.Tensor,
+        filename: Any = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
         """Starts reading into ``buffer``; returns 0 at once. Call :meth:`wait`."""
-        return self.pread(buffer, filename, False, True, file_offset)
+        return self.pread(buffer, filename, False, True, file_offset, fd=fd)
 
     def pread(
         self,
         buffer: torch.Tensor,
-        filename: PathOrFd,
+        filename: Any = None,
         validate: bool = False,
-        async_op: bool = False,
+        async_op: bool | None = None,
         file_offset: int = 0,
+        *,
+        fd: int | None = None,
+        **kwargs: Any,
     ) -> int:
         """Fills ``buffer`` (all of its bytes) from ``filename`` at ``file_offset``.
 
+        ``async`` (through ``**kwargs``) and ``fd=`` work as in :meth:`pwrite`.
+
         Raises:
             FileNotFoundError etc. at once; ``UnexpectedEndOfFileError``
-            (an ``OSError`` and ``EOFError``) from :meth:`wait` when the file
-            ends before ``buffer`` is full (the message names file, offset and size).
+            (an ``OSError`` and ``EOFError``) when the file ends before
+            ``buffer`` is full (the message names file, offset and size).
         """
-        data = cast_to_byte_tensor(buffer)
-        nbytes = data.numel()
-        target = filename if isinstance(filename, int) else os.fspath(filename)
-        if data.device.type == "cpu":
-            self._handle.submit_read(data.data_ptr(), nbytes, target, file_offset, keepalive=data)
-        elif data.device.type == "cuda":
-            bounce, give_back = self._lease_bounce(nbytes)
-            try:
-                self._handle.submit_read(bounce.data_ptr(), nbytes, target, file_offset, keepalive=bounce)
-            except BaseException:
-                give_back()
-                raise
+        async_op = _async_flag(async_op, kwargs, "pread")
+        target = _resolve_target(filename, fd, "pread")
+        return self._transfer(False, buffer, target, validate, async_op, file_offset, False)
 
-            def copy_in() -> None:
-                try:
-                    data.copy_(bounce[:nbytes], non_blocking=False)
-                finally:
-                    give_back()
-
-            # Runs in wait(): copies only after the read completed successfully;
-            # on error the bounce buffer is just returned.
-            self._after_wait(copy_in, on_error=give_back)
-        else:
-            raise ValueError(f"AioHandle supports CPU and CUDA tensors, got a tensor on {data.device}")
-        if validate:
-            self._after_wait(lambda: self._validate(data, target, file_offset))
-        return 0 if async_op else self.wait()
+    def read(
+        self,
+        buffer: torch.Tensor,
+        filename: Any = None,
+        validate: bool = False,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Blocking read (DeepNVMe's non-parallel ``read``); returns 0 like DeepNVMe, raises on error."""
+        target = _resolve_target(filename, fd, "read")
+        self._transfer(False, buffer, target, validate, False, file_offset, False)
+        return 0
 
     # ------------------------------------------------------------------ completion
     def wait(self) -> int:
-        """Blocks until every submitted operation is done; returns how many completed.
+        """Blocks until every asynchronous operation of the handle is done; returns how many completed.
 
-        Raises the first I/O error (after everything in flight finished); the
-        handle is usable afterwards.
+        Blocking calls running in other threads are not counted or waited for.
+        Raises the first error (after everything in flight finished); the
+        handle is usable afterwards. With nothing in flight it returns 0.
         """
         with self._lock:
-            completion, self._completion = self._completion, _Completion()
+            actions, self._actions = self._actions, []
+            futures, self._futures = self._futures, []
+        error: BaseException | None = None
+        completed = 0
         try:
             completed = self._handle.wait()
-        except BaseException:
-            for action in completion.actions:
-                on_error = getattr(action, "on_error", None)
-                if on_error is not None:
-                    on_error()
-            raise
-        for action in completion.actions:
-            action()
+        except BaseException as e:  # noqa: BLE001 - re-raised below after the CUDA jobs finished
+            error = e
+        for future in futures:
+            try:
+                future.result()
+                completed += 1
+            except BaseException as e:  # noqa: BLE001
+                error = error or e
+        if error is None:
+            for action in actions:
+                try:
+                    action()
+                except BaseException as e:  # noqa: BLE001
+                    error = error or e
+        if error is not None:
+            raise error
         return completed
 
     def pending(self) -> int:
-        """Operations submitted and not yet completed."""
-        return self._handle.pending()
-
-    def _after_wait(self, action: Callable[[], None], on_error: Callable[[], None] | None = None) -> None:
-        wrapped = _Action(action, on_error)
+        """Asynchronous operations submitted and not yet completed."""
         with self._lock:
-            self._completion.actions.append(wrapped)
+            cuda_jobs = sum(1 for f in self._futures if not f.done())
+        return self._handle.pending() + cuda_jobs
 
-    def _lease_bounce(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
-        size = _bounce_size(nbytes)
-        lease = memory.lease_buffers(1, size)
-        (bounce,) = lease.__enter__()
-        returned = False
+    # ------------------------------------------------------------------ internals
+    def _transfer(
+        self,
+        write: bool,
+        buffer: torch.Tensor,
+        target: PathOrFd,
+        validate: bool,
+        async_op: bool,
+        file_offset: int,
+        truncate: bool,
+    ) -> int:
+        if not isinstance(buffer, torch.Tensor):
+            raise TypeError(f"buffer must be a torch.Tensor, got {type(buffer).__name__}")
+        if file_offset < 0:
+            raise ValueError(f"file_offset must be >= 0, got {file_offset}")
+        data = cast_to_byte_tensor(buffer)
+        device = data.device.type
+        if device == "cpu":
+            return self._cpu_transfer(write, data, target, validate, async_op, file_offset, truncate)
+        if device == "cuda":
+            return self._cuda_transfer(write, data, target, validate, async_op, file_offset, truncate)
+        raise ValueError(f"AioHandle supports CPU and CUDA tensors, got a tensor on {data.device}")
 
-        def give_back() -> None:
-            nonlocal returned
-            if not returned:
-                returned = True
-                lease.__exit__(None, None, None)
+    def _submit(
+        self,
+        write: bool,
+        ptr: int,
+        nbytes: int,
+        target: Any,
+        offset: int,
+        keepalive: Any,
+        truncate: bool,
+        detached: bool,
+    ) -> Any:
+        if write:
+            return self._handle.submit_write(
+                ptr,
+                nbytes,
+                target,
+                offset,
+                keepalive=keepalive,
+                truncate=truncate,
+                detached=detached,
+            )
+        return self._handle.submit_read(ptr, nbytes, target, offset, keepalive=keepalive, detached=detached)
 
-        return bounce, give_back
+    def _cpu_transfer(
+        self,
+        write: bool,
+        data: torch.Tensor,
+        target: PathOrFd,
+        validate: bool,
+        async_op: bool,
+        file_offset: int,
+        truncate: bool,
+    ) -> int:
+        nbytes = data.numel()
+        if async_op:
+            # Submit and register the completion work together, so that a wait()
+            # in another thread never sees the request without its validation.
+            with self._lock:
+                self._submit(
+                    write,
+                    data.data_ptr(),
+                    nbytes,
+                    target,
+                    file_offset,
+                    data,
+                    truncate,
+                    False,
+                )
+                if validate:
+                    self._actions.append(lambda: self._validate(data, target, file_offset))
+            return 0
+        request = self._submit(write, data.data_ptr(), nbytes, target, file_offset, data, truncate, True)
+        self._handle.wait_request(request)
+        if validate:
+            self._validate(data, target, file_offset)
+        return 1
+
+    def _cuda_transfer(
+        self,
+        write: bool,
+        data: torch.Tensor,
+        target: PathOrFd,
+        validate: bool,
+        async_op: bool,
+        file_offset: int,
+        truncate: bool,
+    ) -> int:
+        # Open a path once, here, so open errors raise at the call (as for CPU tensors).
+        if isinstance(target, int):
+            file, close = target, None
+        else:
+            file = engine_module.File(target, "w" if write else "r", direct=self._handle.direct)
+            close = file.close
+        # Everything the caller queued on its current stream so far (the kernels
+        # producing `data`, or still reading it) comes before our copies, even
+        # when the job runs later in the worker thread.
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(data.device))
+
+        def job() -> None:
+            try:
+                if write:
+                    self._ring_write(data, file, file_offset, truncate, ready)
+                else:
+                    self._ring_read(data, file, file_offset, ready)
+            finally:
+                if close is not None:
+                    close()
+            if validate:
+                self._validate(data, target, file_offset)
+
+        if not async_op:
+            job()
+            return 1
+        with self._lock:
+            self._futures.append(self._worker().submit(job))
+        return 0
+
+    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
+        # Called with self._lock held. A fork leaves the parent's worker thread behind: start a new one.
+        if self._executor is None or self._executor_pid != os.getpid():
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastpersist-aio")
+            self._executor_pid = os.getpid()
+        return self._executor
+
+    def _side_stream(self, device: torch.device) -> Any:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+    def _ring_geometry(self, nbytes: int) -> tuple[int, int, list[tuple[int, int]]]:
+        chunk = _ring_chunk(nbytes, self._ring_chunk)
+        pieces = [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+        return chunk, min(self._ring_slots, len(pieces)), pieces
+
+    def _ring_write(
+        self,
+        data: torch.Tensor,
+        file: Any,
+        file_offset: int,
+        truncate: bool,
+        ready: Any,
+    ) -> None:
+        nbytes = data.numel()
+        if nbytes == 0:
+            request = self._submit(True, 0, 0, file, file_offset, None, truncate, True)
+            self._handle.wait_request(request)
+            return
+        stream = self._side_stream(data.device)
+        chunk, slots, pieces = self._ring_geometry(nbytes)
+        # The caller's kernels that produce `data` run on its current stream.
+        stream.wait_event(ready)
+        with memory.lease_buffers(slots, chunk) as ring:
+            events = [torch.cuda.Event() for _ in range(slots)]
+            in_flight: list[Any] = [None] * slots
+            error: BaseException | None = None
+            try:
+                for k, (off, length) in enumerate(pieces):
+                    i = k % slots
+                    if in_flight[i] is not None:
+                        request, in_flight[i] = in_flight[i], None
+                        self._handle.wait_request(request)
+                    with torch.cuda.stream(stream):
+                        ring[i][:length].copy_(data[off : off + length], non_blocking=True)
+                        events[i].record(stream)
+                    events[i].synchronize()
+                    last = off + length == nbytes
+                    in_flight[i] = self._submit(
+                        True,
+                        ring[i].data_ptr(),
+                        length,
+                        file,
+                        file_offset + off,
+                        ring[i],
+                        truncate and last,
+                        True,
+                    )
+            except BaseException as e:  # noqa: BLE001 - re-raised once nothing is in flight
+                error = e
+            error = self._drain(in_flight, error)
+            stream.synchronize()
+        if error is not None:
+            raise error
+
+    def _ring_read(self, data: torch.Tensor, file: Any, file_offset: int, ready: Any) -> None:
+        nbytes = data.numel()
+        if nbytes == 0:
+            return
+        stream = self._side_stream(data.device)
+        chunk, slots, pieces = self._ring_geometry(nbytes)
+        # Do not overwrite `data` while the caller's queued kernels may still read it.
+        stream.wait_event(ready)
+        with memory.lease_buffers(slots, chunk) as ring:
+            events = [torch.cuda.Event() for _ in range(slots)]
+            in_flight: list[Any] = [None] * slots
+            error: BaseException | None = None
+            try:
+                for k in range(slots):
+                    off, length = pieces[k]
+                    in_flight[k] = self._submit(
+                        False,
+                        ring[k].data_ptr(),
+                        length,
+                        file,
+                        file_offset + off,
+                        ring[k],
+                        False,
+                        True,
+                    )
+                for k, (off, length) in enumerate(pieces):
+                    i = k % slots
+                    request, in_flight[i] = in_flight[i], None
+                    self._handle.wait_request(request)
+                    with torch.cuda.stream(stream):
+                        data[off : off + length].copy_(ring[i][:length], non_blocking=True)
+                        events[i].record(stream)
+                    following = k + slots
+                    if following < len(pieces):
+                        events[i].synchronize()  # the chunk left the ring slot; refill it
+                        off2, length2 = pieces[following]
+                        in_flight[i] = self._submit(
+                            False,
+                            ring[i].data_ptr(),
+                            length2,
+                            file,
+                            file_offset + off2,
+                            ring[i],
+                            False,
+                            True,
+                        )
+            except BaseException as e:  # noqa: BLE001
+                error = e
+            error = self._drain(in_flight, error)
+            stream.synchronize()  # data is complete for every stream when we return
+        if error is not None:
+            raise error
+
+    def _drain(self, in_flight: list[Any], error: BaseException | None) -> BaseException | None:
+        """Waits for every request still in flight (ring buffers go back only then); keeps the first error."""
+        for i, request in enumerate(in_flight):
+            if request is None:
+                continue
+            in_flight[i] = None
+            try:
+                self._handle.wait_request(request)
+            except BaseException as e:  # noqa: BLE001
+                error = error or e
+        return error
 
     def _validate(self, data: torch.Tensor, target: PathOrFd, file_offset: int) -> None:
         expected = data.cpu() if data.device.type != "cpu" else data
         nbytes = expected.numel()
         if isinstance(target, int):
-            got = os.pread(target, nbytes, file_offset)
+            # Through a fresh read-only description: the caller's fd may be write-only or O_DIRECT.
+            with open(f"/proc/self/fd/{target}", "rb") as f:
+                f.seek(file_offset)
+                got = f.read(nbytes)
         else:
             with open(target, "rb") as f:
                 f.seek(file_offset)
                 got = f.read(nbytes)
         if got != bytes(host_memoryview(expected)):
             name = target if not isinstance(target, int) else f"<fd {target}>"
-            raise IOError(f"validation failed: the {nbytes} bytes at offset {file_offset} of {name} differ from the tensor")
+            raise OSError(
+                f"validation failed: the {nbytes} bytes at offset {file_offset} of {name} differ from the tensor"
+            )
 
     def __repr__(self) -> str:
         return (
@@ -315,14 +714,3 @@ class AioHandle:
             f"intra_op_parallelism={self.get_intra_op_parallelism()}, engine={self.get_engine()!r}, "
             f"direct={self.get_direct()})"
         )
-
-
-class _Action:
-    """A completion action with an optional cleanup to run instead when wait() fails."""
-
-    def __init__(self, action: Callable[[], None], on_error: Callable[[], None] | None) -> None:
-        self._action = action
-        self.on_error = on_error
-
-    def __call__(self) -> None:
-        self._action()

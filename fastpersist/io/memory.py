@@ -31,7 +31,9 @@ __all__ = [
     "aligned_empty",
     "lease_buffers",
     "release_pooled_buffers",
+    "ring_shape",
     "is_locked_tensor",
+    "is_managed_locked_memory",
     "cast_to_byte_tensor",
     "PAGE_SIZE",
 ]
@@ -46,6 +48,9 @@ _warn_lock = threading.Lock()
 # free_cpu_locked_tensor and is_locked_tensor recognise them.
 _locked_registry: dict[int, bool] = {}
 _registry_lock = threading.Lock()
+# data_ptr -> nbytes of the same tensors, so that slices and views inside a
+# locked allocation are recognised too (is_managed_locked_memory).
+_locked_sizes: dict[int, int] = {}
 
 
 def _warn_unlocked(reason: str) -> None:
@@ -113,6 +118,7 @@ def new_cpu_locked_tensor(numel: int, dtype: torch.dtype = torch.uint8) -> torch
     if nbytes:
         with _registry_lock:
             _locked_registry[tensor.data_ptr()] = buffer.locked
+            _locked_sizes[tensor.data_ptr()] = nbytes
     return tensor
 
 
@@ -124,6 +130,7 @@ def free_cpu_locked_tensor(tensor: torch.Tensor) -> bool:
     Returns True if ``tensor`` was one of ours.
     """
     with _registry_lock:
+        _locked_sizes.pop(tensor.data_ptr(), None)
         return _locked_registry.pop(tensor.data_ptr(), None) is not None
 
 
@@ -131,6 +138,30 @@ def is_locked_tensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` was made by :func:`new_cpu_locked_tensor` and its memory is locked."""
     with _registry_lock:
         return bool(_locked_registry.get(tensor.data_ptr(), False))
+
+
+def is_managed_locked_memory(tensor: torch.Tensor) -> bool:
+    """Whether every byte of CPU ``tensor`` lies inside one allocation made by :func:`new_cpu_locked_tensor`.
+
+    Recognises the tensor itself and any slice or view of it (DeepNVMe's
+    pinned-tensor manager matches address ranges the same way). Allocations
+    whose ``mlock`` failed count too: they are page-aligned and managed, only
+    not locked (see :func:`is_locked_tensor`).
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+        return False
+    start = tensor.data_ptr()
+    if tensor.numel() == 0:
+        end = start
+    else:
+        # Highest byte the view can touch (torch strides are never negative).
+        span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size > 0)
+        end = start + (span + 1) * tensor.element_size()
+    with _registry_lock:
+        for base, nbytes in _locked_sizes.items():
+            if base <= start and end <= base + nbytes:
+                return True
+    return False
 
 
 def aligned_empty(nbytes: int, huge_pages: bool = True, lock: bool = False) -> torch.Tensor:
@@ -229,3 +260,29 @@ def release_pooled_buffers() -> int:
 def pooled_bytes() -> int:
     """Bytes currently allocated by the pool (idle and leased)."""
     return _pool.allocated_bytes()
+
+
+_MIN_RING_BUFFER = 1 << 20
+
+
+def ring_shape(total_bytes: int, buffer_size: int, buffer_count: int) -> tuple[int, int]:
+    """``(count, size)`` of the staging ring for moving ``total_bytes``, at most ``buffer_count`` x ``buffer_size``.
+
+    The ring is sized to the checkpoint: a 3 MB save leases one 4 MiB buffer,
+    not four 64 MiB ones (pinning 256 MiB for a tiny file was the old
+    behaviour). Sizes below ``buffer_size`` are powers of two (at least 1 MiB),
+    so the process-wide pool holds a handful of size classes, not one per
+    checkpoint size; large checkpoints get the full ring, whatever their size
+    (host memory does not grow with the checkpoint). Free idle buffers with
+    :func:`release_pooled_buffers` (``fastpersist.release_buffers()``).
+    """
+    if total_bytes <= 0 or buffer_size <= 0 or buffer_count <= 0:
+        return (min(1, max(buffer_count, 0)), max(min(buffer_size, _MIN_RING_BUFFER), 0))
+    size = buffer_size
+    if total_bytes < buffer_size:
+        size = _MIN_RING_BUFFER
+        while size < total_bytes:
+            size *= 2
+        size = min(size, buffer_size)
+    count = min(buffer_count, -(-total_bytes // size))
+    return (count, size)

@@ -128,15 +128,16 @@ std::shared_ptr<File> resolve_target(PyIoHandle& self, const py::handle& target,
 }
 
 py::object submit(PyIoHandle& self, bool write, uintptr_t ptr, uint64_t nbytes, const py::object& target,
-                  uint64_t file_offset, const py::object& keepalive, bool truncate, bool allow_short) {
+                  uint64_t file_offset, const py::object& keepalive, bool truncate, bool allow_short,
+                  bool detached = false) {
   bool owns = false;
   std::shared_ptr<File> file = resolve_target(self, target, write, owns);
   std::shared_ptr<Request> request;
   {
     py::gil_scoped_release release;
     void* buffer = reinterpret_cast<void*>(ptr);
-    request = write ? self.handle->submit_write(buffer, nbytes, file, file_offset, owns, truncate)
-                    : self.handle->submit_read(buffer, nbytes, file, file_offset, owns, allow_short);
+    request = write ? self.handle->submit_write(buffer, nbytes, file, file_offset, owns, truncate, detached)
+                    : self.handle->submit_read(buffer, nbytes, file, file_offset, owns, allow_short, detached);
   }
   self.keepalive[request->id()] = py::make_tuple(keepalive, target);
   self.sweep();
@@ -313,25 +314,26 @@ and raises the first error after everything in flight has been reaped.)")
       .def(
           "submit_write",
           [](PyIoHandle& self, uintptr_t ptr, uint64_t nbytes, const py::object& target, uint64_t file_offset,
-             const py::object& keepalive, bool truncate) {
-            return submit(self, true, ptr, nbytes, target, file_offset, keepalive, truncate, false);
+             const py::object& keepalive, bool truncate, bool detached) {
+            return submit(self, true, ptr, nbytes, target, file_offset, keepalive, truncate, false, detached);
           },
           py::arg("ptr"), py::arg("nbytes"), py::arg("target"), py::arg("file_offset") = 0,
-          py::arg("keepalive") = py::none(), py::arg("truncate") = false,
+          py::arg("keepalive") = py::none(), py::arg("truncate") = false, py::arg("detached") = false,
           R"(Starts writing ``nbytes`` from address ``ptr`` to ``target`` (path, fd or File) at ``file_offset``.
 
 A path is created if missing (never O_TRUNC) and closed when the request
 completes; ``truncate=True`` sets the file size to ``file_offset + nbytes``
 after a successful write. ``keepalive`` is referenced until the request
-completes. Open errors raise here; I/O errors are raised by wait().)")
+completes. Open errors raise here; I/O errors are raised by wait(), or by
+wait_request() for a ``detached`` request (which wait() neither counts nor waits for).)")
       .def(
           "submit_read",
           [](PyIoHandle& self, uintptr_t ptr, uint64_t nbytes, const py::object& target, uint64_t file_offset,
-             const py::object& keepalive, bool allow_short) {
-            return submit(self, false, ptr, nbytes, target, file_offset, keepalive, false, allow_short);
+             const py::object& keepalive, bool allow_short, bool detached) {
+            return submit(self, false, ptr, nbytes, target, file_offset, keepalive, false, allow_short, detached);
           },
           py::arg("ptr"), py::arg("nbytes"), py::arg("target"), py::arg("file_offset") = 0,
-          py::arg("keepalive") = py::none(), py::arg("allow_short") = false,
+          py::arg("keepalive") = py::none(), py::arg("allow_short") = false, py::arg("detached") = false,
           R"(Starts reading ``nbytes`` at ``file_offset`` of ``target`` into address ``ptr``.
 
 Reaching end of file early raises UnexpectedEndOfFileError from wait() unless
@@ -348,11 +350,32 @@ Reaching end of file early raises UnexpectedEndOfFileError from wait() unless
                  error = std::current_exception();
                }
              }
-             self.sweep();
-             self.keepalive.clear();  // nothing is in flight any more
+             self.sweep();  // detached requests of other threads may still be in flight: keep theirs
              if (error) std::rethrow_exception(error);
              return completed;
            })
+      .def(
+          "wait_request",
+          [](PyIoHandle& self, const std::shared_ptr<Request>& request) {
+            size_t completed = 0;
+            std::exception_ptr error;
+            {
+              py::gil_scoped_release release;
+              try {
+                completed = self.handle->wait_request(request);
+              } catch (...) {
+                error = std::current_exception();
+              }
+            }
+            self.sweep();
+            if (error) std::rethrow_exception(error);
+            return completed;
+          },
+          py::arg("request"),
+          R"(Blocks (GIL released) until ``request`` is done; returns 1 or raises its error.
+
+Meant for requests submitted with ``detached=True``: each thread waits for its
+own request and sees only its own error, whatever other threads do on the handle.)")
       .def("pending", [](const PyIoHandle& self) { return self.handle->pending(); })
       .def("stats",
            [](const PyIoHandle& self) {
@@ -431,5 +454,7 @@ Reaching end of file early raises UnexpectedEndOfFileError from wait() unless
       },
       py::arg("data"), py::arg("crc") = 0,
       "CRC-32 (zlib's) of a contiguous buffer (bytes, bytearray, memoryview, array), continued from ``crc``.");
+  m.def("crc32_combine", &crc32_combine, py::arg("crc_first"), py::arg("crc_second"), py::arg("length_second"),
+        "CRC-32 of two ranges back to back from each one's CRC-32 (zlib's crc32_combine).");
   m.def("crc32_accelerated", &crc32_accelerated, "Whether CRC-32 uses carry-less multiplication on this CPU.");
 }

@@ -137,6 +137,51 @@ uint32_t copy_with_crc32(void* destination, const void* source, size_t length, u
   return ~crc_raw(~crc, static_cast<const unsigned char*>(source), length, static_cast<unsigned char*>(destination));
 }
 
+namespace {
+
+/// Product of two polynomials modulo the CRC polynomial (reflected), as in zlib's multmodp.
+uint32_t multiply_modulo(uint32_t a, uint32_t b) noexcept {
+  uint32_t m = 1u << 31, p = 0;
+  for (;;) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = (b & 1) ? (b >> 1) ^ 0xEDB88320u : b >> 1;
+  }
+  return p;
+}
+
+/// x^(2^k) modulo the polynomial, for k = 0..31 (zlib's x2n_table).
+struct PowerTable {
+  uint32_t t[32];
+  PowerTable() {
+    uint32_t p = 1u << 30;  // x^1
+    t[0] = p;
+    for (int k = 1; k < 32; ++k) t[k] = p = multiply_modulo(p, p);
+  }
+};
+
+/// x^(8 * n) modulo the polynomial: appending n zero bytes.
+uint32_t x_to_bytes(uint64_t n) noexcept {
+  static const PowerTable table;
+  uint32_t p = 1u << 31;  // x^0
+  int k = 3;              // 8 * n: start at x^(2^3)
+  while (n) {
+    if (n & 1) p = multiply_modulo(table.t[k & 31], p);
+    n >>= 1;
+    ++k;
+  }
+  return p;
+}
+
+}  // namespace
+
+uint32_t crc32_combine(uint32_t crc_first, uint32_t crc_second, uint64_t length_second) noexcept {
+  return multiply_modulo(x_to_bytes(length_second), crc_first) ^ crc_second;
+}
+
 bool crc32_accelerated() noexcept {
 #if FASTPERSIST_HAVE_PCLMUL
   static const bool accelerated = detect();

@@ -20,8 +20,10 @@ namespace fastpersist {
 
 namespace {
 
-constexpr uint64_t kPage = 4096;
 constexpr size_t kMaxBlock = 1u << 30;
+constexpr size_t kMinBlock = 512;         // DeepNVMe accepts any multiple of the logical block
+constexpr size_t kMaxQueueDepth = 32768;  // io_uring's IORING_MAX_ENTRIES; libaio's usual aio-max-nr share
+constexpr size_t kEngineDepthCap = 4096;  // slots per lane actually allocated (more never helps one lane)
 constexpr unsigned kMaxRetries = 1000;  // EAGAIN/EINTR or zero-progress writes before giving up
 
 uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
@@ -46,7 +48,7 @@ class Lane {
     thread_ = std::thread([this, engine_name, &started] {
       try {
         EngineOptions options;
-        options.queue_depth = owner_.options_.queue_depth;
+        options.queue_depth = std::min(owner_.options_.queue_depth, kEngineDepthCap);
         options.single_submit = owner_.options_.single_submit;
         engine_ = make_engine(engine_name, options);
         if (owner_.options_.fault.enabled) {
@@ -244,11 +246,11 @@ class Lane {
     std::unique_ptr<Engine> replacement;
     try {
       EngineOptions options;
-      options.queue_depth = owner_.options_.queue_depth;
+      options.queue_depth = std::min(owner_.options_.queue_depth, kEngineDepthCap);
       options.single_submit = owner_.options_.single_submit;
       replacement = make_engine(engine_->name(), options);
     } catch (...) {
-      replacement = make_engine("threads", EngineOptions{owner_.options_.queue_depth, false});
+      replacement = make_engine("threads", EngineOptions{std::min(owner_.options_.queue_depth, kEngineDepthCap), false});
     }
     engine_.release();  // cannot be trusted to unmap safely after a failure
     engine_ = std::move(replacement);
@@ -279,12 +281,13 @@ std::pair<bool, std::string> cached_uring_probe() {
 }  // namespace
 
 IoHandle::IoHandle(const HandleOptions& options) : options_(options) {
-  if (options_.block_size < kPage || options_.block_size % kPage != 0 || options_.block_size > kMaxBlock) {
-    throw std::invalid_argument("block_size must be a multiple of 4096 between 4096 and 1 GiB, got " +
+  if (options_.block_size < kMinBlock || options_.block_size % kMinBlock != 0 || options_.block_size > kMaxBlock) {
+    throw std::invalid_argument("block_size must be a multiple of 512 between 512 and 1 GiB, got " +
                                 std::to_string(options_.block_size));
   }
-  if (options_.queue_depth < 1 || options_.queue_depth > 4096) {
-    throw std::invalid_argument("queue_depth must be between 1 and 4096, got " + std::to_string(options_.queue_depth));
+  if (options_.queue_depth < 1 || options_.queue_depth > kMaxQueueDepth) {
+    throw std::invalid_argument("queue_depth must be between 1 and " + std::to_string(kMaxQueueDepth) + ", got " +
+                                std::to_string(options_.queue_depth));
   }
   if (options_.intra_op_parallelism < 1 || options_.intra_op_parallelism > 256) {
     throw std::invalid_argument("intra_op_parallelism must be between 1 and 256, got " +
@@ -321,7 +324,7 @@ IoHandle::IoHandle(const HandleOptions& options) : options_(options) {
 IoHandle::~IoHandle() {
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    idle_.wait(lock, [this] { return pending_ == 0; });
+    idle_.wait(lock, [this] { return pending_ == 0 && detached_pending_ == 0; });
   }
   stop_lanes();
 }
@@ -336,17 +339,21 @@ std::shared_ptr<File> IoHandle::open_for(const std::string& path, bool write) co
 }
 
 std::shared_ptr<Request> IoHandle::submit_write(const void* buffer, uint64_t nbytes, std::shared_ptr<File> file,
-                                                uint64_t file_offset, bool owns_file, bool truncate) {
-  return submit(true, const_cast<void*>(buffer), nbytes, std::move(file), file_offset, owns_file, truncate, false);
+                                                uint64_t file_offset, bool owns_file, bool truncate,
+                                                bool detached) {
+  return submit(true, const_cast<void*>(buffer), nbytes, std::move(file), file_offset, owns_file, truncate, false,
+                detached);
 }
 
 std::shared_ptr<Request> IoHandle::submit_read(void* buffer, uint64_t nbytes, std::shared_ptr<File> file,
-                                               uint64_t file_offset, bool owns_file, bool allow_short) {
-  return submit(false, buffer, nbytes, std::move(file), file_offset, owns_file, false, allow_short);
+                                               uint64_t file_offset, bool owns_file, bool allow_short,
+                                               bool detached) {
+  return submit(false, buffer, nbytes, std::move(file), file_offset, owns_file, false, allow_short, detached);
 }
 
 std::shared_ptr<Request> IoHandle::submit(bool write, void* buffer, uint64_t nbytes, std::shared_ptr<File> file,
-                                          uint64_t file_offset, bool owns_file, bool truncate, bool allow_short) {
+                                          uint64_t file_offset, bool owns_file, bool truncate, bool allow_short,
+                                          bool detached) {
   if (!file) throw std::invalid_argument("no file given");
   if (nbytes > 0 && buffer == nullptr) throw std::invalid_argument("null buffer for a non-empty request");
   if (write && file->mode() == OpenMode::kRead) {
@@ -368,6 +375,7 @@ std::shared_ptr<Request> IoHandle::submit(bool write, void* buffer, uint64_t nby
   request->owns_file_ = owns_file;
   request->truncate_ = truncate;
   request->allow_short_ = allow_short;
+  request->detached_ = detached;
 
   // Split: unaligned head and tail through the buffered descriptor, the
   // aligned middle (when memory is aligned too) through the direct one. Split
@@ -415,7 +423,7 @@ std::shared_ptr<Request> IoHandle::submit(bool write, void* buffer, uint64_t nby
   {
     std::lock_guard<std::mutex> lock(mutex_);
     request->id_ = next_id_++;
-    ++pending_;
+    ++(detached ? detached_pending_ : pending_);
   }
   requests_.fetch_add(1, std::memory_order_relaxed);
   if (count == 0) {
@@ -429,7 +437,11 @@ std::shared_ptr<Request> IoHandle::submit(bool write, void* buffer, uint64_t nby
 void IoHandle::record_error(const std::shared_ptr<Request>& request, std::exception_ptr error) {
   request->failed_.store(true, std::memory_order_release);
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!first_error_) first_error_ = std::move(error);
+  if (request->detached_) {
+    if (!request->error_) request->error_ = std::move(error);
+  } else if (!first_error_) {
+    first_error_ = std::move(error);
+  }
 }
 
 void IoHandle::finish_chunk(const std::shared_ptr<Request>& request) {
@@ -459,12 +471,29 @@ void IoHandle::finalize(const std::shared_ptr<Request>& request) {
     }
   }
   request->file_.reset();
-  request->done_.store(true, std::memory_order_release);
   std::lock_guard<std::mutex> lock(mutex_);
+  request->done_.store(true, std::memory_order_release);
+  finished_ids_.push_back(request->id_);
+  if (request->detached_) {
+    --detached_pending_;
+    idle_.notify_all();
+    return;
+  }
   --pending_;
   ++completed_since_wait_;
-  finished_ids_.push_back(request->id_);
   if (pending_ == 0) idle_.notify_all();
+}
+
+size_t IoHandle::wait_request(const std::shared_ptr<Request>& request) {
+  if (!request) throw std::invalid_argument("no request given");
+  std::unique_lock<std::mutex> lock(mutex_);
+  idle_.wait(lock, [&] { return request->done(); });
+  if (request->error_) {
+    std::exception_ptr error = std::move(request->error_);
+    request->error_ = nullptr;
+    std::rethrow_exception(error);
+  }
+  return 1;
 }
 
 size_t IoHandle::wait() {

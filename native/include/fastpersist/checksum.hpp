@@ -28,6 +28,16 @@ uint32_t crc32_update(uint32_t crc, const void* data, size_t length) noexcept;
  */
 uint32_t copy_with_crc32(void* destination, const void* source, size_t length, uint32_t crc) noexcept;
 
+/**
+ * @brief The CRC-32 of two byte ranges one after the other, from the CRC-32 of each
+ *        (zlib's crc32_combine): lets several threads checksum pieces of one record.
+ * @param crc_first CRC-32 of the first range (or of everything before the second).
+ * @param crc_second CRC-32 of the second range, computed from 0.
+ * @param length_second bytes in the second range.
+ * @return CRC-32 of the concatenation.
+ */
+uint32_t crc32_combine(uint32_t crc_first, uint32_t crc_second, uint64_t length_second) noexcept;
+
 /** @brief Whether the carry-less-multiplication path is in use on this CPU. */
 bool crc32_accelerated() noexcept;
 

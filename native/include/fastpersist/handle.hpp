@@ -29,8 +29,9 @@ namespace fastpersist {
 
 /** @brief Settings of an IoHandle. */
 struct HandleOptions {
-  size_t block_size = 1u << 20;       ///< bytes per chunk (multiple of 4096, <= 1 GiB)
-  size_t queue_depth = 32;            ///< chunks each lane keeps in flight
+  size_t block_size = 1u << 20;       ///< bytes per chunk (multiple of 512, <= 1 GiB); direct chunks are
+                                      ///< rounded up to the file's O_DIRECT alignment
+  size_t queue_depth = 32;            ///< chunks each lane keeps in flight (1..32768; engines cap it at 4096)
   bool single_submit = false;         ///< one submission system call per chunk
   bool overlap_events = true;         ///< reap while submitting (sliding window) instead of batch by batch
   size_t intra_op_parallelism = 1;    ///< lanes
@@ -75,6 +76,8 @@ class Request {
   bool owns_file_ = false;
   bool truncate_ = false;
   bool allow_short_ = false;
+  bool detached_ = false;        // waited for by wait_request(), not by wait()
+  std::exception_ptr error_;     // first error of a detached request (guarded by IoHandle::mutex_)
   std::atomic<size_t> chunks_left_{0};
   std::atomic<bool> failed_{false};
   std::atomic<bool> done_{false};
@@ -142,19 +145,24 @@ class IoHandle {
    * @param file_offset where the first byte goes.
    * @param owns_file   close @p file when the request completes.
    * @param truncate    after success, set the file size to file_offset + nbytes.
+   * @param detached    the request is waited for with wait_request() only: wait()
+   *                    neither counts it nor raises its error.
    * @return the request.
    * @throws IoError (EBADF) when @p file is closed or read-only.
    */
   std::shared_ptr<Request> submit_write(const void* buffer, uint64_t nbytes, std::shared_ptr<File> file,
-                                        uint64_t file_offset, bool owns_file, bool truncate);
+                                        uint64_t file_offset, bool owns_file, bool truncate,
+                                        bool detached = false);
   /**
    * @brief Starts reading @p nbytes at @p file_offset of @p file into @p buffer.
    * @param allow_short end of file before @p nbytes is not an error; see Request::bytes_transferred().
+   * @param detached    see submit_write().
    * @return the request.
    * @throws IoError (EBADF) when @p file is closed or write-only.
    */
   std::shared_ptr<Request> submit_read(void* buffer, uint64_t nbytes, std::shared_ptr<File> file,
-                                       uint64_t file_offset, bool owns_file, bool allow_short);
+                                       uint64_t file_offset, bool owns_file, bool allow_short,
+                                       bool detached = false);
 
   /**
    * @brief Blocks until no request is in flight.
@@ -164,7 +172,16 @@ class IoHandle {
    *         is reusable afterwards.
    */
   size_t wait();
-  /** @brief Requests submitted and not yet completed. */
+  /**
+   * @brief Blocks until @p request (submitted with detached=true) is done.
+   *
+   * Several threads may each wait for their own request on one handle: each
+   * sees only its own completion and error.
+   * @return 1.
+   * @throws IoError (or UnexpectedEndOfFile) the request's error.
+   */
+  size_t wait_request(const std::shared_ptr<Request>& request);
+  /** @brief Requests submitted and not yet completed (detached ones excluded). */
   size_t pending() const;
   /** @brief Ids of requests completed since the previous call (for releasing buffers early). */
   std::vector<uint64_t> take_finished_ids();
@@ -174,7 +191,8 @@ class IoHandle {
  private:
   friend class Lane;
   std::shared_ptr<Request> submit(bool write, void* buffer, uint64_t nbytes, std::shared_ptr<File> file,
-                                  uint64_t file_offset, bool owns_file, bool truncate, bool allow_short);
+                                  uint64_t file_offset, bool owns_file, bool truncate, bool allow_short,
+                                  bool detached);
   void record_error(const std::shared_ptr<Request>& request, std::exception_ptr error);
   void finish_chunk(const std::shared_ptr<Request>& request);
   void finalize(const std::shared_ptr<Request>& request);
@@ -189,6 +207,7 @@ class IoHandle {
   mutable std::mutex mutex_;
   std::condition_variable idle_;
   size_t pending_ = 0;
+  size_t detached_pending_ = 0;
   size_t completed_since_wait_ = 0;
   uint64_t next_id_ = 1;
   std::exception_ptr first_error_;

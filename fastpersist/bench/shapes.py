@@ -1,0 +1,399 @@
+"""Checkpoint shapes users hit, against torch and an independent ceiling, in one run.
+
+``python -m fastpersist.bench shapes --shape many-small --tensors 20000 --tensor-bytes 16-256``
+(or ``python -m fastpersist.bench checkpoint --shape ...``, which comes here).
+
+Shapes:
+
+* ``many-small``: ``--tensors`` tensors of ``--tensor-bytes`` each (a range
+  ``16-256`` cycles through 16, 32, 64, 128, 256 bytes);
+* ``many-medium``: ``--tensors`` equal tensors (an LLM's 120 matrices, ...)
+  totalling ``--size``;
+* ``huge``: one tensor of ``--size`` (above 4 GiB exercises zip64);
+* ``mixed``: 1,000+ parameters of LLM-like sizes, optimizer state with Python
+  scalars (``step``, ``lr``), and half the tensors on the GPU when
+  ``--device cuda``.
+
+Methods (each timed in every round, rounds interleaved, medians reported):
+
+* saves: ``fastpersist`` (durable), ``torch.save`` (+ fsync), and with
+  ``--fio`` the ceiling ``fio-write`` (O_DIRECT, 16 MiB blocks, QD 32,
+  io_uring, end_fsync, same byte count, written right after);
+* loads: ``fastpersist`` verified / unverified, ``weights_only`` True /
+  False, and ``torch.load`` in both ``weights_only`` modes;
+* ``--sink``: the **pipelines without storage** -- ``fastpersist-sink`` runs
+  the real save pipeline (device-to-host copies, CRC-32, ring, native engine)
+  into ``/dev/null``, which discards the bytes; ``fastpersist-sink-load`` runs
+  the real load pipeline (engine reads, CRC-32, host-to-device copies) from
+  ``/dev/zero`` on an all-zero state of the same shape. They show where the
+  software stops, for storage faster than this machine's; they store nothing.
+
+Results are labelled with their kind (``storage`` or ``sink``) in the table
+and the JSON (``--json PATH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+import fastpersist
+from fastpersist import config, system
+from fastpersist.bench import measure
+from fastpersist.bench.models import format_bytes
+from fastpersist.config import parse_size
+
+__all__ = ["SHAPES", "build_shape", "main", "build_parser", "run"]
+
+SHAPES = ("many-small", "many-medium", "huge", "mixed")
+_SMALL_SIZES = (16, 32, 64, 128, 256)
+
+
+def _tensor_sizes(text: str) -> list[int]:
+    """``64`` -> [64]; ``16-256`` -> the powers of two between (the sizes a many-small state cycles through)."""
+    if "-" in str(text):
+        low, high = (parse_size(part) for part in str(text).split("-", 1))
+        sizes, size = [], low
+        while size <= high:
+            sizes.append(size)
+            size *= 2
+        return sizes
+    return [parse_size(text)]
+
+
+def build_shape(shape: str, tensors: int | None, tensor_bytes: str | None, size: int, device: str,
+                zeros: bool = False) -> Any:  # fmt: skip
+    """The state to save for ``shape`` (see the module docstring); ``zeros`` for the sink load."""
+    cuda = device.startswith("cuda")
+
+    def make(nbytes: int, dtype=torch.float32, on: str = device) -> torch.Tensor:
+        numel = max(nbytes // torch.empty(0, dtype=dtype).element_size(), 0)
+        if zeros:
+            return torch.zeros(numel, dtype=dtype, device=on)
+        return torch.empty(numel, dtype=dtype, device=on).uniform_(-1, 1) if dtype.is_floating_point else \
+            torch.randint(0, 100, (numel,), dtype=dtype, device=on)  # fmt: skip
+
+    if shape == "many-small":
+        sizes = _tensor_sizes(tensor_bytes or "16-256")
+        return {f"layer.{i}.param": make(sizes[i % len(sizes)]) for i in range(tensors or 20_000)}
+    if shape == "many-medium":
+        count = tensors or 120
+        each = parse_size(tensor_bytes) if tensor_bytes else max(size // count, 1)
+        return {f"layers.{i}.weight": make(each, torch.bfloat16) for i in range(count)}
+    if shape == "huge":
+        return {"embedding.weight": make(size, torch.bfloat16)}
+    if shape == "mixed":
+        # An LLM-like model of ~1,000+ parameters: per block 4 attention + 3 MLP matrices,
+        # 2 norms and biases; sized so the whole state is about --size.
+        blocks = max((tensors or 1_100) // 11, 1)
+        big = max(size // (blocks * 7 * 3), 256)  # weights + two Adam moments
+        model, optimizer_state = {}, {}
+        for b in range(blocks):
+            for name in ("q", "k", "v", "o", "up", "gate", "down"):
+                model[f"blocks.{b}.{name}.weight"] = make(big, torch.bfloat16)
+            for name in ("attn_norm", "mlp_norm"):
+                model[f"blocks.{b}.{name}.weight"] = make(8192, torch.bfloat16, "cpu")
+            model[f"blocks.{b}.bias"] = make(4096, torch.float32, "cpu")
+            model[f"blocks.{b}.scale"] = make(4, torch.float32, "cpu")
+        for index, (name, tensor) in enumerate(model.items()):
+            if cuda and index % 2:
+                model[name] = tensor.to(device)  # mixed CPU/GPU state
+            elif not cuda:
+                model[name] = tensor.cpu()
+        for index, tensor in enumerate(model.values()):
+            if tensor.numel() >= 1024:
+                optimizer_state[index] = {"step": 1000 + index, "exp_avg": torch.zeros_like(tensor),
+                                          "exp_avg_sq": torch.zeros_like(tensor) if zeros else tensor.abs()}  # fmt: skip
+        return {
+            "model": model,
+            "optimizer": {"state": optimizer_state,
+                          "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+                                            "params": list(range(len(model)))}]},  # fmt: skip
+            "epoch": 3,
+            "global_step": 123_456,
+            "loss": 2.25,
+        }
+    raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+
+
+def _tensors_of(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors_of(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors_of(v)]
+    return []
+
+
+def _state_bytes(state: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors_of(state))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process (all threads): the software's cost, whatever the contention."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _fsync_path(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _torch_save(state: Any, path: str) -> None:
+    torch.save(state, path)
+    _fsync_path(path)
+    measure.fsync_paths(os.path.dirname(path))
+
+
+def _sink_save(state: Any, settings: config.Settings) -> None:
+    """The real save pipeline (plan, ring, copies, CRC-32, engine) writing into /dev/null."""
+    from fastpersist.format.serializer import plan_save
+    from fastpersist.io import engine
+    from fastpersist.io.writer import write_plan
+
+    plan = plan_save(state, "sink")
+    sink = engine.File("/dev/null", "w", direct=False)
+    try:
+        write_plan(plan, sink, settings)
+        for device in plan.devices():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    finally:
+        sink.close()
+
+
+def _sink_load(path: str, settings: config.Settings, device: str, verify: bool) -> Any:
+    """The real load pipeline reading every storage from /dev/zero (the file's state is all zeros)."""
+    from fastpersist.format.deserializer import archive_prefix, deserialize
+    from fastpersist.format.zipformat import read_directory
+    from fastpersist.io import engine
+    from fastpersist.io.reader import FileStorageProvider
+
+    with open(path, "rb") as handle:
+        data_fd = handle.fileno()
+        records = {r.name: r for r in read_directory(lambda o, n: os.pread(data_fd, n, o), os.fstat(data_fd).st_size)}
+        prefix = archive_prefix(list(records), path)
+        pickle_record = records[prefix + "data.pkl"]
+        pickle_bytes = os.pread(data_fd, pickle_record.size, pickle_record.data_offset)
+    zero = engine.File("/dev/zero", "r", direct=False)
+    provider = FileStorageProvider(zero, [r for n, r in records.items() if n.startswith(prefix + "data/")], settings,
+                                   verify=verify, path="/dev/zero")  # fmt: skip
+    try:
+        loaded = deserialize(pickle_bytes, records, prefix, provider, map_location=device, weights_only=True)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return loaded
+    finally:
+        provider.close()
+        zero.close()
+
+
+def _fio_write(path: str, nbytes: int) -> float:
+    """Seconds fio takes to write ``nbytes`` with O_DIRECT, 16 MiB blocks, QD 32, io_uring, end_fsync."""
+    size = max(-(-nbytes // (16 << 20)) * (16 << 20), 16 << 20)
+    if os.path.exists(path):
+        os.unlink(path)  # a fresh file each time, like a checkpoint (overwriting blocks is faster)
+    command = ["fio", "--name=ceiling", f"--filename={path}", "--rw=write", "--bs=16M", "--iodepth=32",
+               "--ioengine=io_uring", "--direct=1", f"--size={size}", "--end_fsync=1", "--output-format=json"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"fio failed: {result.stderr.strip()[-500:]}")
+    document = json.loads(result.stdout[result.stdout.index("{") :])
+    job = document["jobs"][0]
+    return (job["job_runtime"] / 1000.0) * nbytes / size  # scaled to the checkpoint's bytes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fastpersist.bench shapes", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=SHAPES, required=True)
+    parser.add_argument("--tensors", type=int, default=None, help="number of tensors (parameters for mixed)")
+    parser.add_argument("--tensor-bytes", default=None, help="bytes per tensor, or a range like 16-256")
+    parser.add_argument("--size", default="1G", help="total bytes for many-medium / mixed, tensor bytes for huge")
+    parser.add_argument("--device", default="cpu", help="where the state lives and loads go (cpu, cuda)")
+    parser.add_argument("--dir", default=None, help="where files go (default: a temporary directory on disk)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--sink", action="store_true", help="also run the pipelines without storage (labelled sink)")
+    parser.add_argument("--sink-only", action="store_true", help="only the sink pipelines (no storage at all)")
+    parser.add_argument("--fio", action="store_true", help="also measure fio's write ceiling for the same bytes")
+    parser.add_argument("--no-torch", action="store_true", help="leave the torch baselines out")
+    parser.add_argument("--no-loads", action="store_true")
+    parser.add_argument("--loads", default="all", help="comma list of load variants to run (default all)")
+    parser.add_argument("--no-drop-caches", action="store_true")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="fastpersist setting")
+    parser.add_argument("--json", default=None, metavar="PATH")
+    return parser
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    size = parse_size(args.size)
+    overrides = dict(item.split("=", 1) for item in args.set)
+    settings = config.resolve(overrides)
+    state = build_shape(args.shape, args.tensors, args.tensor_bytes, size, args.device)
+    nbytes = _state_bytes(state)
+    directory = tempfile.mkdtemp(prefix="fastpersist-shapes-", dir=args.dir)
+    ours, theirs, ceiling = (os.path.join(directory, n) for n in ("fastpersist.pt", "torch.pt", "fio.bin"))
+    dropper = system.CacheDropper(enabled=not args.no_drop_caches)
+    cuda = args.device.startswith("cuda")
+    saves: dict[str, tuple[str, Callable[[], Any]]] = {}
+    loads: dict[str, tuple[str, Callable[[], Any], str]] = {}
+    if not args.sink_only:
+        saves["fastpersist"] = ("storage", lambda: fastpersist.save(state, ours, **overrides))
+        if not args.no_torch:
+            saves["torch.save"] = ("storage", lambda: _torch_save(state, theirs))
+        if args.fio and shutil.which("fio"):
+            saves["fio-write (ceiling)"] = ("storage", lambda: _fio_write(ceiling, nbytes))
+    if args.sink or args.sink_only:
+        saves["fastpersist-sink"] = ("sink", lambda: _sink_save(state, settings))
+    if not args.no_loads:
+        where = args.device
+        if not args.sink_only:
+            for verify in (True, False):
+                for weights_only in (True, False):
+                    name = f"fastpersist {'verified' if verify else 'unverified'} wo={weights_only}"
+                    loads[name] = ("storage", (lambda v=verify, w=weights_only: fastpersist.load(
+                        ours, map_location=where, verify=v, weights_only=w, **overrides)), ours)  # fmt: skip
+            if not args.no_torch:
+                for weights_only in (True, False):
+                    loads[f"torch.load wo={weights_only}"] = ("storage", (lambda w=weights_only: torch.load(
+                        theirs, map_location=where, weights_only=w)), theirs)  # fmt: skip
+        if args.sink or args.sink_only:
+            zero_path = os.path.join(directory, "zeros.pt")
+            fastpersist.save(build_shape(args.shape, args.tensors, args.tensor_bytes, size, "cpu", zeros=True),
+                             zero_path)  # fmt: skip
+            for verify in (True, False):
+                loads[f"fastpersist-sink-load {'verified' if verify else 'unverified'}"] = (
+                    "sink", (lambda v=verify: _sink_load(zero_path, settings, where, v)), zero_path)  # fmt: skip
+        if args.loads != "all":
+            wanted = [w.strip() for w in args.loads.split(",")]
+            loads = {k: v for k, v in loads.items() if any(w in k for w in wanted)}
+    samples: dict[str, list[float]] = {name: [] for name in list(saves) + list(loads)}
+    cpu_samples: dict[str, list[float]] = {name: [] for name in samples}
+    peaks: dict[str, int] = {}
+    try:
+        for round_index in range(args.warmup + args.repeats):
+            timed = round_index >= args.warmup
+            for name, (_, action) in saves.items():
+                system.release_memory()
+                with measure.PeakMemory() as peak:
+                    cpu_before = _cpu_seconds()
+                    start = time.perf_counter()
+                    reported = action()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - start
+                cpu = _cpu_seconds() - cpu_before
+                if name == "fio-write (ceiling)":
+                    elapsed = reported  # fio's own runtime (without its start-up)
+                if timed:
+                    samples[name].append(elapsed)
+                    cpu_samples[name].append(cpu)
+                    peaks[name] = max(peaks.get(name, 0), peak.delta)
+            if round_index == 0 and "fastpersist" in saves:
+                loaded = fastpersist.load(ours, weights_only=False)
+                if not _same(state, loaded):
+                    raise RuntimeError("fastpersist round trip differs from the saved state")
+                del loaded
+            for name, (_, action, path) in loads.items():
+                loaded = None
+                system.release_memory()
+                dropper.drop([path])
+                with measure.PeakMemory() as peak:
+                    cpu_before = _cpu_seconds()
+                    start = time.perf_counter()
+                    loaded = action()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - start
+                    cpu = _cpu_seconds() - cpu_before
+                if round_index == 0 and "sink" not in name and not _same(state, loaded):
+                    raise RuntimeError(f"{name}: the loaded state differs from the saved one")
+                del loaded
+                if timed:
+                    samples[name].append(elapsed)
+                    cpu_samples[name].append(cpu)
+                    peaks[name] = max(peaks.get(name, 0), peak.delta)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    results = []
+    for name, values in samples.items():
+        if not values:
+            continue
+        kind = saves[name][0] if name in saves else loads[name][0]
+        median = statistics.median(values)
+        results.append({
+            "method": name, "op": "save" if name in saves else "load", "kind": kind, "seconds": values,
+            "median_s": median, "gbps": nbytes / median / 1e9 if median else None,
+            "peak_rss_delta": peaks.get(name),
+            "cpu_seconds_median": statistics.median(cpu_samples[name]) if cpu_samples[name] else None,
+        })  # fmt: skip
+    for result in results:
+        baseline = {"save": "torch.save", "load": "torch.load wo=True"}[result["op"]]
+        if result["op"] == "load" and "wo=False" in result["method"]:
+            baseline = "torch.load wo=False"
+        base = next((r for r in results if r["method"] == baseline), None)
+        result["speedup_vs_torch"] = base["median_s"] / result["median_s"] if base and result["median_s"] else None
+        fio = next((r for r in results if r["method"] == "fio-write (ceiling)"), None)
+        if result["op"] == "save" and fio and result["median_s"]:
+            result["fraction_of_fio"] = fio["median_s"] / result["median_s"]
+    return {
+        "benchmark": "shapes",
+        "shape": args.shape,
+        "tensors": len(_tensors_of(state)),
+        "state_bytes": nbytes,
+        "device": args.device,
+        "settings": settings.as_dict(),
+        "overrides": overrides,
+        "cache": dropper.detail,
+        "machine": measure.machine_info(args.dir or tempfile.gettempdir(), args.device),
+        "results": results,
+        "note": "kind=sink: the pipeline without storage (save into /dev/null, load from /dev/zero); stores nothing",
+    }
+
+
+def _print(doc: dict[str, Any]) -> None:
+    print(f"shape {doc['shape']}: {doc['tensors']} tensors, {format_bytes(doc['state_bytes'])}, device {doc['device']}")
+    print(f"{'method':40} {'kind':7} {'median s':>9} {'GB/s':>7} {'x torch':>8} {'x fio':>6} {'peak RSS+':>10} "
+          f"{'CPU s':>6}")  # fmt: skip
+    for r in doc["results"]:
+        ratio = f"{r['speedup_vs_torch']:.2f}" if r.get("speedup_vs_torch") else "-"
+        fio = f"{r['fraction_of_fio']:.2f}" if r.get("fraction_of_fio") else "-"
+        rss = format_bytes(r["peak_rss_delta"]) if r.get("peak_rss_delta") is not None else "-"
+        print(f"{r['op'] + ' ' + r['method']:40} {r['kind']:7} {r['median_s']:9.3f} {r['gbps'] or 0:7.2f} "
+              f"{ratio:>8} {fio:>6} {rss:>10} {r.get('cpu_seconds_median') or 0:6.2f}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    doc = run(args)
+    _print(doc)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as handle:
+            json.dump(doc, handle, indent=1)
+    return 0

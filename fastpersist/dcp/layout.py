@@ -1,0 +1,232 @@
+"""Where each DCP write item goes in a rank's ``.distcp`` file. Pure data: no I/O here.
+
+A ``.distcp`` file of DCP's ``FileSystemWriter`` is a concatenation of items,
+each addressed by ``(relative_path, offset, length)`` in the checkpoint's
+``.metadata``: a ``BYTE_IO`` item is its raw bytes; a tensor item is a
+complete ``torch.save`` archive of the tensor (one storage of exactly the
+tensor's bytes), which DCP's reader opens with ``torch.load`` on a view of
+that byte range. We write the same thing, so either reader loads either
+writer's files, and place it so the engine can use O_DIRECT:
+
+* a tensor archive's payload starts at an address congruent, modulo the page
+  size, to the source memory it comes from (the page-aligned middle of a CPU
+  tensor is then written straight from the tensor's memory with O_DIRECT,
+  and a destination tensor allocated the same way -- torch's allocator gives
+  large tensors the same offset within a page -- is read straight into);
+  payloads staged through the pinned ring (GPU sources) start on a page;
+* the payload's position *inside* its archive is page-aligned, as
+  fastpersist's own ``save`` does (``format.zipformat.PAYLOAD_ALIGNMENT``), so
+  the archive is also a valid standalone torch checkpoint;
+* everything that is not a payload (local headers, pickles, descriptors,
+  central directories, raw bytes items and the zero gaps between items) is
+  "static" bytes, written once the payloads' CRC-32s are known.
+
+fastpersist adds, per item, a ``fastpersist`` attribute to DCP's own
+``_StorageInfo`` (plain built-in types: DCP's reader, and an environment
+without fastpersist, unpickle and ignore it): the payload's absolute offset,
+length, CRC-32, dtype and shape. The reader uses it to read tensors in place
+and verify them; for files without it (written by ``FileSystemWriter``) it
+parses the archives instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from fastpersist.format.plan import SavePlan, SegmentKind
+from fastpersist.format.serializer import plan_save
+from fastpersist.io import engine
+
+__all__ = [
+    "DEFAULT_SUFFIX",
+    "EXTENSION_ATTRIBUTE",
+    "EXTENSION_VERSION",
+    "PAGE",
+    "BytesItem",
+    "FileLayout",
+    "TensorItem",
+    "file_name",
+    "place_items",
+    "tensor_with_exact_storage",
+]
+
+PAGE = 4096
+DEFAULT_SUFFIX = ".distcp"
+EXTENSION_ATTRIBUTE = "fastpersist"
+"""Name of the attribute fastpersist adds to DCP's ``_StorageInfo`` (a dict of built-in values)."""
+EXTENSION_VERSION = 1
+
+
+def file_name(prefix: str, index: int) -> str:
+    """``__{rank}_{n}.distcp``, as FileSystemWriter names its files (``prefix`` is ``__{rank}_``)."""
+    return f"{prefix}{index}{DEFAULT_SUFFIX}"
+
+
+def tensor_with_exact_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor whose storage holds exactly its bytes (what DCP's writer torch.saves).
+
+    Shares memory with ``tensor`` when it is contiguous (a view of a bigger
+    storage gets a storage that aliases just its bytes); copies otherwise.
+    """
+    tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.storage_offset() == 0 and storage.nbytes() == nbytes:
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    exact = storage[start : start + nbytes]
+    if (
+        exact.data_ptr() != tensor.data_ptr() or exact.nbytes() != nbytes
+    ):  # pragma: no cover - defensive
+        return tensor.clone()
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        exact, 0, tensor.shape, tensor.stride()
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TensorItem:
+    """A tensor write item, placed: its archive plan (offsets relative to the archive) and base offset."""
+
+    index: object  # the DCP MetadataIndex
+    plan: SavePlan
+    base: int
+    tensor: torch.Tensor  # with exact storage; the archive's one storage
+
+    @property
+    def storage_record(self) -> int:
+        for i, record in enumerate(self.plan.records):
+            if hasattr(record, "view"):
+                return i
+        raise AssertionError("a tensor archive has one storage")  # pragma: no cover
+
+    @property
+    def payload_offset(self) -> int:
+        return self.base + self.plan.records[self.storage_record].entry.data_offset
+
+    @property
+    def nbytes(self) -> int:
+        return self.plan.records[self.storage_record].entry.size
+
+    @property
+    def length(self) -> int:
+        return self.plan.size
+
+    def static_pieces(self, payload_crc: int) -> list[tuple[int, bytes]]:
+        """(absolute offset, bytes) of every non-payload byte of the archive."""
+        crcs = [getattr(r, "crc", 0) for r in self.plan.records]
+        crcs[self.storage_record] = payload_crc
+        pieces = []
+        for segment in self.plan.segments():
+            if segment.kind is SegmentKind.BYTES:
+                data = segment.data
+            elif segment.kind is SegmentKind.DESCRIPTOR:
+                data = self.plan.records[segment.record].entry.data_descriptor(
+                    crcs[segment.record]
+                )
+            elif segment.kind is SegmentKind.TRAILER:
+                data = self.plan.trailer(crcs)
+            else:
+                continue  # the payload
+            pieces.append((self.base + segment.offset, data))
+        return pieces
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BytesItem:
+    """A BYTE_IO write item: its raw bytes at ``base``."""
+
+    index: object
+    data: bytes
+    base: int
+
+    @property
+    def length(self) -> int:
+        return len(self.data)
+
+    @property
+    def crc(self) -> int:
+        return engine.crc32_of(self.data)
+
+
+@dataclasses.dataclass(frozen=True)
+class FileLayout:
+    """One ``.distcp`` file: its items in file order and its size."""
+
+    name: str
+    items: tuple[TensorItem | BytesItem, ...]
+    size: int
+
+    def static_regions(self, payload_crcs: dict[int, int]) -> list[tuple[int, bytes]]:
+        """Every non-payload byte of the file, as few contiguous (offset, bytes) runs as possible.
+
+        Args:
+            payload_crcs: CRC-32 of each tensor item's payload, by position in ``items``.
+        """
+        pieces: list[tuple[int, bytes]] = []
+        end = 0
+        for position, item in enumerate(self.items):
+            if item.base > end:  # the zeros before an item placed at a page residue
+                pieces.append((end, bytes(item.base - end)))
+            end = item.base + item.length
+            if isinstance(item, BytesItem):
+                pieces.append((item.base, item.data))
+            else:
+                pieces += item.static_pieces(payload_crcs[position])
+        runs: list[tuple[int, bytearray]] = []
+        for offset, data in sorted(pieces, key=lambda p: p[0]):
+            if not data:
+                continue
+            if (
+                runs and runs[-1][0] + len(runs[-1][1]) == offset
+            ):  # never across a payload
+                runs[-1][1].extend(data)
+                continue
+            runs.append((offset, bytearray(data)))
+        return [(offset, bytes(run)) for offset, run in runs]
+
+
+def _residue(tensor: torch.Tensor) -> int:
+    """Where in a page the payload should start: the source's own offset for CPU memory, 0 otherwise."""
+    if tensor.device.type == "cpu" and tensor.numel():
+        return tensor.data_ptr() % PAGE
+    return 0
+
+
+def place_items(
+    name: str, entries: Sequence[tuple[object, torch.Tensor | bytes]]
+) -> FileLayout:
+    """Lays out one file.
+
+    Args:
+        name: the file name (``__0_0.distcp``).
+        entries: ``(MetadataIndex, data)`` in file order; ``data`` is a tensor
+            (saved as a torch.save archive of it, see
+            :func:`tensor_with_exact_storage`) or the bytes of a BYTE_IO item.
+
+    Returns:
+        The layout; tensors are held (not copied) until it is written.
+    """
+    cursor = 0
+    items: list[TensorItem | BytesItem] = []
+    for index, data in entries:
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            item = BytesItem(index, bytes(data), cursor)
+            cursor += item.length
+        else:
+            tensor = tensor_with_exact_storage(data)
+            plan = plan_save(tensor, "archive")
+            payload = next(
+                r for r in plan.records if hasattr(r, "view")
+            ).entry.data_offset
+            # payload (page-aligned inside the archive) lands at the wanted residue in the file
+            base = cursor + (_residue(tensor) - (cursor + payload)) % PAGE
+            item = TensorItem(index, plan, base, tensor)
+            cursor = base + item.length
+        items.append(item)
+    return FileLayout(name, tuple(items), cursor)

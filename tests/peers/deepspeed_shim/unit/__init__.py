@@ -1,0 +1,1 @@
+"""Shim of DeepSpeed's ``tests/unit`` package (only ``unit.common.DistributedTest``)."""
