@@ -143,7 +143,7 @@ class _Run:
         totals = torch.tensor([self.payload], dtype=torch.int64)
         dist.all_reduce(totals)
         self.total = int(totals.item())
-        from fastpersist.bench.measure import CacheDropper
+        from fastpersist.system import CacheDropper
 
         self.dropper = (
             CacheDropper(enabled=not args.no_drop_caches) if self.rank == 0 else None
