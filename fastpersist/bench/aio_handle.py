@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from fastpersist import config
 from fastpersist.bench.measure import machine_info
 from fastpersist.io import memory
 from fastpersist.io.handle import AioHandle
@@ -35,12 +36,7 @@ __all__ = ["main", "run"]
 
 
 def _size(text: str) -> int:
-    from fastpersist.config import parse_size  # the one size syntax: "2G" = 2 GiB
-
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return config.size_argument(text)  # the one size syntax (binary units)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,12 +40,9 @@ _GB = 1e9
 
 
 def _size(text: str) -> int:
-    from fastpersist.config import parse_size  # the one size syntax: "4G" = 4 GiB
+    from fastpersist.config import size_argument  # the one size syntax (binary units)
 
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return size_argument(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
