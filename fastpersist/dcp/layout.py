@@ -39,6 +39,7 @@ import torch
 from fastpersist.format.plan import SavePlan, SegmentKind
 from fastpersist.format.serializer import plan_save
 from fastpersist.io import engine
+from fastpersist.io.writer import initial_crcs
 
 __all__ = [
     "DEFAULT_SUFFIX",
@@ -119,7 +120,7 @@ class TensorItem:
 
     def static_pieces(self, payload_crc: int) -> list[tuple[int, bytes]]:
         """(absolute offset, bytes) of every non-payload byte of the archive."""
-        crcs = [getattr(r, "crc", 0) for r in self.plan.records]
+        crcs = initial_crcs(self.plan, checksum=True)  # the in-memory records' CRCs, natively
         crcs[self.storage_record] = payload_crc
         pieces = []
         for segment in self.plan.segments():
