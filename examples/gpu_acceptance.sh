@@ -33,7 +33,7 @@ bench() {
   tail -n 30 "$out/$machine-$name.txt"
   [ $rc -eq 0 ] || { echo "benchmark $name exited $rc"; status=1; }
 }
-methods=torch.save,torch.save-fast,fastpersist,fastpersist-async,torch.load,fastpersist.load,fastpersist.load-torchfile
+methods=torch.save,fastpersist,fastpersist-async,torch.load,fastpersist.load,fastpersist.load-torchfile
 # 4 GB bf16 state dict on the GPU: durable saves to disk, cold loads to CUDA, against the disk's ceilings.
 bench gpu-4g-disk --device cuda --model llama-3-8b --size 4G --repeats 2 --warmup 1 --methods "$methods"
 # The same through /dev/shm (tmpfs: page-allocation bound on that machine; no O_DIRECT).

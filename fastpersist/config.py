@@ -34,6 +34,7 @@ from fastpersist.errors import ConfigError
 __all__ = [
     "Settings",
     "parse_size",
+    "size_argument",
     "ENGINES",
     "get",
     "set",
@@ -174,6 +175,16 @@ def parse_size(text: str | int) -> int:
     if value.denominator != 1:
         raise ValueError(f"not a whole number of bytes: {text!r}")
     return int(value)
+
+
+def size_argument(text: str) -> int:
+    """:func:`parse_size` as an ``argparse`` ``type=``: a bad size becomes a usage error naming the forms."""
+    import argparse
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _coerce(name: str, value: Any) -> Any:

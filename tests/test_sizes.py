@@ -61,3 +61,12 @@ def test_bench_io_sizes_mean_the_same():
     assert (args.size, args.block_size) == (2 << 30, 16 << 20)
     with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
         bench_io._size("2X")
+
+
+def test_every_size_option_of_the_benchmarks_uses_the_one_parser():
+    from fastpersist.bench import aio_handle, dcp
+
+    for module in (bench_io, aio_handle, dcp):
+        assert module._size("1.5G") == config.size_argument("1.5G") == 3 << 29
+        with pytest.raises(argparse.ArgumentTypeError, match="units are binary"):
+            module._size("lots")

@@ -180,11 +180,6 @@ def test_refuses_to_start_without_a_backend_or_directory(tmp_path, capsys):
     assert tune.run(args, backend=TorchBackend()) == 2
 
 
-def _fastpersist_ready() -> bool:
-    return tune.FastpersistBackend().unavailable() is None
-
-
-@pytest.mark.skipif(not _fastpersist_ready(), reason="fastpersist.save is not importable")
 def test_real_fastpersist_tiny_sweep(tmp_path):
     args = _args(tmp_path, "--settings", "engine,block_size,buffer_count")
     assert tune.run(args) == 0
@@ -194,7 +189,6 @@ def test_real_fastpersist_tiny_sweep(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _fastpersist_ready(), reason="fastpersist.save is not importable")
 def test_real_fastpersist_quick_tune(tmp_path):
     parser = argparse.ArgumentParser()
     tune.add_arguments(parser)

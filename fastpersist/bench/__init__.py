@@ -1,10 +1,10 @@
 """Benchmarks: ``python -m fastpersist.bench <subcommand> [options]``.
 
-Subcommands live in modules of this package, each with ``main(argv) -> int``:
-
-* ``io`` -- raw engine throughput against fio (:mod:`fastpersist.bench.io`);
-* ``checkpoint`` -- whole checkpoints against torch.save & co.
-  (:mod:`fastpersist.bench.checkpoint`).
+Subcommands live in modules of this package, each with ``main(argv) -> int``,
+listed with a line each in :data:`SUBCOMMANDS` (``python -m fastpersist.bench``
+prints them). The checkpoint benchmark is split by job: the methods in
+:mod:`fastpersist.bench.methods`, the rounds in :mod:`fastpersist.bench.runner`,
+output and the docs' tables in :mod:`fastpersist.bench.report`.
 
 Add one with :func:`register` (or by adding it to :data:`SUBCOMMANDS`); the
 module is imported only when its subcommand runs.

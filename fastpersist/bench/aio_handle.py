@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from fastpersist import config
 from fastpersist.bench.measure import machine_info
 from fastpersist.io import memory
 from fastpersist.io.handle import AioHandle
@@ -35,11 +36,7 @@ __all__ = ["main", "run"]
 
 
 def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().replace("ib", "").replace("b", "")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+    return config.size_argument(text)  # the one size syntax (binary units)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,9 +40,9 @@ _GB = 1e9
 
 
 def _size(text: str) -> int:
-    from fastpersist.config import _coerce  # "4G" = 4 GiB, as the other benchmarks
+    from fastpersist.config import size_argument  # the one size syntax (binary units)
 
-    return _coerce("block_size", text)
+    return size_argument(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,7 +140,7 @@ class _Run:
         totals = torch.tensor([self.payload], dtype=torch.int64)
         dist.all_reduce(totals)
         self.total = int(totals.item())
-        from fastpersist.bench.measure import CacheDropper
+        from fastpersist.system import CacheDropper
 
         self.dropper = (
             CacheDropper(enabled=not args.no_drop_caches) if self.rank == 0 else None

@@ -37,20 +37,16 @@ from typing import Any
 
 import torch
 
-from fastpersist import system
+from fastpersist import config, system
 from fastpersist.bench.methods import ceilings
 from fastpersist.cli import display
-from fastpersist.config import parse_size
 from fastpersist.io import engine, memory
 
 __all__ = ["main", "build_parser", "run"]
 
 
 def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return config.size_argument(text)  # the one size syntax (binary units)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,8 +20,7 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fastpersist import system
@@ -35,8 +34,6 @@ __all__ = [
     "machine_info",
     "code_version",
     "DistributedEnv",
-    "distributed_env",
-    "timer",
     "sigterm_as_interrupt",
 ]
 
@@ -249,19 +246,6 @@ class DistributedEnv:
             return
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
-
-
-def distributed_env() -> DistributedEnv:
-    return DistributedEnv()
-
-
-@contextlib.contextmanager
-def timer() -> Iterator[Callable[[], float]]:
-    """``with timer() as elapsed: ...; elapsed()`` -- seconds since entry (frozen at exit)."""
-    start = time.perf_counter()
-    end: list[float] = []
-    yield lambda: (end[0] if end else time.perf_counter()) - start
-    end.append(time.perf_counter())
 
 
 @contextlib.contextmanager

@@ -410,7 +410,7 @@ def summary_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
         st, se, m = document["state"], document["settings"], document["machine"]
         fs = (m.get("filesystem") or {}).get("type", "?")
         device = se["device"] if se["device"] == "cpu" else m.get("device_name", se["device"])
-        what = f"{_gb(st['bytes'])} {se['dtype']} {se['model']} on {device}, {fs}"
+        what = f"{_gb(st['bytes'])} {se['dtype']} {se['model']} on {device}, {fs}; {m.get('hostname')}, {m.get('cpu_count')} CPUs"
         ceiling = document.get("ceiling") or {}
         cells = [
             f"[{name}](docs/results/{name})",
@@ -438,7 +438,30 @@ def _results_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(parts)
 
 
-_BLOCK = re.compile(r"(<!-- fastpersist:(summary|results) -->\n)(.*?)(<!-- /fastpersist -->)", re.DOTALL)
+def dcp_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """One table per ``python -m fastpersist.bench dcp --json`` result: GB/s and the ratio to the ceiling of the op."""
+    parts = []
+    for name, document in documents:
+        config, results = document["config"], document["results"]
+        parts.append(f"`docs/results/{name}`: {config['total_bytes'] / 2**30:.2f} GiB, {config['ranks']} ranks, "
+                     f"{config['device']}, {config['repeats']} repeats, commit "
+                     f"{document['machine']['code']['commit'][:12]}")  # fmt: skip
+        parts.append("")
+        parts.append("| method | GB/s median (min-max) | of ceiling |")
+        parts.append("| --- | ---: | ---: |")
+        for method, value in results.items():
+            gbps = value.get("GBps") or {}
+            if not gbps:
+                continue
+            ceiling = results.get("ceiling_read" if "read" in method else "ceiling_write", {}).get("GBps", {}).get("median")
+            ratio = gbps["median"] / ceiling if ceiling else None
+            cell = "-" if ratio is None else f"{ratio:.2f}" + (" MEASUREMENT PROBLEM" if ratio > 1.0 else "")
+            parts.append(f"| {_md_escape(method)} | {gbps['median']:.2f} ({gbps['min']:.2f}-{gbps['max']:.2f}) | {cell} |")
+        parts.append("")
+    return "\n".join(parts)
+
+
+_BLOCK = re.compile(r"(<!-- fastpersist:(summary|results|dcp) -->\n)(.*?)(<!-- /fastpersist -->)", re.DOTALL)
 RESULTS_DIR = os.path.join("docs", "results")
 
 
@@ -451,21 +474,38 @@ def load_results(directory: str) -> list[tuple[str, dict[str, Any]]]:
     """
     documents = []
     for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
-        document = load_result(path)
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        # Results of other benchmarks ("benchmark" key) are kept too; those with a block type render there.
+        document = raw if isinstance(raw, dict) and "benchmark" in raw else load_result(path)
         code = (document.get("machine") or {}).get("code") or {}
-        if not code.get("commit") or not document.get("settings") or not document.get("machine"):
+        if not code.get("commit") or not (document.get("settings") or document.get("config")):
             raise ValueError(f"{path}: records no code version (commit), settings or machine; re-measure it")
-        annotate_ceiling(document)
+        if "results" in document and isinstance(document["results"], list):
+            annotate_ceiling(document)
         documents.append((os.path.basename(path), document))
     return documents
+
+
+OTHER_BENCHMARKS = {"dcp"}
+"""Other benchmarks (``"benchmark"`` key) whose results have a block type (``<!-- fastpersist:dcp -->``)."""
+
+
+def _of_kind(documents: Sequence[tuple[str, dict[str, Any]]], kind: str) -> list[tuple[str, dict[str, Any]]]:
+    if kind == "checkpoint":
+        return [(n, d) for n, d in documents if str(d.get("schema", "")).startswith(SCHEMA_PREFIX)]
+    return [(n, d) for n, d in documents if d.get("benchmark") == kind]
 
 
 def render_docs(text: str, documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
     """``text`` with every generated block replaced by what ``documents`` give."""
 
     def fill(match: re.Match[str]) -> str:
-        body = summary_markdown(documents) if match.group(2) == "summary" else _results_markdown(documents)
-        if not documents:
+        kind = match.group(2)
+        chosen = _of_kind(documents, "dcp" if kind == "dcp" else "checkpoint")
+        render = {"summary": summary_markdown, "results": _results_markdown, "dcp": dcp_markdown}[kind]
+        body = render(chosen)
+        if not chosen:
             body = "_No results in docs/results/ yet: run examples/gpu_acceptance.sh or the benchmark with --json._\n"
         return match.group(1) + body + match.group(4)
 

@@ -19,10 +19,10 @@ from fastpersist import system
 from fastpersist.bench import measure, models
 from fastpersist.bench.methods import SAVE_METHODS, BenchContext, LoadMethod, SaveMethod
 
-__all__ = ["MethodResult", "verify_state", "run_benchmark"]
+__all__ = ["MethodResult", "run_benchmark", "touch_pages", "verify_state"]
 
 
-def _touch_pages(loaded: Any) -> None:
+def touch_pages(loaded: Any) -> None:
     """Reads one byte of every page of every storage, so lazily mapped data is resident."""
     from fastpersist.tensors import storage_byte_view
 
@@ -196,7 +196,7 @@ def run_benchmark(
     dropper = dropper or system.CacheDropper()
     progress = progress or (lambda _text: None)
     if state_bytes is None:
-        state_bytes = sum(t.numel() * t.element_size() for t in models.flatten_state(state)[0].values())
+        state_bytes = models.state_nbytes(state)
     expected = models.flatten_state(state)
 
     results: dict[tuple[str, str], MethodResult] = {}
@@ -296,6 +296,12 @@ def run_benchmark(
     return list(results.values())
 
 
+def _record_failure(result: MethodResult, op: str, error: BaseException) -> None:
+    result.fail(f"{op} raised {_short_error(error)}")
+    if os.environ.get("FASTPERSIST_BENCH_TRACEBACK"):
+        traceback.print_exc()
+
+
 def _measure_save(
     method: SaveMethod, state: Any, path: str, ctx: BenchContext, result: MethodResult
 ) -> dict[str, Any] | None:
@@ -312,9 +318,7 @@ def _measure_save(
     except KeyboardInterrupt:
         raise
     except Exception as e:
-        result.fail(f"save raised {_short_error(e)}")
-        if os.environ.get("FASTPERSIST_BENCH_TRACEBACK"):
-            traceback.print_exc()
+        _record_failure(result, "save", e)
         return None
     return {
         "seconds": seconds,
@@ -336,15 +340,13 @@ def _measure_load(
             start = time.perf_counter()
             loaded = method.load(path, state, ctx)
             if ctx.device.type == "cpu":
-                _touch_pages(method.flat(loaded)[0])
+                touch_pages(method.flat(loaded)[0])
             ctx.synchronize()
             seconds = time.perf_counter() - start
     except KeyboardInterrupt:
         raise
     except Exception as e:
-        result.fail(f"load raised {_short_error(e)}")
-        if os.environ.get("FASTPERSIST_BENCH_TRACEBACK"):
-            traceback.print_exc()
+        _record_failure(result, "load", e)
         return None, None
     sample = {
         "seconds": seconds,

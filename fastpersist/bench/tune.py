@@ -34,6 +34,7 @@ import torch
 
 from fastpersist import config, system
 from fastpersist.bench import measure, models
+from fastpersist.bench.runner import touch_pages, verify_state
 from fastpersist.cli import display
 
 __all__ = [
@@ -221,35 +222,11 @@ class SweepResult:
         return best / base if base and best else None
 
 
-def _flat_tensors(state: Any) -> dict[str, torch.Tensor]:
-    return models.flatten_state(state)[0]
-
-
-def _same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str | None:
-    if set(a) != set(b):
-        return "tensor names differ"
-    for key, want in a.items():
-        got = b[key]
-        if got.dtype != want.dtype or got.shape != want.shape:
-            return f"{key}: dtype or shape differs"
-        x = want.reshape(-1).view(torch.uint8)
-        y = got.reshape(-1).view(torch.uint8).to(x.device)
-        if not torch.equal(x, y):
-            return f"{key}: bytes differ"
-    return None
-
-
-def _touch(state: Any) -> None:
-    for t in _flat_tensors(state).values():
-        if t.device.type == "cpu" and t.numel():
-            int(t.reshape(-1).view(torch.uint8)[::4096].sum())
-
-
 def _measure_point(
     backend: Backend,
     point: Point,
     state: Any,
-    expected: dict[str, torch.Tensor],
+    expected: tuple[dict[str, torch.Tensor], dict[str, Any]],
     directory: str,
     device: torch.device,
     dropper: system.CacheDropper,
@@ -269,9 +246,9 @@ def _measure_point(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         else:
-            _touch(loaded)
+            touch_pages(loaded)
         load_seconds = time.perf_counter() - start
-        problem = _same_bytes(expected, _flat_tensors(loaded))
+        problem = verify_state(expected, (models.flatten_state(loaded)[0], None))
         del loaded
         if problem:
             point.error = f"loaded bytes differ from the saved ones ({problem})"
@@ -318,8 +295,8 @@ def sweep(
     device = torch.device(device)
     dropper = dropper or system.CacheDropper()
     progress = progress or (lambda _text: None)
-    expected = _flat_tensors(state)
-    nbytes = sum(t.numel() * t.element_size() for t in expected.values())
+    expected = models.flatten_state(state)
+    nbytes = sum(t.numel() * t.element_size() for t in expected[0].values())
     defaults = backend.defaults()
     current = {k.name: defaults[k.name] for k in knobs}
     stages: list[tuple[Knob, list[Point], Any]] = []

@@ -6,8 +6,8 @@ a plain ``(add_arguments, run)`` tuple, or the dotted name of a module defining
 ``add_arguments``, ``run`` and optionally ``HELP`` -- imported only when the
 parser is built, and left out if it cannot be imported (an optional
 dependency missing). The commands: ``info`` (:mod:`fastpersist.cli.info`),
-``verify`` (:mod:`fastpersist.cli.verify`), ``tune``
-(:mod:`fastpersist.bench.tune`); add one with :func:`register_command`.
+``verify`` (:mod:`fastpersist.cli.verify`), ``tune`` (:mod:`fastpersist.cli.tune`),
+``bench`` (:mod:`fastpersist.cli.bench`); add one with :func:`register_command`.
 """
 
 from __future__ import annotations
@@ -67,9 +67,8 @@ def _resolve(entry: Union[Command, tuple, str]) -> Optional[Command]:
     return Command(add_arguments, run, entry[2] if len(entry) > 2 else "")
 
 
-for _name in ("info", "verify"):
+for _name in ("info", "verify", "tune", "bench"):
     register_command(_name, f"fastpersist.cli.{_name}")
-register_command("tune", "fastpersist.bench.tune")
 register_command("convert", "fastpersist.cli.convert")
 register_command("merge", "fastpersist.cli.merge")
 

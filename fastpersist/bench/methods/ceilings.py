@@ -134,6 +134,7 @@ def fio_command(path: str, rw: str, size: int, block_size: int, queue_depth: int
         command.append(f"--offset_increment={size // threads}")
     if verify:
         command += ["--verify=crc32c", "--do_verify=0"] if rw == "write" else ["--verify=crc32c"]
+        command.append("--verify_state_save=0")  # else fio leaves a *-verify.state file in the working directory
     if rw == "write":
         command.append("--end_fsync=1")
     return command
