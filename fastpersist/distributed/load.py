@@ -21,7 +21,6 @@ import glob
 import io
 import os
 import re
-import zlib
 from typing import Any
 
 import torch
@@ -30,6 +29,8 @@ from fastpersist.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from fastpersist.distributed.manifest import Manifest, is_manifest, read_manifest
 from fastpersist.errors import DistributedCheckpointError, TruncatedCheckpointError
 from fastpersist.format.zipformat import check_record_crc, check_structure
+from fastpersist.io import engine
+from fastpersist.tensors import host_memoryview
 
 __all__ = ["PartsSource", "assemble", "load_parts", "load_collective", "check_bytes"]
 
@@ -113,7 +114,7 @@ def assemble(manifest: Manifest, directory: str, extra: dict[int, str] | None = 
     """The whole ordinary file's bytes (uint8 CPU tensor), read from all parts."""
     source = PartsSource(manifest, directory, extra)
     buffer = torch.empty(manifest.size, dtype=torch.uint8)
-    view = memoryview(buffer.numpy()) if manifest.size else memoryview(bytearray())
+    view = host_memoryview(buffer)
     for part in manifest.parts:
         _read_file_into(source.paths[part.index], view[part.start : part.end])
     finish(buffer, manifest)
@@ -132,7 +133,7 @@ def _read_file_into(path: str, view: memoryview) -> None:
 
 def finish(buffer: torch.Tensor, manifest: Manifest) -> None:
     """Writes the manifest's patches (data descriptors) and trailer into the assembled bytes."""
-    data = buffer.numpy()
+    data = host_memoryview(buffer)
     for position, patch in manifest.patches:
         data[position : position + len(patch)] = memoryview(patch).cast("B")
     t = manifest.trailer_offset
@@ -141,7 +142,7 @@ def finish(buffer: torch.Tensor, manifest: Manifest) -> None:
 
 def check_bytes(buffer: torch.Tensor, path: str) -> None:
     """Structure and every record's CRC-32 of an assembled file (what ``fastpersist.verify`` checks)."""
-    view = memoryview(buffer.numpy()) if buffer.numel() else memoryview(b"")
+    view = host_memoryview(buffer)
 
     def read_at(offset: int, length: int) -> bytes:
         return bytes(view[offset : offset + length])
@@ -150,7 +151,7 @@ def check_bytes(buffer: torch.Tensor, path: str) -> None:
     if not any(r.crc for r in records if r.size):
         return  # saved with checksum=False: structure only
     for record in records:
-        crc = zlib.crc32(view[record.data_offset : record.data_offset + record.size])
+        crc = engine.crc32_of(view[record.data_offset : record.data_offset + record.size])
         if crc != record.crc:
             check_record_crc(record, crc, path)
 
@@ -158,7 +159,7 @@ def check_bytes(buffer: torch.Tensor, path: str) -> None:
 def _deserialize(buffer: torch.Tensor, path: str, load_kwargs: dict[str, Any]) -> Any:
     from fastpersist import loading
 
-    return loading.load(io.BytesIO(memoryview(buffer.numpy())), **load_kwargs)
+    return loading.load(io.BytesIO(host_memoryview(buffer)), **load_kwargs)
 
 
 def load_parts(path: str, load_kwargs: dict[str, Any], verify: bool = True) -> Any:
@@ -232,7 +233,7 @@ def load_collective(path: str, group: Any, load_kwargs: dict[str, Any], verify: 
     buffer = torch.empty(manifest.size, dtype=torch.uint8)
 
     def read_mine() -> None:
-        view = memoryview(buffer.numpy()) if manifest.size else memoryview(bytearray())
+        view = host_memoryview(buffer)
         for part in manifest.parts:
             if sources[part.index] == coordinator.rank:
                 size = os.stat(mine[part.index]).st_size

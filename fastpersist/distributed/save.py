@@ -12,7 +12,7 @@ and writes only that range, from its own tensors. Ranks exchange metadata only
 2. ``write``: every writer writes its range, fsyncs, and reports the CRC-32 of
    each record slice it wrote.
 3. ``commit``: rank 0 combines the slices' CRC-32s
-   (:func:`~fastpersist.distributed.crc.crc32_combine`) and writes what needs
+   (:func:`~fastpersist.io.checksum.crc32_combine_all`, native) and writes what needs
    them: the data descriptors and the trailer (``layout="file"``, then fsync,
    rename over the target, directory fsync) or the manifest (``layout="parts"``,
    atomically, last). Every rank returns only after that succeeded.
@@ -30,18 +30,17 @@ import pickle
 import secrets
 import socket
 import time
-import zlib
 from typing import Any
 
 from fastpersist import commit, config
 from fastpersist.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
-from fastpersist.distributed.crc import crc32_combine_all
 from fastpersist.distributed.manifest import Manifest, PartInfo, part_name
 from fastpersist.distributed.sharding import DEFAULT_ALIGNMENT, ByteRange, plan_ranges, writer_ranks
 from fastpersist.errors import DistributedCheckpointError
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io import engine
+from fastpersist.io.checksum import crc32_combine_all
 from fastpersist.io.writer import write_plan
 
 __all__ = ["LAYOUTS", "WRITERS", "SaveStats", "is_collective", "last_stats", "save"]
@@ -86,12 +85,12 @@ def is_collective(group: Any) -> bool:
 
 def _fingerprint(plan: SavePlan) -> str:
     """Identical on every rank that holds the same object: names, sizes, offsets, metadata bytes."""
-    digest = zlib.crc32(repr((plan.size, plan.layout.central_directory_offset)).encode())
+    digest = engine.crc32_of(repr((plan.size, plan.layout.central_directory_offset)).encode())
     for record in plan.records:
         entry = record.entry
-        digest = zlib.crc32(repr((entry.name, entry.header_offset, entry.size)).encode(), digest)
+        digest = engine.crc32_of(repr((entry.name, entry.header_offset, entry.size)).encode(), digest)
         if isinstance(record, BytesRecord) and not entry.name.endswith("/.data/serialization_id"):
-            digest = zlib.crc32(record.data, digest)
+            digest = engine.crc32_of(record.data, digest)
     return f"{digest:08x}-{plan.size}"
 
 

@@ -10,11 +10,11 @@ central directory's.
 from __future__ import annotations
 
 import os
-import zlib
 
 from fastpersist.distributed.load import PartsSource
 from fastpersist.distributed.manifest import read_manifest
 from fastpersist.format.zipformat import check_record_crc, check_structure
+from fastpersist.io import engine
 
 __all__ = ["verify_sharded"]
 
@@ -32,7 +32,7 @@ def verify_sharded(path: str, chunk_size: int = 16 << 20):
             crc = 0
             for position in range(0, record.size, chunk_size):
                 piece = source.read_at(record.data_offset + position, min(chunk_size, record.size - position))
-                crc = zlib.crc32(piece, crc)
+                crc = engine.crc32_of(piece, crc)
             total += record.size
             if checksummed and crc != record.crc:
                 check_record_crc(record, crc, path)

@@ -26,7 +26,7 @@ import threading
 
 from fastpersist.io import engine
 
-__all__ = ["PendingCrc", "submit_crc32", "submit_crc32_many", "submit_copy_with_crc32", "crc32", "copy_with_crc32", "copy", "threads",
+__all__ = ["crc32_combine_all", "PendingCrc", "submit_crc32", "submit_crc32_many", "submit_copy_with_crc32", "crc32", "copy_with_crc32", "copy", "threads",
            "PIECE_SIZE", "shutdown"]  # fmt: skip
 
 PIECE_SIZE = 4 << 20
@@ -183,3 +183,12 @@ def copy(destination: int, source: int, length: int, *, piece_size: int = PIECE_
     futures = [pool.submit(ctypes.memmove, destination + o, source + o, n) for o, n in _split(length, piece_size)]
     for future in futures:
         future.result()
+
+
+def crc32_combine_all(pieces) -> int:
+    """CRC-32 of the concatenation of pieces given in order as ``(crc32(piece), len(piece))``
+    (e.g. the slices of one record written by several ranks)."""
+    crc = 0
+    for piece_crc, length in pieces:
+        crc = engine.crc32_combine(crc, piece_crc, length)
+    return crc
