@@ -527,3 +527,19 @@ def test_ring_writer_windows(tmp_path):
         )  # every zip CRC-32 right
         assert torch.equal(torch.load(io.BytesIO(archive)), tensors[i])
     assert raw[placed.items[-1].base :][:5] == b"hello"
+
+
+def test_reads_filesystem_writer_stream_transforms(tmp_path):
+    """FileSystemWriter items written through DCP's (experimental) stream transforms are decoded as DCP does."""
+    checkpoint_utils = pytest.importorskip(
+        "torch.testing._internal.distributed.checkpoint_utils"
+    )
+    state = _state()
+    _save(
+        state, tmp_path, FileSystemWriter, _extensions=[checkpoint_utils.Rot13Example()]
+    )
+    _load(
+        tmp_path,
+        state,
+        _extension_registry=checkpoint_utils.get_test_extension_registry(),
+    )

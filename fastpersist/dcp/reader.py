@@ -84,9 +84,17 @@ class FastPersistReader(StorageReader):
     """
 
     def __init__(
-        self, path: str | os.PathLike, *, verify: bool | None = None, **settings: Any
+        self,
+        path: str | os.PathLike,
+        *,
+        verify: bool | None = None,
+        _extension_registry: Any = None,
+        **settings: Any,
     ) -> None:
         super().__init__()
+        self.extension_registry = (
+            _extension_registry  # DCP's (experimental) stream transforms
+        )
         overrides, _ = config.split_overrides(
             "FastPersistReader", settings, allow_other=False
         )
@@ -185,15 +193,13 @@ class _PlanReader:
         groups: dict[Any, list[ReadItem]] = {}
         for item in items:
             groups.setdefault(item.storage_index, []).append(item)
-        in_place, to_device, staged, foreign, raw = [], [], [], [], []
+        in_place, to_device, staged, foreign, raw, transformed = [], [], [], [], [], []
         try:
             for index, requests in groups.items():
                 info = self.reader.storage_data[index]
                 if getattr(info, "transform_descriptors", None):
-                    raise NotImplementedError(
-                        f"{self.reader.path}: item {index.fqn!r} was written with stream transforms "
-                        f"({info.transform_descriptors}); load this checkpoint with DCP's FileSystemReader"
-                    )
+                    transformed.append((requests, info))
+                    continue
                 extension = _extension(info)
                 if requests[0].type == LoadItemType.BYTE_IO:
                     raw += [(request, info, extension) for request in requests]
@@ -225,6 +231,8 @@ class _PlanReader:
                 self._read_foreign(*entry)
             for entry in raw:
                 self._read_bytes(*entry)
+            for entry in transformed:
+                self._read_transformed(*entry)
         finally:
             for file in self.files.values():
                 file.close()
@@ -434,6 +442,31 @@ class _PlanReader:
         if self.verify and extension is not None:
             self._check(engine.crc32_of(raw), extension, info, request)
         self.planner.load_bytes(request, io.BytesIO(raw))
+
+    def _read_transformed(self, requests: list[ReadItem], info) -> None:
+        """A FileSystemWriter item written through stream transforms (compression...): DCP's own decoding."""
+        from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+
+        data = self._read_exact(info, info.offset, info.length)
+        transforms = _StorageReaderTransforms(self.reader.extension_registry)
+        stream = transforms.transform_load_stream(
+            requests[0],
+            info.transform_descriptors,
+            io.BytesIO(bytes(host_memoryview(data))),
+        )
+        decoded = stream.read(-1)
+        if requests[0].type == LoadItemType.BYTE_IO:
+            for request in requests:
+                self.planner.load_bytes(request, io.BytesIO(decoded))
+            return
+        stored = torch.load(io.BytesIO(decoded), map_location="cpu", weights_only=True)
+        for request in requests:
+            self._copy_into(
+                request,
+                narrow_tensor_by_index(
+                    stored, request.storage_offsets, request.lengths
+                ),
+            )
 
 
 class _SliceProvider:
