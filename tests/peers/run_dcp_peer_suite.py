@@ -1,7 +1,7 @@
 """Runs a DCP test file from PyTorch's suite plainly, or with fastpersist's storage layer swapped in.
 
-    python tests/peer/run_dcp_peer_suite.py /work/peer/pytorch/test_file_system_checkpoint_cpu.py
-    python tests/peer/run_dcp_peer_suite.py /work/peer/pytorch/test_file_system_checkpoint_cpu.py --ours
+    python tests/peers/run_dcp_peer_suite.py /work/peer/pytorch/test_file_system_checkpoint_cpu.py
+    python tests/peers/run_dcp_peer_suite.py /work/peer/pytorch/test_file_system_checkpoint_cpu.py --ours
 
 With ``--ours``, ``torch.distributed.checkpoint.FileSystemWriter`` and
 ``FileSystemReader`` (the names the peer file imports) become thin adapters
