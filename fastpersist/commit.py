@@ -12,7 +12,7 @@ import os
 import secrets
 from typing import Any
 
-from fastpersist import config
+from fastpersist import config, system
 from fastpersist.io import engine
 from fastpersist.io.writer import write_plan
 
@@ -75,27 +75,12 @@ def remove_stale_temporaries(path: str) -> None:
             pid = int(os.path.basename(candidate)[len(os.path.basename(path)) + 1 + len(_TEMP_MARK) :].split("-")[0])
         except ValueError:
             continue
-        if pid != os.getpid() and _process_alive(pid):
+        if pid != os.getpid() and system.process_alive(pid):
             continue  # another process may be saving to the same path right now
         try:
             os.unlink(candidate)
         except FileNotFoundError:
             pass
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether ``pid`` can still be writing: a zombie (killed, not yet reaped) cannot."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 def commit_plan(plan, path: str, directory: str, settings: config.Settings, streams) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fractions
 import json
 import os
 import re
@@ -32,6 +33,7 @@ from fastpersist.errors import ConfigError
 
 __all__ = [
     "Settings",
+    "parse_size",
     "ENGINES",
     "get",
     "set",
@@ -135,9 +137,38 @@ def _check_name(name: str) -> None:
         raise ConfigError(f"unknown fastpersist setting {name!r}; known settings: {', '.join(_FIELDS)}")
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.I)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from a size: the one size syntax of every setting, command and benchmark.
+
+    An integer is a byte count. A string is a number (fractions allowed) with
+    an optional unit ``K``, ``M``, ``G`` or ``T``, which may be followed by
+    ``B`` or ``iB`` and is case-insensitive. Every unit is binary: ``"2G"``,
+    ``"2GB"`` and ``"2GiB"`` all mean ``2 * 2**30`` bytes; ``"1.5M"`` is
+    1572864. The result must be a whole number of bytes (``"1.5"`` is refused).
+
+    Raises:
+        ValueError: ``text`` is not a size (a negative integer, a bool, an
+            unknown unit). The message shows the accepted forms.
+    """
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 8M, 512MiB, 1.5G)")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"a size cannot be negative, got {text}")
+        return text
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 8M, 512MiB, 1.5G; units are binary)")
+    power = " kmgt".index((match.group(2) or " ").lower())
+    value = fractions.Fraction(match.group(1)) * (1 << (10 * power))
+    if value.denominator != 1:
+        raise ValueError(f"not a whole number of bytes: {text!r}")
+    return int(value)
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -157,10 +188,10 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, int):
             return value
         if isinstance(value, str):
-            match = _SIZE_RE.match(value)
-            if match:
-                power = " kmgt".index((match.group(2) or " ").lower())
-                return int(match.group(1)) << (10 * power)
+            try:
+                return parse_size(value)
+            except ValueError:
+                pass
         raise ConfigError(f"setting {name!r} takes an integer or a size like '8M', got {value!r}")
     if kind in ("str", str):
         if isinstance(value, str):

@@ -6,7 +6,6 @@ import errno
 import os
 import pickle
 import warnings
-import zlib
 from typing import Any, BinaryIO, Callable
 
 import torch
@@ -218,7 +217,7 @@ def _record_bytes(read_at, record: ZipRecordInfo, path: str, verify: bool) -> by
 
 
 def _check_crc(path: str, record: ZipRecordInfo, data) -> None:
-    crc = zlib.crc32(data)
+    crc = engine.crc32_of(data)
     if crc != record.crc:
         check_record_crc(record, crc, path)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-import zlib
 from typing import BinaryIO
 
 from fastpersist.errors import CorruptCheckpointError
@@ -109,7 +108,7 @@ def verify_file_object(f: BinaryIO) -> None:
                 if not piece:
                     raise CorruptCheckpointError(f"<file object>: record {record.name!r} is cut short",
                                                  record=record.name)  # fmt: skip
-                crc = zlib.crc32(piece, crc)
+                crc = engine.crc32_of(piece, crc)
             if crc != record.crc:
                 check_record_crc(record, crc, "<file object>")
     finally:

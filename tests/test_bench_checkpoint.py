@@ -13,14 +13,12 @@ import zipfile
 import pytest
 import torch
 
+from fastpersist import config, system
 from fastpersist.bench import checkpoint, measure, models, report
+from fastpersist.bench.methods import torch_baselines
 
-_WARM = measure.CacheDropper(enabled=False)  # tests that need no cold reads skip the (slow) cache drop
+_WARM = system.CacheDropper(enabled=False)  # tests that need no cold reads skip the (slow) cache drop
 BASELINE_METHODS = "torch.save,torch.save-fast,safetensors,dcp,torch.load,torch.load-mmap,safetensors.load,dcp.load"
-
-
-def _fastpersist_ready() -> bool:
-    return checkpoint.FastpersistSave().unavailable(checkpoint.BenchContext()) is None
 
 
 # ----------------------------------------------------------------------------- catalogue
@@ -88,23 +86,14 @@ def test_layers_and_size_select_a_prefix_of_the_blocks():
     spec = models.get_model("llama-3-8b")
     two = models.parameter_shapes(spec, 2)
     assert [n for n, _ in two if ".layers." in n][-1].startswith("model.layers.1.")
-    layers = models.layers_for_size(spec, models.parse_size("2.5G"), torch.bfloat16)
+    layers = models.layers_for_size(spec, config.parse_size("2.5G"), torch.bfloat16)
     assert (
-        models.state_bytes(spec, torch.bfloat16, layers) <= 2.5e9 < models.state_bytes(spec, torch.bfloat16, layers + 1)
+        models.state_bytes(spec, torch.bfloat16, layers) <= 2.5 * 2**30 < models.state_bytes(spec, torch.bfloat16, layers + 1)
     )
     with pytest.raises(ValueError, match="embeddings alone"):
-        models.layers_for_size(spec, models.parse_size("1G"), torch.bfloat16)
+        models.layers_for_size(spec, config.parse_size("1G"), torch.bfloat16)
     with pytest.raises(ValueError):
         models.parameter_shapes(spec, 33)
-
-
-def test_parse_size():
-    assert models.parse_size("2G") == 2_000_000_000
-    assert models.parse_size("512MiB") == 512 << 20
-    assert models.parse_size("1.5GB") == 1_500_000_000
-    assert models.parse_size("4096") == 4096
-    with pytest.raises(ValueError):
-        models.parse_size("lots")
 
 
 def test_unknown_model_names_the_known_ones():
@@ -165,7 +154,7 @@ def test_verify_state_reports_the_first_difference():
     assert "missing" in checkpoint.verify_state(expected, models.flatten_state(missing))
 
 
-class _CorruptingTorchSave(checkpoint.TorchSave):
+class _CorruptingTorchSave(torch_baselines.TorchSave):
     """torch.save, then one flipped byte in the middle of a tensor payload (torch.load does not check CRCs)."""
 
     name = "corrupting-torch.save"
@@ -186,7 +175,7 @@ class _CorruptingTorchSave(checkpoint.TorchSave):
         return {}
 
 
-class _CorruptingLoad(checkpoint.TorchLoad):
+class _CorruptingLoad(torch_baselines.TorchLoad):
     name = "corrupting-torch.load"
     label = "torch.load that damages a tensor"
 
@@ -199,14 +188,14 @@ class _CorruptingLoad(checkpoint.TorchLoad):
 def test_a_corrupted_file_or_load_is_reported_failed_not_timed(tmp_path):
     state = models.build_state("toy")
 
-    class ReadsCorrupted(checkpoint.TorchLoad):
+    class ReadsCorrupted(torch_baselines.TorchLoad):
         name = "reads-corrupted"
         source = "corrupting-torch.save"
 
     results = checkpoint.run_benchmark(
         state,
-        [checkpoint.TorchSave(), _CorruptingTorchSave()],
-        [checkpoint.TorchLoad(), _CorruptingLoad(), ReadsCorrupted()],
+        [torch_baselines.TorchSave(), _CorruptingTorchSave()],
+        [torch_baselines.TorchLoad(), _CorruptingLoad(), ReadsCorrupted()],
         str(tmp_path),
         repeats=2,
         warmup=0,
@@ -245,13 +234,13 @@ def test_a_corrupted_file_or_load_is_reported_failed_not_timed(tmp_path):
 
 
 def test_a_method_that_raises_is_failed_and_its_loads_skipped(tmp_path):
-    class Broken(checkpoint.TorchSave):
+    class Broken(torch_baselines.TorchSave):
         name = "broken"
 
         def save(self, state, path, ctx):
             raise OSError(28, "No space left on device")
 
-    class ReadsBroken(checkpoint.TorchLoad):
+    class ReadsBroken(torch_baselines.TorchLoad):
         name = "reads-broken"
         source = "broken"
 
@@ -286,6 +275,10 @@ def test_tiny_end_to_end_run_with_baselines_json_and_markdown(tmp_path, capsys):
             "--png",
             str(tmp_path / "chart.png"),
             "--no-progress",
+            "--ceiling-grid-size",
+            "1M",
+            "--order-seed",
+            "5",
         ]
     )
     printed = capsys.readouterr().out
@@ -296,6 +289,16 @@ def test_tiny_end_to_end_run_with_baselines_json_and_markdown(tmp_path, capsys):
     for key in ("hostname", "cpu_count", "ram_bytes", "torch", "device_name", "filesystem", "date"):
         assert key in document["machine"]
     assert document["settings"]["cache"] in ("drop_caches", "fadvise", "none")
+    assert len(document["machine"]["code"]["commit"]) == 40  # which code produced the figures
+    assert document["order"]["seed"] == 5 and len(document["order"]["rounds"]) == 3
+    assert sorted(document["order"]["rounds"][0]["save"]) == sorted(BASELINE_METHODS.split(",")[:4])
+    for op in ("write", "read"):
+        part = document["ceiling"][op]
+        assert part["gbps"] > 0 and part["best"]["error"] is None
+        assert part["gbps"] == max(s["gbps"] for s in part["samples"] if s["gbps"])
+    for r in document["results"]:
+        assert r["ceiling_ratio"] > 0 and r["measurement_problem"] == (r["ceiling_ratio"] > 1.0)
+    assert "write ceiling" in printed and "read ceiling" in printed
     ops = {(r["op"], r["method"]): r for r in document["results"]}
     assert set(ops) == {("save", n) for n in ("torch.save", "torch.save-fast", "safetensors", "dcp")} | {
         ("load", n) for n in ("torch.load", "torch.load-mmap", "safetensors.load", "dcp.load")
@@ -331,7 +334,7 @@ def test_training_state_round_trips_through_every_baseline(tmp_path):
 
 def test_a_load_without_its_save_runs_that_save_untimed(tmp_path):
     results = checkpoint.run_benchmark(
-        models.build_state("toy"), [], [checkpoint.TorchLoad()], str(tmp_path), repeats=1, warmup=0
+        models.build_state("toy"), [], [torch_baselines.TorchLoad()], str(tmp_path), repeats=1, warmup=0
     )
     helper, load = results
     assert helper.name == "torch.save" and not helper.timed and helper.status == "ok"
@@ -372,6 +375,7 @@ def test_png_is_written_or_skipped_with_a_note(tmp_path):
             str(document_path),
             "--no-progress",
             "--no-drop-caches",
+            "--no-ceiling",
         ]
     )
     note = report.save_png(report.load_result(document_path), tmp_path / "c.png")
@@ -393,7 +397,6 @@ def test_peak_memory_sees_an_allocation():
 # ----------------------------------------------------------------------------- fastpersist methods
 
 
-@pytest.mark.skipif(not _fastpersist_ready(), reason="fastpersist.save is not importable")
 def test_fastpersist_methods_run_and_verify(tmp_path):
     state = models.build_state("toy")
     saves = [checkpoint.SAVE_METHODS[n] for n in ("torch.save", "fastpersist", "fastpersist-async")]
@@ -405,7 +408,6 @@ def test_fastpersist_methods_run_and_verify(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.skipif(not _fastpersist_ready(), reason="fastpersist.save is not importable")
 def test_fastpersist_training_state_round_trips(tmp_path):
     state = models.build_state("toy", training_state=True)
     saves = [checkpoint.SAVE_METHODS[n] for n in ("fastpersist", "fastpersist-async")]
@@ -425,7 +427,7 @@ def test_cuda_state_round_trips_through_every_method(tmp_path):
 
 
 def test_keyboard_interrupt_removes_the_temporary_directory(tmp_path, monkeypatch, capsys):
-    class Interrupting(checkpoint.TorchSave):
+    class Interrupting(torch_baselines.TorchSave):
         name = "interrupting"
 
         def save(self, state, path, ctx):
@@ -444,6 +446,7 @@ def test_keyboard_interrupt_removes_the_temporary_directory(tmp_path, monkeypatc
             "--json",
             str(tmp_path / "never.json"),
             "--no-progress",
+            "--no-ceiling",
         ]
     )
     assert rc == 130

@@ -53,5 +53,27 @@ def test_copy_with_crc32_copies_and_checksums(data, offset):
         assert torch.all(destination[:5] == 0xAB) and torch.all(destination[5 + length :] == 0xAB)  # no overrun
 
 
-def test_acceleration_is_reported():
-    assert isinstance(engine.crc32_accelerated(), bool)
+def test_acceleration_is_reported_as_the_cpu_allows():
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        assert engine.crc32_accelerated() is False
+        return
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    assert engine.crc32_accelerated() is ("pclmulqdq" in flags and "sse4_1" in flags)
+
+
+@pytest.mark.parametrize("make", [bytes, bytearray, memoryview, lambda b: memoryview(b"xx" + b)[2:]])
+def test_crc32_of_buffers_matches_zlib(data, make):
+    for length in LENGTHS:
+        payload = raw(data[:length])
+        assert engine.crc32_of(make(payload)) == zlib.crc32(payload), length
+        assert engine.crc32_of(make(payload), 0xDEADBEEF) == zlib.crc32(payload, 0xDEADBEEF), length
+
+
+def test_crc32_of_refuses_what_is_not_one_contiguous_buffer():
+    with pytest.raises(BufferError):
+        engine.crc32_of(memoryview(b"abcdef")[::2])
+    with pytest.raises(TypeError):
+        engine.crc32_of("text")

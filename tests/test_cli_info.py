@@ -24,7 +24,21 @@ def test_info_json_in_process(tmp_path, capsys):
     d = info["directory"]
     assert d["path"] == str(tmp_path) and isinstance(d["direct"], bool) and d["alignment"] >= 4096 and d["fs_type"]
     assert "memlock_soft_bytes" in info["memory"]
-    assert isinstance(info["cuda"]["available"], bool)
+    import torch
+
+    assert info["cuda"]["available"] is torch.cuda.is_available()
+
+
+def test_info_says_where_fio_is_or_how_to_install_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert cli.main(["info", "--dir", str(tmp_path)]) == 0
+    assert "fio               not installed: install it" in capsys.readouterr().out
+    fio = tmp_path / "fio"
+    fio.write_text("#!/bin/sh\n")
+    fio.chmod(0o755)
+    assert cli.main(["info", "--json", "--dir", str(tmp_path)]) == 0
+    tools = json.loads(capsys.readouterr().out)["tools"]
+    assert tools == {"fio": str(fio), "fio_note": None}
 
 
 def test_info_text_via_module(shm_dir):

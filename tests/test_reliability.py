@@ -724,8 +724,7 @@ def test_verify_command_exit_codes(tmp_path, capsys):
 
 
 def test_verify_subcommand_of_the_main_command(tmp_path):
-    if "verify" not in cli.COMMANDS:
-        pytest.skip("fastpersist/cli does not register `verify` yet")
+    assert "verify" in cli.COMMANDS
     good = tmp_path / "good.pt"
     small_checkpoint(good)
     result = subprocess.run([sys.executable, "-m", "fastpersist", "verify", str(good)], capture_output=True,

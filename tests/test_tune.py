@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from fastpersist import config
+from fastpersist import config, system
 from fastpersist.bench import measure, models, tune
 from fastpersist.errors import EngineUnavailableError
 
@@ -117,7 +117,7 @@ def test_values_that_fail_or_corrupt_are_never_chosen(tmp_path):
     )
     knobs = [k for k in tune.QUICK_KNOBS if k.name in ("engine", "queue_depth")]
     result = tune.sweep(
-        backend, state, str(tmp_path), knobs=knobs, repeats=1, dropper=measure.CacheDropper(enabled=False)
+        backend, state, str(tmp_path), knobs=knobs, repeats=1, dropper=system.CacheDropper(enabled=False)
     )
     stages = {knob.name: (points, chosen) for knob, points, chosen in result.stages}
     engine_points, _ = stages["engine"]
@@ -150,7 +150,7 @@ def test_a_clear_winner_is_adopted_and_noise_is_not(tmp_path, monkeypatch):
         knobs=knobs,
         repeats=2,
         threshold=0.5,
-        dropper=measure.CacheDropper(enabled=False),
+        dropper=system.CacheDropper(enabled=False),
     )
     assert result.recommended["block_size"] == 2 << 20
     # buffer_count makes no difference here: the default stays (0.5 threshold >> noise)
@@ -180,11 +180,6 @@ def test_refuses_to_start_without_a_backend_or_directory(tmp_path, capsys):
     assert tune.run(args, backend=TorchBackend()) == 2
 
 
-def _fastpersist_ready() -> bool:
-    return tune.FastpersistBackend().unavailable() is None
-
-
-@pytest.mark.skipif(not _fastpersist_ready(), reason="fastpersist.save is not importable")
 def test_real_fastpersist_tiny_sweep(tmp_path):
     args = _args(tmp_path, "--settings", "engine,block_size,buffer_count")
     assert tune.run(args) == 0
@@ -194,7 +189,6 @@ def test_real_fastpersist_tiny_sweep(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _fastpersist_ready(), reason="fastpersist.save is not importable")
 def test_real_fastpersist_quick_tune(tmp_path):
     parser = argparse.ArgumentParser()
     tune.add_arguments(parser)

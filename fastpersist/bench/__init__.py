@@ -17,6 +17,7 @@ __all__ = ["SUBCOMMANDS", "register"]
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "io": ("fastpersist.bench.io", "sequential write/read throughput of the I/O engine, optionally against fio"),
     "checkpoint": ("fastpersist.bench.checkpoint", "save/load a real-shaped checkpoint with every method"),
+    "report": ("fastpersist.bench.report", "Markdown of results; --update-docs regenerates the docs' tables"),
     "shapes": ("fastpersist.bench.shapes", "many-small / many-medium / huge / mixed states vs torch, fio and a sink"),
 }
 """Subcommand name -> (module defining ``main(argv)``, one-line description)."""

@@ -7,33 +7,36 @@ settings), ``safetensors``, ``torch.distributed.checkpoint`` and fastpersist
 first); every saved file and every loaded state is compared byte for byte with
 the original before its method is reported. See docs/checkpoint-benchmark.md.
 
-The pieces are separate so that more methods, async variants and multi-rank
-runs can be added without touching the runner:
+This module is the command line only; the jobs live in their own modules:
 
-* :class:`SaveMethod` / :class:`LoadMethod` objects, kept in
-  :data:`SAVE_METHODS` / :data:`LOAD_METHODS` (add with :func:`register`);
-* :func:`run_benchmark`, which interleaves them round by round and measures;
-* :mod:`fastpersist.bench.report`, which prints, charts and renders Markdown.
+* the methods in :mod:`fastpersist.bench.methods` (add one with :func:`register`);
+* the rounds, timing and verification in :mod:`fastpersist.bench.runner`;
+* tables, charts and Markdown in :mod:`fastpersist.bench.report`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import json
 import os
 import sys
 import tempfile
 import time
-import traceback
-import warnings
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from fastpersist.tensors import host_memoryview
+from fastpersist import config, system
 from fastpersist.bench import measure, models, report
+from fastpersist.bench.methods import (
+    LOAD_METHODS,
+    SAVE_METHODS,
+    BenchContext,
+    LoadMethod,
+    SaveMethod,
+    register,
+)
+from fastpersist.bench.runner import MethodResult, run_benchmark, verify_state
+from fastpersist.cli import display
 
 __all__ = [
     "BenchContext",
@@ -52,922 +55,6 @@ __all__ = [
 
 SCHEMA = "fastpersist.bench.checkpoint/1"
 BASELINES = {"save": "torch.save", "load": "torch.load"}
-
-
-# ============================================================================ context
-
-
-@dataclasses.dataclass
-class BenchContext:
-    """What every method may need besides the state and a path.
-
-    Attributes:
-        device: where the state lives and where loads must put it.
-        dist: rank / world size (from torchrun's environment, else 0 of 1).
-        dcp_threads: ``FileSystemWriter(thread_count=...)`` for DCP saves.
-        fastpersist_overrides: settings passed to every fastpersist call.
-    """
-
-    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
-    dist: measure.DistributedEnv = dataclasses.field(default_factory=measure.DistributedEnv)
-    dcp_threads: int = 1
-    fastpersist_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def synchronize(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
-
-
-# ============================================================================ methods
-
-
-class SaveMethod:
-    """One way of writing a checkpoint durably.
-
-    Subclasses set ``name`` (registry key), ``label`` (table text) and
-    implement :meth:`save` and :meth:`read_back`. The runner calls, per round:
-    ``save`` (timed, followed by a timed :func:`measure.fsync_paths` so every
-    method pays for durability alike), then ``read_back`` + comparison
-    (untimed), and ``cleanup`` at the end of the round.
-    """
-
-    name: str = ""
-    label: str = ""
-    default: bool = True
-    """Run when no ``--methods`` are given."""
-
-    def unavailable(self, ctx: BenchContext) -> str | None:
-        """Why this method cannot run here, or None."""
-        return None
-
-    def target(self, directory: str, ctx: BenchContext) -> str:
-        """Where this method writes (a file or a directory), distinct per rank."""
-        suffix = f".rank{ctx.dist.rank}" if ctx.dist.world_size > 1 else ""
-        return os.path.join(directory, self.name.replace("/", "_") + suffix + self.extension)
-
-    extension: str = ".pt"
-
-    def save(self, state: Any, path: str, ctx: BenchContext) -> dict[str, float]:
-        """Writes ``state`` to ``path``; returns extra timings (``blocked_seconds`` for async).
-
-        Returns only when the bytes are durable or the runner's fsync makes them so.
-        """
-        raise NotImplementedError
-
-    def read_back(self, path: str, state: Any, ctx: BenchContext) -> Any:
-        """Loads what :meth:`save` wrote, to ``ctx.device``, for verification."""
-        raise NotImplementedError
-
-    def flat(self, loaded: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-        """Tensors and other leaves of a loaded state, keyed as :func:`models.flatten_state` keys them.
-
-        ``None`` for the other leaves means the format does not carry them.
-        """
-        return models.flatten_state(loaded)
-
-    def cleanup(self, path: str) -> None:
-        measure.remove_path(path)
-
-
-class LoadMethod:
-    """One way of reading a checkpoint written by save method ``source``."""
-
-    name: str = ""
-    label: str = ""
-    source: str = ""
-    default: bool = True
-
-    def unavailable(self, ctx: BenchContext) -> str | None:
-        return None
-
-    def load(self, path: str, state: Any, ctx: BenchContext) -> Any:
-        """Loads ``path`` completely onto ``ctx.device``.
-
-        ``state`` is the original, for methods that (like DCP) must be told the
-        structure; they may use its shapes and dtypes, never its data. Every
-        byte must be resident when this returns (touch mmap'd pages).
-        """
-        raise NotImplementedError
-
-    def flat(self, loaded: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-        return models.flatten_state(loaded)
-
-
-SAVE_METHODS: dict[str, SaveMethod] = {}
-LOAD_METHODS: dict[str, LoadMethod] = {}
-
-
-def register(method: SaveMethod | LoadMethod) -> SaveMethod | LoadMethod:
-    """Adds a method to its registry (replacing one of the same name)."""
-    if isinstance(method, SaveMethod):
-        SAVE_METHODS[method.name] = method
-    elif isinstance(method, LoadMethod):
-        LOAD_METHODS[method.name] = method
-    else:
-        raise TypeError(f"not a benchmark method: {method!r}")
-    return method
-
-
-# ---------------------------------------------------------------------------- helpers
-
-
-def _torch_load(path: str, ctx: BenchContext, **kw: Any) -> Any:
-    return torch.load(path, map_location=ctx.device, weights_only=True, **kw)
-
-
-def _touch_pages(loaded: Any) -> None:
-    """Reads one byte of every page of every storage, so lazily mapped data is resident."""
-    from fastpersist.tensors import storage_byte_view
-
-    tensors = (
-        loaded
-        if isinstance(loaded, dict) and all(isinstance(v, torch.Tensor) for v in loaded.values())
-        else models.flatten_state(loaded)[0]
-    )
-    seen: set[int] = set()
-    for t in tensors.values():
-        if t.device.type != "cpu":
-            continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() == 0:
-            continue
-        seen.add(storage.data_ptr())
-        int(storage_byte_view(storage)[::4096].sum())
-
-
-@contextlib.contextmanager
-def _torch_serialization_settings(**values: Any) -> Iterator[None]:
-    import torch.utils.serialization  # noqa: F401 - makes torch.utils.serialization.config importable
-
-    config = torch.utils.serialization.config.save
-    old = {k: getattr(config, k) for k in values}
-    try:
-        for k, v in values.items():
-            setattr(config, k, v)
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(config, k, v)
-
-
-def _empty_like_state(state: Any, device: torch.device | None = None) -> Any:
-    """Same structure, freshly allocated (untouched) tensors; other leaves copied."""
-    if isinstance(state, torch.Tensor):
-        return torch.empty(state.shape, dtype=state.dtype, device=state.device if device is None else device)
-    if isinstance(state, dict):
-        return {k: _empty_like_state(v, device) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_empty_like_state(v, device) for v in state]
-    if isinstance(state, tuple):
-        return tuple(_empty_like_state(v, device) for v in state)
-    return state
-
-
-def _fastpersist_api() -> tuple[Any, str | None]:
-    try:
-        import fastpersist
-
-        fastpersist.save, fastpersist.load  # noqa: B018 - probe the public API
-        return fastpersist, None
-    except Exception as e:  # ImportError, AttributeError, or an error building the native module
-        return None, f"fastpersist.save is not importable yet ({type(e).__name__}: {e})"
-
-
-# ---------------------------------------------------------------------------- torch.save
-
-
-class TorchSave(SaveMethod):
-    name = "torch.save"
-    label = "torch.save + fsync"
-
-    def save(self, state, path, ctx):
-        torch.save(state, path)
-        return {}
-
-    def read_back(self, path, state, ctx):
-        return _torch_load(path, ctx)
-
-
-class TorchSaveFast(TorchSave):
-    name = "torch.save-fast"
-    label = "torch.save, no CRC32 + fsync"
-
-    def _settings(self, ctx: BenchContext) -> dict[str, Any]:
-        values: dict[str, Any] = {"compute_crc32": False}
-        if ctx.is_cuda:
-            values["use_pinned_memory_for_d2h"] = True
-        return values
-
-    def unavailable(self, ctx):
-        try:
-            with _torch_serialization_settings(**self._settings(ctx)):
-                pass
-        except (ImportError, AttributeError) as e:
-            return f"torch {torch.__version__} has no torch.utils.serialization.config.save ({e})"
-        return None
-
-    def save(self, state, path, ctx):
-        with _torch_serialization_settings(**self._settings(ctx)):
-            torch.save(state, path)
-        return {}
-
-
-class TorchLoad(LoadMethod):
-    name = "torch.load"
-    label = "torch.load"
-    source = "torch.save"
-
-    def load(self, path, state, ctx):
-        return _torch_load(path, ctx)
-
-
-class TorchLoadMmap(LoadMethod):
-    name = "torch.load-mmap"
-    label = "torch.load(mmap=True) + touch"
-    source = "torch.save"
-
-    def load(self, path, state, ctx):
-        return _torch_load(path, ctx, mmap=True)  # the runner touches every page
-
-
-# ---------------------------------------------------------------------------- safetensors
-
-
-class SafetensorsSave(SaveMethod):
-    """safetensors.torch.save_file of the flattened tensors (other leaves go to the metadata as JSON)."""
-
-    name = "safetensors"
-    label = "safetensors save_file + fsync"
-    extension = ".safetensors"
-
-    def unavailable(self, ctx):
-        try:
-            import numpy  # noqa: F401  (safetensors.torch converts through numpy)
-            import safetensors.torch  # noqa: F401
-        except ImportError as e:
-            return f"safetensors (with numpy) is not installed ({e})"
-        return None
-
-    def save(self, state, path, ctx):
-        from safetensors.torch import save_file
-
-        tensors, objects = models.flatten_state(state)
-        metadata = {"objects": json.dumps(objects, default=repr)} if objects else None
-        save_file(tensors, path, metadata=metadata)
-        return {}
-
-    def read_back(self, path, state, ctx):
-        from safetensors.torch import load_file
-
-        return load_file(path, device=str(ctx.device))
-
-    def flat(self, loaded):
-        return dict(loaded), None
-
-
-class SafetensorsLoad(LoadMethod):
-    name = "safetensors.load"
-    label = "safetensors load_file"
-    source = "safetensors"
-
-    def unavailable(self, ctx):
-        return SafetensorsSave().unavailable(ctx)
-
-    def load(self, path, state, ctx):
-        from safetensors.torch import load_file
-
-        return load_file(path, device=str(ctx.device))
-
-    def flat(self, loaded):
-        return dict(loaded), None
-
-
-# ---------------------------------------------------------------------------- DCP
-
-
-def _dcp_kwargs(ctx: BenchContext) -> dict[str, Any]:
-    # Every rank saves its whole state to its own directory (like the other methods), so DCP runs
-    # without collectives even under torchrun; sharded DCP saves would be a separate method.
-    return {"no_dist": True}
-
-
-def _filter_kwargs(cls: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    import inspect
-
-    params = inspect.signature(cls.__init__).parameters
-    return {k: v for k, v in kwargs.items() if k in params}
-
-
-class DcpSave(SaveMethod):
-    """torch.distributed.checkpoint.save with FileSystemWriter (no process group needed)."""
-
-    name = "dcp"
-    extension = ".dcp"
-
-    @property
-    def label(self) -> str:  # type: ignore[override]
-        return "torch DCP save (FileSystemWriter)"
-
-    def unavailable(self, ctx):
-        try:
-            import torch.distributed.checkpoint as dcp  # noqa: F401
-            from torch.distributed.checkpoint import FileSystemWriter  # noqa: F401
-        except Exception as e:
-            return f"torch.distributed.checkpoint is not usable here ({type(e).__name__}: {e})"
-        return None
-
-    def save(self, state, path, ctx):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        writer = FileSystemWriter(
-            path,
-            **_filter_kwargs(
-                FileSystemWriter,
-                {"single_file_per_rank": True, "sync_files": True, "thread_count": ctx.dcp_threads, "overwrite": True},
-            ),
-        )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.save(state, storage_writer=writer, **_dcp_kwargs(ctx))
-        return {}
-
-    def read_back(self, path, state, ctx):
-        return DcpLoad().load(path, state, ctx)
-
-
-class DcpLoad(LoadMethod):
-    """torch.distributed.checkpoint.load into freshly allocated tensors of the right shapes."""
-
-    name = "dcp.load"
-    label = "torch DCP load"
-    source = "dcp"
-
-    def unavailable(self, ctx):
-        return DcpSave().unavailable(ctx)
-
-    def load(self, path, state, ctx):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
-
-        # DCP loads in place: allocate the destination (part of the timed cost, as torch.load allocates too).
-        template = _empty_like_state(state)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.load(template, storage_reader=FileSystemReader(path), **_dcp_kwargs(ctx))
-        return template
-
-
-# ---------------------------------------------------------------------------- fastpersist
-
-
-class FastpersistSave(SaveMethod):
-    """fastpersist.save (durable on return)."""
-
-    name = "fastpersist"
-    label = "fastpersist.save"
-
-    def unavailable(self, ctx):
-        return _fastpersist_api()[1]
-
-    def save(self, state, path, ctx):
-        fastpersist, _ = _fastpersist_api()
-        fastpersist.save(state, path, fsync=True, **ctx.fastpersist_overrides)
-        return {}
-
-    def read_back(self, path, state, ctx):
-        # Read back with torch.load: proves the file is a drop-in torch checkpoint, independently
-        # of fastpersist's own reader (which the fastpersist.load method checks).
-        return _torch_load(path, ctx)
-
-
-class FastpersistAsyncSave(FastpersistSave):
-    """fastpersist.async_save: blocked = until it returns; durable = until result() returns."""
-
-    name = "fastpersist-async"
-    label = "fastpersist.async_save"
-
-    def unavailable(self, ctx):
-        fastpersist, reason = _fastpersist_api()
-        if reason:
-            return reason
-        if not hasattr(fastpersist, "async_save"):
-            return "fastpersist.async_save is not available yet"
-        return None
-
-    def save(self, state, path, ctx):
-        fastpersist, _ = _fastpersist_api()
-        start = time.perf_counter()
-        future = fastpersist.async_save(state, path, **ctx.fastpersist_overrides)
-        blocked = time.perf_counter() - start
-        future.result()
-        return {"blocked_seconds": blocked}
-
-
-class FastpersistLoad(LoadMethod):
-    name = "fastpersist.load"
-    label = "fastpersist.load"
-    source = "fastpersist"
-
-    def unavailable(self, ctx):
-        return _fastpersist_api()[1]
-
-    def load(self, path, state, ctx):
-        fastpersist, _ = _fastpersist_api()
-        return fastpersist.load(path, map_location=ctx.device, **ctx.fastpersist_overrides)
-
-
-class FastpersistLoadTorchFile(FastpersistLoad):
-    """fastpersist.load of the file torch.save wrote: the drop-in path for existing checkpoints."""
-
-    name = "fastpersist.load-torchfile"
-    label = "fastpersist.load of a torch.save file"
-    source = "torch.save"
-
-
-# ---------------------------------------------------------------------------- raw write (ceiling)
-
-
-class RawWrite(SaveMethod):
-    """All tensor bytes in one file with os.write + fsync: no format at all; an upper bound for buffered writes."""
-
-    name = "os.write"
-    label = "raw os.write of all bytes + fsync (ceiling)"
-    extension = ".bin"
-    default = False
-
-    def save(self, state, path, ctx):
-        tensors, _ = models.flatten_state(state)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for t in tensors.values():
-                data = t.detach().reshape(-1).view(torch.uint8)
-                if data.device.type != "cpu":
-                    data = data.cpu()
-                view = host_memoryview(data.contiguous())
-                while view:
-                    written = os.write(fd, view)
-                    view = view[written:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return {}
-
-    def read_back(self, path, state, ctx):
-        tensors, _ = models.flatten_state(state)
-        out: dict[str, torch.Tensor] = {}
-        with open(path, "rb") as f:
-            for key, t in tensors.items():
-                raw = bytearray(f.read(t.numel() * t.element_size()))
-                flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-                out[key] = flat.view(t.dtype).reshape(t.shape).to(ctx.device)
-            if f.read(1):
-                raise ValueError("raw file is longer than the state")
-        return out
-
-    def flat(self, loaded):
-        return dict(loaded), None
-
-
-# ---------------------------------------------------------------------------- engine ceiling
-
-
-_CEILING_CHUNK = 64 << 20
-
-
-def _ceiling_pattern() -> torch.Tensor:
-    """A page-locked chunk of random bytes that the ceiling methods write over and over."""
-    global _PATTERN
-    if _PATTERN is None:
-        from fastpersist.io import memory
-
-        _PATTERN = memory.new_cpu_locked_tensor(_CEILING_CHUNK)
-        _PATTERN.copy_(torch.randint(0, 256, (_CEILING_CHUNK,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)))
-    return _PATTERN
-
-
-_PATTERN: torch.Tensor | None = None
-
-
-class EngineCeilingWrite(SaveMethod):
-    """The storage ceiling: the same number of bytes, written by fastpersist's engine with
-    O_DIRECT from page-locked memory, no format, no copies, no checksums (fallocate + fsync
-    like a save). Its file is not a checkpoint: read-back checks the written pattern."""
-
-    name = "engine-write"
-    label = "engine raw O_DIRECT write (ceiling)"
-    extension = ".raw"
-
-    def unavailable(self, ctx):
-        return _fastpersist_api()[1]
-
-    def save(self, state, path, ctx):
-        from fastpersist import config
-        from fastpersist.io import engine
-
-        total = models.state_nbytes(state)
-        pattern = _ceiling_pattern()
-        settings = config.resolve(ctx.fastpersist_overrides)
-        file = engine.File(path, "w", direct=settings.direct, truncate=True)
-        try:
-            file.allocate(0, max(total, 1))
-            # As many writes in flight, each on its own handle, as a save keeps ring slots.
-            handles = [engine.make_handle(settings) for _ in range(settings.buffer_count)]
-            for index, offset in enumerate(range(0, total, _CEILING_CHUNK)):
-                handle = handles[index % len(handles)]
-                handle.wait()
-                handle.submit_write(pattern.data_ptr(), min(_CEILING_CHUNK, total - offset), file, offset, pattern)
-            for handle in handles:
-                handle.wait()
-            file.fsync()
-        finally:
-            file.close()
-        return {}
-
-    def read_back(self, path, state, ctx):
-        _check_pattern_file(path, models.state_nbytes(state))
-        return state
-
-    def cleanup(self, path):
-        measure.remove_path(path)
-
-
-def _check_pattern_file(path: str, total: int) -> None:
-    pattern = _ceiling_pattern()
-    if os.path.getsize(path) != total:
-        raise ValueError(f"ceiling file has {os.path.getsize(path)} bytes, expected {total}")
-    with open(path, "rb") as f:
-        for offset in range(0, total, _CEILING_CHUNK):
-            data = f.read(min(_CEILING_CHUNK, total - offset))
-            if not torch.equal(torch.frombuffer(bytearray(data), dtype=torch.uint8), pattern[: len(data)]):
-                raise ValueError(f"ceiling file differs from the pattern near offset {offset}")
-
-
-class EngineCeilingRead(LoadMethod):
-    """The read ceiling: the ceiling file read cold with O_DIRECT into page-locked memory."""
-
-    name = "engine-read"
-    label = "engine raw O_DIRECT read (ceiling)"
-    source = "engine-write"
-
-    def unavailable(self, ctx):
-        return _fastpersist_api()[1]
-
-    def load(self, path, state, ctx):
-        from fastpersist import config
-        from fastpersist.io import engine, memory
-
-        total = models.state_nbytes(state)
-        settings = config.resolve(ctx.fastpersist_overrides)
-        count = settings.buffer_count
-        with memory.lease_buffers(count, _CEILING_CHUNK) as buffers:
-            handles = [engine.make_handle(settings) for _ in buffers]
-            file = engine.File(path, "r", direct=settings.direct)
-            try:
-                for index, offset in enumerate(range(0, total, _CEILING_CHUNK)):
-                    slot = index % count
-                    handles[slot].wait()
-                    handles[slot].submit_read(buffers[slot].data_ptr(), min(_CEILING_CHUNK, total - offset), file,
-                                              offset, buffers[slot])  # fmt: skip
-                for handle in handles:
-                    handle.wait()
-            finally:
-                file.close()
-        return state
-
-
-for _method in (
-    TorchSave(),
-    TorchSaveFast(),
-    SafetensorsSave(),
-    DcpSave(),
-    FastpersistSave(),
-    FastpersistAsyncSave(),
-    RawWrite(),
-    TorchLoad(),
-    TorchLoadMmap(),
-    SafetensorsLoad(),
-    DcpLoad(),
-    FastpersistLoad(),
-    FastpersistLoadTorchFile(),
-    EngineCeilingWrite(),
-    EngineCeilingRead(),
-):
-    register(_method)
-
-
-# ============================================================================ verification
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
-
-
-def verify_state(
-    expected: tuple[dict[str, torch.Tensor], dict[str, Any]],
-    actual: tuple[dict[str, torch.Tensor], dict[str, Any] | None],
-    device: torch.device | None = None,
-) -> str | None:
-    """Compares a loaded state with the original, byte for byte.
-
-    Args:
-        expected: ``models.flatten_state(original)``.
-        actual: the loaded state, flattened the same way; its second element
-            is None when the format does not carry non-tensor leaves.
-        device: the device loads were asked for; a tensor that lived there
-            originally must come back there.
-
-    Returns:
-        None when every tensor has the same names, dtype, shape and bytes (and
-        the other leaves compare equal), else a description of the first
-        difference.
-    """
-    want_tensors, want_objects = expected
-    got_tensors, got_objects = actual
-    missing = sorted(set(want_tensors) - set(got_tensors))
-    extra = sorted(set(got_tensors) - set(want_tensors))
-    if missing or extra:
-        return f"tensor names differ: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}"
-    for key, want in want_tensors.items():
-        got = got_tensors[key]
-        if not isinstance(got, torch.Tensor):
-            return f"{key}: expected a tensor, got {type(got).__name__}"
-        if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
-            return f"{key}: expected {want.dtype} {tuple(want.shape)}, got {got.dtype} {tuple(got.shape)}"
-        if device is not None and want.device.type == device.type and got.device.type != device.type:
-            return f"{key}: loaded to {got.device}, expected {device}"
-        a = _bytes_of(want)
-        b = _bytes_of(got)
-        if b.device != a.device:
-            b = b.to(a.device)
-        if not torch.equal(a, b):
-            index = int((a != b).nonzero()[0]) if a.numel() else 0
-            return f"{key}: bytes differ (first at byte {index} of {a.numel()})"
-    if got_objects is not None:
-        for key, want in want_objects.items():
-            if key not in got_objects:
-                return f"{key}: missing from the loaded state"
-            if got_objects[key] != want:
-                return f"{key}: expected {want!r}, got {got_objects[key]!r}"
-    return None
-
-
-# ============================================================================ runner
-
-
-@dataclasses.dataclass
-class MethodResult:
-    """Everything measured for one method. ``status``: ok, FAILED (verification or error) or skipped."""
-
-    op: str
-    name: str
-    label: str
-    status: str = "ok"
-    reason: str | None = None
-    timed: bool = True
-    file_bytes: int | None = None
-    samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-
-    def fail(self, reason: str) -> None:
-        self.status = "FAILED"
-        self.reason = reason
-
-    def as_dict(self, state_bytes: int) -> dict[str, Any]:
-        timed = [s for s in self.samples if not s.get("warmup")]
-        ok = self.status == "ok"
-        return {
-            "op": self.op,
-            "method": self.name,
-            "label": self.label,
-            "status": self.status,
-            "reason": self.reason,
-            "timed": self.timed,
-            "bytes": state_bytes,
-            "file_bytes": self.file_bytes,
-            "samples": self.samples,
-            "summary": {
-                "gbps": measure.summarize([s["gbps"] for s in timed]) if ok else None,
-                "seconds": measure.summarize([s["seconds"] for s in timed]) if ok else None,
-                "blocked_seconds": measure.summarize([s.get("blocked_seconds") for s in timed]) if ok else None,
-                "peak_rss_bytes": measure.summarize([s["peak_rss_bytes"] for s in timed]) if ok else None,
-                "rss_delta_bytes": measure.summarize([s["rss_delta_bytes"] for s in timed]) if ok else None,
-            },
-        }
-
-
-def _rotate(items: Sequence[Any], k: int) -> list[Any]:
-    if not items:
-        return []
-    k %= len(items)
-    return list(items[k:]) + list(items[:k])
-
-
-def _path_bytes(path: str) -> int:
-    return sum(os.path.getsize(f) for f in measure.files_under(path))
-
-
-def _short_error(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def run_benchmark(
-    state: Any,
-    save_methods: Sequence[SaveMethod],
-    load_methods: Sequence[LoadMethod],
-    directory: str,
-    *,
-    ctx: BenchContext | None = None,
-    repeats: int = 3,
-    warmup: int = 1,
-    dropper: measure.CacheDropper | None = None,
-    progress: Callable[[str], None] | None = None,
-    state_bytes: int | None = None,
-) -> list[MethodResult]:
-    """Runs every method ``warmup + repeats`` times, interleaved, and verifies each result.
-
-    Round ``r`` runs every save in the order rotated by ``r`` (so a disk that
-    slows down over the run hurts all methods alike), then every load after
-    dropping the page cache, then deletes the round's files. A save is timed
-    from the call to the end of :func:`measure.fsync_paths` of what it wrote;
-    a load from the call until the state is complete on the device. Each saved
-    file is read back and each loaded state compared with the original
-    (untimed); the first difference or exception marks the method FAILED and
-    stops running it (and the loads that read its files).
-
-    Load methods whose ``source`` is not among ``save_methods`` get that save
-    run untimed each round to produce their input.
-
-    Returns:
-        One :class:`MethodResult` per method: the saves in the given order,
-        then the untimed helper saves, then the loads.
-    """
-    ctx = ctx or BenchContext()
-    dropper = dropper or measure.CacheDropper()
-    progress = progress or (lambda _text: None)
-    if state_bytes is None:
-        state_bytes = sum(t.numel() * t.element_size() for t in models.flatten_state(state)[0].values())
-    expected = models.flatten_state(state)
-
-    results: dict[tuple[str, str], MethodResult] = {}
-    saves = list(save_methods)
-    for m in saves:
-        results[("save", m.name)] = MethodResult("save", m.name, m.label)
-    for m in load_methods:
-        if ("save", m.source) not in results:
-            if m.source not in SAVE_METHODS:
-                raise KeyError(f"load method {m.name!r} reads files of unknown save method {m.source!r}")
-            helper = SAVE_METHODS[m.source]
-            saves.append(helper)
-            results[("save", helper.name)] = MethodResult("save", helper.name, helper.label, timed=False)
-    for m in load_methods:
-        results[("load", m.name)] = MethodResult("load", m.name, m.label)
-    for m in list(saves) + list(load_methods):
-        op = "save" if isinstance(m, SaveMethod) else "load"
-        reason = m.unavailable(ctx)
-        if reason:
-            results[(op, m.name)].status = "skipped"
-            results[(op, m.name)].reason = reason
-
-    rounds = warmup + repeats
-    for round_index in range(rounds):
-        is_warmup = round_index < warmup
-        written: dict[str, str] = {}  # save method -> its verified output, for the loads
-        created: dict[str, str] = {}  # everything to delete at the end of the round
-        try:
-            for method in _rotate(saves, round_index):
-                result = results[("save", method.name)]
-                if result.status != "ok":
-                    continue
-                progress(f"round {round_index + 1}/{rounds}: save {method.name}")
-                path = method.target(directory, ctx)
-                measure.remove_path(path)
-                created[method.name] = path
-                sample = _measure_save(method, state, path, ctx, result)
-                if sample is None:
-                    continue
-                result.file_bytes = _path_bytes(path)
-                try:
-                    loaded = method.read_back(path, state, ctx)
-                    problem = verify_state(expected, method.flat(loaded), ctx.device)
-                    del loaded
-                except Exception as e:
-                    problem = f"reading the file back failed: {_short_error(e)}"
-                measure.release_memory()
-                if problem:
-                    result.fail(f"verification failed: {problem}")
-                    continue
-                written[method.name] = path
-                sample.update(round=round_index, warmup=is_warmup, gbps=state_bytes / sample["seconds"] / 1e9)
-                result.samples.append(sample)
-            for method in _rotate(list(load_methods), round_index):
-                result = results[("load", method.name)]
-                if result.status != "ok":
-                    continue
-                source = results[("save", method.source)]
-                if method.source not in written:
-                    result.status = "skipped"
-                    result.reason = (
-                        f"its input ({method.source}) was not written: {source.status} {source.reason or ''}".strip()
-                    )
-                    continue
-                progress(f"round {round_index + 1}/{rounds}: load {method.name}")
-                path = written[method.source]
-                cache = dropper.drop([path])
-                ctx.dist.barrier()
-                sample, loaded = _measure_load(method, state, path, ctx, result)
-                if sample is None:
-                    continue
-                try:
-                    problem = verify_state(expected, method.flat(loaded), ctx.device)
-                except Exception as e:
-                    problem = f"comparing the loaded state failed: {_short_error(e)}"
-                del loaded
-                measure.release_memory()
-                if problem:
-                    result.fail(f"verification failed: {problem}")
-                    continue
-                sample.update(
-                    round=round_index, warmup=is_warmup, cache=cache, gbps=state_bytes / sample["seconds"] / 1e9
-                )
-                result.samples.append(sample)
-        finally:
-            by_name = {m.name: m for m in saves}
-            for name, path in created.items():
-                by_name[name].cleanup(path)
-            if created:
-                os.sync()
-    return list(results.values())
-
-
-def _measure_save(
-    method: SaveMethod, state: Any, path: str, ctx: BenchContext, result: MethodResult
-) -> dict[str, Any] | None:
-    measure.release_memory()
-    ctx.synchronize()
-    ctx.dist.barrier()
-    try:
-        with measure.PeakMemory() as memory:
-            start = time.perf_counter()
-            extra = method.save(state, path, ctx) or {}
-            ctx.synchronize()
-            measure.fsync_paths(path)
-            seconds = time.perf_counter() - start
-    except KeyboardInterrupt:
-        raise
-    except Exception as e:
-        result.fail(f"save raised {_short_error(e)}")
-        if os.environ.get("FASTPERSIST_BENCH_TRACEBACK"):
-            traceback.print_exc()
-        return None
-    return {
-        "seconds": seconds,
-        "blocked_seconds": extra.get("blocked_seconds"),
-        "peak_rss_bytes": memory.peak,
-        "baseline_rss_bytes": memory.baseline,
-        "rss_delta_bytes": memory.delta,
-        "memory_source": memory.source,
-    }
-
-
-def _measure_load(
-    method: LoadMethod, state: Any, path: str, ctx: BenchContext, result: MethodResult
-) -> tuple[dict[str, Any] | None, Any]:
-    measure.release_memory()
-    ctx.synchronize()
-    try:
-        with measure.PeakMemory() as memory:
-            start = time.perf_counter()
-            loaded = method.load(path, state, ctx)
-            if ctx.device.type == "cpu":
-                _touch_pages(method.flat(loaded)[0])
-            ctx.synchronize()
-            seconds = time.perf_counter() - start
-    except KeyboardInterrupt:
-        raise
-    except Exception as e:
-        result.fail(f"load raised {_short_error(e)}")
-        if os.environ.get("FASTPERSIST_BENCH_TRACEBACK"):
-            traceback.print_exc()
-        return None, None
-    sample = {
-        "seconds": seconds,
-        "peak_rss_bytes": memory.peak,
-        "baseline_rss_bytes": memory.baseline,
-        "rss_delta_bytes": memory.delta,
-        "memory_source": memory.source,
-    }
-    return sample, loaded
-
-
-# ============================================================================ command line
 
 
 def _default_dcp_threads() -> int:
@@ -1018,6 +105,20 @@ def build_parser() -> argparse.ArgumentParser:
         "afterwards (default: the current directory)",
     )
     how.add_argument("--no-drop-caches", action="store_true", help="leave the page cache alone (warm loads)")
+    how.add_argument(
+        "--order-seed", type=int, default=0, help="seed of the random method order of every round (recorded)"
+    )
+    how.add_argument(
+        "--no-ceiling",
+        action="store_true",
+        help="do not measure the storage ceiling (best of fio and an engine grid; see docs/checkpoint-benchmark.md)",
+    )
+    how.add_argument("--no-fio", action="store_true", help="leave fio out of the ceiling even when it is installed")
+    how.add_argument(
+        "--ceiling-grid-size",
+        default="256M",
+        help="file size of each grid point of the ceiling search (the finalists use the state's size)",
+    )
     how.add_argument("--dcp-threads", type=int, default=_default_dcp_threads(), help="DCP FileSystemWriter threads")
     how.add_argument(
         "--fp-setting",
@@ -1060,12 +161,7 @@ def _print_models() -> None:
                 spec.description,
             )
         )
-    widths = [max(len(r[i]) for r in rows + [("model", "layers", "params", "bf16", "")]) for i in range(4)]
-    print(
-        f"{'model':<{widths[0]}}  {'layers':>{widths[1]}}  {'params':>{widths[2]}}  {'bf16':>{widths[3]}}  description"
-    )
-    for r in rows:
-        print(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}")
+    print(display.format_table(("model", "layers", "params", "bf16", "description"), rows, "<>>><", rule=False))
 
 
 def _print_methods(ctx: BenchContext) -> None:
@@ -1105,57 +201,9 @@ def _parse_fp_settings(items: Sequence[str]) -> dict[str, Any]:
         key, value = item.split("=", 1)
         values[key.strip()] = value.strip()
     if values:
-        from fastpersist import config
 
         config.settings().replace(**values)  # validates names and values (raises ConfigError)
     return values
-
-
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-class _Progress:
-    """A dependency-free progress line on stderr (a line per round when stderr is not a terminal)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total = max(total, 1)
-        self.done = 0
-        self.enabled = enabled
-        self.tty = sys.stderr.isatty()
-        self.start = time.perf_counter()
-        self._last_round = ""
-
-    def __call__(self, text: str) -> None:
-        if not self.enabled:
-            return
-        self.done += 1
-        elapsed = time.perf_counter() - self.start
-        if self.tty:
-            width = 24
-            filled = int(width * min(self.done, self.total) / self.total)
-            bar = "#" * filled + "." * (width - filled)
-            line = f"\r[{bar}] {self.done}/{self.total} {elapsed:5.0f} s  {text}"
-            sys.stderr.write(line[:120].ljust(120))
-            sys.stderr.flush()
-        else:
-            current = text.split(":", 1)[0]
-            if current != self._last_round:
-                self._last_round = current
-                sys.stderr.write(f"[{elapsed:5.0f} s] {current}\n")
-                sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\r" + " " * 120 + "\r")
-            sys.stderr.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1231,7 +279,6 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
     except Exception as e:  # ConfigError
         parser.error(str(e))
     if args.config:
-        from fastpersist import config
 
         try:
             config.load_file(args.config)
@@ -1250,7 +297,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
         dtype = models.DTYPES[args.dtype]
         layers = args.layers
         if args.size:
-            layers = models.layers_for_size(spec, models.parse_size(args.size), dtype, args.training_state)
+            layers = models.layers_for_size(spec, config.parse_size(args.size), dtype, args.training_state)
         if layers is None:
             layers = spec.default_layers if spec.default_layers is not None else spec.num_layers
         expected_bytes = models.state_bytes(spec, dtype, layers, args.training_state)
@@ -1261,7 +308,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
     if not os.path.isdir(parent):
         print(f"error: --dir {parent} is not a directory", file=sys.stderr)
         return 2
-    fs = measure.filesystem_of(parent)
+    fs = system.filesystem_of(parent)
     outputs = len(saves) + sum(1 for m in loads if m.source not in {s.name for s in saves})
     need = int(expected_bytes * 1.05) * max(outputs, 1) * dist.world_size
     if fs.get("free_bytes") is not None and fs["free_bytes"] < need:
@@ -1272,7 +319,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
             file=sys.stderr,
         )
         return 2
-    available = _available_memory()
+    available = system.available_memory()
     if available is not None and device.type == "cpu" and expected_bytes * 3 > available and dist.is_main:
         print(
             f"warning: the state ({models.format_bytes(expected_bytes)}) plus a loaded copy and a verification "
@@ -1280,7 +327,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
             file=sys.stderr,
         )
 
-    dropper = measure.CacheDropper(enabled=not args.no_drop_caches)
+    code = measure.code_version()  # now: the code that runs, whatever is edited meanwhile
+    dropper = system.CacheDropper(enabled=not args.no_drop_caches)
     work = None
     interrupted = False
     document: dict[str, Any] | None = None
@@ -1301,9 +349,11 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
             state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             build_seconds = time.perf_counter() - build_start
             ops = (args.repeats + args.warmup) * (len(saves) + len(loads))
-            progress = _Progress(ops, enabled=dist.is_main and not args.no_progress)
+            progress = display.Progress(ops, enabled=dist.is_main and not args.no_progress)
             started = time.perf_counter()
+            schedule: list[dict[str, Any]] = []
             try:
+                ceiling = None if args.no_ceiling else _measure_ceiling(args, work, state_bytes, ctx, progress)
                 results = run_benchmark(
                     state,
                     saves,
@@ -1315,6 +365,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
                     dropper=dropper,
                     progress=progress,
                     state_bytes=state_bytes,
+                    order_seed=args.order_seed,
+                    schedule=schedule,
                 )
             finally:
                 progress.close()
@@ -1322,6 +374,10 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
             document = _document(
                 args, spec, layers, state_bytes, len(tensors), results, parent, dropper, ctx, elapsed, build_seconds
             )
+            document["machine"]["code"] = code
+            document["order"] = {"seed": args.order_seed, "rounds": schedule}
+            document["ceiling"] = ceiling
+            report.annotate_ceiling(document)
             failed = any(r.status == "FAILED" for r in results)
         except KeyboardInterrupt:
             interrupted = True
@@ -1336,6 +392,10 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
     if not dist.is_main:
         return 1 if failed else 0
     print(report.format_table(document))
+    problems = report.measurement_problems(document)
+    if problems:
+        print(f"\nMEASUREMENT PROBLEM: {', '.join(problems)} exceeded the storage ceiling measured in this run; "
+              "the ceiling or the method's timing is wrong, so these ratios are not results.")  # fmt: skip
     if args.json:
         report.write_json(document, args.json)
         print(f"\nresults written to {args.json}")
@@ -1343,6 +403,39 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
         note = report.save_png(document, args.png)
         print(f"chart: {note}")
     return 1 if failed else 0
+
+
+def _measure_ceiling(
+    args: argparse.Namespace, work: str, state_bytes: int, ctx: BenchContext, progress: Any
+) -> dict[str, Any] | None:
+    """The storage ceiling on rank 0 (the others wait), or None when it cannot be measured here."""
+    from fastpersist.bench.methods import ceilings
+
+    ceiling = None
+    if ctx.dist.is_main:
+        try:
+            grid_bytes = config.parse_size(args.ceiling_grid_size)
+            settings = config.resolve(ctx.fastpersist_overrides)
+            available = system.available_memory()
+            nbytes = state_bytes if available is None else min(state_bytes, available // 4)
+            ceiling = ceilings.measure_ceiling(
+                work,
+                nbytes,
+                engine_name=settings.engine,
+                use_fio=not args.no_fio,
+                read_buffers=(settings.buffer_size, settings.read_buffer_count),
+                grid_bytes=grid_bytes,
+                passes=2,
+                seed=args.order_seed,
+                progress=progress,
+            )
+            if ceiling["fio"]["note"]:
+                print(f"note: {ceiling['fio']['note']}", file=sys.stderr)
+        except (ImportError, OSError, RuntimeError, ValueError) as e:
+            ceiling = {"error": f"{type(e).__name__}: {e}"}
+            print(f"warning: the storage ceiling could not be measured: {ceiling['error']}", file=sys.stderr)
+    ctx.dist.barrier()
+    return ceiling
 
 
 def _document(
@@ -1353,18 +446,12 @@ def _document(
     tensor_count: int,
     results: list[MethodResult],
     parent: str,
-    dropper: measure.CacheDropper,
+    dropper: system.CacheDropper,
     ctx: BenchContext,
     elapsed: float,
     build_seconds: float,
 ) -> dict[str, Any]:
-    fastpersist_settings = None
-    try:
-        from fastpersist import config
-
-        fastpersist_settings = config.resolve(ctx.fastpersist_overrides).as_dict()
-    except Exception:
-        pass
+    fastpersist_settings = config.resolve(ctx.fastpersist_overrides).as_dict()
     return {
         "schema": SCHEMA,
         "machine": measure.machine_info(parent, str(ctx.device)),
@@ -1380,6 +467,7 @@ def _document(
             "warmup": args.warmup,
             "dir": parent,
             "seed": args.seed,
+            "order_seed": args.order_seed,
             "dcp_threads": args.dcp_threads,
             "cache": dropper.mode,
             "cache_detail": dropper.detail,

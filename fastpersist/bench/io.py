@@ -12,8 +12,8 @@ Method (both tools treated alike):
   ``fallocate=native``; ``--no-fallocate`` turns it off for both), written
   sequentially, then fsync'ed; the time includes the fsync.
 * read: the file just written, read sequentially (O_DIRECT bypasses the
-  page cache; with ``--buffered`` the cache is dropped first when running as
-  root).
+  page cache; with ``--buffered`` the file's pages are dropped first, see
+  :class:`fastpersist.system.CacheDropper`).
 * the engine's source and destination buffers are allocated and touched once,
   outside the timing; each read is verified byte for byte against the source
   (outside the timing).
@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,14 +37,20 @@ from typing import Any
 
 import torch
 
-from fastpersist.config import _coerce  # size parsing shared with the settings ("16M", "4G")
+from fastpersist import system
+from fastpersist.bench.methods import ceilings
+from fastpersist.cli import display
+from fastpersist.config import parse_size
 from fastpersist.io import engine, memory
 
 __all__ = ["main", "build_parser", "run"]
 
 
 def _size(text: str) -> int:
-    return _coerce("block_size", text)
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,16 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _drop_caches() -> None:
-    if os.geteuid() == 0:
-        try:
-            os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-        except OSError:
-            pass
-
-
 def _engine_write(handle: Any, source: torch.Tensor, path: str, size: int, fallocate: bool, direct: bool) -> float:
     if os.path.exists(path):
         os.unlink(path)
@@ -100,7 +95,7 @@ def _engine_write(handle: Any, source: torch.Tensor, path: str, size: int, fallo
 
 def _engine_read(handle: Any, destination: torch.Tensor, path: str, size: int, direct: bool) -> float:
     if not direct:
-        _drop_caches()
+        system.CacheDropper().drop([path])
     with engine.File(path, "r", direct=direct) as f:
         start = time.perf_counter()
         handle.submit_read(destination.data_ptr(), size, f, 0, keepalive=destination)
@@ -110,37 +105,12 @@ def _engine_read(handle: Any, destination: torch.Tensor, path: str, size: int, d
 
 
 def _fio(path: str, rw: str, args: argparse.Namespace) -> float:
-    """fio bandwidth in GB/s for one sequential job."""
-    command = [
-        "fio",
-        "--name=fastpersist-bench",
-        f"--filename={path}",
-        f"--rw={rw}",
-        f"--bs={args.block_size}",
-        f"--iodepth={args.queue_depth}",
-        "--ioengine=io_uring",
-        f"--direct={0 if args.buffered else 1}",
-        f"--size={args.size}",
-        f"--numjobs={args.threads}",
-        "--group_reporting",
-        "--output-format=json",
-        f"--fallocate={'none' if args.no_fallocate else 'native'}",
-    ]
-    if rw == "write":
-        command.append("--end_fsync=1")
-    else:
-        if args.buffered:
-            _drop_caches()
-    if args.threads > 1:
-        # One file split among the jobs, like the engine's lanes split one request.
-        command[command.index(f"--size={args.size}")] = f"--size={args.size // args.threads}"
-        command.append(f"--offset_increment={args.size // args.threads}")
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"fio failed ({result.returncode}): {result.stderr.strip() or result.stdout[-2000:]}")
-    document = json.loads(result.stdout[result.stdout.index("{") :])
-    job = document["jobs"][0][rw]
-    return job["bw_bytes"] / 1e9
+    """fio bandwidth in GB/s for one sequential job with the engine's settings."""
+    if rw == "read" and args.buffered:
+        system.CacheDropper().drop([path])
+    command = ceilings.fio_command(path, rw, args.size, args.block_size, args.queue_depth, direct=not args.buffered,
+                                   threads=args.threads, fallocate=not args.no_fallocate, verify=False)  # fmt: skip
+    return ceilings.run_fio(command, rw) / 1e9
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -150,8 +120,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if size % 4096 or args.block_size % 4096:
         raise SystemExit("--size and --block-size must be multiples of 4096")
     use_fio = args.fio
-    if use_fio and shutil.which("fio") is None:
-        print("fio is not on PATH; running the engine only", file=sys.stderr)
+    if use_fio and system.find_fio() is None:
+        print(f"{system.FIO_INSTALL_HINT}; running the engine only", file=sys.stderr)
         use_fio = False
     handle = engine.IoHandle(
         block_size=args.block_size,
@@ -262,7 +232,7 @@ def _print_table(doc: dict[str, Any]) -> None:
         f"direct {s['direct']}, fallocate {s['fallocate']}, fs {doc['filesystem']['fs_type']}, "
         f"median of {s['repeats']}"
     )
-    print(f"{'op':<6} {'engine GB/s':>12} {'fio GB/s':>10} {'ratio':>7}   samples (engine | fio)")
+    rows = []
     for op in ("write", "read"):
         e = doc["gbps_median"][f"engine_{op}"]
         if e is None:
@@ -271,9 +241,9 @@ def _print_table(doc: dict[str, Any]) -> None:
         r = doc["ratio_engine_to_fio"][op]
         es = " ".join(f"{v:.2f}" for v in doc["gbps_samples"][f"engine_{op}"])
         fs = " ".join(f"{v:.2f}" for v in doc["gbps_samples"][f"fio_{op}"])
-        print(
-            f"{op:<6} {e:>12.2f} {('%.2f' % f) if f else '-':>10} {('%.0f%%' % (100 * r)) if r else '-':>7}   {es} | {fs}"
-        )
+        rows.append((op, f"{e:.2f}", f"{f:.2f}" if f else "-", f"{100 * r:.0f}%" if r else "-", f"{es} | {fs}"))
+    header = ("op", "engine GB/s", "fio GB/s", "ratio", "samples (engine | fio)")
+    print(display.format_table(header, rows, "<>>><", rule=False))
 
 
 def main(argv: list[str] | None = None) -> int:

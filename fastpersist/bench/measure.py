@@ -1,40 +1,39 @@
-"""Measuring tools shared by the checkpoint benchmark and the tuner.
+"""Measuring tools shared by the benchmarks and the tuner.
 
 What a measurement needs besides a clock: durability (:func:`fsync_paths`),
-a cold page cache before reads (:class:`CacheDropper`), peak host memory
-(:class:`PeakMemory`), and a description of the machine
-(:func:`machine_info`). None of this imports fastpersist's I/O stack, so the
-baselines can be measured on a machine where fastpersist does not build.
+peak host memory (:class:`PeakMemory`), and a description of the machine and
+the code (:func:`machine_info`, :func:`code_version`). What the operating
+system reports (RSS, filesystems, the page cache) comes from
+:mod:`fastpersist.system`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
-import gc
 import os
 import platform
 import shutil
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from fastpersist import system
+from fastpersist.commit import fsync_directory
 
 __all__ = [
     "summarize",
     "fsync_paths",
-    "files_under",
     "remove_path",
-    "CacheDropper",
     "PeakMemory",
-    "current_rss",
-    "release_memory",
     "machine_info",
-    "filesystem_of",
+    "code_version",
     "DistributedEnv",
     "distributed_env",
     "timer",
@@ -56,24 +55,6 @@ def summarize(values: Sequence[float]) -> dict[str, float] | None:
 # --------------------------------------------------------------------- durability
 
 
-def files_under(path: str) -> list[str]:
-    """``path`` itself when it is a file, else every regular file below it (sorted)."""
-    if os.path.isfile(path):
-        return [path]
-    found: list[str] = []
-    for root, _dirs, names in os.walk(path):
-        found.extend(os.path.join(root, n) for n in sorted(names))
-    return sorted(found)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_paths(path: str) -> None:
     """Makes ``path`` (a file or a directory tree) and its directory entry durable.
 
@@ -84,7 +65,7 @@ def fsync_paths(path: str) -> None:
     Raises:
         OSError: from ``open``/``fsync``.
     """
-    for file in files_under(path):
+    for file in system.files_under(path):
         fd = os.open(file, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -93,9 +74,9 @@ def fsync_paths(path: str) -> None:
     if os.path.isdir(path):
         for root, dirs, _ in os.walk(path):
             for d in dirs:
-                _fsync_dir(os.path.join(root, d))
-        _fsync_dir(path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)) or ".")
+                fsync_directory(os.path.join(root, d))
+        fsync_directory(path)
+    fsync_directory(os.path.dirname(os.path.abspath(path)) or ".")
 
 
 def remove_path(path: str) -> None:
@@ -107,133 +88,7 @@ def remove_path(path: str) -> None:
             os.unlink(path)
 
 
-# --------------------------------------------------------------------- page cache
-
-
-class CacheDropper:
-    """Empties the page cache of the files about to be read.
-
-    ``mode`` is decided once, at construction:
-
-    * ``drop_caches``: ``sync`` then ``echo 3 > /proc/sys/vm/drop_caches``
-      (root, and /proc/sys writable) -- the whole cache, as after a reboot;
-    * ``fadvise``: ``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file after
-      fsync -- drops those files' clean pages; works for any user;
-    * ``none``: neither works (not Linux); reads may hit the cache;
-    * ``disabled``: the caller asked for warm reads.
-    """
-
-    def __init__(self, enabled: bool = True):
-        self.detail = ""
-        if not enabled:
-            self.mode = "disabled"
-            self.detail = "page cache not dropped (--no-drop-caches): loads may be served from memory"
-            return
-        if self._try_drop_caches():
-            self.mode = "drop_caches"
-            self.detail = "page cache dropped before every load (sync; echo 3 > /proc/sys/vm/drop_caches)"
-        elif hasattr(os, "posix_fadvise"):
-            self.mode = "fadvise"
-            self.detail = (
-                "could not write /proc/sys/vm/drop_caches (needs root); dropped each file's pages "
-                "with posix_fadvise(DONTNEED) before every load"
-            )
-        else:
-            self.mode = "none"
-            self.detail = "could not drop the page cache on this system: loads may be served from memory"
-
-    @staticmethod
-    def _try_drop_caches() -> bool:
-        try:
-            os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-            return True
-        except OSError:
-            return False
-
-    def drop(self, paths: Iterable[str]) -> str:
-        """Drops the cache of ``paths`` (files or directories); returns the mode actually used."""
-        if self.mode == "drop_caches":
-            if self._try_drop_caches():
-                return "drop_caches"
-            self.mode = "fadvise"  # lost the permission mid-run (unusual); degrade, and say so per sample
-        if self.mode == "fadvise":
-            for path in paths:
-                for file in files_under(path):
-                    fd = os.open(file, os.O_RDONLY)
-                    try:
-                        os.fsync(fd)  # DONTNEED skips dirty pages
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    finally:
-                        os.close(fd)
-            return "fadvise"
-        return self.mode
-
-
 # --------------------------------------------------------------------- memory
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def current_rss() -> int:
-    """Resident set size of this process in bytes (psutil if present, else /proc)."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except OSError:
-        pass
-    try:
-        import psutil
-
-        return psutil.Process().memory_info().rss
-    except Exception:  # pragma: no cover - neither /proc nor psutil
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _read_hwm() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_hwm() -> bool:
-    # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0), which
-    # catches peaks shorter than the sampling interval.
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-_libc = None
-
-
-def release_memory(collect: bool = True) -> None:
-    """Collects garbage (unless ``collect`` is False) and returns freed heap to the OS.
-
-    Called between measurements so each starts from a comparable resident set.
-    """
-    global _libc
-    if collect:
-        gc.collect()
-    if sys.platform.startswith("linux"):
-        try:
-            if _libc is None:
-                _libc = ctypes.CDLL("libc.so.6")
-            _libc.malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-
 
 class PeakMemory:
     """Peak resident memory over a block, sampled by a background thread.
@@ -258,15 +113,15 @@ class PeakMemory:
     def _run(self) -> None:
         peak = self.peak
         while not self._stop.wait(self.interval):
-            rss = current_rss()
+            rss = system.current_rss()
             if rss > peak:
                 peak = rss
             self.peak = peak
 
     def __enter__(self) -> "PeakMemory":
-        self.baseline = current_rss()
+        self.baseline = system.current_rss()
         self.peak = self.baseline
-        self._hwm = _reset_hwm()
+        self._hwm = system.reset_peak_rss()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="fastpersist-rss-sampler", daemon=True)
         self._thread.start()
@@ -276,9 +131,9 @@ class PeakMemory:
         self._stop.set()
         assert self._thread is not None
         self._thread.join()
-        self.peak = max(self.peak, current_rss())
+        self.peak = max(self.peak, system.current_rss())
         if self._hwm:
-            hwm = _read_hwm()
+            hwm = system.peak_rss()
             if hwm is not None:
                 self.peak = max(self.peak, hwm)
                 self.source = "sampled+VmHWM"
@@ -289,40 +144,6 @@ class PeakMemory:
 
 
 # --------------------------------------------------------------------- machine
-
-
-def filesystem_of(path: str) -> dict[str, Any]:
-    """Mount point, filesystem type, device and free space of the filesystem holding ``path``."""
-    path = os.path.realpath(path)
-    info: dict[str, Any] = {"path": path}
-    best = ""
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 4:
-                    continue
-                device, mount, fstype, options = fields[:4]
-                mount = mount.replace("\\040", " ")
-                if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
-                    best = mount
-                    info.update(mount_point=mount, type=fstype, device=device, options=options)
-    except OSError:
-        pass
-    try:
-        usage = shutil.disk_usage(path)
-        info.update(total_bytes=usage.total, free_bytes=usage.free)
-    except OSError:
-        pass
-    return info
-
-
-def _read_first_line(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.readline().strip()
-    except OSError:
-        return None
 
 
 def machine_info(directory: str | None = None, device: str = "cpu") -> dict[str, Any]:
@@ -337,25 +158,18 @@ def machine_info(directory: str | None = None, device: str = "cpu") -> dict[str,
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": None,
+        "cpu_model": system.cpu_model(),
         "ram_bytes": None,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.version.cuda,
         "device": device,
         "device_name": "cpu",
-        "transparent_hugepage": _read_first_line("/sys/kernel/mm/transparent_hugepage/enabled"),
+        "transparent_hugepage": system.transparent_huge_pages(),
         "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
         "euid": os.geteuid() if hasattr(os, "geteuid") else None,
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu_model"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     try:
         info["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -364,10 +178,38 @@ def machine_info(directory: str | None = None, device: str = "cpu") -> dict[str,
         index = torch.device(device).index or 0
         info["device_name"] = torch.cuda.get_device_name(index)
         info["cuda_device_count"] = torch.cuda.device_count()
-    for module in ("safetensors", "fastpersist", "psutil", "numpy"):
+    for module in ("safetensors", "fastpersist", "numpy"):
         info[f"{module}_version"] = _version_of(module)
     if directory is not None:
-        info["filesystem"] = filesystem_of(directory)
+        info["filesystem"] = system.filesystem_of(directory)
+    info["code"] = code_version()
+    return info
+
+
+def code_version() -> dict[str, Any]:
+    """Which code produced a result: fastpersist's version and, from a git checkout, the commit.
+
+    ``commit`` is the full hash of HEAD (None outside a checkout), ``dirty``
+    whether the code (the package, the native sources, setup.py) differs from
+    it (None when unknown); edits to docs do not count.
+    """
+    import fastpersist
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fastpersist.__file__)))
+    info: dict[str, Any] = {"fastpersist": fastpersist.__version__, "commit": None, "dirty": None}
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit:
+        info["commit"] = commit
+        status = git("status", "--porcelain", "--untracked-files=no", "--", "fastpersist", "native", "setup.py")
+        info["dirty"] = None if status is None else bool(status)
     return info
 
 

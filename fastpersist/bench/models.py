@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any, Iterator
 
 import torch
@@ -34,7 +33,6 @@ __all__ = [
     "DTYPES",
     "get_model",
     "model_names",
-    "parse_size",
     "format_bytes",
     "parameter_shapes",
     "layers_for_size",
@@ -340,29 +338,6 @@ def layers_for_size(spec: ModelSpec, target_bytes: int, dtype: torch.dtype, trai
             f"asked for {format_bytes(target_bytes)}"
         )
     return best
-
-
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*$", re.I)
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from ``"2G"``, ``"512MiB"``, ``"1.5GB"`` or an integer.
-
-    ``K/M/G/T`` with or without ``B`` are decimal (1 G = 10^9) as storage
-    vendors and GB/s figures use; ``KiB/MiB/GiB/TiB`` are binary.
-
-    Raises:
-        ValueError: not a size.
-    """
-    if isinstance(text, int):
-        return text
-    match = _SIZE_RE.match(text)
-    if not match:
-        raise ValueError(f"not a size: {text!r} (examples: 2G, 512MiB, 1.5GB, 1000000)")
-    number, unit, binary = match.groups()
-    power = " kmgt".index((unit or " ").lower())
-    base = 1024 if binary else 1000
-    return int(float(number) * base**power)
 
 
 def format_bytes(n: float) -> str:

@@ -1,19 +1,45 @@
-"""Turning checkpoint-benchmark results into text, Markdown and charts.
+"""Turning checkpoint-benchmark results into text, Markdown, charts and the docs' tables.
 
 Everything here reads the JSON document that ``python -m fastpersist.bench
 checkpoint --json PATH`` writes (schema ``fastpersist.bench.checkpoint/1``),
 so tables in the docs are regenerated from results, never typed::
 
-    python -m fastpersist.bench checkpoint --markdown results.json [more.json ...]
+    python -m fastpersist.bench report results.json [more.json ...]   # Markdown
+    python -m fastpersist.bench report --update-docs                    # README.md + docs/ from docs/results/
+    python -m fastpersist.bench report --check-docs                     # exit 1 when they differ
+
+The docs mark where generated text goes with HTML comments:
+``<!-- fastpersist:summary -->`` (one row per result: the README's table) and
+``<!-- fastpersist:results -->`` (a heading and the full table of every
+result), each closed by ``<!-- /fastpersist -->``. Every result must record
+the code version (``machine.code.commit``), its settings and its machine.
 """
 
 from __future__ import annotations
 
+import argparse
+import glob
 import json
 import os
+import re
+import sys
 from typing import Any, Sequence
 
-__all__ = ["load_result", "write_json", "format_table", "to_markdown", "save_png", "rows"]
+from fastpersist.cli import display
+
+__all__ = [
+    "load_result",
+    "write_json",
+    "format_table",
+    "to_markdown",
+    "save_png",
+    "rows",
+    "annotate_ceiling",
+    "measurement_problems",
+    "summary_markdown",
+    "update_docs",
+    "main",
+]
 
 SCHEMA_PREFIX = "fastpersist.bench.checkpoint/"
 
@@ -66,12 +92,71 @@ def _mib(n: float | None) -> str:
     return f"{sign}{abs(n) / 2**20:,.0f} MiB"
 
 
+CEILING_OP = {"save": "write", "load": "read"}
+
+
+def annotate_ceiling(document: dict[str, Any]) -> None:
+    """Adds ``ceiling_ratio`` and ``measurement_problem`` to every result of ``document`` (in place).
+
+    ``ceiling_ratio`` is the method's median GB/s over the storage ceiling of
+    its operation measured in the same run (None without one). A ratio above
+    1.0 cannot be a result: the ceiling is the best any tool moved these bytes
+    on this storage, so such a method is flagged ``measurement_problem``.
+    """
+    ceiling = document.get("ceiling") or {}
+    for r in document["results"]:
+        limit = (ceiling.get(CEILING_OP[r["op"]]) or {}).get("gbps")
+        gbps = (r.get("summary") or {}).get("gbps")
+        ratio = gbps["median"] / limit if limit and gbps and r["status"] == "ok" else None
+        r["ceiling_ratio"] = ratio
+        r["measurement_problem"] = ratio is not None and ratio > 1.0
+
+
+def measurement_problems(document: dict[str, Any]) -> list[str]:
+    """Labels of the methods faster than the storage ceiling of their run."""
+    return [f"{r['op']} {r['label']}" for r in document["results"] if r.get("measurement_problem")]
+
+
+def _ceiling_rows(document: dict[str, Any]) -> list[dict[str, str]]:
+    ceiling = document.get("ceiling") or {}
+    out = []
+    for op, kind in CEILING_OP.items():
+        part = ceiling.get(kind)
+        row = {"op": op, "method": f"ceiling-{kind}", "seconds": "-", "blocked": "-", "rss_delta": "-",
+               "peak_rss": "-", "ratio": "-", "ceiling_ratio": "1.00x"}  # fmt: skip
+        if ceiling.get("error") or not part:
+            if ceiling.get("error"):
+                out.append(dict(row, label=f"storage {kind} ceiling", gbps="-", range="-", ceiling_ratio="-",
+                                status=f"not measured: {ceiling['error']}"))  # fmt: skip
+            continue
+        best = part.get("best")
+        if not best:
+            out.append(dict(row, label=f"storage {kind} ceiling", gbps="-", range="-", ceiling_ratio="-",
+                            status="FAILED: no candidate completed and verified"))  # fmt: skip
+            continue
+        values = [s["gbps"] for s in part["samples"] if s.get("gbps")]
+        tools = "fio and engine" if (ceiling.get("fio") or {}).get("path") else "engine (fio not installed)"
+        block = best["block_size"]
+        size = f"{block >> 20}M" if block >= 1 << 20 else f"{block >> 10}K"
+        out.append(
+            dict(
+                row,
+                label=f"{kind} ceiling: {best['tool']} {size} QD{best['queue_depth']} (best of {tools} grid)",
+                gbps=f"{part['gbps']:.2f}",
+                range=f"{min(values):.2f}-{max(values):.2f}",
+                status="verified (bytes read back compared)",
+            )
+        )
+    return out
+
+
 def rows(document: dict[str, Any]) -> list[dict[str, str]]:
-    """One dict of display strings per method, in run order (saves, then loads).
+    """One dict of display strings per method, in run order (saves, then loads), then the ceilings.
 
     Keys: op, method, label, gbps, range, seconds, blocked, rss_delta,
-    peak_rss, ratio, status. A FAILED or skipped method has ``-`` for every
-    figure and its reason in ``status``.
+    peak_rss, ratio, ceiling_ratio, status. A FAILED or skipped method has
+    ``-`` for every figure and its reason in ``status``; a method faster than
+    the ceiling has ``MEASUREMENT PROBLEM`` in ``status`` instead of a result.
     """
     baselines = document.get("baselines", {})
     medians = {
@@ -84,7 +169,8 @@ def rows(document: dict[str, Any]) -> list[dict[str, str]]:
         s = r["summary"]
         row = {"op": r["op"], "method": r["method"], "label": r["label"]}
         if r["status"] != "ok" or not s.get("gbps"):
-            row.update(gbps="-", range="-", seconds="-", blocked="-", rss_delta="-", peak_rss="-", ratio="-")
+            row.update(gbps="-", range="-", seconds="-", blocked="-", rss_delta="-", peak_rss="-", ratio="-",
+                       ceiling_ratio="-")  # fmt: skip
             reason = r.get("reason") or ("no timed samples" if r["status"] == "ok" else "")
             row["status"] = f"{r['status']}: {reason}" if reason else r["status"]
         else:
@@ -98,8 +184,15 @@ def rows(document: dict[str, Any]) -> list[dict[str, str]]:
             base = medians.get((r["op"], baselines.get(r["op"], "")))
             row["ratio"] = f"{g['median'] / base:.2f}x" if base else "-"
             row["status"] = "verified" if r.get("timed", True) else "verified (not selected; ran to feed a load)"
+            limit = r.get("ceiling_ratio")
+            row["ceiling_ratio"] = f"{limit:.2f}x" if limit is not None else "-"
+            if r.get("measurement_problem"):
+                row["status"] = f"MEASUREMENT PROBLEM: {limit:.2f}x the storage ceiling, not a result"
         out.append(row)
-    return out
+    ceiling_rows = _ceiling_rows(document)
+    saves = [r for r in out if r["op"] == "save"] + [r for r in ceiling_rows if r["op"] == "save"]
+    loads = [r for r in out if r["op"] == "load"] + [r for r in ceiling_rows if r["op"] == "load"]
+    return saves + loads
 
 
 def _headline(document: dict[str, Any]) -> list[str]:
@@ -115,9 +208,19 @@ def _headline(document: dict[str, Any]) -> list[str]:
     host = (
         f"{m.get('hostname')}, {m.get('cpu_count')} CPUs, {(m.get('ram_bytes') or 0) / 2**30:.0f} GiB RAM, "
         f"torch {m.get('torch')}, {m.get('date')}"
+        + (f", load average {m['loadavg'][0]:.1f} at the end" if m.get("loadavg") else "")
     )
-    rounds = f"median of {se['repeats']} interleaved rounds after {se['warmup']} warm-up; range is min-max"
-    return [what, f"dir: {where}", f"machine: {host}", rounds, se.get("cache_detail", "")]
+    order = document.get("order")
+    rounds = (
+        f"median of {se['repeats']} rounds after {se['warmup']} warm-up, "
+        + (f"methods in random order (seed {order['seed']})" if order else "methods interleaved")
+        + "; range is min-max"
+    )
+    code = m.get("code") or {}
+    version = f"code: fastpersist {code.get('fastpersist', '?')} at commit {(code.get('commit') or 'unknown')[:12]}"
+    if code.get("dirty"):
+        version += " with uncommitted changes"
+    return [what, f"dir: {where}", f"machine: {host}", version, rounds, se.get("cache_detail", "")]
 
 
 def _baseline_note(document: dict[str, Any]) -> str:
@@ -134,6 +237,7 @@ _COLUMNS = [
     ("rss_delta", "RSS delta", ">"),
     ("peak_rss", "peak RSS", ">"),
     ("ratio", "vs", ">"),
+    ("ceiling_ratio", "of ceiling", ">"),
     ("status", "result", "<"),
 ]
 
@@ -164,13 +268,15 @@ def format_table(document: dict[str, Any], status_width: int = 70) -> str:
         if not op_rows:
             continue
         columns = [c for c in _COLUMNS if c[0] != "blocked" or any(r["blocked"] != "-" for r in op_rows)]
-        widths = [max(len(head), *(len(r[key]) for r in op_rows)) for key, head, _ in columns]
         lines.append("")
         lines.append(title)
-        lines.append("  ".join(f"{head:{align}{w}}" for (key, head, align), w in zip(columns, widths)).rstrip())
-        lines.append("  ".join("-" * w for w in widths))
-        for r in op_rows:
-            lines.append("  ".join(f"{r[key]:{align}{w}}" for (key, head, align), w in zip(columns, widths)).rstrip())
+        lines.append(
+            display.format_table(
+                [head for _, head, _ in columns],
+                [[r[key] for key, _, _ in columns] for r in op_rows],
+                "".join(align for _, _, align in columns),
+            )
+        )
     lines.append("")
     lines.append(_baseline_note(document) + "; GB = 10^9 bytes of tensor data")
     lines.append("blocked s = time async_save kept the caller; RSS delta = peak minus RSS before the call")
@@ -196,8 +302,8 @@ def to_markdown(documents: dict[str, Any] | Sequence[dict[str, Any]]) -> str:
         parts.append(f"**{_md_escape(headline[0])}**  ")
         parts.extend(f"{_md_escape(text)}  " for text in headline[1:] if text)
         parts.append("")
-        parts.append("| op | method | GB/s | range | time s | blocked s | RSS delta | vs baseline | result |")
-        parts.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        parts.append("| op | method | GB/s | range | time s | blocked s | RSS delta | vs baseline | of ceiling | result |")
+        parts.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
         for r in rows(document):
             parts.append(
                 "| "
@@ -212,6 +318,7 @@ def to_markdown(documents: dict[str, Any] | Sequence[dict[str, Any]]) -> str:
                         r["blocked"],
                         r["rss_delta"],
                         r["ratio"],
+                        r["ceiling_ratio"],
                         r["status"],
                     )
                 )
@@ -269,3 +376,156 @@ def save_png(document: dict[str, Any] | Sequence[dict[str, Any]], path: str | os
     fig.savefig(os.fspath(path), dpi=120)
     plt.close(fig)
     return f"written to {os.fspath(path)}"
+
+
+# ----------------------------------------------------------------------------- the docs
+
+
+def _median(document: dict[str, Any], op: str, method: str) -> float | None:
+    for r in document["results"]:
+        if r["op"] == op and r["method"] == method and r["status"] == "ok" and r["summary"].get("gbps"):
+            return r["summary"]["gbps"]["median"]
+    return None
+
+
+def _summary_cell(document: dict[str, Any], op: str, method: str, baseline: str | None) -> str:
+    value = _median(document, op, method)
+    if value is None:
+        return "-"
+    text = f"{value:.2f}"
+    base = _median(document, op, baseline) if baseline else None
+    if base:
+        text += f" ({value / base:.2f}x)"
+    result = next(r for r in document["results"] if r["op"] == op and r["method"] == method)
+    if result.get("measurement_problem"):
+        text += " MEASUREMENT PROBLEM"
+    return text
+
+
+def summary_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """The README's table: one row per (file name, document); GB/s medians, ratios to torch in the same run."""
+    header = "| result | checkpoint | torch.save + fsync | fastpersist.save | write ceiling | torch.load | fastpersist.load | read ceiling |"
+    lines = [header, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, document in documents:
+        st, se, m = document["state"], document["settings"], document["machine"]
+        fs = (m.get("filesystem") or {}).get("type", "?")
+        device = se["device"] if se["device"] == "cpu" else m.get("device_name", se["device"])
+        what = f"{_gb(st['bytes'])} {se['dtype']} {se['model']} on {device}, {fs}; {m.get('hostname')}, {m.get('cpu_count')} CPUs"
+        ceiling = document.get("ceiling") or {}
+        cells = [
+            f"[{name}](docs/results/{name})",
+            what,
+            _summary_cell(document, "save", "torch.save", None),
+            _summary_cell(document, "save", "fastpersist", "torch.save"),
+            f"{ceiling['write']['gbps']:.2f}" if (ceiling.get("write") or {}).get("gbps") else "-",
+            _summary_cell(document, "load", "torch.load", None),
+            _summary_cell(document, "load", "fastpersist.load", "torch.load"),
+            f"{ceiling['read']['gbps']:.2f}" if (ceiling.get("read") or {}).get("gbps") else "-",
+        ]
+        lines.append("| " + " | ".join(_md_escape(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _results_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    parts = []
+    for name, document in documents:
+        parts.append(f"### {name}")
+        parts.append("")
+        parts.append(f"`docs/results/{name}`, regenerated by `python -m fastpersist.bench report --update-docs`:")
+        parts.append("")
+        parts.append(to_markdown(document).rstrip("\n"))
+        parts.append("")
+    return "\n".join(parts)
+
+
+_BLOCK = re.compile(r"(<!-- fastpersist:(summary|results) -->\n)(.*?)(<!-- /fastpersist -->)", re.DOTALL)
+RESULTS_DIR = os.path.join("docs", "results")
+
+
+def load_results(directory: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every ``*.json`` of ``directory`` (sorted by name) as (name, document), annotated with its ceiling ratios.
+
+    Raises:
+        ValueError: a file is not a checkpoint result, or does not record the
+            code version, its settings or its machine (re-measure it).
+    """
+    documents = []
+    for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+        document = load_result(path)
+        code = (document.get("machine") or {}).get("code") or {}
+        if not code.get("commit") or not document.get("settings") or not document.get("machine"):
+            raise ValueError(f"{path}: records no code version (commit), settings or machine; re-measure it")
+        annotate_ceiling(document)
+        documents.append((os.path.basename(path), document))
+    return documents
+
+
+def render_docs(text: str, documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """``text`` with every generated block replaced by what ``documents`` give."""
+
+    def fill(match: re.Match[str]) -> str:
+        body = summary_markdown(documents) if match.group(2) == "summary" else _results_markdown(documents)
+        if not documents:
+            body = "_No results in docs/results/ yet: run examples/gpu_acceptance.sh or the benchmark with --json._\n"
+        return match.group(1) + body + match.group(4)
+
+    return _BLOCK.sub(fill, text)
+
+
+def doc_files(root: str) -> list[str]:
+    """README.md and every Markdown file under docs/ (sorted)."""
+    return [os.path.join(root, "README.md")] + sorted(glob.glob(os.path.join(root, "docs", "**", "*.md"), recursive=True))
+
+
+def update_docs(root: str = ".", check: bool = False) -> list[str]:
+    """Regenerates the generated blocks of README.md and docs/*.md from ``root``/docs/results/.
+
+    Args:
+        root: the repository root.
+        check: only compare; write nothing.
+
+    Returns:
+        The files whose blocks differed (and, unless ``check``, were rewritten).
+    """
+    documents = load_results(os.path.join(root, RESULTS_DIR))
+    changed = []
+    for path in doc_files(root):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        new = render_docs(text, documents)
+        if new != text:
+            changed.append(path)
+            if not check:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(new)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fastpersist.bench report``: Markdown of result files, or the docs regenerated from docs/results/.
+
+    Returns:
+        0 on success; 1 when ``--check-docs`` finds stale docs; 2 on unreadable results.
+    """
+    parser = argparse.ArgumentParser(prog="python -m fastpersist.bench report", description=main.__doc__)
+    parser.add_argument("results", nargs="*", help="result JSON files to print as Markdown")
+    parser.add_argument("--update-docs", action="store_true", help="rewrite the generated tables of README.md and docs/")
+    parser.add_argument("--check-docs", action="store_true", help="exit 1 if a generated table is stale")
+    parser.add_argument("--root", default=".", help="repository root (default: the current directory)")
+    args = parser.parse_args(argv)
+    try:
+        if args.update_docs or args.check_docs:
+            changed = update_docs(args.root, check=args.check_docs)
+            verb = "stale" if args.check_docs else "regenerated"
+            for path in changed:
+                print(f"{verb}: {path}")
+            if not changed:
+                print("docs match docs/results/")
+            return 1 if args.check_docs and changed else 0
+        if not args.results:
+            parser.error("give result files, --update-docs or --check-docs")
+        print(to_markdown([load_result(p) for p in args.results]), end="")
+        return 0
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -48,9 +48,10 @@ from typing import Any, Callable
 import torch
 
 import fastpersist
-from fastpersist import config
+from fastpersist import config, system
 from fastpersist.bench import measure
-from fastpersist.bench.models import format_bytes, parse_size
+from fastpersist.bench.models import format_bytes
+from fastpersist.config import parse_size
 
 __all__ = ["SHAPES", "build_shape", "main", "build_parser", "run"]
 
@@ -257,7 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = _state_bytes(state)
     directory = tempfile.mkdtemp(prefix="fastpersist-shapes-", dir=args.dir)
     ours, theirs, ceiling = (os.path.join(directory, n) for n in ("fastpersist.pt", "torch.pt", "fio.bin"))
-    dropper = measure.CacheDropper(enabled=not args.no_drop_caches)
+    dropper = system.CacheDropper(enabled=not args.no_drop_caches)
     cuda = args.device.startswith("cuda")
     saves: dict[str, tuple[str, Callable[[], Any]]] = {}
     loads: dict[str, tuple[str, Callable[[], Any], str]] = {}
@@ -265,7 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         saves["fastpersist"] = ("storage", lambda: fastpersist.save(state, ours, **overrides))
         if not args.no_torch:
             saves["torch.save"] = ("storage", lambda: _torch_save(state, theirs))
-        if args.fio and shutil.which("fio"):
+        if args.fio and system.find_fio():
             saves["fio-write (ceiling)"] = ("storage", lambda: _fio_write(ceiling, nbytes))
     if args.sink or args.sink_only:
         saves["fastpersist-sink"] = ("sink", lambda: _sink_save(state, settings))
@@ -298,7 +299,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for round_index in range(args.warmup + args.repeats):
             timed = round_index >= args.warmup
             for name, (_, action) in saves.items():
-                measure.release_memory()
+                system.release_memory()
                 with measure.PeakMemory() as peak:
                     cpu_before = _cpu_seconds()
                     start = time.perf_counter()
@@ -320,7 +321,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 del loaded
             for name, (_, action, path) in loads.items():
                 loaded = None
-                measure.release_memory()
+                system.release_memory()
                 dropper.drop([path])
                 with measure.PeakMemory() as peak:
                     cpu_before = _cpu_seconds()

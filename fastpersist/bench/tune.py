@@ -32,7 +32,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fastpersist import config, system
 from fastpersist.bench import measure, models
+from fastpersist.bench.runner import touch_pages, verify_state
+from fastpersist.cli import display
 
 __all__ = [
     "Knob",
@@ -140,12 +143,10 @@ class FastpersistBackend(Backend):
         return self._reason
 
     def defaults(self) -> dict[str, Any]:
-        from fastpersist import config
 
         return config.settings().as_dict()
 
     def validate(self, values: dict[str, Any]) -> None:
-        from fastpersist import config
 
         config.settings().replace(**values)
 
@@ -221,38 +222,14 @@ class SweepResult:
         return best / base if base and best else None
 
 
-def _flat_tensors(state: Any) -> dict[str, torch.Tensor]:
-    return models.flatten_state(state)[0]
-
-
-def _same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str | None:
-    if set(a) != set(b):
-        return "tensor names differ"
-    for key, want in a.items():
-        got = b[key]
-        if got.dtype != want.dtype or got.shape != want.shape:
-            return f"{key}: dtype or shape differs"
-        x = want.reshape(-1).view(torch.uint8)
-        y = got.reshape(-1).view(torch.uint8).to(x.device)
-        if not torch.equal(x, y):
-            return f"{key}: bytes differ"
-    return None
-
-
-def _touch(state: Any) -> None:
-    for t in _flat_tensors(state).values():
-        if t.device.type == "cpu" and t.numel():
-            int(t.reshape(-1).view(torch.uint8)[::4096].sum())
-
-
 def _measure_point(
     backend: Backend,
     point: Point,
     state: Any,
-    expected: dict[str, torch.Tensor],
+    expected: tuple[dict[str, torch.Tensor], dict[str, Any]],
     directory: str,
     device: torch.device,
-    dropper: measure.CacheDropper,
+    dropper: system.CacheDropper,
     index: int,
 ) -> None:
     path = os.path.join(directory, f"tune-{index}.pt")
@@ -269,9 +246,9 @@ def _measure_point(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         else:
-            _touch(loaded)
+            touch_pages(loaded)
         load_seconds = time.perf_counter() - start
-        problem = _same_bytes(expected, _flat_tensors(loaded))
+        problem = verify_state(expected, (models.flatten_state(loaded)[0], None))
         del loaded
         if problem:
             point.error = f"loaded bytes differ from the saved ones ({problem})"
@@ -284,7 +261,7 @@ def _measure_point(
         point.error = f"{type(e).__name__}: {e}"
     finally:
         measure.remove_path(path)
-        measure.release_memory(collect=False)  # the loaded state is freed by reference counting
+        system.release_memory(collect=False)  # the loaded state is freed by reference counting
 
 
 def sweep(
@@ -297,7 +274,7 @@ def sweep(
     objective: str = "both",
     threshold: float = 0.05,
     device: torch.device | str = "cpu",
-    dropper: measure.CacheDropper | None = None,
+    dropper: system.CacheDropper | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SweepResult:
     """Coordinate descent over ``knobs`` with ``backend``, writing only inside ``directory``.
@@ -316,10 +293,10 @@ def sweep(
     if objective not in ("both", "save", "load"):
         raise ValueError(f"objective must be both, save or load, got {objective!r}")
     device = torch.device(device)
-    dropper = dropper or measure.CacheDropper()
+    dropper = dropper or system.CacheDropper()
     progress = progress or (lambda _text: None)
-    expected = _flat_tensors(state)
-    nbytes = sum(t.numel() * t.element_size() for t in expected.values())
+    expected = models.flatten_state(state)
+    nbytes = sum(t.numel() * t.element_size() for t in expected[0].values())
     defaults = backend.defaults()
     current = {k.name: defaults[k.name] for k in knobs}
     stages: list[tuple[Knob, list[Point], Any]] = []
@@ -421,12 +398,7 @@ def format_sweep(result: SweepResult) -> str:
                 p.error or "",
             )
         )
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    align = "<<>>><"
-    lines = ["  ".join(f"{h:{a}{w}}" for h, a, w in zip(header, align, widths)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths[:-1]))
-    lines += ["  ".join(f"{c:{a}{w}}" for c, a, w in zip(r, align, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
+    return display.format_table(header, rows, "<<>>><")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -480,21 +452,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="PATH", help="also write every measurement here")
 
 
-def _progress_printer(total: int) -> Callable[[str], None]:
-    tty = sys.stderr.isatty()
-    state = {"done": 0, "start": time.perf_counter()}
-
-    def show(text: str) -> None:
-        state["done"] += 1
-        elapsed = time.perf_counter() - state["start"]
-        if tty:
-            line = f"\r[{state['done']:>3}/~{total}] {elapsed:5.0f} s  {text}"
-            sys.stderr.write(line[:100].ljust(100))
-            sys.stderr.flush()
-
-    return show
-
-
 def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
     """Runs ``fastpersist tune`` with parsed ``args``.
 
@@ -539,7 +496,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
             raise ValueError("no CUDA device is available")
         if device.type not in ("cpu", "cuda"):
             raise ValueError("use cpu or cuda[:N]")
-        target = models.parse_size(size_text)
+        target = config.parse_size(size_text)
         spec = models.get_model(getattr(args, "model", models.DEFAULT_MODEL))
         dtype = models.DTYPES[getattr(args, "dtype", "bf16")]
         layers = models.layers_for_size(spec, target, dtype)
@@ -547,7 +504,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
         print(f"fastpersist tune: {e}", file=sys.stderr)
         return 2
     nbytes = models.state_bytes(spec, dtype, layers)
-    free = measure.filesystem_of(directory).get("free_bytes")
+    free = system.filesystem_of(directory).get("free_bytes")
     if free is not None and free < 2 * nbytes:
         print(
             f"fastpersist tune: {directory} has {models.format_bytes(free)} free; need about "
@@ -556,7 +513,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
         )
         return 2
 
-    dropper = measure.CacheDropper(enabled=not getattr(args, "no_drop_caches", False))
+    dropper = system.CacheDropper(enabled=not getattr(args, "no_drop_caches", False))
     points = sum(len(k.values) for k in knobs) * repeats + 2 * repeats
     print(
         f"tuning fastpersist for {directory} with a {models.format_bytes(nbytes)} {getattr(args, 'dtype', 'bf16')} "
@@ -566,6 +523,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
     print(f"  {dropper.detail}", file=sys.stderr)
     work = None
     started = time.perf_counter()
+    progress = display.Progress(points, approximate=True)
     with measure.sigterm_as_interrupt():
         try:
             work = tempfile.mkdtemp(prefix=".fastpersist-tune-", dir=directory)
@@ -580,19 +538,17 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
                 threshold=args.threshold,
                 device=device,
                 dropper=dropper,
-                progress=_progress_printer(points),
+                progress=progress,
             )
             del state
         except KeyboardInterrupt:
-            if sys.stderr.isatty():
-                sys.stderr.write("\n")
+            progress.close()
             print("fastpersist tune: interrupted; temporary files removed, nothing written", file=sys.stderr)
             return 130
         finally:
             if work is not None:
                 measure.remove_path(work)
-            if sys.stderr.isatty():
-                sys.stderr.write("\r" + " " * 100 + "\r")
+            progress.close()
     elapsed = time.perf_counter() - started
 
     machine = measure.machine_info(directory, str(device))
@@ -616,7 +572,6 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
         "elapsed_seconds": elapsed,
         "sweep": sweep_rows,
     }
-    from fastpersist import config
 
     config.save_file(out, result.recommended, measured=measured, machine=machine)
     if getattr(args, "json", None):

@@ -32,27 +32,6 @@ def _fastpersist_version() -> str:
             return "unknown"
 
 
-def _has_capability(bit: int) -> bool | None:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> bit & 1)
-    except OSError:
-        return None
-    return None
-
-
-def _transparent_huge_pages() -> str | None:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
-            text = f.read()
-    except OSError:
-        return None
-    start, end = text.find("["), text.find("]")
-    return text[start + 1 : end] if 0 <= start < end else text.strip()
-
-
 def _cuda_info() -> dict[str, Any]:
     import torch
 
@@ -74,7 +53,7 @@ def collect_info(directory: str = ".") -> dict[str, Any]:
     """Everything ``fastpersist info`` reports, as a JSON-serialisable dict."""
     import torch
 
-    from fastpersist import config
+    from fastpersist import config, system
     from fastpersist.io import engine
 
     status = engine.engine_status()
@@ -105,10 +84,11 @@ def collect_info(directory: str = ".") -> dict[str, Any]:
         "memory": {
             "memlock_soft_bytes": soft,
             "memlock_hard_bytes": hard,
-            "cap_ipc_lock": _has_capability(14),
-            "transparent_huge_pages": _transparent_huge_pages(),
+            "cap_ipc_lock": system.effective_capability(14),
+            "transparent_huge_pages": system.transparent_huge_pages(),
         },
         "cuda": _cuda_info(),
+        "tools": {"fio": system.find_fio(), "fio_note": None if system.find_fio() else system.FIO_INSTALL_HINT},
         "settings": config.settings().as_dict(),
     }
 
@@ -143,6 +123,9 @@ def _print_info(info: dict[str, Any]) -> None:
     print(f"  memlock limit     {_limit_text(m['memlock_soft_bytes'])} (hard {_limit_text(m['memlock_hard_bytes'])})")
     print(f"  CAP_IPC_LOCK      {cap}" + ("   (locking is not limited by the memlock limit)" if cap == "yes" else ""))
     print(f"  transparent huge pages  {m['transparent_huge_pages']}")
+    fio = info["tools"]["fio"]
+    print("\nBenchmark tools")
+    print(f"  fio               {fio or 'not installed: ' + info['tools']['fio_note'].split('; ', 1)[1]}")
     c = info["cuda"]
     print("\nCUDA")
     if not c["available"]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import zlib
 from typing import Iterator, NamedTuple, Sequence
 
 import torch
@@ -32,10 +31,6 @@ class BytesRecord:
 
     entry: ZipEntry
     data: bytes
-
-    @property
-    def crc(self) -> int:
-        return zlib.crc32(self.data)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -44,6 +44,7 @@ __all__ = [
     "probe_directory",
     "memlock_limit",
     "crc32",
+    "crc32_of",
     "copy_with_crc32",
     "crc32_accelerated",
     "crc32_combine",
@@ -57,6 +58,9 @@ UnexpectedEndOfFileError = _native.UnexpectedEndOfFileError
 
 crc32 = _native.crc32
 """``crc32(address, length, crc=0)``: zlib's CRC-32 of memory, at memory speed (GIL released)."""
+crc32_of = _native.crc32_of
+"""``crc32_of(data, crc=0)``: the CRC-32 of a contiguous buffer (bytes, memoryview, ...); the one CRC
+entry point for bytes already in Python objects (``crc32`` takes an address)."""
 copy_with_crc32 = _native.copy_with_crc32
 """``copy_with_crc32(destination, source, length, crc=0)``: memcpy that returns the CRC-32 of the bytes."""
 crc32_accelerated = _native.crc32_accelerated

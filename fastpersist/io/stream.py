@@ -7,10 +7,11 @@ to the host one ``chunk_size`` slice at a time.
 
 from __future__ import annotations
 
-import zlib
 from typing import BinaryIO
 
 from fastpersist.format.plan import SavePlan, SegmentKind
+from fastpersist.io import engine
+from fastpersist.io.writer import initial_crcs
 from fastpersist.tensors import host_memoryview
 
 __all__ = ["write_plan_to_stream"]
@@ -28,7 +29,7 @@ def write_plan_to_stream(plan: SavePlan, stream: BinaryIO, *, checksum: bool = T
     """
     if not callable(getattr(stream, "write", None)):
         raise TypeError(f"expected a path or a writable binary file object, got {type(stream).__name__}")
-    crcs = [getattr(record, "crc", 0) if checksum else 0 for record in plan.records]
+    crcs = initial_crcs(plan, checksum)
     written = 0
     for segment in plan.segments():
         if segment.kind is SegmentKind.BYTES:
@@ -45,7 +46,7 @@ def write_plan_to_stream(plan: SavePlan, stream: BinaryIO, *, checksum: bool = T
                 host = piece if piece.device.type == "cpu" else piece.to("cpu")
                 block = host_memoryview(host)
                 if checksum:
-                    crc = zlib.crc32(block, crc)
+                    crc = engine.crc32_of(block, crc)
                 _write_all(stream, block)
             crcs[segment.record] = crc
             written += segment.length

@@ -29,12 +29,12 @@ from typing import Sequence
 import torch
 
 from fastpersist.config import Settings
-from fastpersist.format.plan import SavePlan, Segment, SegmentKind
+from fastpersist.format.plan import BytesRecord, SavePlan, Segment, SegmentKind
 from fastpersist.io import checksum as crc_pool
 from fastpersist.io import engine, memory
 from fastpersist.tensors import host_memoryview
 
-__all__ = ["write_plan", "side_streams"]
+__all__ = ["write_plan", "side_streams", "initial_crcs"]
 
 
 class _Slot:
@@ -61,6 +61,15 @@ class _Slot:
         self.events.clear()
 
 
+def initial_crcs(plan: SavePlan, checksum: bool) -> list[int]:
+    """Each record's CRC-32 as far as it is known before writing: in-memory records' CRCs
+    (computed here, natively), 0 for storages (whose CRCs the writers accumulate) or when
+    ``checksum`` is off."""
+    if not checksum:
+        return [0] * len(plan.records)
+    return [engine.crc32_of(record.data) if isinstance(record, BytesRecord) else 0 for record in plan.records]
+
+
 def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None) -> list[int]:
     """Writes every byte of ``plan`` into ``file`` (a native File opened for writing).
 
@@ -83,7 +92,7 @@ def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None) -> lis
     size = plan.size
     # Sized to the checkpoint: a tiny save does not pin the full ring.
     count, window_size = memory.ring_shape(size, settings.buffer_size, settings.buffer_count)
-    crcs = [getattr(record, "crc", 0) if settings.checksum else 0 for record in plan.records]
+    crcs = initial_crcs(plan, settings.checksum)
     if streams is None:
         streams = side_streams(plan)
     with memory.lease_buffers(count, window_size) as buffers:

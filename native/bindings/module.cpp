@@ -417,5 +417,21 @@ Reaching end of file early raises UnexpectedEndOfFileError from wait() unless
       "Copies ``length`` bytes (non-overlapping) and returns their CRC-32 continued from ``crc``; reads the source once.");
   m.def("crc32_combine", &crc32_combine, py::arg("crc_first"), py::arg("crc_second"), py::arg("length_second"),
         "CRC-32 of two ranges back to back from each one's CRC-32 (zlib's crc32_combine).");
+  m.def(
+      "crc32_of",
+      [](py::object data, uint32_t crc) {
+        // PyBUF_SIMPLE accepts contiguous buffers only; the view pins the bytes while the GIL is released.
+        Py_buffer view;
+        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+        uint32_t result;
+        {
+          py::gil_scoped_release release;
+          result = crc32_update(crc, view.buf, static_cast<size_t>(view.len));
+        }
+        PyBuffer_Release(&view);
+        return result;
+      },
+      py::arg("data"), py::arg("crc") = 0,
+      "CRC-32 (zlib's) of a contiguous buffer (bytes, bytearray, memoryview, array), continued from ``crc``.");
   m.def("crc32_accelerated", &crc32_accelerated, "Whether CRC-32 uses carry-less multiplication on this CPU.");
 }

@@ -1,0 +1,358 @@
+"""Runs benchmark methods round by round, times them, and verifies every result byte for byte.
+
+:func:`run_benchmark` is the whole job: it knows the method interfaces of
+:mod:`fastpersist.bench.methods.base`, never a particular method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+
+from fastpersist import system
+from fastpersist.bench import measure, models
+from fastpersist.bench.methods import SAVE_METHODS, BenchContext, LoadMethod, SaveMethod
+
+__all__ = ["MethodResult", "run_benchmark", "touch_pages", "verify_state"]
+
+
+def touch_pages(loaded: Any) -> None:
+    """Reads one byte of every page of every storage, so lazily mapped data is resident."""
+    from fastpersist.tensors import storage_byte_view
+
+    tensors = (
+        loaded
+        if isinstance(loaded, dict) and all(isinstance(v, torch.Tensor) for v in loaded.values())
+        else models.flatten_state(loaded)[0]
+    )
+    seen: set[int] = set()
+    for t in tensors.values():
+        if t.device.type != "cpu":
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        int(storage_byte_view(storage)[::4096].sum())
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def verify_state(
+    expected: tuple[dict[str, torch.Tensor], dict[str, Any]],
+    actual: tuple[dict[str, torch.Tensor], dict[str, Any] | None],
+    device: torch.device | None = None,
+) -> str | None:
+    """Compares a loaded state with the original, byte for byte.
+
+    Args:
+        expected: ``models.flatten_state(original)``.
+        actual: the loaded state, flattened the same way; its second element
+            is None when the format does not carry non-tensor leaves.
+        device: the device loads were asked for; a tensor that lived there
+            originally must come back there.
+
+    Returns:
+        None when every tensor has the same names, dtype, shape and bytes (and
+        the other leaves compare equal), else a description of the first
+        difference.
+    """
+    want_tensors, want_objects = expected
+    got_tensors, got_objects = actual
+    missing = sorted(set(want_tensors) - set(got_tensors))
+    extra = sorted(set(got_tensors) - set(want_tensors))
+    if missing or extra:
+        return f"tensor names differ: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}"
+    for key, want in want_tensors.items():
+        got = got_tensors[key]
+        if not isinstance(got, torch.Tensor):
+            return f"{key}: expected a tensor, got {type(got).__name__}"
+        if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+            return f"{key}: expected {want.dtype} {tuple(want.shape)}, got {got.dtype} {tuple(got.shape)}"
+        if device is not None and want.device.type == device.type and got.device.type != device.type:
+            return f"{key}: loaded to {got.device}, expected {device}"
+        a = _bytes_of(want)
+        b = _bytes_of(got)
+        if b.device != a.device:
+            b = b.to(a.device)
+        if not torch.equal(a, b):
+            index = int((a != b).nonzero()[0]) if a.numel() else 0
+            return f"{key}: bytes differ (first at byte {index} of {a.numel()})"
+    if got_objects is not None:
+        for key, want in want_objects.items():
+            if key not in got_objects:
+                return f"{key}: missing from the loaded state"
+            if got_objects[key] != want:
+                return f"{key}: expected {want!r}, got {got_objects[key]!r}"
+    return None
+
+
+# ============================================================================ runner
+
+
+@dataclasses.dataclass
+class MethodResult:
+    """Everything measured for one method. ``status``: ok, FAILED (verification or error) or skipped."""
+
+    op: str
+    name: str
+    label: str
+    status: str = "ok"
+    reason: str | None = None
+    timed: bool = True
+    file_bytes: int | None = None
+    samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def fail(self, reason: str) -> None:
+        self.status = "FAILED"
+        self.reason = reason
+
+    def as_dict(self, state_bytes: int) -> dict[str, Any]:
+        timed = [s for s in self.samples if not s.get("warmup")]
+        ok = self.status == "ok"
+        return {
+            "op": self.op,
+            "method": self.name,
+            "label": self.label,
+            "status": self.status,
+            "reason": self.reason,
+            "timed": self.timed,
+            "bytes": state_bytes,
+            "file_bytes": self.file_bytes,
+            "samples": self.samples,
+            "summary": {
+                "gbps": measure.summarize([s["gbps"] for s in timed]) if ok else None,
+                "seconds": measure.summarize([s["seconds"] for s in timed]) if ok else None,
+                "blocked_seconds": measure.summarize([s.get("blocked_seconds") for s in timed]) if ok else None,
+                "peak_rss_bytes": measure.summarize([s["peak_rss_bytes"] for s in timed]) if ok else None,
+                "rss_delta_bytes": measure.summarize([s["rss_delta_bytes"] for s in timed]) if ok else None,
+            },
+        }
+
+
+def _shuffled(items: Sequence[Any], rng: random.Random) -> list[Any]:
+    order = list(items)
+    rng.shuffle(order)
+    return order
+
+
+def _path_bytes(path: str) -> int:
+    return sum(os.path.getsize(f) for f in system.files_under(path))
+
+
+def _short_error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def run_benchmark(
+    state: Any,
+    save_methods: Sequence[SaveMethod],
+    load_methods: Sequence[LoadMethod],
+    directory: str,
+    *,
+    ctx: BenchContext | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    dropper: system.CacheDropper | None = None,
+    progress: Callable[[str], None] | None = None,
+    state_bytes: int | None = None,
+    order_seed: int = 0,
+    schedule: list[dict[str, Any]] | None = None,
+) -> list[MethodResult]:
+    """Runs every method ``warmup + repeats`` times, interleaved, and verifies each result.
+
+    Every round runs the saves in a fresh random order, then the loads (each
+    after dropping the page cache) in a fresh random order, then deletes the
+    round's files: no method always follows another, so a disk that drifts
+    over the run hurts all methods alike. The orders come from
+    ``random.Random(order_seed)`` (the same on every rank) and are appended to
+    ``schedule`` (``{"round", "warmup", "save", "load"}`` per round) when given. A save is timed
+    from the call to the end of :func:`measure.fsync_paths` of what it wrote;
+    a load from the call until the state is complete on the device. Each saved
+    file is read back and each loaded state compared with the original
+    (untimed); the first difference or exception marks the method FAILED and
+    stops running it (and the loads that read its files).
+
+    Load methods whose ``source`` is not among ``save_methods`` get that save
+    run untimed each round to produce their input.
+
+    Returns:
+        One :class:`MethodResult` per method: the saves in the given order,
+        then the untimed helper saves, then the loads.
+    """
+    ctx = ctx or BenchContext()
+    dropper = dropper or system.CacheDropper()
+    progress = progress or (lambda _text: None)
+    if state_bytes is None:
+        state_bytes = sum(t.numel() * t.element_size() for t in models.flatten_state(state)[0].values())
+    expected = models.flatten_state(state)
+
+    results: dict[tuple[str, str], MethodResult] = {}
+    saves = list(save_methods)
+    for m in saves:
+        results[("save", m.name)] = MethodResult("save", m.name, m.label)
+    for m in load_methods:
+        if ("save", m.source) not in results:
+            if m.source not in SAVE_METHODS:
+                raise KeyError(f"load method {m.name!r} reads files of unknown save method {m.source!r}")
+            helper = SAVE_METHODS[m.source]
+            saves.append(helper)
+            results[("save", helper.name)] = MethodResult("save", helper.name, helper.label, timed=False)
+    for m in load_methods:
+        results[("load", m.name)] = MethodResult("load", m.name, m.label)
+    for m in list(saves) + list(load_methods):
+        op = "save" if isinstance(m, SaveMethod) else "load"
+        reason = m.unavailable(ctx)
+        if reason:
+            results[(op, m.name)].status = "skipped"
+            results[(op, m.name)].reason = reason
+
+    rounds = warmup + repeats
+    rng = random.Random(order_seed)
+    for round_index in range(rounds):
+        is_warmup = round_index < warmup
+        save_order = _shuffled(saves, rng)
+        load_order = _shuffled(load_methods, rng)
+        if schedule is not None:
+            schedule.append({"round": round_index, "warmup": is_warmup,
+                             "save": [m.name for m in save_order], "load": [m.name for m in load_order]})  # fmt: skip
+        written: dict[str, str] = {}  # save method -> its verified output, for the loads
+        created: dict[str, str] = {}  # everything to delete at the end of the round
+        try:
+            for method in save_order:
+                result = results[("save", method.name)]
+                if result.status != "ok":
+                    continue
+                progress(f"round {round_index + 1}/{rounds}: save {method.name}")
+                path = method.target(directory, ctx)
+                measure.remove_path(path)
+                created[method.name] = path
+                sample = _measure_save(method, state, path, ctx, result)
+                if sample is None:
+                    continue
+                result.file_bytes = _path_bytes(path)
+                try:
+                    loaded = method.read_back(path, state, ctx)
+                    problem = verify_state(expected, method.flat(loaded), ctx.device)
+                    del loaded
+                except Exception as e:
+                    problem = f"reading the file back failed: {_short_error(e)}"
+                system.release_memory()
+                if problem:
+                    result.fail(f"verification failed: {problem}")
+                    continue
+                written[method.name] = path
+                sample.update(round=round_index, warmup=is_warmup, gbps=state_bytes / sample["seconds"] / 1e9)
+                result.samples.append(sample)
+            for method in load_order:
+                result = results[("load", method.name)]
+                if result.status != "ok":
+                    continue
+                source = results[("save", method.source)]
+                if method.source not in written:
+                    result.status = "skipped"
+                    result.reason = (
+                        f"its input ({method.source}) was not written: {source.status} {source.reason or ''}".strip()
+                    )
+                    continue
+                progress(f"round {round_index + 1}/{rounds}: load {method.name}")
+                path = written[method.source]
+                cache = dropper.drop([path])
+                ctx.dist.barrier()
+                sample, loaded = _measure_load(method, state, path, ctx, result)
+                if sample is None:
+                    continue
+                try:
+                    problem = verify_state(expected, method.flat(loaded), ctx.device)
+                except Exception as e:
+                    problem = f"comparing the loaded state failed: {_short_error(e)}"
+                del loaded
+                system.release_memory()
+                if problem:
+                    result.fail(f"verification failed: {problem}")
+                    continue
+                sample.update(
+                    round=round_index, warmup=is_warmup, cache=cache, gbps=state_bytes / sample["seconds"] / 1e9
+                )
+                result.samples.append(sample)
+        finally:
+            by_name = {m.name: m for m in saves}
+            for name, path in created.items():
+                by_name[name].cleanup(path)
+            if created:
+                os.sync()
+    return list(results.values())
+
+
+def _record_failure(result: MethodResult, op: str, error: BaseException) -> None:
+    result.fail(f"{op} raised {_short_error(error)}")
+    if os.environ.get("FASTPERSIST_BENCH_TRACEBACK"):
+        traceback.print_exc()
+
+
+def _measure_save(
+    method: SaveMethod, state: Any, path: str, ctx: BenchContext, result: MethodResult
+) -> dict[str, Any] | None:
+    system.release_memory()
+    ctx.synchronize()
+    ctx.dist.barrier()
+    try:
+        with measure.PeakMemory() as memory:
+            start = time.perf_counter()
+            extra = method.save(state, path, ctx) or {}
+            ctx.synchronize()
+            measure.fsync_paths(path)
+            seconds = time.perf_counter() - start
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        _record_failure(result, "save", e)
+        return None
+    return {
+        "seconds": seconds,
+        "blocked_seconds": extra.get("blocked_seconds"),
+        "peak_rss_bytes": memory.peak,
+        "baseline_rss_bytes": memory.baseline,
+        "rss_delta_bytes": memory.delta,
+        "memory_source": memory.source,
+    }
+
+
+def _measure_load(
+    method: LoadMethod, state: Any, path: str, ctx: BenchContext, result: MethodResult
+) -> tuple[dict[str, Any] | None, Any]:
+    system.release_memory()
+    ctx.synchronize()
+    try:
+        with measure.PeakMemory() as memory:
+            start = time.perf_counter()
+            loaded = method.load(path, state, ctx)
+            if ctx.device.type == "cpu":
+                touch_pages(method.flat(loaded)[0])
+            ctx.synchronize()
+            seconds = time.perf_counter() - start
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        _record_failure(result, "load", e)
+        return None, None
+    sample = {
+        "seconds": seconds,
+        "peak_rss_bytes": memory.peak,
+        "baseline_rss_bytes": memory.baseline,
+        "rss_delta_bytes": memory.delta,
+        "memory_source": memory.source,
+    }
+    return sample, loaded

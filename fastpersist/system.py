@@ -1,0 +1,277 @@
+"""What the operating system says about this process and machine, read in one place (from /proc and /sys).
+
+Linux's /proc is the one source (no psutil): resident and peak memory, the
+memory still available, effective capabilities, transparent huge pages, the
+filesystem holding a path, whether a process is alive. Also the one way to
+empty the page cache before a cold read (:class:`CacheDropper`) and to find
+fio. Every reader returns ``None`` (or a documented fallback) where the file
+does not exist, so callers work on other systems too. Imports nothing from
+fastpersist.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import shutil
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = [
+    "CacheDropper",
+    "FIO_INSTALL_HINT",
+    "available_memory",
+    "cpu_model",
+    "current_rss",
+    "effective_capability",
+    "files_under",
+    "filesystem_of",
+    "find_fio",
+    "peak_rss",
+    "process_alive",
+    "release_memory",
+    "reset_peak_rss",
+    "transparent_huge_pages",
+]
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+FIO_INSTALL_HINT = (
+    "fio is not installed; install it for an independent storage ceiling "
+    "(Debian/Ubuntu: apt-get install fio; RHEL/Fedora: dnf install fio; conda: conda install -c conda-forge fio)"
+)
+
+
+# --------------------------------------------------------------------- /proc readers
+
+
+def _status_field(name: str) -> str | None:
+    """The value of ``name:`` in /proc/self/status (e.g. ``VmHWM``, ``CapEff``), or None."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(name + ":"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
+def _kib_field(text: str | None) -> int | None:
+    return int(text.split()[0]) * 1024 if text else None
+
+
+def current_rss() -> int:
+    """Resident set size of this process in bytes (/proc/self/statm; the peak from getrusage elsewhere)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE_SIZE
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_rss() -> int | None:
+    """The kernel's high-water mark of this process's resident memory (VmHWM), in bytes, or None."""
+    return _kib_field(_status_field("VmHWM"))
+
+
+def reset_peak_rss() -> bool:
+    """Resets VmHWM to the current RSS (Linux >= 4.0); False where not allowed.
+
+    Lets :func:`peak_rss` catch peaks shorter than any sampling interval.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (what can be allocated without swapping), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def effective_capability(bit: int) -> bool | None:
+    """Whether this process holds capability ``bit`` (e.g. 14, CAP_IPC_LOCK), or None when unknown."""
+    value = _status_field("CapEff")
+    return None if value is None else bool(int(value, 16) >> bit & 1)
+
+
+def transparent_huge_pages() -> str | None:
+    """The selected mode of /sys/kernel/mm/transparent_hugepage/enabled (``always``, ``madvise``, ``never``)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else text.strip()
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo, or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` can still be running code: a zombie (exited, not yet reaped) cannot."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def filesystem_of(path: str) -> dict[str, Any]:
+    """Mount point, filesystem type, device, mount options and free space of the filesystem holding ``path``."""
+    path = os.path.realpath(path)
+    info: dict[str, Any] = {"path": path}
+    best = ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 4:
+                    continue
+                device, mount, fstype, options = fields[:4]
+                mount = mount.replace("\\040", " ")
+                if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+                    best = mount
+                    info.update(mount_point=mount, type=fstype, device=device, options=options)
+    except OSError:
+        pass
+    try:
+        usage = shutil.disk_usage(path)
+        info.update(total_bytes=usage.total, free_bytes=usage.free)
+    except OSError:
+        pass
+    return info
+
+
+_libc = None
+
+
+def release_memory(collect: bool = True) -> None:
+    """Collects garbage (unless ``collect`` is False) and returns freed heap to the OS (glibc malloc_trim)."""
+    global _libc
+    if collect:
+        gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            if _libc is None:
+                _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+
+def find_fio() -> str | None:
+    """The path of the fio executable, or None (then show :data:`FIO_INSTALL_HINT`)."""
+    return shutil.which("fio")
+
+
+# --------------------------------------------------------------------- page cache
+
+
+def files_under(path: str) -> list[str]:
+    """``path`` itself when it is a file, else every regular file below it (sorted)."""
+    if os.path.isfile(path):
+        return [path]
+    found: list[str] = []
+    for root, _dirs, names in os.walk(path):
+        found.extend(os.path.join(root, n) for n in sorted(names))
+    return sorted(found)
+
+
+class CacheDropper:
+    """Empties the page cache of files about to be read: the one cache-drop helper.
+
+    ``mode`` is decided once, at construction:
+
+    * ``drop_caches``: ``sync`` then ``echo 3 > /proc/sys/vm/drop_caches``
+      (root, and /proc/sys writable) -- the whole cache, as after a reboot;
+    * ``fadvise``: ``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file after
+      fsync -- drops those files' clean pages; works for any user;
+    * ``none``: neither works (not Linux); reads may hit the cache;
+    * ``disabled``: the caller asked for warm reads.
+
+    ``detail`` says the same in a sentence, for reports.
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.detail = ""
+        if not enabled:
+            self.mode = "disabled"
+            self.detail = "page cache not dropped (--no-drop-caches): loads may be served from memory"
+            return
+        if self._try_drop_caches():
+            self.mode = "drop_caches"
+            self.detail = "page cache dropped before every load (sync; echo 3 > /proc/sys/vm/drop_caches)"
+        elif hasattr(os, "posix_fadvise"):
+            self.mode = "fadvise"
+            self.detail = (
+                "could not write /proc/sys/vm/drop_caches (needs root); dropped each file's pages "
+                "with posix_fadvise(DONTNEED) before every load"
+            )
+        else:
+            self.mode = "none"
+            self.detail = "could not drop the page cache on this system: loads may be served from memory"
+
+    @staticmethod
+    def _try_drop_caches() -> bool:
+        try:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            return True
+        except OSError:
+            return False
+
+    def drop(self, paths: Iterable[str]) -> str:
+        """Drops the cache of ``paths`` (files or directories); returns the mode actually used.
+
+        Raises:
+            OSError: opening or fsyncing one of the files (fadvise mode).
+        """
+        if self.mode == "drop_caches":
+            if self._try_drop_caches():
+                return "drop_caches"
+            self.mode = "fadvise"  # lost the permission mid-run (unusual); degrade, and say so per sample
+        if self.mode == "fadvise":
+            for path in paths:
+                for file in files_under(path):
+                    descriptor = os.open(file, os.O_RDONLY)
+                    try:
+                        os.fsync(descriptor)  # DONTNEED skips dirty pages
+                        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(descriptor)
+            return "fadvise"
+        return self.mode
+

@@ -1,0 +1,121 @@
+"""The storage ceiling: measured independently of any save path, verified, and never beaten silently."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fastpersist.bench import models, report
+from fastpersist.bench.methods import ceilings, torch_baselines
+from fastpersist.bench.runner import run_benchmark
+from fastpersist.system import CacheDropper
+
+
+def test_pattern_blocks_are_unique():
+    pattern = ceilings._stamped_pattern(64 * ceilings.BLOCK + 100)
+    blocks = pattern[: 64 * ceilings.BLOCK].view(64, ceilings.BLOCK)
+    assert len({bytes(b[:8].numpy()) for b in blocks}) == 64  # a misplaced block cannot compare equal
+
+
+def test_grid_covers_block_sizes_queue_depths_and_the_load_ring(tmp_path):
+    with ceilings.CeilingProbe(str(tmp_path), 1 << 20, use_fio=False) as probe:
+        writes = probe.candidates("write")
+        reads = probe.candidates("read", read_buffers=(64 << 20, 8))
+    assert {(c.block_size, c.queue_depth) for c in writes} == {
+        (b, q) for b in ceilings.GRID_BLOCK_SIZES for q in ceilings.GRID_QUEUE_DEPTHS
+    }
+    assert ceilings.Candidate("engine", 64 << 20, 8) in reads and len(reads) == len(writes) + 1
+    assert os.listdir(tmp_path) == []
+
+
+def test_ceiling_is_the_best_verified_full_size_sample(tmp_path):
+    result = ceilings.measure_ceiling(str(tmp_path), 3 << 20, use_fio=False, grid_bytes=1 << 20, passes=2, seed=3)
+    assert result["bytes"] == 3 << 20 and result["fio"]["path"] is None
+    assert len(result["grid"]["write"]) == 4 and all(p["bytes"] == 1 << 20 for p in result["grid"]["write"])
+    for op in ("write", "read"):
+        samples = result[op]["samples"]
+        assert samples and all(s["bytes"] == 3 << 20 and s["error"] is None for s in samples)
+        assert result[op]["gbps"] == max(s["gbps"] for s in samples)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_read_that_returns_other_bytes_fails_the_ceiling(tmp_path, monkeypatch):
+    with ceilings.CeilingProbe(str(tmp_path), 1 << 20, use_fio=False) as probe:
+        candidate = probe.candidates("write")[0]
+        probe.write(candidate)
+        path = probe._path("engine")
+        with open(path, "r+b") as f:  # one block stale: what a read of the wrong offset would return
+            f.seek(5 * ceilings.BLOCK)
+            f.write(bytes(probe.source[3 * ceilings.BLOCK : 4 * ceilings.BLOCK].numpy()))
+        with pytest.raises(ceilings.CeilingVerificationError, match=f"byte {5 * ceilings.BLOCK}"):
+            probe.read(candidate)
+
+
+def test_failed_candidates_never_count(tmp_path, monkeypatch):
+    def broken_read(self, candidate, nbytes=None):
+        raise ceilings.CeilingVerificationError("bytes differ")
+
+    monkeypatch.setattr(ceilings.CeilingProbe, "read", broken_read)
+    result = ceilings.measure_ceiling(str(tmp_path), 1 << 20, use_fio=False, grid_bytes=1 << 20)
+    assert result["write"]["gbps"] is None and result["read"]["gbps"] is None
+    assert all("bytes differ" in p["error"] for p in result["grid"]["read"])
+
+
+@pytest.mark.skipif(ceilings.system.find_fio() is None, reason="fio is not installed")
+def test_fio_candidates_verify_their_reads(tmp_path):
+    with ceilings.CeilingProbe(str(tmp_path), 4 << 20, use_fio=True) as probe:
+        fio = ceilings.Candidate("fio", 1 << 20, 8)
+        assert probe.write(fio) > 0 and probe.read(fio) > 0
+        with open(probe._path("fio"), "r+b") as f:
+            f.seek(2 << 20)
+            f.write(b"\xff" * 64)
+        with pytest.raises(ceilings.CeilingVerificationError, match="verify"):
+            probe.read(fio)
+
+
+def test_faster_than_the_ceiling_is_flagged_not_reported_as_a_win():
+    document = {
+        "baselines": {"save": "torch.save", "load": "torch.load"},
+        "ceiling": {
+            "fio": {"path": None},
+            "write": {"gbps": 2.0, "best": {"tool": "engine", "block_size": 16 << 20, "queue_depth": 32},
+                      "samples": [{"gbps": 2.0}]},  # fmt: skip
+            "read": {"gbps": None, "best": None, "samples": []},
+        },
+        "results": [
+            {"op": "save", "method": m, "label": m, "status": "ok", "timed": True,
+             "summary": {"gbps": {"median": g, "min": g, "max": g, "n": 1}, "seconds": {"median": 1.0},
+                         "blocked_seconds": None, "rss_delta_bytes": {"median": 0}, "peak_rss_bytes": {"median": 0}}}
+            for m, g in (("torch.save", 1.0), ("fastpersist", 2.5))
+        ],  # fmt: skip
+    }
+    report.annotate_ceiling(document)
+    by_name = {r["method"]: r for r in document["results"]}
+    assert by_name["torch.save"]["ceiling_ratio"] == 0.5 and not by_name["torch.save"]["measurement_problem"]
+    assert by_name["fastpersist"]["ceiling_ratio"] == 1.25 and by_name["fastpersist"]["measurement_problem"]
+    assert report.measurement_problems(document) == ["save fastpersist"]
+    rows = {r["method"]: r for r in report.rows(document)}
+    assert rows["fastpersist"]["status"].startswith("MEASUREMENT PROBLEM")
+    assert rows["ceiling-write"]["gbps"] == "2.00" and "engine 16M QD32" in rows["ceiling-write"]["label"]
+    assert rows["ceiling-read"]["status"].startswith("FAILED")
+
+
+def test_method_order_is_random_per_round_and_seeded(tmp_path):
+    class Named(torch_baselines.TorchSave):
+        def __init__(self, name):
+            self.name = name
+
+    saves = [Named(f"m{i}") for i in range(5)]
+    state = models.build_state("toy")
+
+    def schedule_for(seed):
+        schedule = []
+        run_benchmark(state, saves, [], str(tmp_path), repeats=4, warmup=0, order_seed=seed, schedule=schedule,
+                      dropper=CacheDropper(enabled=False))  # fmt: skip
+        return [tuple(r["save"]) for r in schedule]
+
+    first = schedule_for(11)
+    assert first == schedule_for(11)
+    assert len(set(first)) > 1 and all(sorted(order) == [f"m{i}" for i in range(5)] for order in first)
+    assert first != schedule_for(12)

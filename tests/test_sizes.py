@@ -1,0 +1,63 @@
+"""One size syntax everywhere: config.parse_size, settings, environment and every command agree."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from fastpersist import config
+from fastpersist.bench import io as bench_io
+from fastpersist.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4096", 4096),
+        (4096, 4096),
+        ("0", 0),
+        ("8K", 8 << 10),
+        ("8k", 8 << 10),
+        ("8KB", 8 << 10),
+        ("8KiB", 8 << 10),
+        ("64M", 64 << 20),
+        ("512MiB", 512 << 20),
+        ("2G", 2 << 30),
+        ("2GB", 2 << 30),
+        ("2gib", 2 << 30),
+        (" 1T ", 1 << 40),
+        ("1.5G", 3 << 29),
+        (".5M", 1 << 19),
+        ("100B", 100),
+    ],
+)
+def test_units_are_binary(text, expected):
+    assert config.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "", "1.5", "2X", "-1", "1e9", "G", True, None, -4096, 1.5])
+def test_refuses_what_is_not_a_whole_size(text):
+    with pytest.raises(ValueError):
+        config.parse_size(text)
+
+
+def test_settings_and_environment_use_the_same_parser(monkeypatch):
+    with config.set(buffer_size="2M"):
+        assert config.get("buffer_size") == config.parse_size("2M") == 2 << 20
+    monkeypatch.setenv("FASTPERSIST_BLOCK_SIZE", "1MiB")
+    config.reset()
+    try:
+        assert config.get("block_size") == 1 << 20
+    finally:
+        monkeypatch.delenv("FASTPERSIST_BLOCK_SIZE")
+        config.reset()
+    with pytest.raises(ConfigError, match="size like"):
+        config.set(block_size="big")
+
+
+def test_bench_io_sizes_mean_the_same():
+    args = bench_io.build_parser().parse_args(["--size", "2G", "--block-size", "16M"])
+    assert (args.size, args.block_size) == (2 << 30, 16 << 20)
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        bench_io._size("2X")
