@@ -413,7 +413,8 @@ def markdown(doc: dict[str, Any]) -> str:
         fio = f"{r['fraction_of_fio']:.2f}" if r.get("fraction_of_fio") else "-"
         rss = format_bytes(r["peak_rss_delta"]) if r.get("peak_rss_delta") is not None else "-"
         cpu = f"{r['cpu_seconds_median']:.2f}" if r.get("cpu_seconds_median") is not None else "-"
-        lines.append(f"| {r['op']} | {r['method']} | {r['kind']} | {r['median_s']:.3f} | {r['gbps'] or 0:.2f} | "
+        gbps = f"{r['gbps']:.2f}" if (r.get("gbps") or 0) >= 0.01 else "-"
+        lines.append(f"| {r['op']} | {r['method']} | {r['kind']} | {r['median_s']:.3f} | {gbps} | "
                      f"{ratio} | {fio} | {rss} | {cpu} |")  # fmt: skip
     return "\n".join(lines)
 
