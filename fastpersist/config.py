@@ -74,8 +74,8 @@ class Settings:
     """Reap completions while submitting (a sliding window) instead of batch by batch."""
     buffer_size: int = 64 * _MiB
     """Bytes in each staging buffer of the writer's and reader's ring."""
-    buffer_count: int = 4
-    """Staging buffers in the save ring (at least 2: one fills while another is written)."""
+    buffer_count: int = 8
+    """Staging buffers in the save ring (at least 2: one fills while another is written; fewer for small checkpoints)."""
     read_buffer_count: int = 8
     """Staging buffers in the CUDA-load ring: reads in flight while earlier windows are copied to the GPU."""
     fsync: bool = True

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib
 import json
 import os
 import re
@@ -461,7 +462,8 @@ def dcp_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(parts)
 
 
-_BLOCK = re.compile(r"(<!-- fastpersist:(summary|results|dcp) -->\n)(.*?)(<!-- /fastpersist -->)", re.DOTALL)
+_BLOCK = re.compile(r"(<!-- fastpersist:(summary|results|dcp|ranks|training|safetensors|shapes|aio_handle) -->\n)(.*?)"
+                    r"(<!-- /fastpersist -->)", re.DOTALL)
 RESULTS_DIR = os.path.join("docs", "results")
 
 
@@ -487,14 +489,55 @@ def load_results(directory: str) -> list[tuple[str, dict[str, Any]]]:
     return documents
 
 
-OTHER_BENCHMARKS = {"dcp"}
-"""Other benchmarks (``"benchmark"`` key) whose results have a block type (``<!-- fastpersist:dcp -->``)."""
-
-
 def _of_kind(documents: Sequence[tuple[str, dict[str, Any]]], kind: str) -> list[tuple[str, dict[str, Any]]]:
-    if kind == "checkpoint":
+    if kind in ("summary", "results", "checkpoint"):
         return [(n, d) for n, d in documents if str(d.get("schema", "")).startswith(SCHEMA_PREFIX)]
-    return [(n, d) for n, d in documents if d.get("benchmark") == kind]
+    return [(n, d) for n, d in documents if benchmark_of(d) == kind]
+
+
+def benchmark_of(document: dict[str, Any]) -> str | None:
+    """Which benchmark wrote ``document``: its ``benchmark`` key, else the name in its ``schema``."""
+    if document.get("benchmark"):
+        return str(document["benchmark"])
+    schema = str(document.get("schema", ""))
+    for name, prefix in _SCHEMAS.items():
+        if schema.startswith(prefix):
+            return name
+    return None
+
+
+_SCHEMAS = {
+    "ranks": "fastpersist.bench.ranks/",
+    "training": "fastpersist-training-bench/",
+    "safetensors": "fastpersist.bench.safetensors/",
+}
+
+
+def _per_document(module: str, function: str):
+    """A block renderer calling ``module.function(document)`` for each result, under its file name."""
+
+    def render(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
+        render_one = getattr(importlib.import_module(module), function)
+        parts = []
+        for name, document in documents:
+            commit = ((document.get("machine") or {}).get("code") or {}).get("commit", "")[:12]
+            parts += [f"`docs/results/{name}` (commit {commit})", "", render_one(document).rstrip("\n"), ""]
+        return "\n".join(parts)
+
+    return render
+
+
+RENDERERS: dict[str, Any] = {
+    "summary": summary_markdown,
+    "results": _results_markdown,
+    "dcp": dcp_markdown,
+    "ranks": _per_document("fastpersist.bench.ranks", "to_markdown"),
+    "training": _per_document("fastpersist.bench.training", "to_markdown"),
+    "safetensors": _per_document("fastpersist.bench.safetensors_bench", "to_markdown"),
+    "shapes": _per_document("fastpersist.bench.shapes", "markdown"),
+    "aio_handle": _per_document("fastpersist.bench.aio_handle", "to_markdown"),
+}
+"""Docs block name (``<!-- fastpersist:NAME -->``) -> renderer of the results of that kind."""
 
 
 def render_docs(text: str, documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
@@ -502,9 +545,8 @@ def render_docs(text: str, documents: Sequence[tuple[str, dict[str, Any]]]) -> s
 
     def fill(match: re.Match[str]) -> str:
         kind = match.group(2)
-        chosen = _of_kind(documents, "dcp" if kind == "dcp" else "checkpoint")
-        render = {"summary": summary_markdown, "results": _results_markdown, "dcp": dcp_markdown}[kind]
-        body = render(chosen)
+        chosen = _of_kind(documents, kind)
+        body = RENDERERS[kind](chosen)
         if not chosen:
             body = "_No results in docs/results/ yet: run examples/gpu_acceptance.sh or the benchmark with --json._\n"
         return match.group(1) + body + match.group(4)

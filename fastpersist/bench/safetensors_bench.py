@@ -244,6 +244,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def to_markdown(result: dict[str, Any]) -> str:
+    """The result as Markdown: one row per method and operation, then the ratios."""
+    config = result["config"]
+    lines = [f"{models.format_bytes(config['bytes'])} bf16 in {config['tensors']} tensors on {config['device']}, "
+             f"{config['repeats']} repeats, engine {config['engine']}; {config['cache']}", "",
+             "| operation | method | GB/s (median) | peak extra RSS |", "| --- | --- | ---: | ---: |"]  # fmt: skip
+    for kind in ("save", "load"):
+        for name, entry in result[kind].items():
+            rss = entry.get("peak_extra_rss_bytes")
+            lines.append(f"| {kind} | {entry['label']} | {entry['gb_per_s']:.2f} | "
+                         f"{models.format_bytes(rss) if rss is not None else '-'} |")  # fmt: skip
+    lines.append("")
+    lines += [f"- {name}: {ratio:.2f}x" for name, ratio in result["ratios"].items()]
+    lines += [f"- PROBLEM: {problem}" for problem in result["problems"]]
+    return "\n".join(lines) + "\n"
+
+
 def _print(result: dict[str, Any]) -> None:
     config = result["config"]
     print(f"{models.format_bytes(config['bytes'])} in {config['tensors']} tensors on {config['device']}, "

@@ -251,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    loadavg_start = list(os.getloadavg())
     size = parse_size(args.size)
     overrides = dict(item.split("=", 1) for item in args.set)
     settings = config.resolve(overrides)
@@ -266,7 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         saves["fastpersist"] = ("storage", lambda: fastpersist.save(state, ours, **overrides))
         if not args.no_torch:
             saves["torch.save"] = ("storage", lambda: _torch_save(state, theirs))
-        if args.fio and shutil.which("fio"):
+        if args.fio and system.find_fio():
             saves["fio-write (ceiling)"] = ("storage", lambda: _fio_write(ceiling, nbytes))
     if args.sink or args.sink_only:
         saves["fastpersist-sink"] = ("sink", lambda: _sink_save(state, settings))
@@ -298,7 +299,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for round_index in range(args.warmup + args.repeats):
             timed = round_index >= args.warmup
-            for name, (_, action) in saves.items():
+            save_order = list(saves.items())
+            save_order = save_order[round_index % len(save_order):] + save_order[: round_index % len(save_order)]
+            for name, (_, action) in save_order:
                 system.release_memory()
                 with measure.PeakMemory() as peak:
                     cpu_before = _cpu_seconds()
@@ -319,7 +322,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if not _same(state, loaded):
                     raise RuntimeError("fastpersist round trip differs from the saved state")
                 del loaded
-            for name, (_, action, path) in loads.items():
+            # Rotated each round: the first load after a free pays the fresh page faults.
+            order = list(loads.items())
+            order = order[round_index % len(order):] + order[: round_index % len(order)] if order else order
+            for name, (_, action, path) in order:
                 loaded = None
                 system.release_memory()
                 dropper.drop([path])
@@ -370,6 +376,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "settings": settings.as_dict(),
         "overrides": overrides,
         "cache": dropper.detail,
+        "loadavg_start": loadavg_start,
+        "code": measure.code_version(),
         "machine": measure.machine_info(args.dir or tempfile.gettempdir(), args.device),
         "results": results,
         "note": "kind=sink: the pipeline without storage (save into /dev/null, load from /dev/zero); stores nothing",
@@ -388,7 +396,36 @@ def _print(doc: dict[str, Any]) -> None:
               f"{ratio:>8} {fio:>6} {rss:>10} {r.get('cpu_seconds_median') or 0:6.2f}")  # fmt: skip
 
 
+def markdown(doc: dict[str, Any]) -> str:
+    """A Markdown table of one result document (what docs/benchmarks.md shows)."""
+    machine = doc.get("machine", {})
+    lines = [
+        f"{doc['shape']}: {doc['tensors']} tensors, {format_bytes(doc['state_bytes'])}, device {doc['device']}; "
+        f"{len(doc['results'][0]['seconds'])} timed rounds, medians; {machine.get('cpu_count', '?')} CPUs "
+        f"({machine.get('device_name', '')}), 1-min load average {doc.get('loadavg_start', ['?'])[0]:.1f} at the start, "
+        f"{(machine.get('loadavg') or [0])[0]:.1f} at the end",
+        "",
+        "| op | method | kind | median s | GB/s | x torch | x fio | peak RSS growth | CPU s |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in doc["results"]:
+        ratio = f"{r['speedup_vs_torch']:.2f}" if r.get("speedup_vs_torch") else "-"
+        fio = f"{r['fraction_of_fio']:.2f}" if r.get("fraction_of_fio") else "-"
+        rss = format_bytes(r["peak_rss_delta"]) if r.get("peak_rss_delta") is not None else "-"
+        cpu = f"{r['cpu_seconds_median']:.2f}" if r.get("cpu_seconds_median") is not None else "-"
+        gbps = f"{r['gbps']:.2f}" if (r.get("gbps") or 0) >= 0.01 else "-"
+        lines.append(f"| {r['op']} | {r['method']} | {r['kind']} | {r['median_s']:.3f} | {gbps} | "
+                     f"{ratio} | {fio} | {rss} | {cpu} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(argv) if argv is not None else None
+    if argv and argv[0] == "--markdown":  # python -m fastpersist.bench shapes --markdown RESULT.json ...
+        for path in argv[1:]:
+            with open(path) as handle:
+                print(markdown(json.load(handle)) + "\n")
+        return 0
     args = build_parser().parse_args(argv)
     doc = run(args)
     _print(doc)

@@ -127,10 +127,11 @@ def plan_save(
 
     prefix = archive_name + "/"
     views = {key: storage_byte_view(storage) for key, storage in storages.items()}
+    sizes = [storage.nbytes() for storage in storages.values()]
     metadata = [("data.pkl", buffer.getvalue())]
     # Small storages are packed at 64 bytes; a file that mixes packed and page-aligned
     # storages declares no alignment (torch then reads offsets from the local headers).
-    alignment = storage_alignment_claim(view.numel() for view in views.values())
+    alignment = storage_alignment_claim(sizes)
     if alignment is not None:
         metadata += [(".format_version", b"1"), (".storage_alignment", str(alignment).encode())]
     if not disable_byteorder_record:
@@ -139,7 +140,7 @@ def plan_save(
 
     layout = layout_archive(
         [(prefix + name, len(data), False) for name, data in metadata]
-        + [(f"{prefix}data/{key}", view.numel(), not is_packed_storage(view.numel())) for key, view in views.items()]
+        + [(f"{prefix}data/{key}", size, not is_packed_storage(size)) for key, size in zip(views, sizes)]
         + [(prefix + name, len(data), False) for name, data in closing]
     )
     entries = iter(layout.entries)

@@ -249,7 +249,9 @@ def _padded_data_offset(header_offset: int, name_length: int, size: int, alignme
     """Where miniz (torch's writer) puts a payload: after the header, the name, zip64 and padding fields."""
     # 4: the padding field's own header. The formula is miniz's getPadding,
     # which torch's reader replays when it computes offsets itself.
-    earliest = header_offset + _LOCAL.size + name_length + len(_local_zip64_extra(size, header_offset)) + 4
+    earliest = header_offset + _LOCAL.size + name_length + 4
+    if size >= _U32_MAX or header_offset >= _U32_MAX:
+        earliest += len(_local_zip64_extra(size, header_offset))
     return -(-earliest // alignment) * alignment
 
 

@@ -66,6 +66,17 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
+def _forget_after_fork() -> None:
+    # The parent's threads do not exist in the child, and its lock may have been held.
+    global _pool, _lock
+    _lock = threading.Lock()
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def shutdown() -> None:
     """Stops the pool's threads (a later call starts a new pool). Waits for queued work."""
     global _pool
