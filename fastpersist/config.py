@@ -82,6 +82,8 @@ class Settings:
     """``load`` of a path verifies every record's CRC-32 (overlapped with the reads; see docs/reliability.md)."""
     huge_pages: bool = True
     """Ask for transparent huge pages for large load destinations (fewer page faults)."""
+    atomic: bool = True
+    """Save regular files by temporary file + rename (off: write in place like torch.save, keeping hard links and the inode)."""
 
     def __post_init__(self) -> None:
         _validate(self)

@@ -11,6 +11,7 @@ storage becomes a zero-copy uint8 view in the plan.
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import secrets
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch.serialization import location_tag, normalize_storage_type
 
-from fastpersist.errors import UnsupportedObjectError
+from fastpersist.errors import MixedDtypeViewsError, UnsupportedObjectError
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
 from fastpersist.format.zipformat import PAYLOAD_ALIGNMENT, layout_archive
 from fastpersist.tensors import storage_byte_view
@@ -86,7 +87,7 @@ def plan_save(
         if storage.data_ptr() != 0:
             seen = storage_dtypes.setdefault(storage.data_ptr(), storage_dtype)
             if seen != storage_dtype:
-                raise UnsupportedObjectError(
+                raise MixedDtypeViewsError(
                     "Cannot save multiple tensors or storages that view the same data as different types "
                     f"({seen} and {storage_dtype}); save a copy of one of them instead"
                 )
@@ -112,10 +113,11 @@ def plan_save(
         ) from e
 
     prefix = archive_name + "/"
+    alignment = storage_alignment()
     metadata = [
         ("data.pkl", buffer.getvalue()),
         (".format_version", b"1"),
-        (".storage_alignment", str(PAYLOAD_ALIGNMENT).encode()),
+        (".storage_alignment", str(alignment).encode()),
     ]
     if not disable_byteorder_record:
         metadata.append(("byteorder", sys.byteorder.encode()))
@@ -125,13 +127,29 @@ def plan_save(
     layout = layout_archive(
         [(prefix + name, len(data), False) for name, data in metadata]
         + [(f"{prefix}data/{key}", view.numel(), True) for key, view in views.items()]
-        + [(prefix + name, len(data), False) for name, data in closing]
+        + [(prefix + name, len(data), False) for name, data in closing],
+        alignment=alignment,
     )
     entries = iter(layout.entries)
     records: list[BytesRecord | StorageRecord] = [BytesRecord(next(entries), data) for _, data in metadata]
     records += [StorageRecord(next(entries), key, view) for key, view in views.items()]
     records += [BytesRecord(next(entries), data) for _, data in closing]
     return SavePlan(layout, tuple(records))
+
+
+def storage_alignment() -> int:
+    """Storage payload alignment: ours (4096), or torch's ``config.save.storage_alignment`` when larger.
+
+    Any alignment torch is asked for is honoured (the least common multiple with
+    ours, so O_DIRECT still works).
+    """
+    try:
+        from torch.utils.serialization import config as torch_config
+
+        requested = int(torch_config.save.storage_alignment)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        requested = PAYLOAD_ALIGNMENT
+    return math.lcm(PAYLOAD_ALIGNMENT, requested) if requested > 0 else PAYLOAD_ALIGNMENT
 
 
 def _serialization_id() -> bytes:

@@ -24,10 +24,12 @@ def write_plan_to_stream(plan: SavePlan, stream: BinaryIO, *, checksum: bool = T
 
     Raises:
         OSError: from the stream.
-        TypeError: ``stream`` has no ``write`` method.
+        NotWritableError: (AttributeError, TypeError) ``stream`` has no ``write`` method.
     """
     if not callable(getattr(stream, "write", None)):
-        raise TypeError(f"expected a path or a writable binary file object, got {type(stream).__name__}")
+        from fastpersist.errors import NotWritableError
+
+        raise NotWritableError(f"expected a path or a writable binary file object, got {type(stream).__name__}")
     crcs = [getattr(record, "crc", 0) if checksum else 0 for record in plan.records]
     written = 0
     for segment in plan.segments():
