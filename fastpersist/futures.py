@@ -50,6 +50,16 @@ _executor_lock = threading.Lock()
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 
 
+def _reset_after_fork() -> None:
+    # The parent's worker thread does not exist in a forked child: start a new one there.
+    global _executor, _executor_lock
+    _executor = None
+    _executor_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 def _background() -> concurrent.futures.ThreadPoolExecutor:
     global _executor
     with _executor_lock:

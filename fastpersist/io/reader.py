@@ -27,7 +27,7 @@ import torch
 
 from fastpersist.config import Settings
 from fastpersist.format.zipformat import ZipRecordInfo, check_record_crc
-from fastpersist.io import engine, memory
+from fastpersist.io import engine, memory, workers
 from fastpersist.tensors import storage_byte_view
 
 __all__ = ["FileStorageProvider", "MmapStorageProvider"]
@@ -124,7 +124,7 @@ class FileStorageProvider:
         slabs: list[_Slab] = []
         reads: list = []  # (native Request, the records whose bytes it brings), in submission order
         checks: list[concurrent.futures.Future] = []
-        pool = concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS) if self._verify else None
+        pool = workers.executor(_VERIFY_THREADS, "fastpersist-verify") if self._verify else None
         try:
             for record, storage in items:
                 if record.size == 0:
@@ -179,7 +179,7 @@ class FileStorageProvider:
         # One worker checksums windows in file order (running CRCs stay consistent) while
         # this thread queues the host-to-device copies; a slot is refilled only once both
         # its copies and its checksum are done.
-        checker = concurrent.futures.ThreadPoolExecutor(1) if self._verify else None
+        checker = workers.executor(1, "fastpersist-verify") if self._verify else None
         with memory.lease_buffers(count, self._settings.buffer_size) as buffers:
             handles = [engine.make_handle(self._settings) for _ in buffers]
             events: list[list[torch.cuda.Event]] = [[] for _ in buffers]

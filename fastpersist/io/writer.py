@@ -30,7 +30,7 @@ import torch
 
 from fastpersist.config import Settings
 from fastpersist.format.plan import SavePlan, Segment, SegmentKind
-from fastpersist.io import engine, memory
+from fastpersist.io import engine, memory, workers
 from fastpersist.tensors import host_memoryview
 
 __all__ = ["write_plan", "side_streams"]
@@ -89,7 +89,7 @@ def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None) -> lis
         fill_cursor = _Cursor(segments)
         finalize_cursor = _Cursor(segments)
         trailer: list[bytes] = []
-        finalizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fastpersist-crc")
+        finalizer = workers.executor(1, "fastpersist-crc")
         try:
             for index, start in enumerate(range(0, size, window_size)):
                 slot = slots[index % len(slots)]
