@@ -74,7 +74,9 @@ class NonAtomicSaveWarning(UserWarning):
 
 _lock = threading.Lock()
 _live: set[str] = set()  # temporaries this process is writing now
-_last_scan: dict[str, float] = {}  # directory -> monotonic time of its last cleanup scan
+_last_scan: dict[
+    str, float
+] = {}  # directory -> monotonic time of its last cleanup scan
 _warned_in_place = False
 
 
@@ -145,7 +147,11 @@ def fsync_directory(directory: str) -> None:
 def _is_magic(path: str) -> bool:
     """Paths whose meaning is not a directory entry (``/dev/stdout``, ``/proc/self/fd/1``): never renamed over."""
     absolute = os.path.abspath(path)
-    return absolute.startswith(("/proc/", "/dev/fd/")) or absolute in ("/dev/stdout", "/dev/stderr", "/dev/stdin")
+    return absolute.startswith(("/proc/", "/dev/fd/")) or absolute in (
+        "/dev/stdout",
+        "/dev/stderr",
+        "/dev/stdin",
+    )
 
 
 def target_kind(path: str) -> str:
@@ -191,24 +197,42 @@ def check_target(path: str) -> str:
     directory = os.path.dirname(os.path.abspath(path))
     kind = target_kind(path)
     if kind == "directory":
-        raise IsADirectoryError(errno.EISDIR, "cannot save a checkpoint over a directory; pass a file path", path)
+        raise IsADirectoryError(
+            errno.EISDIR,
+            "cannot save a checkpoint over a directory; pass a file path",
+            path,
+        )
     if kind == "special":
         if not os.access(path, os.W_OK):
-            raise TargetPermissionError(errno.EACCES, "no permission to write this file", path)
+            raise TargetPermissionError(
+                errno.EACCES, "no permission to write this file", path
+            )
         return directory
     if not os.path.isdir(directory):
         raise TargetDirectoryMissingError(
-            errno.ENOENT, "the directory to save into does not exist; create it first (os.makedirs)", directory
+            errno.ENOENT,
+            "the directory to save into does not exist; create it first (os.makedirs)",
+            directory,
         )
     exists = os.path.exists(path)
-    if os.statvfs(directory).f_flag & os.ST_RDONLY:  # root gets here too: access() checks the mount
-        raise OSError(errno.EROFS, "the filesystem is mounted read-only; save to another filesystem", directory)
+    if (
+        os.statvfs(directory).f_flag & os.ST_RDONLY
+    ):  # root gets here too: access() checks the mount
+        raise OSError(
+            errno.EROFS,
+            "the filesystem is mounted read-only; save to another filesystem",
+            directory,
+        )
     if exists and not os.access(path, os.W_OK):
         raise TargetPermissionError(
-            errno.EACCES, "no permission to write this file (torch.save refuses it too); nothing was changed", path
+            errno.EACCES,
+            "no permission to write this file (torch.save refuses it too); nothing was changed",
+            path,
         )
     if not exists and not os.access(directory, os.W_OK | os.X_OK):
-        raise TargetPermissionError(errno.EACCES, "no permission to create files in this directory", directory)
+        raise TargetPermissionError(
+            errno.EACCES, "no permission to create files in this directory", directory
+        )
     return directory
 
 
@@ -222,7 +246,9 @@ def _name_max(directory: str) -> int:
         return 255
 
 
-def temporary_name(name: str, directory: str = ".", pid: int | None = None, token: str | None = None) -> str:
+def temporary_name(
+    name: str, directory: str = ".", pid: int | None = None, token: str | None = None
+) -> str:
     """The temporary file name for a save of ``name`` (a base name) into ``directory``.
 
     ``.<name>.fastpersist-<pid>-<namespace>-<token>.tmp``; when that would not fit
@@ -257,7 +283,9 @@ def _parse_temporary(basename: str) -> tuple[int, str] | None:
         return None
 
 
-def remove_stale_temporaries(path: str, min_age: float = STALE_AGE_SECONDS) -> list[str]:
+def remove_stale_temporaries(
+    path: str, min_age: float = STALE_AGE_SECONDS
+) -> list[str]:
     """Removes temporaries that killed saves left in ``path``'s directory; returns the removed paths.
 
     Only temporaries of this host and PID namespace, of processes that are gone,
@@ -321,7 +349,9 @@ def _process_alive(pid: int) -> bool:
 # ----------------------------------------------------------------------------- commit
 
 
-def commit_plan(plan, path: str, directory: str, settings: config.Settings, streams) -> None:
+def commit_plan(
+    plan, path: str, directory: str, settings: config.Settings, streams
+) -> None:
     """Writes ``plan`` to ``path`` (from :func:`resolve_target`) with the semantics in the module docstring."""
     kind = target_kind(path)
     if kind == "special":
@@ -335,15 +365,21 @@ def commit_plan(plan, path: str, directory: str, settings: config.Settings, stre
         _write_in_place(plan, path, directory, settings, streams)
         return
     _maybe_remove_stale(directory)
-    temporary = os.path.join(directory, temporary_name(os.path.basename(path), directory))
+    temporary = os.path.join(
+        directory, temporary_name(os.path.basename(path), directory)
+    )
     with _lock:
         _live.add(temporary)
     try:
         # O_EXCL: never write into someone else's file. Mode 0666 lets the kernel apply the
         # umask (and the directory's default ACL), exactly as open() does for a new file.
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        descriptor = os.open(
+            temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666
+        )
         try:
-            file = engine.File(temporary, "w", direct=settings.direct, truncate=False, create=False)
+            file = engine.File(
+                temporary, "w", direct=settings.direct, truncate=False, create=False
+            )
             try:
                 if file.direct:
                     # Reserving the blocks first makes O_DIRECT writes cheaper here and fails a full
@@ -365,7 +401,9 @@ def commit_plan(plan, path: str, directory: str, settings: config.Settings, stre
         except OSError:
             pass  # never mask the error being raised
         if isinstance(e, OSError) and e.filename == temporary:
-            e.add_note(f"while saving {path!r}: the previous file there is untouched and the temporary file is removed")
+            e.add_note(
+                f"while saving {path!r}: the previous file there is untouched and the temporary file is removed"
+            )
         raise
     finally:
         with _lock:
@@ -389,12 +427,18 @@ def _warn_in_place(path: str, directory: str) -> None:
     )
 
 
-def _write_in_place(plan, path: str, directory: str, settings: config.Settings, streams) -> None:
+def _write_in_place(
+    plan, path: str, directory: str, settings: config.Settings, streams
+) -> None:
     """torch.save's way: open (create 0666 & ~umask, or truncate) and write the file itself."""
     created = not os.path.exists(path)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    descriptor = os.open(
+        path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666
+    )
     try:
-        file = engine.File(path, "w", direct=settings.direct, truncate=False, create=False)
+        file = engine.File(
+            path, "w", direct=settings.direct, truncate=False, create=False
+        )
         try:
             write_plan(plan, file, settings, streams=streams)
             if settings.fsync:
@@ -410,7 +454,9 @@ def _write_in_place(plan, path: str, directory: str, settings: config.Settings, 
 def _write_special(plan, path: str, settings: config.Settings) -> None:
     """Devices, FIFOs, ``/dev/stdout``: one sequential stream, as torch.save writes them."""
     with open(path, "wb", buffering=0) as stream:
-        write_plan_to_stream(plan, stream, checksum=settings.checksum, chunk_size=settings.buffer_size)
+        write_plan_to_stream(
+            plan, stream, checksum=settings.checksum, chunk_size=settings.buffer_size
+        )
         if settings.fsync:
             fsync_file_object(stream)  # block devices only
 
@@ -426,7 +472,9 @@ def _copy_metadata(existing: str, descriptor: int) -> None:
             os.fchown(descriptor, st.st_uid, st.st_gid)
         except OSError:
             try:
-                os.fchown(descriptor, -1, st.st_gid)  # a member of the group may keep the group
+                os.fchown(
+                    descriptor, -1, st.st_gid
+                )  # a member of the group may keep the group
             except OSError:
                 pass
     try:

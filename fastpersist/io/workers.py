@@ -32,7 +32,9 @@ def threads_allowed() -> bool:
 class InlineExecutor(concurrent.futures.Executor):
     """Runs every task at once on the submitting thread; its future is already done."""
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+    def submit(
+        self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
             result = fn(*args, **kwargs)
@@ -58,7 +60,9 @@ class _FallbackPool(concurrent.futures.ThreadPoolExecutor):
             return InlineExecutor().submit(fn, *args, **kwargs)
 
 
-def executor(max_workers: int, thread_name_prefix: str = "fastpersist") -> concurrent.futures.Executor:
+def executor(
+    max_workers: int, thread_name_prefix: str = "fastpersist"
+) -> concurrent.futures.Executor:
     """A pool of ``max_workers`` threads, or an inline executor during interpreter shutdown."""
     if not threads_allowed():
         return InlineExecutor()
