@@ -1,135 +1,137 @@
-"""Atomic, durable commit of a checkpoint file: temporary sibling, fsync, rename, directory fsync.
+"""Commit of a checkpoint file with torch.save's filesystem semantics, made atomic and durable.
 
-Also the target checks that give torch.save's errors with advice, and the
-removal of temporaries that a killed save left behind.
+How a save to a path lands (see docs/compatibility.md):
+
+* a **regular file** (new or existing) is written to a temporary sibling in the
+  directory the kernel resolves for the path, fsynced, renamed over the
+  target, and the directory is fsynced. The replaced file's mode, owner and
+  group (where permitted) and extended attributes (ACLs included) are carried
+  over; a new file gets ``0666 & ~umask`` (and the directory's default ACL),
+  as ``open()`` gives it. A file the caller may not write is refused
+  (:class:`~fastpersist.errors.TargetPermissionError`) and nothing changes.
+* a **special file** (character or block device, FIFO, socket, ``/dev/stdout``
+  and other ``/dev`` or ``/proc`` paths) is written in place, as torch.save
+  writes it, with no rename and no fsync where fsync is invalid.
+* a writable regular file in a directory the caller cannot write is written
+  in place, with a one-time warning that the save was not atomic; so is every
+  regular file when the ``atomic`` setting is off (``atomic=False``), which
+  keeps hard links and the inode.
+
+Temporary names are ``.<name>.fastpersist-<pid>-<namespace>-<random>.tmp``
+(the name is hashed when that would exceed the filesystem's name limit). The
+namespace tags the host and PID namespace, so stale-temporary cleanup only
+removes files of dead processes of its own namespace, never the live
+temporaries of this process, and at most once a minute per directory.
 """
 
 from __future__ import annotations
 
 import errno
 import glob
+import hashlib
 import os
 import secrets
+import socket
+import stat
+import threading
+import time
+import warnings
 from typing import Any
 
 from fastpersist import config, system
+from fastpersist.errors import TargetDirectoryMissingError, TargetPermissionError
 from fastpersist.io import engine
+from fastpersist.io.stream import write_plan_to_stream
 from fastpersist.io.writer import write_plan
 
 __all__ = [
     "resolve_target",
     "check_target",
+    "target_kind",
+    "temporary_name",
     "temporary_path_pattern",
     "remove_stale_temporaries",
+    "copy_metadata",
+    "live_temporaries",
     "commit_plan",
     "fsync_directory",
     "fsync_file_object",
+    "NonAtomicSaveWarning",
 ]
 
 _TEMP_MARK = ".fastpersist-"
+_TEMP_SUFFIX = ".tmp"
+STALE_AGE_SECONDS = 30.0
+"""A temporary of a dead process is removed only once it is at least this old."""
+CLEANUP_INTERVAL_SECONDS = 60.0
+"""The automatic cleanup scans one directory at most this often (per process)."""
+
+
+class NonAtomicSaveWarning(UserWarning):
+    """A save was written in place (not atomically): the previous file was overwritten as it went."""
+
+
+# ----------------------------------------------------------------------------- process state
+
+_lock = threading.Lock()
+_live: set[str] = set()  # temporaries this process is writing now
+_last_scan: dict[
+    str, float
+] = {}  # directory -> monotonic time of its last cleanup scan
+_warned_in_place = False
+
+
+def _reset_after_fork() -> None:
+    # The child writes none of the parent's temporaries; the parent still owns them.
+    global _lock, _live, _last_scan
+    _lock = threading.Lock()
+    _live = set()
+    _last_scan = {}
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def live_temporaries() -> set[str]:
+    """The temporary files this process is writing right now (for diagnostics and tests)."""
+    with _lock:
+        return set(_live)
+
+
+def _namespace() -> str:
+    """8 hex digits naming this host and PID namespace: PIDs are comparable only within one."""
+    parts = [socket.gethostname()]
+    for source in ("/proc/self/ns/pid",):
+        try:
+            parts.append(str(os.stat(source).st_ino))
+        except OSError:
+            pass
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        pass
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
+
+
+_NAMESPACE = _namespace()
+
+
+# ----------------------------------------------------------------------------- durability helpers
 
 
 def fsync_file_object(f: Any) -> None:
+    """fsync ``f``'s descriptor when it is a regular file or block device (pipes, sockets, ttys: nothing)."""
     try:
         descriptor = f.fileno()
     except (AttributeError, OSError, ValueError):
         return  # BytesIO and friends: nothing to make durable
-    os.fsync(descriptor)
-
-
-def resolve_target(path: str) -> str:
-    """The file a save to ``path`` must replace.
-
-    torch.save writes through a symbolic link into the file it points to; the
-    atomic rename must do the same instead of replacing the link itself.
-    """
-    return os.path.realpath(path) if os.path.islink(path) else path
-
-
-def check_target(path: str) -> str:
-    """The target's directory; raises the error torch.save's open() would, with advice."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "cannot save a checkpoint over a directory; pass a file path", path)
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(
-            errno.ENOENT, "the directory to save into does not exist; create it first (os.makedirs)", directory
-        )
-    if not os.access(directory, os.W_OK | os.X_OK):
-        if os.statvfs(directory).f_flag & os.ST_RDONLY:  # root gets here too: access() checks the mount
-            raise OSError(errno.EROFS, "the filesystem is mounted read-only; save to another filesystem", directory)
-        raise PermissionError(errno.EACCES, "no permission to create files in this directory", directory)
-    return directory
-
-
-def temporary_path_pattern(path: str) -> str:
-    """The glob that matches the temporary files a save to ``path`` may leave after a crash."""
-    directory, name = os.path.split(os.path.abspath(path))
-    return os.path.join(glob.escape(directory), f".{glob.escape(name)}{_TEMP_MARK}*.tmp")
-
-
-def remove_stale_temporaries(path: str) -> None:
-    """Removes temporaries of earlier saves to ``path`` whose process is gone (killed mid-save)."""
-    for candidate in glob.glob(temporary_path_pattern(path)):
-        try:
-            pid = int(os.path.basename(candidate)[len(os.path.basename(path)) + 1 + len(_TEMP_MARK) :].split("-")[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and system.process_alive(pid):
-            continue  # another process may be saving to the same path right now
-        try:
-            os.unlink(candidate)
-        except FileNotFoundError:
-            pass
-
-
-def commit_plan(plan, path: str, directory: str, settings: config.Settings, streams, *, before_commit=None) -> None:
-    """Writes ``plan`` to a temporary file beside ``path``, makes it durable, renames it over ``path``.
-
-    ``before_commit``, if given, is called once every byte is written and before the rename;
-    whatever it raises aborts the save (the temporary file is removed, ``path`` is untouched).
-    """
-    remove_stale_temporaries(path)
-    name = os.path.basename(path)
-    temporary = os.path.join(directory, f".{name}{_TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    file = engine.File(temporary, "w", direct=settings.direct, truncate=True)
     try:
-        try:
-            if file.direct:
-                # Reserving the blocks first makes O_DIRECT writes cheaper here and fails a full
-                # disk before any byte is written. On tmpfs (buffered) it would only zero-fill
-                # every page before the copy overwrites it.
-                file.allocate(0, plan.size)
-            write_plan(plan, file, settings, streams=streams)
-            if settings.fsync:
-                file.fsync()
-        finally:
-            file.close()
-        if before_commit is not None:
-            before_commit()
-        _copy_mode(path, temporary)
-        os.replace(temporary, path)
-    except BaseException as e:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass  # never mask the error being raised
-        if isinstance(e, OSError) and e.filename == temporary:
-            e.add_note(f"while saving {path!r}: the previous file there is untouched and the temporary file is removed")
-        raise
-    if settings.fsync:
-        fsync_directory(directory)
-
-
-def _copy_mode(existing: str, temporary: str) -> None:
-    """Keeps the permission bits of a file being replaced, as writing it in place would."""
-    try:
-        mode = os.stat(existing).st_mode & 0o7777
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
-    os.chmod(temporary, mode)
+        mode = os.fstat(descriptor).st_mode
+    except OSError:
+        return
+    if stat.S_ISREG(mode) or stat.S_ISBLK(mode):
+        os.fsync(descriptor)
 
 
 def fsync_directory(directory: str) -> None:
@@ -139,3 +141,354 @@ def fsync_directory(directory: str) -> None:
     finally:
         os.close(descriptor)
 
+
+# ----------------------------------------------------------------------------- targets
+
+
+def _is_magic(path: str) -> bool:
+    """Paths whose meaning is not a directory entry (``/dev/stdout``, ``/proc/self/fd/1``): never renamed over."""
+    absolute = os.path.abspath(path)
+    return absolute.startswith(("/proc/", "/dev/fd/")) or absolute in (
+        "/dev/stdout",
+        "/dev/stderr",
+        "/dev/stdin",
+    )
+
+
+def target_kind(path: str) -> str:
+    """``"regular"`` (absent or a regular file), ``"special"`` (written in place) or ``"directory"``."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "special" if _is_magic(path) and os.path.lexists(path) else "regular"
+    except OSError:
+        return "regular"  # check_target / open() report it
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if not stat.S_ISREG(mode) or _is_magic(path):
+        return "special"
+    return "regular"
+
+
+def resolve_target(path: str) -> str:
+    """The path a save to ``path`` must write.
+
+    A regular file (or a new one) is resolved as the kernel resolves it
+    (symbolic links anywhere in the path, ``..`` after a symlinked directory),
+    so the temporary lives in the directory that really holds the file and the
+    rename replaces the file a symlink points to, not the link. Special files
+    (devices, FIFOs, ``/dev/stdout``) are kept as given: they are opened in place.
+    """
+    path = os.fspath(path)
+    if target_kind(path) != "regular":
+        return path
+    return os.path.realpath(path)
+
+
+def check_target(path: str) -> str:
+    """The target's directory; raises the error torch.save's open() would, with advice.
+
+    Raises:
+        IsADirectoryError: ``path`` is a directory.
+        TargetDirectoryMissingError: (FileNotFoundError and RuntimeError) its directory is missing.
+        TargetPermissionError: (PermissionError and RuntimeError) the file exists and may not be
+            written, or it does not exist and its directory may not be written.
+        OSError: errno EROFS on a read-only filesystem.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    kind = target_kind(path)
+    if kind == "directory":
+        raise IsADirectoryError(
+            errno.EISDIR,
+            "cannot save a checkpoint over a directory; pass a file path",
+            path,
+        )
+    if kind == "special":
+        if not os.access(path, os.W_OK):
+            raise TargetPermissionError(
+                errno.EACCES, "no permission to write this file", path
+            )
+        return directory
+    if not os.path.isdir(directory):
+        raise TargetDirectoryMissingError(
+            errno.ENOENT,
+            "the directory to save into does not exist; create it first (os.makedirs)",
+            directory,
+        )
+    exists = os.path.exists(path)
+    if (
+        os.statvfs(directory).f_flag & os.ST_RDONLY
+    ):  # root gets here too: access() checks the mount
+        raise OSError(
+            errno.EROFS,
+            "the filesystem is mounted read-only; save to another filesystem",
+            directory,
+        )
+    if exists and not os.access(path, os.W_OK):
+        raise TargetPermissionError(
+            errno.EACCES,
+            "no permission to write this file (torch.save refuses it too); nothing was changed",
+            path,
+        )
+    if not exists and not os.access(directory, os.W_OK | os.X_OK):
+        raise TargetPermissionError(
+            errno.EACCES, "no permission to create files in this directory", directory
+        )
+    return directory
+
+
+# ----------------------------------------------------------------------------- temporaries
+
+
+def _name_max(directory: str) -> int:
+    try:
+        return int(os.pathconf(directory, "PC_NAME_MAX"))
+    except (OSError, ValueError):
+        return 255
+
+
+def temporary_name(
+    name: str, directory: str = ".", pid: int | None = None, token: str | None = None
+) -> str:
+    """The temporary file name for a save of ``name`` (a base name) into ``directory``.
+
+    ``.<name>.fastpersist-<pid>-<namespace>-<token>.tmp``; when that would not fit
+    the filesystem's name limit, ``<name>`` is replaced by a hash of it.
+    """
+    pid = os.getpid() if pid is None else pid
+    token = secrets.token_hex(4) if token is None else token
+    tail = f"{_TEMP_MARK}{pid}-{_NAMESPACE}-{token}{_TEMP_SUFFIX}"
+    candidate = f".{name}{tail}"
+    if len(os.fsencode(candidate)) <= _name_max(directory):
+        return candidate
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:32]
+    return f".{digest}{tail}"
+
+
+def temporary_path_pattern(path: str) -> str:
+    """The glob that matches the temporary files saves into ``path``'s directory may leave after a crash."""
+    directory = os.path.dirname(os.path.abspath(path))
+    return os.path.join(glob.escape(directory), f".*{_TEMP_MARK}*{_TEMP_SUFFIX}")
+
+
+def _parse_temporary(basename: str) -> tuple[int, str] | None:
+    """(pid, namespace) of a temporary name, None if it is not one."""
+    if not basename.endswith(_TEMP_SUFFIX) or _TEMP_MARK not in basename:
+        return None
+    fields = basename[: -len(_TEMP_SUFFIX)].rsplit(_TEMP_MARK, 1)[1].split("-")
+    if len(fields) != 3:
+        return None
+    try:
+        return int(fields[0]), fields[1]
+    except ValueError:
+        return None
+
+
+def remove_stale_temporaries(
+    path: str, min_age: float = STALE_AGE_SECONDS
+) -> list[str]:
+    """Removes temporaries that killed saves left in ``path``'s directory; returns the removed paths.
+
+    Only temporaries of this host and PID namespace, of processes that are gone,
+    at least ``min_age`` seconds old, and never a live one of this process.
+    Files it may not delete (sticky directories) are skipped silently.
+    """
+    removed = []
+    now = time.time()
+    with _lock:
+        live = set(_live)
+    for candidate in glob.glob(temporary_path_pattern(path)):
+        parsed = _parse_temporary(os.path.basename(candidate))
+        if parsed is None or candidate in live:
+            continue
+        pid, namespace = parsed
+        if namespace != _NAMESPACE:
+            continue  # another host or container: its PIDs mean nothing here
+        if pid != os.getpid() and system.process_alive(pid):
+            continue  # another process may be saving right now
+        try:
+            if now - os.lstat(candidate).st_mtime < min_age:
+                continue
+            os.unlink(candidate)
+        except OSError:
+            continue  # gone already, or not ours to delete (sticky directory): never block a save
+        removed.append(candidate)
+    return removed
+
+
+def _maybe_remove_stale(directory: str) -> None:
+    """The automatic cleanup: at most once per CLEANUP_INTERVAL_SECONDS per directory."""
+    now = time.monotonic()
+    with _lock:
+        last = _last_scan.get(directory)
+        if last is not None and now - last < CLEANUP_INTERVAL_SECONDS:
+            return
+        _last_scan[directory] = now
+        if len(_last_scan) > 4096:
+            _last_scan.clear()
+    try:
+        remove_stale_temporaries(os.path.join(directory, "x"))
+    except OSError:
+        pass
+
+
+# ----------------------------------------------------------------------------- commit
+
+
+def commit_plan(plan, path: str, directory: str, settings: config.Settings, streams, *, before_commit=None) -> None:
+    """Writes ``plan`` to ``path`` (from :func:`resolve_target`) with the semantics in the module docstring.
+
+    ``before_commit``, if given, is called once every byte is written: before the rename of
+    an atomic save, whose failure it then aborts (the temporary file is removed, ``path`` is
+    untouched); after the write of an in-place save (special targets, ``atomic=False``),
+    where it can only report.
+    """
+    kind = target_kind(path)
+    if kind == "special":
+        _write_special(plan, path, settings)
+        if before_commit is not None:
+            before_commit()
+        return
+    atomic = getattr(settings, "atomic", True)
+    if atomic and os.path.exists(path) and not os.access(directory, os.W_OK | os.X_OK):
+        _warn_in_place(path, directory)
+        atomic = False
+    if not atomic:
+        _write_in_place(plan, path, directory, settings, streams)
+        if before_commit is not None:
+            before_commit()
+        return
+    _maybe_remove_stale(directory)
+    temporary = os.path.join(
+        directory, temporary_name(os.path.basename(path), directory)
+    )
+    with _lock:
+        _live.add(temporary)
+    try:
+        # O_EXCL: never write into someone else's file. Mode 0666 lets the kernel apply the
+        # umask (and the directory's default ACL), exactly as open() does for a new file.
+        descriptor = os.open(
+            temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666
+        )
+        try:
+            file = engine.File(
+                temporary, "w", direct=settings.direct, truncate=False, create=False
+            )
+            try:
+                if file.direct:
+                    # Reserving the blocks first makes O_DIRECT writes cheaper here and fails a full
+                    # disk before any byte is written. On tmpfs (buffered) it would only zero-fill
+                    # every page before the copy overwrites it.
+                    file.allocate(0, plan.size)
+                write_plan(plan, file, settings, streams=streams)
+                if settings.fsync:
+                    file.fsync()
+            finally:
+                file.close()
+            _copy_metadata(path, descriptor)
+        finally:
+            os.close(descriptor)
+        if before_commit is not None:
+            before_commit()
+        os.replace(temporary, path)
+    except BaseException as e:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass  # never mask the error being raised
+        if isinstance(e, OSError) and e.filename == temporary:
+            e.add_note(
+                f"while saving {path!r}: the previous file there is untouched and the temporary file is removed"
+            )
+        raise
+    finally:
+        with _lock:
+            _live.discard(temporary)
+    if settings.fsync:
+        fsync_directory(directory)
+
+
+def _warn_in_place(path: str, directory: str) -> None:
+    global _warned_in_place
+    with _lock:
+        if _warned_in_place:
+            return
+        _warned_in_place = True
+    warnings.warn(
+        f"fastpersist: cannot create files in {directory!r}, so {path!r} was overwritten in place, as torch.save "
+        "does: the save was not atomic (an interruption would leave a damaged file). Make the directory "
+        "writable for atomic saves. This warning is shown once.",
+        NonAtomicSaveWarning,
+        stacklevel=4,
+    )
+
+
+def _write_in_place(
+    plan, path: str, directory: str, settings: config.Settings, streams
+) -> None:
+    """torch.save's way: open (create 0666 & ~umask, or truncate) and write the file itself."""
+    created = not os.path.exists(path)
+    descriptor = os.open(
+        path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666
+    )
+    try:
+        file = engine.File(
+            path, "w", direct=settings.direct, truncate=False, create=False
+        )
+        try:
+            write_plan(plan, file, settings, streams=streams)
+            if settings.fsync:
+                file.fsync()
+        finally:
+            file.close()
+    finally:
+        os.close(descriptor)
+    if settings.fsync and created:
+        fsync_directory(directory)
+
+
+def _write_special(plan, path: str, settings: config.Settings) -> None:
+    """Devices, FIFOs, ``/dev/stdout``: one sequential stream, as torch.save writes them."""
+    with open(path, "wb", buffering=0) as stream:
+        write_plan_to_stream(
+            plan, stream, checksum=settings.checksum, chunk_size=settings.buffer_size
+        )
+        if settings.fsync:
+            fsync_file_object(stream)  # block devices only
+
+
+def copy_metadata(existing: str, temporary: str) -> None:
+    """Gives ``temporary`` the owner, group, xattrs and mode of ``existing`` (nothing if it does not exist)."""
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        _copy_metadata(existing, descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _copy_metadata(existing: str, descriptor: int) -> None:
+    """Gives the temporary what an in-place write would have kept: owner, group, xattrs/ACLs, mode."""
+    try:
+        st = os.stat(existing)
+    except FileNotFoundError:
+        return  # a new file: open() already applied the umask and default ACL
+    if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+        try:
+            os.fchown(descriptor, st.st_uid, st.st_gid)
+        except OSError:
+            try:
+                os.fchown(
+                    descriptor, -1, st.st_gid
+                )  # a member of the group may keep the group
+            except OSError:
+                pass
+    try:
+        names = os.listxattr(existing)
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            os.setxattr(descriptor, name, os.getxattr(existing, name))
+        except OSError:
+            pass  # security.* for non-root, filesystems without xattrs: keep what can be kept
+    os.fchmod(descriptor, stat.S_IMODE(st.st_mode))

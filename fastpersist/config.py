@@ -23,9 +23,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fractions
+import dis
+import functools
 import json
 import os
 import re
+import sys
 import threading
 from typing import Any, Mapping
 
@@ -90,6 +93,8 @@ class Settings:
     """``async_save``: ``pipelined`` (write from the live tensors) or ``snapshot`` (copy to pinned staging first)."""
     async_max_pending: int = 1
     """``async_save``: saves in flight at most; a new save first waits for the oldest to finish."""
+    atomic: bool = True
+    """Save regular files by temporary file + rename (off: write in place like torch.save, keeping hard links and the inode)."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -279,48 +284,138 @@ def _from_environment() -> Settings:
 
 
 _lock = threading.Lock()
-_current = _from_environment()
+_current = _from_environment()  # process-wide: config.set(...) called as a statement, reset(), load_file()
+_local = threading.local()  # per thread: the changes of the ``with config.set(...)`` blocks it is inside
+
+
+def _reset_after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _thread_changes() -> list[dict[str, Any]]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
 
 
 def settings() -> Settings:
-    """The settings in force now (a frozen snapshot)."""
-    return _current
+    """The settings in force now in this thread (a frozen snapshot)."""
+    stack = getattr(_local, "stack", None)
+    if not stack:
+        return _current
+    merged: dict[str, Any] = {}
+    for changes in stack:
+        merged.update(changes)
+    return _current.replace(**merged)
 
 
 def get(name: str) -> Any:
     """The current value of setting ``name``. Raises ConfigError for unknown names."""
     _check_name(name)
-    return getattr(_current, name)
+    return getattr(settings(), name)
 
 
 def resolve(overrides: Mapping[str, Any] | None = None) -> Settings:
     """The current settings with per-call ``overrides`` applied (None values are ignored)."""
+    current = settings()
     if not overrides:
-        return _current
-    return _current.replace(**{k: v for k, v in overrides.items() if v is not None})
+        return current
+    return current.replace(**{k: v for k, v in overrides.items() if v is not None})
 
 
 class _Restorer(contextlib.AbstractContextManager):
-    def __init__(self, previous: Settings):
+    """What :func:`set` returns. As a statement the change stays process-wide; in ``with``, the
+    change is taken back from the process and applies to this thread only, until the block ends."""
+
+    def __init__(self, previous: Settings, changes: dict[str, Any]):
         self._previous = previous
+        self._changes = changes
+        self._entered = False
+        self._thread_only = False
+
+    def __enter__(self) -> "_Restorer":
+        global _current
+        with _lock:
+            if self._thread_only:
+                pass
+            else:
+            # Undo the process-wide change made by set(), field by field, unless another
+            # thread changed that field since; then make it this thread's own.
+                undo = {
+                    name: getattr(self._previous, name)
+                    for name, value in self._changes.items()
+                    if getattr(_current, name) == value
+                }
+                if undo:
+                    _current = _current.replace(**undo)
+        _thread_changes().append(self._changes)
+        self._entered = True
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         global _current
-        with _lock:
+        if self._entered:
+            stack = _thread_changes()
+            for index in range(len(stack) - 1, -1, -1):
+                if stack[index] is self._changes:
+                    del stack[index]
+                    break
+            return
+        if self._thread_only:
+            return
+        with _lock:  # used as a restorer without ``with``: restore the process-wide settings
             _current = self._previous
 
 
 def set(**changes: Any) -> _Restorer:  # noqa: A001 - mirrors kvikio.defaults.set
-    """Changes settings now; used in a ``with`` statement, restores them on exit.
+    """Changes settings now; used in a ``with`` statement, only for this thread and only inside the block.
+
+    ``config.set(engine="threads")`` as a statement changes the settings of the
+    whole process from now on. ``with config.set(engine="threads"):`` changes
+    them for the calling thread only, until the block exits: two threads using
+    ``with`` at once never see each other's changes.
 
     Raises:
         ConfigError: unknown name or invalid value; nothing is changed then.
     """
     global _current
+    coerced = _coerce_all(changes)
+    _current.replace(**coerced)  # validates the combination; raises before anything changes
+    if _called_as_with_expression(sys._getframe(1)):
+        # ``with config.set(...)``: never visible to other threads, not even for an instant.
+        restorer = _Restorer(_current, coerced)
+        restorer._thread_only = True
+        return restorer
     with _lock:
         previous = _current
-        _current = _current.replace(**changes)
-    return _Restorer(previous)
+        _current = _current.replace(**coerced)
+    return _Restorer(previous, coerced)
+
+
+@functools.lru_cache(maxsize=1024)
+def _with_call_sites(code) -> frozenset[int]:
+    """Offsets of the calls in ``code`` whose result a ``with`` statement enters right away."""
+    sites = set()
+    recent: list = []
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("BEFORE_WITH", "SETUP_WITH"):
+            # The call itself, and PRECALL before it (3.11 may report either as f_lasti).
+            sites.update(i.offset for i in recent[-2:] if i.opname.startswith(("CALL", "PRECALL")))
+        if instruction.opname not in ("CACHE", "EXTENDED_ARG", "NOP"):
+            recent = (recent + [instruction])[-2:]
+    return frozenset(sites)
+
+
+def _called_as_with_expression(frame) -> bool:
+    try:
+        return frame.f_lasti in _with_call_sites(frame.f_code)
+    except Exception:  # noqa: BLE001 - unknown bytecode: treat it as a statement
+        return False
 
 
 def reset() -> None:

@@ -21,6 +21,10 @@ __all__ = [
     "InvalidSafetensorsError",
     "DistributedCheckpointError",
     "TensorModifiedError",
+    "TargetPermissionError",
+    "TargetDirectoryMissingError",
+    "MixedDtypeViewsError",
+    "NotWritableError",
 ]
 
 
@@ -105,3 +109,35 @@ class TensorModifiedError(FastPersistError, RuntimeError):
         super().__init__(message)
         self.path = path
         self.names = names
+
+
+# Where torch raises a different built-in type for the same case, our type subclasses
+# both, so ``except RuntimeError`` written for torch.save and ``except PermissionError``
+# (the precise type) both catch it:
+#
+# | case                                             | torch raises    | fastpersist raises (bases)                                |
+# |--------------------------------------------------|-----------------|-----------------------------------------------------------|
+# | the file exists and may not be written (0444)    | RuntimeError    | TargetPermissionError (PermissionError, RuntimeError)     |
+# | the directory to save into is missing            | RuntimeError    | TargetDirectoryMissingError (FileNotFoundError, RuntimeError) |
+# | two tensors view one storage with other dtypes   | RuntimeError    | MixedDtypeViewsError (UnsupportedObjectError -> TypeError, RuntimeError) |
+# | ``f`` is neither a path nor has ``write``        | AttributeError  | NotWritableError (AttributeError, TypeError)              |
+# | damaged / truncated file                         | RuntimeError, EOFError, UnpicklingError | CorruptCheckpointError (RuntimeError), TruncatedCheckpointError (EOFError) |
+
+
+class TargetPermissionError(FastPersistError, PermissionError, RuntimeError):
+    """The caller may not write the target (or create files in its directory); nothing was changed.
+
+    torch.save raises RuntimeError here; this is both a PermissionError and a RuntimeError.
+    """
+
+
+class TargetDirectoryMissingError(FastPersistError, FileNotFoundError, RuntimeError):
+    """The directory to save into does not exist (torch.save: RuntimeError "Parent directory ... does not exist")."""
+
+
+class MixedDtypeViewsError(UnsupportedObjectError, RuntimeError):
+    """Two tensors or storages view the same memory with different dtypes (torch.save: RuntimeError)."""
+
+
+class NotWritableError(FastPersistError, AttributeError, TypeError):
+    """``f`` is neither a path nor a file object with ``write`` (torch.save: AttributeError)."""

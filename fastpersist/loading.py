@@ -26,29 +26,36 @@ from fastpersist.verification import has_checksums, verify_file_object
 
 __all__ = ["load"]
 
+_TORCH_LOAD = torch.serialization.load  # torch's own, even where torch.load is patched to ours
+
 
 def _resolve_weights_only(weights_only: bool | None, pickle_module: Any) -> bool:
-    """torch.load's rules: default True, the TORCH_FORCE_*WEIGHTS_ONLY_LOAD variables."""
+    """torch.load's rules: default True, the TORCH_FORCE_*WEIGHTS_ONLY_LOAD variables, with its warning."""
     from torch.serialization import _default_to_weights_only
 
-    explicit = weights_only is not None
-    if weights_only is None:
+    not_set = weights_only is None
+    if not_set:
         weights_only = _default_to_weights_only(pickle_module)
     truthy = ("1", "y", "yes", "true")
     force = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in truthy
     force_not = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in truthy
     if force and force_not:
         raise RuntimeError(
-            "Only one of `TORCH_FORCE_WEIGHTS_ONLY_LOAD` or `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` should be set, but both were set."
+            "Only one of `TORCH_FORCE_WEIGHTS_ONLY_LOAD` or `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` "
+            "should be set, but both were set."
         )
     if force:
-        return True
-    if force_not and not explicit:
-        return False
-    if weights_only and pickle_module is not None:
-        raise RuntimeError(
-            "Can not safely load weights when explicit pickle_module is specified (as torch.load says)"
+        weights_only = True
+    elif force_not and not_set:  # only overrides a call site that did not pass weights_only
+        warnings.warn(
+            "Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected, since the"
+            "`weights_only` argument was not explicitly passed to `torch.load`, forcing weights_only=False.",
+            UserWarning,
+            stacklevel=3,
         )
+        weights_only = False
+    if weights_only and pickle_module is not None:
+        raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
     return bool(weights_only)
 
 
@@ -102,16 +109,13 @@ def load(
     # The default (the ``verify`` setting) applies to paths read in full; file objects
     # and mmap loads are verified only when asked, since that means reading them twice.
     explicit = verify is not None
-    if verify is None:
-        verify = resolved.verify and not mmap
     weights_only = _resolve_weights_only(weights_only, pickle_module)
     if mmap is None:
         from torch.utils.serialization import config as torch_config
 
         mmap = torch_config.load.mmap
-    if pickle_load_args and weights_only:
-        warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
-        pickle_load_args = {}
+    if verify is None:
+        verify = resolved.verify and not mmap
     torch_kwargs = dict(weights_only=weights_only, mmap=mmap, **pickle_load_args)
     if pickle_module is not None:
         torch_kwargs["pickle_module"] = pickle_module
@@ -120,14 +124,19 @@ def load(
             return formats.load_safetensors_bytes(f.read(), map_location)
         if verify and explicit:
             verify_file_object(f)
-        return torch.load(f, map_location, **torch_kwargs)
+        return _TORCH_LOAD(f, map_location, **torch_kwargs)
     path = os.fspath(f)
     sharded = _load_sharded(path, group, timeout, verify, dict(map_location=map_location, pickle_module=pickle_module,
                                                                weights_only=weights_only, **pickle_load_args))
     if sharded is not _NOT_SHARDED:
         return sharded
     if torch._guards.detect_fake_mode(None) is not None:
-        return torch.load(path, map_location, **torch_kwargs)
+        # Fake tensors: torch's own path.
+        return _TORCH_LOAD(path, map_location, **torch_kwargs)
+    if weights_only and pickle_load_args:
+        # torch warns, and still hands them (``encoding=``) to the weights-only unpickler.
+        warnings.warn("pickle_load_args only works if `weights_only=False`.")
+    pickle_load_args = {"encoding": "utf-8", **pickle_load_args}  # torch.load's default
     return _load_from_path(path, map_location, pickle_module, weights_only, mmap, verify, resolved, torch_kwargs,
                            pickle_load_args, warn_unverifiable=explicit)  # fmt: skip
 
@@ -213,7 +222,7 @@ def _load_with_torch(path: str, map_location, torch_kwargs: dict) -> Any:
     if not legacy:
         _raise_if_damaged_zip(path)
     try:
-        return torch.load(path, map_location, **torch_kwargs)
+        return _TORCH_LOAD(path, map_location, **torch_kwargs)
     except (pickle.UnpicklingError, OSError, FastPersistError, MemoryError):
         raise
     except Exception as e:
@@ -295,7 +304,7 @@ def _load_from_path(path, map_location, pickle_module, weights_only, mmap, verif
         names = list(records)
         prefix = archive_prefix(names, path)
         if prefix + "constants.pkl" in records:  # a TorchScript archive
-            return torch.load(path, map_location, **torch_kwargs)
+            return _TORCH_LOAD(path, map_location, **torch_kwargs)
         if verify and not has_checksums(records.values()):
             if warn_unverifiable:
                 warnings.warn(f"{path} was written without CRC-32 checksums; it cannot be verified", stacklevel=3)

@@ -10,10 +10,13 @@ import torch
 
 from fastpersist import config, formats
 from fastpersist.commit import check_target, commit_plan, fsync_file_object, resolve_target
+from fastpersist.errors import NotWritableError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io.stream import write_plan_to_stream
 
 __all__ = ["save"]
+
+_TORCH_SAVE = torch.serialization.save  # torch's own, even where torch.save is patched to ours
 
 
 def save(
@@ -67,9 +70,16 @@ def save(
 
     Raises:
         UnsupportedObjectError: ``obj`` cannot be pickled (nothing is written).
-        IsADirectoryError, FileNotFoundError, PermissionError: the target
-            path is a directory, its directory is missing, or not writable
-            (``OSError`` with ``errno.EROFS`` on a read-only filesystem).
+        IsADirectoryError: the target path is a directory.
+        TargetDirectoryMissingError: (FileNotFoundError, RuntimeError) its
+            directory is missing.
+        TargetPermissionError: (PermissionError, RuntimeError) the file may
+            not be written (e.g. mode 0444), or a new one not created; nothing
+            changes. ``OSError`` with ``errno.EROFS`` on a read-only filesystem.
+        MixedDtypeViewsError: (RuntimeError, TypeError) two tensors view one
+            storage with different dtypes.
+        NotWritableError: (AttributeError, TypeError) ``f`` is neither a path
+            nor has a ``write`` method.
         OSError: an I/O error (ENOSPC, EIO, ...), with ``errno`` and
             ``filename`` set; the previous file at the target is untouched and
             no temporary file is left behind.
@@ -93,10 +103,14 @@ def save(
                 pickle_protocol=pickle_protocol, disable_byteorder_record=_disable_byteorder_record, settings=resolved,
             )  # fmt: skip
             return
-    if not _use_new_zipfile_serialization:
-        # The legacy (pre-1.6) format has no aligned records; torch writes it.
-        torch.save(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization=False)
+    if not _use_new_zipfile_serialization or _torch_skip_data():
+        # The legacy (pre-1.6) format has no aligned records, and skip_data() files are
+        # headers around holes (torch's fake-tensor workflow): torch writes both.
+        _TORCH_SAVE(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization,
+                   _disable_byteorder_record)  # fmt: skip
         return
+    if resolved.checksum and not _torch_compute_crc32():
+        resolved = resolved.replace(checksum=False)  # torch.serialization.set_crc32_options(False)
     if isinstance(f, (str, os.PathLike)):
         path = os.fspath(f)
         directory = check_target(resolve_target(path))
@@ -104,6 +118,11 @@ def save(
         path = resolve_target(path)
         commit_plan(plan, path, directory, resolved, streams=None)
     else:
+        if not callable(getattr(f, "write", None)):
+            raise NotWritableError(
+                f"expected 'f' to be a string, path, or a file-like object with a 'write' attribute, "
+                f"got {type(f).__name__}"
+            )
         plan = plan_save(obj, archive_name_for(None), pickle_module, pickle_protocol, _disable_byteorder_record)
         write_plan_to_stream(plan, f, checksum=resolved.checksum, chunk_size=resolved.buffer_size)
         if callable(getattr(f, "flush", None)):
@@ -111,3 +130,20 @@ def save(
         if resolved.fsync:
             fsync_file_object(f)
 
+
+
+def _torch_skip_data() -> bool:
+    """Inside ``torch.serialization.skip_data()``."""
+    from torch.serialization import _serialization_tls
+
+    return bool(getattr(_serialization_tls, "skip_data", False))
+
+
+def _torch_compute_crc32() -> bool:
+    """torch's ``config.save.compute_crc32`` (``torch.serialization.set_crc32_options``)."""
+    try:
+        from torch.utils.serialization import config as torch_config
+
+        return bool(torch_config.save.compute_crc32)
+    except (ImportError, AttributeError):
+        return True

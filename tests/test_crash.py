@@ -37,6 +37,7 @@ import pytest
 import torch
 
 import fastpersist
+from fastpersist import commit
 from fastpersist.io import engine
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -150,7 +151,9 @@ def kill_and_check(zygote, directory: str, kills: int, seed: int) -> dict:
         os.unlink(fifo)
         os.rmdir(os.path.dirname(fifo))
         shutil.rmtree(scratch, ignore_errors=True)
-    # The next save removes what the killed savers left behind.
+    # Cleanup removes what the killed savers left behind (saves do it once a minute per
+    # directory, for temporaries older than the grace period; here at once).
+    commit.remove_stale_temporaries(path, min_age=0)
     fastpersist.save(states["A"], path)
     assert os.listdir(directory) == ["ckpt.pt"]
     return seen

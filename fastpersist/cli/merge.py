@@ -67,7 +67,7 @@ def merge(manifest_path: str, output: str, parts: list[str] = (), verify: bool =
                 from fastpersist.verification import verify as verify_file
 
                 report = verify_file(temporary)
-            commit._copy_mode(target, temporary)
+            commit.copy_metadata(target, temporary)
             os.replace(temporary, target)
         except BaseException:
             try:

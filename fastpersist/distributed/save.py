@@ -303,8 +303,8 @@ def _check_same_plan(reports: list[dict[str, Any]]) -> None:
 
 
 def _temporary_name(target: str, directory: str) -> str:
-    name = os.path.basename(target)
-    return os.path.join(directory, f".{name}{commit._TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    # A live process's temporary is never judged stale, so no registration is needed.
+    return os.path.join(directory, commit.temporary_name(os.path.basename(target), directory))
 
 
 def _create_presized(target: str, directory: str, size: int, settings: config.Settings) -> str:
@@ -372,7 +372,7 @@ def _commit_file(plan: SavePlan, crcs: list[int], patches, temporary: str, targe
             os.fsync(descriptor)
     finally:
         os.close(descriptor)
-    commit._copy_mode(target, temporary)
+    commit.copy_metadata(target, temporary)
     os.replace(temporary, target)
     if settings.fsync:
         commit.fsync_directory(directory)

@@ -120,7 +120,9 @@ def deserialize(
     # so their storages can be filled in one batch afterwards. Arbitrary pickles may
     # read data while unpickling (custom __setstate__), and byte swapping needs the
     # data, so those are filled storage by storage, as torch.load does.
-    eager = not weights_only or swap
+    # Globals the user allowed (add_safe_globals / safe_globals) may run their own code, e.g. a
+    # tensor subclass's __setstate__ reading values: they too get tensors with their data.
+    eager = not weights_only or swap or bool(torch.serialization.get_safe_globals())
     loaded: dict[str, torch.storage.TypedStorage] = {}
     from_storage: set[int] = set()  # ids of exceptions raised while loading a storage
 

@@ -11,6 +11,7 @@ storage becomes a zero-copy uint8 view in the plan.
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import secrets
@@ -20,9 +21,9 @@ from typing import Any
 import torch
 from torch.serialization import location_tag, normalize_storage_type
 
-from fastpersist.errors import UnsupportedObjectError
+from fastpersist.errors import MixedDtypeViewsError, UnsupportedObjectError
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
-from fastpersist.format.zipformat import is_packed_storage, layout_archive, storage_alignment_claim
+from fastpersist.format.zipformat import PAYLOAD_ALIGNMENT, is_packed_storage, layout_archive, storage_alignment_claim
 from fastpersist.tensors import storage_byte_view
 
 __all__ = ["plan_save", "archive_name_for"]
@@ -92,7 +93,7 @@ def plan_save(
         if storage.data_ptr() != 0:
             seen = storage_dtypes.setdefault(storage.data_ptr(), storage_dtype)
             if seen != storage_dtype:
-                raise UnsupportedObjectError(
+                raise MixedDtypeViewsError(
                     "Cannot save multiple tensors or storages that view the same data as different types "
                     f"({seen} and {storage_dtype}); save a copy of one of them instead"
                 )
@@ -129,25 +130,45 @@ def plan_save(
     views = {key: storage_byte_view(storage) for key, storage in storages.items()}
     sizes = [storage.nbytes() for storage in storages.values()]
     metadata = [("data.pkl", buffer.getvalue())]
-    # Small storages are packed at 64 bytes; a file that mixes packed and page-aligned
-    # storages declares no alignment (torch then reads offsets from the local headers).
-    alignment = storage_alignment_claim(sizes)
-    if alignment is not None:
-        metadata += [(".format_version", b"1"), (".storage_alignment", str(alignment).encode())]
+    # torch's config.save.storage_alignment, when it asks for more than our 4096, is
+    # honoured for every storage. Otherwise small storages are packed at 64 bytes, and a
+    # file that mixes packed and page-aligned storages declares no alignment (torch then
+    # reads offsets from the local headers).
+    alignment = storage_alignment()
+    pack = alignment == PAYLOAD_ALIGNMENT
+    claim = storage_alignment_claim(sizes, alignment) if pack else alignment
+    if claim is not None:
+        metadata += [(".format_version", b"1"), (".storage_alignment", str(claim).encode())]
     if not disable_byteorder_record:
         metadata.append(("byteorder", sys.byteorder.encode()))
     closing = [("version", b"3\n"), (".data/serialization_id", _serialization_id())]
 
     layout = layout_archive(
         [(prefix + name, len(data), False) for name, data in metadata]
-        + [(f"{prefix}data/{key}", size, not is_packed_storage(size)) for key, size in zip(views, sizes)]
-        + [(prefix + name, len(data), False) for name, data in closing]
+        + [(f"{prefix}data/{key}", size, not (pack and is_packed_storage(size))) for key, size in zip(views, sizes)]
+        + [(prefix + name, len(data), False) for name, data in closing],
+        alignment=alignment,
     )
     entries = iter(layout.entries)
     records: list[BytesRecord | StorageRecord] = [BytesRecord(next(entries), data) for _, data in metadata]
     records += [StorageRecord(next(entries), key, view) for key, view in views.items()]
     records += [BytesRecord(next(entries), data) for _, data in closing]
     return SavePlan(layout, tuple(records))
+
+
+def storage_alignment() -> int:
+    """Storage payload alignment: ours (4096), or torch's ``config.save.storage_alignment`` when larger.
+
+    Any alignment torch is asked for is honoured (the least common multiple with
+    ours, so O_DIRECT still works).
+    """
+    try:
+        from torch.utils.serialization import config as torch_config
+
+        requested = int(torch_config.save.storage_alignment)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        requested = PAYLOAD_ALIGNMENT
+    return math.lcm(PAYLOAD_ALIGNMENT, requested) if requested > 0 else PAYLOAD_ALIGNMENT
 
 
 def _serialization_id() -> bytes:

@@ -215,7 +215,7 @@ def _central_size(entry: ZipEntry) -> int:
     return _CENTRAL.size + len(entry.name.encode("utf-8")) + (4 + 8 * fields if fields else 0)
 
 
-def layout_archive(records: Iterable[tuple[str, int, bool]]) -> ZipLayout:
+def layout_archive(records: Iterable[tuple[str, int, bool]], alignment: int = PAYLOAD_ALIGNMENT) -> ZipLayout:
     """Places records one after another, padding each payload as torch's writer does.
 
     Args:
@@ -223,10 +223,14 @@ def layout_archive(records: Iterable[tuple[str, int, bool]]) -> ZipLayout:
             payload at a multiple of PAYLOAD_ALIGNMENT (storages, so they can
             go through O_DIRECT), otherwise at a multiple of 64 (small
             metadata records, like torch).
+        alignment: the storage payload alignment, a multiple of PAYLOAD_ALIGNMENT.
 
     Returns:
         The layout, with the central directory after the last record.
     """
+    if alignment <= 0 or alignment % PAYLOAD_ALIGNMENT:
+        raise ValueError(f"storage alignment must be a multiple of {PAYLOAD_ALIGNMENT}, got {alignment}")
+    storage_alignment = alignment
     entries = []
     offset = 0
     for name, size, align in records:
@@ -237,7 +241,8 @@ def layout_archive(records: Iterable[tuple[str, int, bool]]) -> ZipLayout:
             raise ValueError(f"record {name!r} has a negative size")
         # 4: the padding field's own header. The formula is miniz's getPadding,
         # which torch's reader replays when it computes offsets itself.
-        data_offset = _padded_data_offset(offset, len(encoded), size, PAYLOAD_ALIGNMENT if align else _METADATA_ALIGNMENT)
+        step = storage_alignment if align else _METADATA_ALIGNMENT
+        data_offset = _padded_data_offset(offset, len(encoded), size, step)
         entry = ZipEntry(name, offset, data_offset, size, align)
         entries.append(entry)
         offset = entry.data_end + entry.descriptor_size
@@ -260,7 +265,7 @@ def is_packed_storage(size: int) -> bool:
     return size < PACKED_RECORD_LIMIT
 
 
-def storage_alignment_claim(sizes: Iterable[int]) -> int | None:
+def storage_alignment_claim(sizes: Iterable[int], alignment: int = PAYLOAD_ALIGNMENT) -> int | None:
     """The ``.storage_alignment`` a file with storages of these sizes may declare, or None.
 
     torch's reader, with ``calculate_storage_offsets`` on (or under
@@ -276,7 +281,7 @@ def storage_alignment_claim(sizes: Iterable[int]) -> int | None:
         return PACKED_ALIGNMENT
     if len(packed) > 1:
         return None
-    return PAYLOAD_ALIGNMENT
+    return alignment
 
 
 # ---------------------------------------------------------------------------- reading
@@ -399,7 +404,9 @@ def check_structure(read_at: ReadAt, file_size: int, path: str | None = None) ->
         if record.header_offset != expected:
             raise _corrupt(path, f"{record.header_offset - expected:+d} unexplained bytes before record "
                                  f"{record.name!r} at offset {expected}", record.name)  # fmt: skip
-        expected = _check_framing(read_at, entry, record, directory.cd_offset, path)
+        expected, crc = _check_framing(read_at, entry, record, directory.cd_offset, path)
+        if crc != record.crc:  # the central directory's CRC is 0, the local record holds one: verify that
+            records[index] = dataclasses.replace(record, crc=crc)
     if expected != directory.cd_offset:
         raise _corrupt(path, f"{directory.cd_offset - expected} unexplained bytes before the central directory")
     _check_end_records(read_at, file_size, directory, path)
@@ -536,8 +543,15 @@ def _check_disjoint(records: list[ZipRecordInfo], path) -> None:
             raise _corrupt(path, f"records {before.name!r} and {after.name!r} overlap", after.name)
 
 
-def _check_framing(read_at: ReadAt, entry: _CentralEntry, record: ZipRecordInfo, cd_offset: int, path) -> int:
-    """Checks a record's local header, extra fields and data descriptor; returns where the record ends."""
+def _check_framing(
+    read_at: ReadAt, entry: _CentralEntry, record: ZipRecordInfo, cd_offset: int, path
+) -> tuple[int, int]:
+    """Checks a record's local header, extra fields and data descriptor.
+
+    Returns where the record ends and the CRC-32 to verify it against: the
+    central directory's, or, where that is 0 ("not computed", or zeroed), the
+    one the local header or data descriptor holds.
+    """
     name = record.name
     header = read_at(record.header_offset, record.data_offset - record.header_offset)
     if len(header) != record.data_offset - record.header_offset:
@@ -572,14 +586,15 @@ def _check_framing(read_at: ReadAt, entry: _CentralEntry, record: ZipRecordInfo,
         sizes = [v if v != _U32_MAX else (zip64_values.pop(0) if zip64_values else -1) for v in sizes]
     streamed = flags & 0x8
     # With a data descriptor (bit 3) writers leave CRC and sizes 0 here (torch), or fill them in anyway.
-    crc_ok = crc == entry.crc or (streamed and crc == 0)
+    crc_ok = crc == entry.crc or (streamed and crc == 0) or entry.crc == 0
     sizes_ok = sizes == [entry.size, entry.size] or (streamed and sizes == [0, 0])
     if not (crc_ok and sizes_ok):
         raise _corrupt(path, f"record {name!r}: its local header's CRC-32 or size disagrees with the central directory",
                        name)  # fmt: skip
+    effective = entry.crc or crc
     end = record.data_offset + record.size
     if not streamed:
-        return end
+        return end, effective
     # The descriptor's sizes take 8 bytes when the local header has a zip64 field. Its
     # signature is optional in the zip specification; torch and fastpersist write it.
     has_zip64 = _U32_MAX in (usize, csize) or any(
@@ -589,7 +604,7 @@ def _check_framing(read_at: ReadAt, entry: _CentralEntry, record: ZipRecordInfo,
     available = read_at(end, min(_DESCRIPTOR64.size, max(cd_offset - end, 0)))
     has_signature = available[:4] == struct.pack("<I", _SIG_DESCRIPTOR)
     if record.size == 0 and not has_signature:
-        return end  # torch's writer gives empty records no descriptor
+        return end, effective  # torch's writer gives empty records no descriptor
     found = None
     for layout in candidates:
         if not has_signature:
@@ -599,7 +614,7 @@ def _check_framing(read_at: ReadAt, entry: _CentralEntry, record: ZipRecordInfo,
             # A central CRC of 0 means "not computed": fastpersist's writer with checksum=False
             # still puts the real CRC-32 of metadata records in their descriptors.
             if tuple(values[1:]) == (record.size, record.size) and values[0] in (entry.crc, entry.crc or values[0]):
-                return end + layout.size
+                return end + layout.size, effective or values[0]
             found = found or values
     if found is None:
         raise _corrupt(path, f"record {name!r} has its data descriptor cut short", name)
@@ -647,9 +662,10 @@ def _check_end_records(read_at: ReadAt, file_size: int, directory: _Directory, p
         # record present, some writers saturate them anyway.
         if value != min(true, limit) and not (zip64 and value == limit):
             raise _corrupt(path, "the end record disagrees with the central directory")
-    if directory.eocd_offset + _EOCD.size + directory.comment_length != file_size:
-        raise _corrupt(path, f"{file_size - directory.eocd_offset - _EOCD.size - directory.comment_length:+d} "
-                             "bytes after the end record")  # fmt: skip
+    if directory.eocd_offset + _EOCD.size + directory.comment_length > file_size:
+        raise _corrupt(path, "the end record's comment runs past the end of the file")
+    # Bytes after the end record (and its comment) are not part of the archive: torch.load
+    # ignores them (appended data, a padded copy), and so do we.
 
 
 def _last_local_header(read_at: ReadAt, file_size: int, window: int = 16 << 20) -> str | None:
@@ -676,7 +692,9 @@ def _last_local_header(read_at: ReadAt, file_size: int, window: int = 16 << 20) 
 
 def check_record_crc(record: ZipRecordInfo, crc: int, path: str | None) -> None:
     """Raises ChecksumMismatchError, naming the record, unless ``crc`` is the CRC-32 the archive stores for it."""
-    if crc != record.crc:
+    # A stored CRC of 0 for a non-empty record means "not computed": torch.save under
+    # skip_data() or with set_crc32_options(False) writes 0 (its data may even be holes).
+    if crc != record.crc and not (record.crc == 0 and record.size):
         raise ChecksumMismatchError(
             f"{path or 'checkpoint'}: record {record.name!r} is corrupt: its CRC-32 is {crc:#010x}, "
             f"the archive says {record.crc:#010x}. Restore the checkpoint from a good copy",

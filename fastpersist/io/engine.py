@@ -23,6 +23,7 @@ import contextlib
 import errno as errno_module
 import functools
 import logging
+import os
 import threading
 from typing import Any, Iterator
 
@@ -188,6 +189,17 @@ def inject_fault(
 def _active_fault() -> dict[str, Any] | None:
     with _fault_lock:
         return dict(_fault_stack[-1]) if _fault_stack else None
+
+
+def _reset_after_fork() -> None:
+    # Locks another parent thread may have held at fork time; rings and handles are made
+    # per call, so the child makes its own.
+    global _fallback_lock, _fault_lock
+    _fallback_lock = threading.Lock()
+    _fault_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 # ----------------------------------------------------------------------------- handle

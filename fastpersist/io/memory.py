@@ -16,6 +16,7 @@ are unregistered just before the memory is unmapped.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import warnings
 from typing import Iterator
@@ -229,6 +230,19 @@ class _BufferPool:
 
 
 _pool = _BufferPool()
+
+
+def _reset_after_fork() -> None:
+    """A forked child starts with an empty pool and fresh locks (a lock held by another
+    parent thread at fork time would never be released in the child). The parent's
+    buffers stay mapped in the child but are not reused: the child's copy is not locked."""
+    global _pool, _warn_lock, _registry_lock
+    _pool = _BufferPool()
+    _warn_lock = threading.Lock()
+    _registry_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 @contextlib.contextmanager

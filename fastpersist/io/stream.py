@@ -25,10 +25,12 @@ def write_plan_to_stream(plan: SavePlan, stream: BinaryIO, *, checksum: bool = T
 
     Raises:
         OSError: from the stream.
-        TypeError: ``stream`` has no ``write`` method.
+        NotWritableError: (AttributeError, TypeError) ``stream`` has no ``write`` method.
     """
     if not callable(getattr(stream, "write", None)):
-        raise TypeError(f"expected a path or a writable binary file object, got {type(stream).__name__}")
+        from fastpersist.errors import NotWritableError
+
+        raise NotWritableError(f"expected a path or a writable binary file object, got {type(stream).__name__}")
     crcs = initial_crcs(plan, checksum)
     written = 0
     for segment in plan.segments():

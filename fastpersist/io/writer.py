@@ -32,7 +32,7 @@ import torch
 from fastpersist.config import Settings
 from fastpersist.format.plan import BytesRecord, SavePlan, Segment, SegmentKind, StorageRecord
 from fastpersist.io import checksum as crc_pool
-from fastpersist.io import engine, memory
+from fastpersist.io import engine, memory, workers
 from fastpersist.tensors import host_memoryview
 
 __all__ = ["write_plan", "side_streams", "initial_crcs"]
@@ -117,7 +117,7 @@ def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None, byte_r
         if partial:  # skip the segments that end before the range
             fill_cursor.first = finalize_cursor.first = bisect.bisect_right([s.end for s in segments], first)
         trailer: list[bytes] = []
-        finalizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fastpersist-crc")
+        finalizer = workers.executor(1, "fastpersist-crc")
         try:
             for index, start in enumerate(range(first, size, window_size)):
                 slot = slots[index % len(slots)]

@@ -1,0 +1,69 @@
+"""Helper threads that also work while the interpreter shuts down.
+
+``concurrent.futures`` refuses new work once the interpreter has started to
+shut down (``atexit`` handlers, non-daemon threads that outlive the main
+thread): ``submit`` raises "cannot schedule new futures after interpreter
+shutdown". A save or load there must still work, so :func:`executor` hands
+out a real thread pool when one may be used and otherwise an executor that
+runs each task on the calling thread at submission (slower, same results).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+import threading
+from typing import Any, Callable
+
+__all__ = ["executor", "InlineExecutor", "threads_allowed"]
+
+
+def threads_allowed() -> bool:
+    """False once new pool threads cannot be started (interpreter shutdown has begun)."""
+    if sys.is_finalizing():
+        return False
+    from concurrent.futures import thread as _thread
+
+    if getattr(_thread, "_shutdown", False):
+        return False
+    return not getattr(threading, "_SHUTTING_DOWN", False)
+
+
+class InlineExecutor(concurrent.futures.Executor):
+    """Runs every task at once on the submitting thread; its future is already done."""
+
+    def submit(
+        self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - delivered through the future, like a pool's
+            future.set_exception(e)
+        else:
+            future.set_result(result)
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass
+
+
+class _FallbackPool(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool whose ``submit`` runs the task inline when shutdown forbids new work."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        try:
+            return super().submit(fn, *args, **kwargs)
+        except RuntimeError:
+            if threads_allowed():
+                raise
+            return InlineExecutor().submit(fn, *args, **kwargs)
+
+
+def executor(
+    max_workers: int, thread_name_prefix: str = "fastpersist"
+) -> concurrent.futures.Executor:
+    """A pool of ``max_workers`` threads, or an inline executor during interpreter shutdown."""
+    if not threads_allowed():
+        return InlineExecutor()
+    return _FallbackPool(max_workers, thread_name_prefix=thread_name_prefix)
