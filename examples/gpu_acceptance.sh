@@ -1,45 +1,107 @@
 #!/usr/bin/env bash
-# Every published GPU table, regenerated from one run on the GPU machine (about 6 minutes):
-# build, the GPU tests, then the checkpoint benchmarks, each writing its JSON into OUTDIR.
+# Every published GPU table, regenerated from runs on the GPU machine, plus the GPU tests and
+# the peers' GPU cases. Each part fits in one 10-minute call:
 #
-#   bash examples/gpu_acceptance.sh OUTDIR [bench-only|tests-only]
+#   bash examples/gpu_acceptance.sh OUTDIR tests        # build, GPU tests, DeepSpeed + safetensors peers (~5 min)
+#   bash examples/gpu_acceptance.sh OUTDIR checkpoint   # checkpoint benchmark: 4 GB disk, 4 GB /dev/shm, 16 GB (~6 min)
+#   bash examples/gpu_acceptance.sh OUTDIR shapes       # shapes + sink, AioHandle ring, DP ranks (~6 min)
+#   bash examples/gpu_acceptance.sh OUTDIR features     # safetensors, DCP, training overhead (~8 min)
+#   bash examples/gpu_acceptance.sh OUTDIR all          # everything, one after the other
 #   cp OUTDIR/*.json docs/results/ && python -m fastpersist.bench report --update-docs
 #
+# Peer suites come from paths outside the repository: DEEPSPEED_DIR (default .devcarry/deepspeed)
+# and SAFETENSORS_DIR (default .devcarry/peer-safetensors); a missing one is reported and skipped.
 # JSON names start with the GPU (h100-, h200-) so runs on both machines sit side by side.
 set -uo pipefail
-out=${1:?usage: examples/gpu_acceptance.sh OUTDIR [bench-only|tests-only]}
-mode=${2:-full}
+out=${1:?usage: examples/gpu_acceptance.sh OUTDIR [tests|checkpoint|shapes|features|all]}
+part=${2:-all}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 FASTPERSIST_BENCH_TRACEBACK=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))" \
   || exit 1
 python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
-python3 -m fastpersist info > "$out/info.txt"
-python3 -m fastpersist info --dir /dev/shm >> "$out/info.txt"
 machine=$(python3 -c "import re, torch; m = re.search(r'[HAB]\d{2,3}', torch.cuda.get_device_name(0)); print(m.group(0).lower() if m else 'gpu')")
+scratch=${FASTPERSIST_SCRATCH:-$PWD/.benchmarks}
+mkdir -p "$scratch"
 
-if [ "$mode" != "bench-only" ]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/ 2>&1 | tail -15 | tee "$out/gpu-tests.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-fi
-[ "$mode" = "tests-only" ] && exit $status
-
-bench() {
-  local name=$1; shift
-  timeout 300 python3 -m fastpersist.bench checkpoint --no-progress --json "$out/$machine-$name.json" "$@" \
-    > "$out/$machine-$name.txt" 2>&1
+step() {  # step NAME SECONDS COMMAND...: runs with a time limit, log in OUTDIR/NAME.log, status kept
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($(date +%T))"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
-  tail -n 30 "$out/$machine-$name.txt"
-  [ $rc -eq 0 ] || { echo "benchmark $name exited $rc"; status=1; }
+  tail -n 12 "$out/$name.log"
+  [ $rc -eq 0 ] || { echo "!! $name exited $rc"; status=1; }
 }
-methods=torch.save,fastpersist,fastpersist-async,torch.load,fastpersist.load,fastpersist.load-torchfile
-# 4 GB bf16 state dict on the GPU: durable saves to disk, cold loads to CUDA, against the disk's ceilings.
-bench gpu-4g-disk --device cuda --model llama-3-8b --size 4G --repeats 2 --warmup 1 --methods "$methods"
-# The same through /dev/shm (tmpfs: page-allocation bound on that machine; no O_DIRECT).
-bench gpu-4g-shm --device cuda --model llama-3-8b --size 4G --repeats 2 --warmup 1 --dir /dev/shm --methods "$methods"
-# Host memory while saving and loading a 16 GB GPU state dict (one round; no ceiling, which would need 32 GB).
-bench gpu-16g-disk --device cuda --model llama-3-8b --size 16G --repeats 1 --warmup 0 --no-ceiling \
-  --methods fastpersist,fastpersist.load
-ls -l "$out"/*.json
+
+part_tests() {
+  python3 -m fastpersist info > "$out/info.txt"
+  python3 -m fastpersist info --dir /dev/shm >> "$out/info.txt"
+  step gpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rs -m "gpu or multigpu" tests/
+  step examples 120 bash -c "python3 examples/train_loop.py --dir $scratch/ex --mode pipelined && \
+    python3 examples/train_loop.py --dir $scratch/ex --mode snapshot && \
+    python3 examples/lightning_callback.py --dir $scratch/lit --async-mode snapshot --check"
+  local deepspeed=${DEEPSPEED_DIR:-.devcarry/deepspeed} st=${SAFETENSORS_DIR:-.devcarry/peer-safetensors}
+  if [ -d "$deepspeed" ]; then
+    step peer-deepspeed 240 bash tests/peers/run_deepspeed_aio.sh "$deepspeed" -q -rs
+  else
+    echo "!! DeepSpeed tests not found at $deepspeed: skipped"
+  fi
+  if [ -d "$st" ]; then
+    step peer-safetensors 120 python3 tests/peers/run_safetensors_tests.py "$st" --mode both \
+      --json "$out/$machine-peer-safetensors.json"
+  else
+    echo "!! safetensors tests not found at $st: skipped"
+  fi
+}
+
+bench() {  # bench NAME ARGS...: the checkpoint benchmark, JSON in OUTDIR
+  local name=$1; shift
+  step "$machine-$name" 300 python3 -m fastpersist.bench checkpoint --no-progress --json "$out/$machine-$name.json" "$@"
+}
+
+part_checkpoint() {
+  local methods=torch.save,fastpersist,fastpersist-async,torch.load,fastpersist.load,fastpersist.load-torchfile
+  # 4 GB bf16 state dict on the GPU: durable saves to disk, cold loads to CUDA, against the disk's ceilings.
+  bench gpu-4g-disk --device cuda --model llama-3-8b --size 4G --repeats 2 --warmup 1 --dir "$scratch" --methods "$methods"
+  # The same through /dev/shm (tmpfs: page-allocation bound on that machine; no O_DIRECT).
+  bench gpu-4g-shm --device cuda --model llama-3-8b --size 4G --repeats 2 --warmup 1 --dir /dev/shm --methods "$methods"
+  # Host memory while saving and loading a 16 GB GPU state dict (one round; no ceiling, which would need 32 GB).
+  bench gpu-16g-disk --device cuda --model llama-3-8b --size 16G --repeats 1 --warmup 0 --no-ceiling --dir "$scratch" \
+    --methods fastpersist,fastpersist.load
+}
+
+part_shapes() {
+  step "$machine-shapes-medium-4g-shm" 150 python3 -m fastpersist.bench shapes --shape many-medium --tensors 120 --size 4G \
+    --device cuda --dir /dev/shm --sink --repeats 2 --warmup 1 --json "$out/$machine-shapes-medium-4g-shm.json"
+  step "$machine-shapes-medium-4g-disk" 150 python3 -m fastpersist.bench shapes --shape many-medium --tensors 120 --size 4G \
+    --device cuda --dir "$scratch" --repeats 2 --warmup 1 --json "$out/$machine-shapes-medium-4g-disk.json"
+  step "$machine-shapes-small-100k" 120 python3 -m fastpersist.bench shapes --shape many-small --tensors 100000 \
+    --tensor-bytes 16-256 --dir "$scratch" --repeats 2 --warmup 1 --json "$out/$machine-shapes-small-100k.json"
+  step "$machine-aio-handle" 90 python3 -m fastpersist.bench aio_handle --dir "$scratch/aio" --size 1G --repeat 3 \
+    --json "$out/$machine-aio-handle.json"
+  step "$machine-ranks-file" 150 python3 -m fastpersist.bench ranks --ranks 1,2,4 --size 2G --device cuda --dir "$scratch" \
+    --repeat 2 --json "$out/$machine-ranks-file.json"
+}
+
+part_features() {
+  step "$machine-safetensors-disk" 180 python3 -m fastpersist.bench safetensors --device cuda --size 4G --dir "$scratch/st" \
+    --repeats 2 --skip fastpersist-torch --json "$out/$machine-safetensors-disk.json"
+  step "$machine-dcp-4ranks" 200 python3 -m fastpersist.bench dcp --ranks 4 --size 4G --device cuda --threads 1,8 --repeats 2 \
+    --dir "$scratch/dcp" --json "$out/$machine-dcp-4ranks.json"
+  step "$machine-training" 200 python3 -m fastpersist.bench training --dir /dev/shm/fp-train --repeats 1 --iterations 12 \
+    --json "$out/$machine-training.json"
+}
+
+case "$part" in
+  tests) part_tests ;;
+  checkpoint) part_checkpoint ;;
+  shapes) part_shapes ;;
+  features) part_features ;;
+  all) part_tests; part_checkpoint; part_shapes; part_features ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac
+ls -l "$out"
 exit $status
