@@ -77,7 +77,8 @@ def _run_one(args) -> dict[str, Any]:
     import torch
 
     import fastpersist
-    from fastpersist.bench.measure import PeakMemory, release_memory
+    from fastpersist.bench.measure import PeakMemory
+    from fastpersist.system import release_memory
 
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     model, optimizer, tokens = _build(args, device)

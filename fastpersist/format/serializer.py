@@ -130,12 +130,12 @@ def plan_save(
     views = {key: storage_byte_view(storage) for key, storage in storages.items()}
     sizes = [storage.nbytes() for storage in storages.values()]
     metadata = [("data.pkl", buffer.getvalue())]
-    # torch's config.save.storage_alignment, when it asks for more than our 4096, is
-    # honoured for every storage. Otherwise small storages are packed at 64 bytes, and a
+    # An alignment set in torch's config.save.storage_alignment is honoured for every
+    # storage (at least our 4096). With torch's default, small storages are packed at 64 bytes, and a
     # file that mixes packed and page-aligned storages declares no alignment (torch then
     # reads offsets from the local headers).
-    alignment = storage_alignment()
-    pack = alignment == PAYLOAD_ALIGNMENT
+    alignment, requested = storage_alignment(), _requested_alignment()
+    pack = requested in (None, _TORCH_DEFAULT_ALIGNMENT)
     claim = storage_alignment_claim(sizes, alignment) if pack else alignment
     if claim is not None:
         metadata += [(".format_version", b"1"), (".storage_alignment", str(claim).encode())]
@@ -162,13 +162,22 @@ def storage_alignment() -> int:
     Any alignment torch is asked for is honoured (the least common multiple with
     ours, so O_DIRECT still works).
     """
+    requested = _requested_alignment() or PAYLOAD_ALIGNMENT
+    return math.lcm(PAYLOAD_ALIGNMENT, requested) if requested > 0 else PAYLOAD_ALIGNMENT
+
+
+_TORCH_DEFAULT_ALIGNMENT = 64
+"""torch's own ``config.save.storage_alignment`` default: asking for it means "no preference"."""
+
+
+def _requested_alignment() -> int | None:
+    """torch's ``config.save.storage_alignment`` (None where this torch has no such setting)."""
     try:
         from torch.utils.serialization import config as torch_config
 
-        requested = int(torch_config.save.storage_alignment)
+        return int(torch_config.save.storage_alignment)
     except (ImportError, AttributeError, TypeError, ValueError):
-        requested = PAYLOAD_ALIGNMENT
-    return math.lcm(PAYLOAD_ALIGNMENT, requested) if requested > 0 else PAYLOAD_ALIGNMENT
+        return None
 
 
 def _serialization_id() -> bytes:
