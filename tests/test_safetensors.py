@@ -22,7 +22,8 @@ from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
 
 
 def _bytes(tensor: torch.Tensor) -> bytes:
-    return bytes(host_memoryview(cast_to_byte_tensor(tensor.cpu().contiguous())))
+    host = cast_to_byte_tensor(tensor.cpu().contiguous())  # kept alive while the view is read
+    return bytes(host_memoryview(host))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:
