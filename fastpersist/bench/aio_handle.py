@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "size_bytes": n,
         "repeat": args.repeat,
         "handle": repr(h),
+        "config": {"size_bytes": n, "repeat": args.repeat, "handle": repr(h)},
         "machine": machine_info(args.dir, device="cuda" if "cuda_ring" in results else "cpu"),
         "results": results,
     }

@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     document = {"schema": SCHEMA, "machine": measure.machine_info(dirs[0] if os.path.isdir(dirs[0]) else None,
                                                                  args.device),  # fmt: skip
                 **{k: v for k, v in settings.items() if k != "dirs"}, "dirs": args.dir or "(temporary)",
-                "results": results}  # fmt: skip
+                "config": {k: v for k, v in settings.items() if k != "dirs"}, "results": results}  # fmt: skip
     _print(document)
     if args.markdown:
         with open(args.markdown, "w") as handle:

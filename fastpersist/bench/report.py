@@ -479,11 +479,11 @@ def load_results(directory: str) -> list[tuple[str, dict[str, Any]]]:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
         # Results of other benchmarks ("benchmark" key) are kept too; those with a block type render there.
-        document = raw if isinstance(raw, dict) and "benchmark" in raw else load_result(path)
+        document = raw if isinstance(raw, dict) and benchmark_of(raw) else load_result(path)
         code = (document.get("machine") or {}).get("code") or {}
         if not code.get("commit") or not (document.get("settings") or document.get("config")):
             raise ValueError(f"{path}: records no code version (commit), settings or machine; re-measure it")
-        if "results" in document and isinstance(document["results"], list):
+        if str(document.get("schema", "")).startswith(SCHEMA_PREFIX):
             annotate_ceiling(document)
         documents.append((os.path.basename(path), document))
     return documents
