@@ -52,6 +52,7 @@ __all__ = [
     "temporary_path_pattern",
     "remove_stale_temporaries",
     "copy_metadata",
+    "discard_temporary",
     "live_temporaries",
     "commit_plan",
     "fsync_directory",
@@ -392,10 +393,7 @@ def commit_plan(plan, path: str, directory: str, settings: config.Settings, stre
             before_commit()
         os.replace(temporary, path)
     except BaseException as e:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass  # never mask the error being raised
+        discard_temporary(temporary)  # never masks the error being raised
         if isinstance(e, OSError) and e.filename == temporary:
             e.add_note(
                 f"while saving {path!r}: the previous file there is untouched and the temporary file is removed"
@@ -455,6 +453,14 @@ def _write_special(plan, path: str, settings: config.Settings) -> None:
         )
         if settings.fsync:
             fsync_file_object(stream)  # block devices only
+
+
+def discard_temporary(temporary: str) -> None:
+    """Removes a temporary file on an error path; never raises (the error being handled wins)."""
+    try:
+        os.unlink(temporary)
+    except OSError:
+        pass
 
 
 def copy_metadata(existing: str, temporary: str) -> None:

@@ -70,10 +70,7 @@ def merge(manifest_path: str, output: str, parts: list[str] = (), verify: bool =
             commit.copy_metadata(target, temporary)
             os.replace(temporary, target)
         except BaseException:
-            try:
-                os.unlink(temporary)
-            except OSError:
-                pass
+            commit.discard_temporary(temporary)
             raise
     commit.fsync_directory(directory)
     return report

@@ -269,10 +269,7 @@ def save(
     except BaseException:
         temporary = state.get("temporary")
         if temporary:
-            try:
-                os.unlink(temporary)
-            except OSError:
-                pass
+            commit.discard_temporary(temporary)
         if layout == "parts" and "written_part" in state and "committing" not in state:
             # Not referenced by any manifest. (Once rank 0 may have committed, parts stay; a later
             # save's clean-up removes those that no manifest references.)
@@ -318,7 +315,7 @@ def _create_presized(target: str, directory: str, size: int, settings: config.Se
         file.truncate(size)
     except BaseException:
         file.close()
-        os.unlink(temporary)
+        commit.discard_temporary(temporary)
         raise
     file.close()
     return temporary
@@ -350,10 +347,7 @@ def _write_part(plan: SavePlan, final: str, directory: str, byte_range: ByteRang
             file.close()
         os.replace(temporary, final)
     except BaseException:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
+        commit.discard_temporary(temporary)
         raise
     if settings.fsync:
         commit.fsync_directory(directory)
@@ -397,10 +391,7 @@ def _write_atomically(target: str, directory: str, data: bytes, settings) -> Non
             os.close(descriptor)
         os.replace(temporary, target)
     except BaseException:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
+        commit.discard_temporary(temporary)
         raise
     if settings.fsync:
         commit.fsync_directory(directory)
