@@ -333,3 +333,26 @@ def test_cuda_checkpointer_training_loop(tmp_path):
     checkpointer.close()
     loaded = fastpersist.load(tmp_path / "c.pt", map_location="cuda")
     assert all(torch.equal(loaded["model"][k], v) for k, v in reference.items())
+
+
+@pytest.mark.gpu
+def test_cuda_snapshot_of_small_and_large_storages(tmp_path):
+    """Small GPU storages are gathered into one copy: every value lands, in place, unaffected by later writes."""
+    path = tmp_path / "ckpt.pt"
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    sizes = [1, 3, 17, 1000, 16 << 10, (64 << 10) // 4 - 1, 64 << 10, 1 << 20]
+    state = {f"t{i}": torch.randn(n, device="cuda", generator=generator) for i, n in enumerate(sizes)}
+    state["half"] = torch.randn(33, device="cuda", generator=generator).half()
+    state["view"] = state["t6"][5:9]  # shares a storage with t6
+    state["cpu"] = torch.arange(10)
+    expected = {k: v.cpu() for k, v in state.items()}
+    future = fastpersist.async_save({**state, "temporary": state["t3"] * 2}, path, mode="snapshot")
+    expected["temporary"] = expected["t3"] * 2
+    for tensor in state.values():
+        tensor.add_(1)  # queued right after the call; freed temporaries are reused by the allocator
+    torch.cuda.synchronize()
+    future.result(timeout=60)
+    loaded = torch.load(path, map_location="cpu")
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    assert loaded["view"].untyped_storage().data_ptr() == loaded["t6"].untyped_storage().data_ptr()
