@@ -91,8 +91,14 @@ part_features() {
     --repeats 2 --skip fastpersist-torch --json "$out/$machine-safetensors-disk.json"
   step "$machine-dcp-4ranks" 200 python3 -m fastpersist.bench dcp --ranks 4 --size 4G --device cuda --threads 1,8 --repeats 2 \
     --dir "$scratch/dcp" --json "$out/$machine-dcp-4ranks.json"
+  # Every iteration with the GPU defaults (an iteration shorter than one checkpoint's write: storage-bound),
+  # every 4th, and every iteration with a 3x larger batch (an iteration longer than the write).
   step "$machine-training" 200 python3 -m fastpersist.bench training --dir /dev/shm/fp-train --repeats 1 --iterations 12 \
     --json "$out/$machine-training.json"
+  step "$machine-training-every4" 200 python3 -m fastpersist.bench training --dir /dev/shm/fp-train --repeats 1 \
+    --iterations 16 --every 4 --json "$out/$machine-training-every4.json"
+  step "$machine-training-b192" 240 python3 -m fastpersist.bench training --dir /dev/shm/fp-train --repeats 1 \
+    --iterations 10 --batch 192 --json "$out/$machine-training-b192.json"
 }
 
 case "$part" in

@@ -7,7 +7,8 @@ then lets the caller go on while the background thread writes the area out.
 Memory rules (also in docs/async.md):
 
 * an area holds one checkpoint: its size is the sum of the checkpoint's
-  storages, each rounded up to 4 KiB;
+  storages, each rounded up to 4 KiB, except the GPU storages smaller than
+  64 KiB, which are packed back to back (gathered on the GPU, one copy);
 * areas are kept after a save and reused by the next one, so a training loop
   that saves the same state every N steps allocates (and pins) once;
 * an area **grows** when a checkpoint does not fit: the idle area is freed and
