@@ -443,3 +443,79 @@ def test_verify_checks_a_safetensors_header_and_size(tmp_path):
         f.write(b"x")
     with pytest.raises(InvalidSafetensorsError, match="not fully covered"):
         fastpersist.verify(path)
+
+
+def _seeded_tensors(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(300_000, generator=generator), "b": torch.randn(7, generator=generator)}
+
+
+def _same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_concurrent_save_file_to_one_path_from_threads_and_async(tmp_path):
+    import threading
+
+    path = str(tmp_path / "m.safetensors")
+    errors = []
+
+    def saver(seed):
+        try:
+            for _ in range(4):
+                fs.save_file(_seeded_tensors(seed), path)
+                fs.load_file(path)  # whichever save landed last: a whole file, never a torn one
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=saver, args=(s,)) for s in range(3)]
+    future = fs.async_save_file(_seeded_tensors(9), path)
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    future.result(timeout=60)
+    assert not errors, errors
+    loaded = safetensors.torch.load_file(path)
+    assert any(_same_tensors(_seeded_tensors(s), loaded) for s in (0, 1, 2, 9))
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors"], "no temporary file left behind"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_save_file_and_load_file_in_a_forked_child(tmp_path):
+    import warnings
+
+    fs.save_file(_seeded_tensors(1), str(tmp_path / "parent.safetensors"))  # the parent's pools exist
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            torch.set_num_threads(1)  # the parent's OpenMP team does not survive fork (not ours to test)
+            fs.save_file(_seeded_tensors(2), str(tmp_path / "child.safetensors"))
+            fs.async_save_file(_seeded_tensors(3), str(tmp_path / "child-async.safetensors")).result(timeout=60)
+            code = 0 if _same_tensors(_seeded_tensors(2), fs.load_file(str(tmp_path / "child.safetensors"))) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _same_tensors(_seeded_tensors(3), safetensors.torch.load_file(str(tmp_path / "child-async.safetensors")))
+    assert _same_tensors(_seeded_tensors(1), fs.load_file(str(tmp_path / "parent.safetensors")))
+
+
+def test_save_file_from_an_atexit_handler_and_a_pending_async_save(tmp_path):
+    import subprocess
+    import sys
+
+    script = f"""
+import atexit, torch
+from fastpersist import safetensors as fs
+path = {str(tmp_path)!r}
+atexit.register(lambda: fs.save_file({{"x": torch.full((1000,), 10.0)}}, path + "/atexit.safetensors"))
+fs.async_save_file({{"x": torch.full((300_000,), 6.0)}}, path + "/pending.safetensors")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert bool((safetensors.torch.load_file(str(tmp_path / "atexit.safetensors"))["x"] == 10).all())
+    assert bool((safetensors.torch.load_file(str(tmp_path / "pending.safetensors"))["x"] == 6).all())
