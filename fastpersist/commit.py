@@ -40,7 +40,7 @@ from typing import Any
 
 from fastpersist import config, system
 from fastpersist.errors import TargetDirectoryMissingError, TargetPermissionError
-from fastpersist.io import engine
+from fastpersist.io import engine, workers
 from fastpersist.io.stream import write_plan_to_stream
 from fastpersist.io.writer import write_plan
 
@@ -53,6 +53,7 @@ __all__ = [
     "remove_stale_temporaries",
     "copy_metadata",
     "discard_temporary",
+    "replace_file",
     "live_temporaries",
     "commit_plan",
     "fsync_directory",
@@ -80,14 +81,17 @@ _last_scan: dict[
     str, float
 ] = {}  # directory -> monotonic time of its last cleanup scan
 _warned_in_place = False
+_remover = None  # the thread that frees replaced files (created on first use, per process)
 
 
 def _reset_after_fork() -> None:
-    # The child writes none of the parent's temporaries; the parent still owns them.
-    global _lock, _live, _last_scan
+    # The child writes none of the parent's temporaries; the parent still owns them (and frees
+    # the files it set aside: the remover thread does not exist in the child).
+    global _lock, _live, _last_scan, _remover
     _lock = threading.Lock()
     _live = set()
     _last_scan = {}
+    _remover = None
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -391,7 +395,7 @@ def commit_plan(plan, path: str, directory: str, settings: config.Settings, stre
             os.close(descriptor)
         if before_commit is not None:
             before_commit()
-        os.replace(temporary, path)
+        replace_file(temporary, path, directory)
     except BaseException as e:
         discard_temporary(temporary)  # never masks the error being raised
         if isinstance(e, OSError) and e.filename == temporary:
@@ -453,6 +457,76 @@ def _write_special(plan, path: str, settings: config.Settings) -> None:
         )
         if settings.fsync:
             fsync_file_object(stream)  # block devices only
+
+
+DEFER_REMOVAL_BYTES = 64 << 20
+"""A replaced file at least this large is freed by a helper thread after the rename (see replace_file)."""
+
+
+def replace_file(temporary: str, target: str, directory: str) -> None:
+    """``os.replace(temporary, target)``, freeing a large replaced file off the caller's path.
+
+    Renaming over a file frees its blocks inside the rename when that was its
+    last link: 0.55 s for 4 GB on ext4 mounted with ``discard`` (a third of the
+    time the write itself takes there). So a replaced regular file of at least
+    DEFER_REMOVAL_BYTES with one link first gets a second, temporary name
+    (a hard link, named and tracked like our temporaries, so a crash leaves
+    nothing that the stale-temporary cleanup would not remove); the rename
+    then only moves a name, and a helper thread unlinks the old file. Where
+    hard links are not possible, the rename frees the file as before. Pending
+    removals finish at interpreter exit.
+    """
+    aside = _set_aside(target, directory)
+    try:
+        os.replace(temporary, target)
+    except BaseException:
+        if aside is not None:
+            _remove_aside(aside)
+        raise
+    if aside is not None:
+        try:
+            _removal_pool().submit(_remove_aside, aside)
+        except RuntimeError:  # no thread can be started: free it here
+            _remove_aside(aside)
+
+
+def _set_aside(target: str, directory: str) -> str | None:
+    try:
+        info = os.lstat(target)
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_size < DEFER_REMOVAL_BYTES:
+        return None
+    aside = os.path.join(directory, temporary_name(os.path.basename(target), directory))
+    with _lock:
+        _live.add(aside)
+    try:
+        os.link(target, aside, follow_symlinks=False)
+    except OSError:  # no hard links here (FAT, some FUSE), or the target just vanished
+        with _lock:
+            _live.discard(aside)
+        return None
+    return aside
+
+
+def _remove_aside(aside: str) -> None:
+    try:
+        os.unlink(aside)
+    except OSError:
+        pass  # a crash-leftover cleaner got there first: nothing else can hold this name
+    finally:
+        with _lock:
+            _live.discard(aside)
+
+
+def _removal_pool():
+    global _remover
+    if not workers.threads_allowed():
+        return workers.InlineExecutor()  # interpreter shutdown: free it on the caller's thread
+    with _lock:
+        if _remover is None:
+            _remover = workers.executor(1, "fastpersist-remove")
+        return _remover
 
 
 def discard_temporary(temporary: str) -> None:

@@ -263,8 +263,9 @@ def test_config_set_in_two_threads_does_not_leak():
     # As a statement, config.set still changes the whole process (and restores).
     restore = config.set(queue_depth=5)
     seen = []
-    threading.Thread(target=lambda: seen.append(config.get("queue_depth"))).start()
-    time.sleep(0.1)
+    reader = threading.Thread(target=lambda: seen.append(config.get("queue_depth")))
+    reader.start()
+    reader.join(60)  # not a fixed sleep: on a loaded machine the thread may start late
     restore.__exit__(None, None, None)
     assert seen == [5] and config.get("queue_depth") == default
 
@@ -691,3 +692,76 @@ def test_torch_loads_ours_and_ours_loads_torchs(tmp_path):
         fastpersist.save(state(9), handle)
         handle.seek(0)
         assert same(state(9), fastpersist.load(handle))
+
+
+# ----------------------------------------------------------------------------- freeing a replaced file
+
+
+def _wait_until_no_temporaries(directory, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while temporaries(directory) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return temporaries(directory)
+
+
+def test_a_large_replaced_file_is_freed_after_the_rename(tmp_path, monkeypatch):
+    monkeypatch.setattr(commit, "DEFER_REMOVAL_BYTES", 1)  # every replaced file counts as large
+    path = tmp_path / "ckpt.pt"
+    fastpersist.save(state(1), path)
+    old = os.stat(path)
+    fastpersist.save(state(2), path)
+    assert os.stat(path).st_ino != old.st_ino and same(state(2), fastpersist.load(path))
+    assert _wait_until_no_temporaries(tmp_path) == [], "the old file's second name is removed"
+    assert commit.live_temporaries() == set()
+
+
+def test_a_replaced_file_with_other_links_is_not_set_aside(tmp_path, monkeypatch):
+    monkeypatch.setattr(commit, "DEFER_REMOVAL_BYTES", 1)
+    path, other = tmp_path / "ckpt.pt", tmp_path / "backup.pt"
+    fastpersist.save(state(1), path)
+    os.link(path, other)
+    seen = []
+    monkeypatch.setattr(commit.os, "link", lambda *a, **k: seen.append(a))
+    fastpersist.save(state(2), path)
+    assert seen == [] and same(state(1), fastpersist.load(other)) and same(state(2), fastpersist.load(path))
+
+
+def test_without_hard_links_the_rename_frees_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(commit, "DEFER_REMOVAL_BYTES", 1)
+
+    def no_links(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")  # FAT, some FUSE filesystems
+
+    monkeypatch.setattr(commit.os, "link", no_links)
+    path = tmp_path / "ckpt.pt"
+    fastpersist.save(state(1), path)
+    fastpersist.save(state(2), path)
+    assert same(state(2), fastpersist.load(path)) and temporaries(tmp_path) == []
+
+
+def test_a_failed_rename_keeps_the_target_and_removes_the_second_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(commit, "DEFER_REMOVAL_BYTES", 1)
+    path = tmp_path / "ckpt.pt"
+    fastpersist.save(state(1), path)
+
+    def failing_replace(source, target):
+        raise OSError(5, "Input/output error", str(target))
+
+    monkeypatch.setattr(commit.os, "replace", failing_replace)
+    with pytest.raises(OSError):
+        fastpersist.save(state(2), path)
+    assert same(state(1), fastpersist.load(path)) and temporaries(tmp_path) == []
+
+
+def test_pending_removals_finish_at_exit(tmp_path):
+    script = textwrap.dedent(f"""
+        import torch, fastpersist
+        from fastpersist import commit
+        commit.DEFER_REMOVAL_BYTES = 1
+        for seed in range(5):
+            fastpersist.save({{"x": torch.full((1 << 20,), float(seed))}}, {str(tmp_path / "c.pt")!r})
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert temporaries(tmp_path) == [] and sorted(os.listdir(tmp_path)) == ["c.pt"]
+    assert bool((fastpersist.load(tmp_path / "c.pt")["x"] == 4).all())

@@ -68,7 +68,7 @@ def merge(manifest_path: str, output: str, parts: list[str] = (), verify: bool =
 
                 report = verify_file(temporary)
             commit.copy_metadata(target, temporary)
-            os.replace(temporary, target)
+            commit.replace_file(temporary, target, directory)
         except BaseException:
             commit.discard_temporary(temporary)
             raise

@@ -345,7 +345,7 @@ def _write_part(plan: SavePlan, final: str, directory: str, byte_range: ByteRang
                 file.fsync()
         finally:
             file.close()
-        os.replace(temporary, final)
+        commit.replace_file(temporary, final, directory)
     except BaseException:
         commit.discard_temporary(temporary)
         raise
@@ -367,7 +367,7 @@ def _commit_file(plan: SavePlan, crcs: list[int], patches, temporary: str, targe
     finally:
         os.close(descriptor)
     commit.copy_metadata(target, temporary)
-    os.replace(temporary, target)
+    commit.replace_file(temporary, target, directory)
     if settings.fsync:
         commit.fsync_directory(directory)
 
