@@ -400,12 +400,17 @@ def set(**changes: Any) -> _Restorer:  # noqa: A001 - mirrors kvikio.defaults.se
 @functools.lru_cache(maxsize=1024)
 def _with_call_sites(code) -> frozenset[int]:
     """Offsets of the calls in ``code`` whose result a ``with`` statement enters right away."""
-    sites = set()
+    # A list, not ``set()``: in this module ``set`` is config.set (it recursed into this very
+    # detection, ~250 levels deep, 46 ms a call, and at times took a ``with`` for a statement).
+    sites: list[int] = []
     recent: list = []
     for instruction in dis.get_instructions(code):
         if instruction.opname in ("BEFORE_WITH", "SETUP_WITH"):
-            # The call itself, and PRECALL before it (3.11 may report either as f_lasti).
-            sites.update(i.offset for i in recent[-2:] if i.opname.startswith(("CALL", "PRECALL")))
+            # The call itself, PRECALL before it and the call's inline cache entries up to the
+            # with: 3.11 reports any of them as f_lasti (the last cache entry under pytest).
+            calls = [i.offset for i in recent[-2:] if i.opname.startswith(("CALL", "PRECALL"))]
+            if calls:
+                sites.extend(range(min(calls), instruction.offset, 2))
         if instruction.opname not in ("CACHE", "EXTENDED_ARG", "NOP"):
             recent = (recent + [instruction])[-2:]
     return frozenset(sites)

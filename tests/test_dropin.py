@@ -765,3 +765,14 @@ def test_pending_removals_finish_at_exit(tmp_path):
     assert result.returncode == 0, result.stderr
     assert temporaries(tmp_path) == [] and sorted(os.listdir(tmp_path)) == ["c.pt"]
     assert bool((fastpersist.load(tmp_path / "c.pt")["x"] == 4).all())
+
+
+def test_with_config_set_never_touches_the_process_settings():
+    """Regression: the with-detection called config.set itself (``set()`` in config.py) and, ~250
+    levels deep, replaced the process-wide settings object; at times it took a ``with`` for a statement."""
+    before = config._current
+    for value in (3, 7, 3):
+        with config.set(queue_depth=value):
+            assert config.get("queue_depth") == value
+            assert config._current is before, "a with-block must not write the process-wide settings"
+    assert config._current is before
