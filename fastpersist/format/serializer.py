@@ -35,7 +35,6 @@ from torch.serialization import location_tag, normalize_storage_type
 from fastpersist.errors import MixedDtypeViewsError, UnsupportedObjectError
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
 from fastpersist.format.zipformat import PAYLOAD_ALIGNMENT, is_packed_storage, layout_archive, storage_alignment_claim
-from fastpersist.tensors import storage_byte_view
 
 __all__ = ["plan_save", "archive_name_for"]
 
@@ -67,7 +66,7 @@ def plan_save(
         pickle_module, pickle_protocol, disable_byteorder_record: as torch.save.
 
     Returns:
-        A plan whose storage records view the object's storages (no copies):
+        A plan whose storage records refer to the object's storages (no copies):
         the caller must not modify those tensors until the plan is written.
 
     Raises:
@@ -80,7 +79,6 @@ def plan_save(
     pickled, storages = _pickle_with_storages(obj, pickle_module, pickle_protocol, table)
 
     prefix = archive_name + "/"
-    views = {key: storage_byte_view(storage) for key, storage in storages.items()}
     sizes = [storage.nbytes() for storage in storages.values()]
     metadata = [("data.pkl", pickled)]
     # An alignment set in torch's config.save.storage_alignment is honoured for every
@@ -98,13 +96,13 @@ def plan_save(
 
     layout = layout_archive(
         [(prefix + name, len(data), False) for name, data in metadata]
-        + [(f"{prefix}data/{key}", size, not (pack and is_packed_storage(size))) for key, size in zip(views, sizes)]
+        + [(f"{prefix}data/{key}", size, not (pack and is_packed_storage(size))) for key, size in zip(storages, sizes)]
         + [(prefix + name, len(data), False) for name, data in closing],
         alignment=alignment,
     )
     entries = iter(layout.entries)
     records: list[BytesRecord | StorageRecord] = [BytesRecord(next(entries), data) for _, data in metadata]
-    records += [StorageRecord(next(entries), key, view) for key, view in views.items()]
+    records += [StorageRecord(next(entries), key, storage) for key, storage in storages.items()]
     records += [BytesRecord(next(entries), data) for _, data in closing]
     return SavePlan(layout, tuple(records))
 
@@ -161,12 +159,15 @@ def _pickle_with_storages(obj: Any, pickle_module: Any, protocol: int,
     storage_types = _v2_storage_types()
 
     def storage_id(item: Any, storage: torch.UntypedStorage, storage_dtype: torch.dtype, storage_type: Any,
-                   storage_numel: int):  # fmt: skip
-        if storage.device.type == "meta":
-            raise UnsupportedObjectError(
-                "cannot save a tensor on the meta device: it has no data. Materialize it first "
-                "(for example with .to_empty(device='cpu') and initialization)"
-            )
+                   storage_numel: int, location: str | None = None):  # fmt: skip
+        if location is None:
+            if storage.device.type == "meta":
+                raise UnsupportedObjectError(
+                    "cannot save a tensor on the meta device: it has no data. Materialize it first "
+                    "(for example with .to_empty(device='cpu') and initialization)"
+                )
+            fake_device = getattr(item, "_fake_device", None)
+            location = str(fake_device) if fake_device is not None else location_tag(storage)
         pointer = storage.data_ptr()
         if pointer != 0:
             seen = storage_dtypes.setdefault(pointer, storage_dtype)
@@ -176,10 +177,13 @@ def _pickle_with_storages(obj: Any, pickle_module: Any, protocol: int,
                     f"({seen} and {storage_dtype}); save a copy of one of them instead"
                 )
         key = id_map.setdefault(storage._cdata, str(len(id_map)))
-        fake_device = getattr(item, "_fake_device", None)
-        location = str(fake_device) if fake_device is not None else location_tag(storage)
         storages[key] = storage
         return ("storage", storage_type, key, location, storage_numel)
+
+    # torch's location_tag asks each registered tagger in turn; when its CPU tagger comes
+    # first (always, unless a package registered one before it) a CPU storage is "cpu".
+    registry = getattr(torch.serialization, "_package_registry", None) or [(None, None, None)]
+    cpu_first = registry[0][1] is getattr(torch.serialization, "_cpu_tag", ())
 
     def persistent_id(item: Any):
         # Called for every object pickled (19 per tensor): the common types leave at once.
@@ -188,7 +192,8 @@ def _pickle_with_storages(obj: Any, pickle_module: Any, protocol: int,
             return None
         if kind is stand_in:  # a plain tensor's storage, from the shortcut: what its TypedStorage gives
             storage, dtype = item.storage, item.dtype
-            return storage_id(None, storage, dtype, storage_types[dtype], storage.nbytes() // dtype.itemsize)
+            return storage_id(None, storage, dtype, storage_types[dtype], storage.nbytes() // dtype.itemsize,
+                              "cpu" if item.cpu and cpu_first else None)  # fmt: skip
         if isinstance(item, typed_storage):
             return storage_id(item, item._untyped_storage, item.dtype, getattr(torch, item._pickle_storage_type()),
                               item._size())  # fmt: skip
@@ -232,11 +237,12 @@ class _TypedStorageStandIn:
     answers for that TypedStorage, so the pickle is the same.
     """
 
-    __slots__ = ("storage", "dtype")
+    __slots__ = ("storage", "dtype", "cpu")
 
-    def __init__(self, storage: torch.UntypedStorage, dtype: torch.dtype):
+    def __init__(self, storage: torch.UntypedStorage, dtype: torch.dtype, cpu: bool):
         self.storage = storage
         self.dtype = dtype
+        self.cpu = cpu  # the tensor is on the CPU (so is its storage)
 
 
 class _NoHooks:
@@ -290,8 +296,9 @@ def _plain_tensor_reducer(protocol: int) -> Callable[[torch.Tensor], tuple]:
             dtype = tensor.dtype
             metadata = tensor_metadata(tensor)
             if dtype in v2_dtypes:
-                args = (stand_in(tensor.untyped_storage(), dtype), tensor.storage_offset(), tuple(tensor.size()),
-                        tensor.stride(), tensor.requires_grad, _NoHooks())  # fmt: skip
+                storage = stand_in(tensor.untyped_storage(), dtype, tensor.is_cpu)
+                args = (storage, tensor.storage_offset(), tuple(tensor.size()), tensor.stride(), tensor.requires_grad,
+                        _NoHooks())  # fmt: skip
                 return (rebuild_v2, args + (metadata,)) if metadata else (rebuild_v2, args)
             if dtype in v3_dtypes:
                 args = (tensor.untyped_storage(), tensor.storage_offset(), tuple(tensor.size()), tensor.stride(),

@@ -25,6 +25,7 @@ end records) and that records tile the file without gaps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 from typing import Callable, Iterable, Sequence
 
@@ -120,15 +121,14 @@ class ZipEntry:
 
     @property
     def descriptor_size(self) -> int:
-        # Like miniz (torch's writer, whose offsets torch's reader may recompute),
-        # an empty record gets no data descriptor.
-        if self.size == 0:
-            return 0
-        return _DESCRIPTOR64.size if self.zip64 else _DESCRIPTOR32.size
+        return _descriptor_size(self.size, self.header_offset)
 
     def local_header(self) -> bytes:
         """The local header plus its extra fields (CRC and sizes are in the descriptor)."""
         name = self.name.encode("utf-8")
+        if self.size < _U32_MAX and self.header_offset < _U32_MAX:  # no zip64 field: cached pieces
+            extra_length = self.data_offset - self.header_offset - _LOCAL.size - len(name)
+            return _local_header32(len(name), extra_length) + name + _padding_field(extra_length - 4)
         zip64 = _local_zip64_extra(self.size, self.header_offset)
         pad = self.data_offset - self.header_offset - _LOCAL.size - len(name) - len(zip64) - 4
         extra = zip64 + struct.pack("<HH", _PAD_TAG, pad) + b"Z" * pad
@@ -202,6 +202,26 @@ class ZipLayout:
         return self.size - self.central_directory_offset
 
 
+def _descriptor_size(size: int, header_offset: int) -> int:
+    # Like miniz (torch's writer, whose offsets torch's reader may recompute),
+    # an empty record gets no data descriptor.
+    if size == 0:
+        return 0
+    return _DESCRIPTOR64.size if size >= _U32_MAX or header_offset >= _U32_MAX else _DESCRIPTOR32.size
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_header32(name_length: int, extra_length: int) -> bytes:
+    """The fixed part of a local header of a record below 4 GiB starting below 4 GiB (no zip64 field)."""
+    return _LOCAL.pack(_SIG_LOCAL, 20, _FLAGS, 0, *_DOS_TIME_DATE, 0, 0, 0, name_length, extra_length)
+
+
+@functools.lru_cache(maxsize=8192)
+def _padding_field(pad: int) -> bytes:
+    """torch's ``FB`` extra field holding ``pad`` bytes of padding."""
+    return struct.pack("<HH", _PAD_TAG, pad) + b"Z" * pad
+
+
 def _local_zip64_extra(size: int, header_offset: int) -> bytes:
     """The zip64 extra field miniz puts in a local header (empty when not needed)."""
     fields = ([size, size] if size >= _U32_MAX else []) + ([header_offset] if header_offset >= _U32_MAX else [])
@@ -243,9 +263,8 @@ def layout_archive(records: Iterable[tuple[str, int, bool]], alignment: int = PA
         # which torch's reader replays when it computes offsets itself.
         step = storage_alignment if align else _METADATA_ALIGNMENT
         data_offset = _padded_data_offset(offset, len(encoded), size, step)
-        entry = ZipEntry(name, offset, data_offset, size, align)
-        entries.append(entry)
-        offset = entry.data_end + entry.descriptor_size
+        entries.append(ZipEntry(name, offset, data_offset, size, align))
+        offset = data_offset + size + _descriptor_size(size, offset)
     trailer = sum(_central_size(e) for e in entries) + _EOCD64.size + _EOCD64_LOCATOR.size + _EOCD.size
     return ZipLayout(tuple(entries), offset, offset + trailer)
 
