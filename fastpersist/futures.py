@@ -292,7 +292,8 @@ class _RecordingPickler:
                 parent = getattr(super(), "reducer_override", None)
                 return parent(obj) if parent is not None else NotImplemented
 
-        self.module = types.SimpleNamespace(Pickler=Pickler)
+        # ``wraps``: plan_save's plain tensor shortcut applies as it does to the wrapped module.
+        self.module = types.SimpleNamespace(Pickler=Pickler, wraps=pickle_module)
 
 
 def _check_unmodified(path: str, recorded: list) -> None:

@@ -210,3 +210,64 @@ def test_byte_ranges_of_a_packed_plan_rebuild_the_file(tmp_path):
     # Only the serialization id (random per save) and its CRC-32 (twice) may differ.
     assert len(whole) == len(rebuilt)
     assert sum(a != b for a, b in zip(whole, rebuilt)) <= 40 + 8
+
+
+def _small_state(count: int = 300) -> dict:
+    generator = torch.Generator().manual_seed(3)
+    return {f"t{i}": torch.randn(1 + i % 40, generator=generator) for i in range(count)}
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_small_records_load_as_their_own_storages(tmp_path, weights_only):
+    state = _small_state()
+    path = tmp_path / "small.pt"
+    fastpersist.save(state, path)
+    loaded = fastpersist.load(path, weights_only=weights_only)
+    _assert_same(state, loaded)
+    pointers = {tensor.untyped_storage().data_ptr() for tensor in loaded.values()}
+    assert len(pointers) == len(state)  # slices of one read, but one storage each
+    assert all(tensor.untyped_storage().nbytes() == tensor.nbytes for tensor in loaded.values())
+    fastpersist.save(loaded, tmp_path / "again.pt")  # a loaded state saves again as it was
+    _assert_same(state, torch.load(tmp_path / "again.pt"))
+
+
+def test_weights_only_load_reads_small_records_in_one_batch(tmp_path, monkeypatch):
+    """torch's own allowed globals (nested tensors, device meshes...) do not make the load fetch storage by storage."""
+    from fastpersist.io import reader
+
+    state = _small_state()
+    path = tmp_path / "small.pt"
+    fastpersist.save(state, path)
+    calls = []
+    read_cpu = reader.FileStorageProvider._read_cpu
+    monkeypatch.setattr(reader.FileStorageProvider, "_read_cpu", lambda self, items: calls.append(len(items))
+                        or read_cpu(self, items))  # fmt: skip
+    import torch.nested  # noqa: F401 - registers torch's own safe globals
+
+    assert torch.serialization.get_safe_globals()
+    _assert_same(state, fastpersist.load(path, weights_only=True))
+    assert calls == [len(state)]
+    calls.clear()
+    _assert_same(state, fastpersist.load(path, weights_only=False))
+    assert calls == [1] * len(state)  # arbitrary pickles may read data while unpickling
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_damaged_small_record_is_caught(tmp_path, weights_only):
+    state = _small_state()
+    path = tmp_path / "small.pt"
+    fastpersist.save(state, path)
+    from fastpersist.format.zipformat import read_directory
+
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        records = read_directory(lambda offset, length: os.pread(handle.fileno(), length, offset), size)
+    victim = next(record for record in records if record.name.endswith("/data/150"))
+    with open(path, "r+b") as handle:
+        handle.seek(victim.data_offset + 1)
+        byte = handle.read(1)
+        handle.seek(victim.data_offset + 1)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(fastpersist.ChecksumMismatchError, match="data/150"):
+        fastpersist.load(path, weights_only=weights_only)
+    fastpersist.load(path, weights_only=weights_only, verify=False)  # unverified, it loads

@@ -122,7 +122,9 @@ def deserialize(
     # data, so those are filled storage by storage, as torch.load does.
     # Globals the user allowed (add_safe_globals / safe_globals) may run their own code, e.g. a
     # tensor subclass's __setstate__ reading values: they too get tensors with their data.
-    eager = not weights_only or swap or bool(torch.serialization.get_safe_globals())
+    # torch allows some of its own classes that way (nested and distributed tensors, device mesh
+    # layouts) as soon as they are imported; their rebuilds read no data, like its other ones.
+    eager = not weights_only or swap or _user_safe_globals()
     loaded: dict[str, torch.storage.TypedStorage] = {}
     from_storage: set[int] = set()  # ids of exceptions raised while loading a storage
 
@@ -226,6 +228,16 @@ def deserialize(
             path=path, record=prefix + "data.pkl",
         ) from e  # fmt: skip
     return result
+
+
+def _user_safe_globals() -> bool:
+    """Whether the weights-only unpickler allows globals besides torch's own (see deserialize)."""
+    for entry in torch.serialization.get_safe_globals():
+        allowed = entry[0] if isinstance(entry, tuple) else entry
+        module = getattr(allowed, "__module__", None) or ""
+        if module != "torch" and not module.startswith("torch."):
+            return True
+    return False
 
 
 def _restore(restore_location, storage, location: str, name: str, path: str | None):

@@ -2,8 +2,8 @@
 
 A plan is a :class:`~fastpersist.format.zipformat.ZipLayout` plus, for every
 entry, where its bytes come from: small metadata records carry their bytes
-(and CRC-32), storage records carry a zero-copy uint8 view of the storage on
-its device. Everything else in the file (local headers, padding, data
+(and CRC-32), storage records carry the storage (seen as a zero-copy uint8
+view on its device). Everything else in the file (local headers, padding, data
 descriptors, the central directory) follows from the layout.
 
 :meth:`SavePlan.segments` flattens a plan into contiguous, non-overlapping
@@ -21,6 +21,7 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 
 from fastpersist.format.zipformat import ZipEntry, ZipLayout
+from fastpersist.tensors import storage_byte_view
 
 __all__ = ["BytesRecord", "StorageRecord", "SavePlan", "SegmentKind", "Segment"]
 
@@ -33,17 +34,45 @@ class BytesRecord:
     data: bytes
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
 class StorageRecord:
-    """A tensor storage: ``view`` is a 1-D uint8 tensor over all of its bytes, on its device."""
+    """A tensor storage: ``view`` is a 1-D uint8 tensor over all of its bytes, on its device.
 
-    entry: ZipEntry
-    key: str
-    view: torch.Tensor
+    ``StorageRecord(entry, key, storage)`` makes the view on first use only:
+    writers of CPU storages need just their address (:meth:`data_ptr`), and a
+    view per storage was a fifth of the time to plan a checkpoint of many
+    small tensors. ``StorageRecord(entry, key, view=view)`` takes a ready view
+    (a staging copy, for example). Treat records as immutable.
+    """
+
+    __slots__ = ("entry", "key", "_storage", "_view")
+
+    def __init__(self, entry: ZipEntry, key: str, storage: torch.UntypedStorage | None = None, *,
+                 view: torch.Tensor | None = None):  # fmt: skip
+        if (storage is None) == (view is None):
+            raise TypeError("a StorageRecord needs either a storage or a view")
+        self.entry = entry
+        self.key = key
+        self._storage = storage
+        self._view = view
+
+    @property
+    def view(self) -> torch.Tensor:
+        view = self._view
+        if view is None:
+            # Threads racing here make equal views of one storage; either may stay.
+            view = self._view = storage_byte_view(self._storage)
+        return view
 
     @property
     def device(self) -> torch.device:
-        return self.view.device
+        return self._storage.device if self._view is None else self._view.device
+
+    def data_ptr(self) -> int:
+        """The address of the first byte (``view.data_ptr()``), without making the view."""
+        return self._storage.data_ptr() if self._view is None else self._view.data_ptr()
+
+    def __repr__(self) -> str:
+        return f"StorageRecord({self.entry.name!r}, key={self.key!r}, device={self.device})"
 
 
 Record = BytesRecord | StorageRecord
@@ -104,26 +133,32 @@ class SavePlan:
 
     def segments(self) -> list[Segment]:
         """Contiguous pieces covering ``[0, size)`` in file order."""
+        # One pass with few attribute lookups: 100,000 small storages make 300,000 segments.
         pieces: list[Segment] = []
+        append = pieces.append
+        new = tuple.__new__
+        bytes_kind, storage_kind, descriptor_kind = SegmentKind.BYTES, SegmentKind.STORAGE, SegmentKind.DESCRIPTOR
         position = 0
         for index, record in enumerate(self.records):
             entry = record.entry
-            if entry.header_offset != position:
+            header_offset, data_offset, size = entry.header_offset, entry.data_offset, entry.size
+            if header_offset != position:
                 raise AssertionError(f"layout gap before {entry.name!r}")
-            pieces.append(Segment(SegmentKind.BYTES, entry.header_offset, entry.data_offset - entry.header_offset,
-                                  data=entry.local_header()))  # fmt: skip
+            append(new(Segment, (bytes_kind, header_offset, data_offset - header_offset, -1, entry.local_header())))
             if isinstance(record, BytesRecord):
-                pieces.append(Segment(SegmentKind.BYTES, entry.data_offset, entry.size, data=record.data))
-            elif entry.size:
-                pieces.append(Segment(SegmentKind.STORAGE, entry.data_offset, entry.size, record=index))
-            if entry.descriptor_size:
+                append(new(Segment, (bytes_kind, data_offset, size, -1, record.data)))
+            elif size:
+                append(new(Segment, (storage_kind, data_offset, size, index, b"")))
+            position = data_offset + size
+            descriptor_size = entry.descriptor_size
+            if descriptor_size:
                 # Filled from the executor's CRC table, like the central directory, so the two
                 # always agree (both 0 when checksums are off).
-                pieces.append(Segment(SegmentKind.DESCRIPTOR, entry.descriptor_offset, entry.descriptor_size,
-                                      record=index))  # fmt: skip
-            position = entry.descriptor_offset + entry.descriptor_size
-        pieces.append(Segment(SegmentKind.TRAILER, position, self.layout.trailer_size()))
-        if position + self.layout.trailer_size() != self.size:
+                append(new(Segment, (descriptor_kind, position, descriptor_size, index, b"")))
+                position += descriptor_size
+        trailer_size = self.layout.trailer_size()
+        pieces.append(Segment(SegmentKind.TRAILER, position, trailer_size))
+        if position + trailer_size != self.size:
             raise AssertionError("layout does not end at the file size")
         return pieces
 

@@ -361,6 +361,9 @@ class _TensorRecord:
     def device(self) -> torch.device:
         return self.view.device
 
+    def data_ptr(self) -> int:
+        return self.view.data_ptr()
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SafetensorsPlan:

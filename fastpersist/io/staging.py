@@ -192,7 +192,9 @@ def snapshot_plan(plan: SavePlan) -> Snapshot:
         _pool.release(area)
         raise
     records = tuple(
-        dataclasses.replace(record, view=copies[id(record)]) if isinstance(record, StorageRecord) else record
+        StorageRecord(record.entry, record.key, view=copies[id(record)])
+        if isinstance(record, StorageRecord)
+        else record
         for record in plan.records
     )
     return Snapshot(SavePlan(plan.layout, records), area, events)

@@ -162,11 +162,21 @@ class _Cursor:
         self.first = 0
 
     def overlapping(self, start: int, end: int):
-        for index, segment in SavePlan.overlapping(self.segments, start, end, self.first):
-            lo, hi = max(segment.offset, start), min(segment.end, end)
-            yield segment, lo, hi
-            if hi == segment.end:
-                self.first = index + 1
+        """(segment, lo, hi) for each segment meeting ``[start, end)``, clipped to it, in file order."""
+        # One flat loop: with 100,000 small storages there are 300,000 segments per pass.
+        segments = self.segments
+        for index in range(self.first, len(segments)):
+            segment = segments[index]
+            offset = segment.offset
+            if offset >= end:
+                return
+            segment_end = offset + segment.length
+            if segment_end > start:
+                if segment_end <= end:
+                    yield segment, (offset if offset > start else start), segment_end
+                    self.first = index + 1
+                else:
+                    yield segment, (offset if offset > start else start), end
 
 
 def side_streams(plan: SavePlan) -> dict[torch.device, "torch.cuda.Stream"]:
@@ -184,17 +194,24 @@ def side_streams(plan: SavePlan) -> dict[torch.device, "torch.cuda.Stream"]:
 def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams, crcs: list[int], checksum: bool) -> None:
     start, end = slot.window
     base = slot.buffer.data_ptr()
+    records = plan.records
+    window = slot.view
     device_copies: dict = {}  # stream -> [(destination, source)], queued once per window
     for segment, lo, hi in cursor.overlapping(start, end):
-        if segment.kind is SegmentKind.BYTES:
-            slot.view[lo - start : hi - start] = segment.data[lo - segment.offset : hi - segment.offset]
-        elif segment.kind is SegmentKind.STORAGE:
-            view = plan.records[segment.record].view
-            if view.device.type == "cpu":
+        kind = segment.kind
+        if kind is _BYTES:
+            data = segment.data
+            if lo == segment.offset and hi - lo == len(data):
+                window[lo - start : hi - start] = data
+            else:
+                window[lo - start : hi - start] = data[lo - segment.offset : hi - segment.offset]
+        elif kind is _STORAGE:
+            record = records[segment.record]
+            if record.device.type == "cpu":
                 # Pointer arithmetic, not tensor slices: with 100,000 small storages the
                 # slicing cost more than the copies. Large pieces are copied (and
                 # checksummed) by several cores at once.
-                destination, source = base + (lo - start), view.data_ptr() + (lo - segment.offset)
+                destination, source = base + (lo - start), record.data_ptr() + (lo - segment.offset)
                 if checksum:
                     # Records are filled in file order, so this running CRC is complete
                     # before finalize (on the worker) writes the record's descriptor.
@@ -202,6 +219,7 @@ def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams, crcs: list[int]
                 else:
                     crc_pool.copy(destination, source, hi - lo)
                 continue
+            view = record.view
             source = view[lo - segment.offset : hi - segment.offset]
             destination = slot.buffer[lo - start : hi - start]
             if source.device.type == "cuda":
@@ -217,6 +235,9 @@ def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams, crcs: list[int]
         event = torch.cuda.Event()
         event.record(stream)
         slot.events.append(event)
+
+
+_BYTES, _STORAGE = SegmentKind.BYTES, SegmentKind.STORAGE
 
 
 def _finalize_and_submit(plan, slot: _Slot, cursor: _Cursor, crcs, trailer: list[bytes], settings, file,

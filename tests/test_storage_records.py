@@ -1,0 +1,39 @@
+"""Storage records of a save plan: the byte view of a storage is made only when something asks for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastpersist.format.plan import StorageRecord
+from fastpersist.format.serializer import plan_save
+
+
+def test_plan_records_make_their_views_lazily():
+    tensors = {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, 3, dtype=torch.float64)}
+    plan = plan_save(tensors, "ckpt")
+    records = plan.storages
+    assert all(record._view is None for record in records)  # nothing made while planning
+    first = records[0]
+    assert first.data_ptr() == tensors["a"].data_ptr()
+    assert first.device == torch.device("cpu") and first._view is None
+    view = first.view
+    assert view.dtype == torch.uint8 and view.numel() == 40 and view.data_ptr() == tensors["a"].data_ptr()
+    assert first.view is view  # made once
+    assert first.data_ptr() == view.data_ptr()
+
+
+def test_record_over_a_given_view():
+    source = torch.arange(8, dtype=torch.uint8)
+    plan = plan_save({"a": torch.ones(2)}, "ckpt")
+    record = StorageRecord(plan.storages[0].entry, "0", view=source)
+    assert record.view is source and record.data_ptr() == source.data_ptr() and record.device.type == "cpu"
+
+
+def test_record_needs_exactly_one_source():
+    plan = plan_save({"a": torch.ones(2)}, "ckpt")
+    entry = plan.storages[0].entry
+    with pytest.raises(TypeError):
+        StorageRecord(entry, "0")
+    with pytest.raises(TypeError):
+        StorageRecord(entry, "0", torch.ones(2).untyped_storage(), view=torch.ones(8, dtype=torch.uint8))
