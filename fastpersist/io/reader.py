@@ -312,15 +312,18 @@ class FileStorageProvider:
                             [(record, address + buffer_offset, record_offset, length)
                              for record, _, record_offset, buffer_offset, length in window.pieces], pending,
                         )  # fmt: skip
+                    copies: dict = {}  # stream -> pieces: one stream context per window, not per piece
                     for record, destination, record_offset, buffer_offset, length in window.pieces:
                         stream = streams.get(destination.device)
                         if stream is None:
                             stream = streams[destination.device] = torch.cuda.Stream(destination.device)
                             stream.wait_stream(torch.cuda.current_stream(destination.device))
+                        copies.setdefault(stream, []).append((destination[record_offset : record_offset + length],
+                                                              buffers[slot][buffer_offset : buffer_offset + length]))  # fmt: skip
+                    for stream, pairs in copies.items():
                         with torch.cuda.stream(stream):
-                            destination[record_offset : record_offset + length].copy_(
-                                buffers[slot][buffer_offset : buffer_offset + length], non_blocking=True
-                            )
+                            for target, source in pairs:
+                                target.copy_(source, non_blocking=True)
                     for stream in streams.values():
                         event = torch.cuda.Event()
                         event.record(stream)
