@@ -65,15 +65,6 @@ def _sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _fsync_file_and_directory(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    from fastpersist.commit import fsync_directory
-
-    fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
 def _equal(loaded: dict[str, torch.Tensor], original: dict[str, torch.Tensor], device: torch.device) -> str | None:
@@ -143,7 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def library_save() -> None:
         library.save_file(state, theirs_path)
-        _fsync_file_and_directory(theirs_path)
+        measure.fsync_paths(theirs_path)  # the file and its directory entry
 
     saves: dict[str, tuple[str, Callable[[], None]]] = {
         "ceiling": ("O_DIRECT write of the same bytes (engine) + fsync", ceiling_write),

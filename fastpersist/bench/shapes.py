@@ -156,12 +156,17 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _fsync_path(path: str) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+def _measured(action: Callable[[], Any], cuda: bool) -> tuple[Any, float, float, int]:
+    """``(result, seconds, CPU seconds, peak RSS growth)`` of one call (GPU work included)."""
+    with measure.PeakMemory() as peak:
+        cpu_before = _cpu_seconds()
+        start = time.perf_counter()
+        result = action()
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        cpu = _cpu_seconds() - cpu_before
+    return result, elapsed, cpu, peak.delta
 
 
 _SETTLE_SECONDS = 1.0
@@ -170,8 +175,7 @@ _SETTLE_SECONDS = 1.0
 
 def _torch_save(state: Any, path: str) -> None:
     torch.save(state, path)
-    _fsync_path(path)
-    measure.fsync_paths(os.path.dirname(path))
+    measure.fsync_paths(path)  # the file and its directory entry
 
 
 def _sink_save(state: Any, settings: config.Settings) -> None:
@@ -316,20 +320,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     measure.fsync_paths(directory)
                     os.sync()
                     time.sleep(_SETTLE_SECONDS)
-                with measure.PeakMemory() as peak:
-                    cpu_before = _cpu_seconds()
-                    start = time.perf_counter()
-                    reported = action()
-                    if cuda:
-                        torch.cuda.synchronize()
-                    elapsed = time.perf_counter() - start
-                cpu = _cpu_seconds() - cpu_before
+                reported, elapsed, cpu, peak = _measured(action, cuda)
                 if name == "fio-write (ceiling)":
                     elapsed = reported  # fio's own runtime (without its start-up)
                 if timed:
                     samples[name].append(elapsed)
                     cpu_samples[name].append(cpu)
-                    peaks[name] = max(peaks.get(name, 0), peak.delta)
+                    peaks[name] = max(peaks.get(name, 0), peak)
             if round_index == 0 and "fastpersist" in saves:
                 loaded = fastpersist.load(ours, weights_only=False)
                 if not _same(state, loaded):
@@ -342,21 +339,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 loaded = None
                 system.release_memory()
                 dropper.drop([path])
-                with measure.PeakMemory() as peak:
-                    cpu_before = _cpu_seconds()
-                    start = time.perf_counter()
-                    loaded = action()
-                    if cuda:
-                        torch.cuda.synchronize()
-                    elapsed = time.perf_counter() - start
-                    cpu = _cpu_seconds() - cpu_before
+                loaded, elapsed, cpu, peak = _measured(action, cuda)
                 if round_index == 0 and "sink" not in name and not _same(state, loaded):
                     raise RuntimeError(f"{name}: the loaded state differs from the saved one")
                 del loaded
                 if timed:
                     samples[name].append(elapsed)
                     cpu_samples[name].append(cpu)
-                    peaks[name] = max(peaks.get(name, 0), peak.delta)
+                    peaks[name] = max(peaks.get(name, 0), peak)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     results = []
