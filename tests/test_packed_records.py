@@ -169,19 +169,19 @@ def _produce_range(plan, crcs, start, end) -> bytes:
     """Fills [start, end) of the file from the plan alone, as one rank of a sharded save would."""
     out = bytearray(end - start)
     trailer = plan.trailer(crcs)
-    for segment in plan.segments():
-        lo, hi = max(segment.offset, start), min(segment.end, end)
+    for kind, offset, length, record, data in plan.segments():
+        lo, hi = max(offset, start), min(offset + length, end)
         if lo >= hi:
             continue
-        if segment.kind is SegmentKind.BYTES:
-            piece = segment.data
-        elif segment.kind is SegmentKind.STORAGE:
-            piece = bytes(plan.records[segment.record].view.numpy().tobytes())
-        elif segment.kind is SegmentKind.DESCRIPTOR:
-            piece = plan.records[segment.record].entry.data_descriptor(crcs[segment.record])
+        if kind == SegmentKind.BYTES:
+            piece = data
+        elif kind == SegmentKind.STORAGE:
+            piece = bytes(plan.records[record].view.numpy().tobytes())
+        elif kind == SegmentKind.DESCRIPTOR:
+            piece = plan.records[record].entry.data_descriptor(crcs[record])
         else:
             piece = trailer
-        out[lo - start : hi - start] = piece[lo - segment.offset : hi - segment.offset]
+        out[lo - start : hi - start] = piece[lo - offset : hi - offset]
     return bytes(out)
 
 

@@ -123,18 +123,14 @@ class TensorItem:
         crcs = initial_crcs(self.plan, True)
         crcs[self.storage_record] = payload_crc
         pieces = []
-        for segment in self.plan.segments():
-            if segment.kind is SegmentKind.BYTES:
-                data = segment.data
-            elif segment.kind is SegmentKind.DESCRIPTOR:
-                data = self.plan.records[segment.record].entry.data_descriptor(
-                    crcs[segment.record]
-                )
-            elif segment.kind is SegmentKind.TRAILER:
+        for kind, offset, _, record, data in self.plan.segments():
+            if kind == SegmentKind.DESCRIPTOR:
+                data = self.plan.records[record].entry.data_descriptor(crcs[record])
+            elif kind == SegmentKind.TRAILER:
                 data = self.plan.trailer(crcs)
-            else:
+            elif kind == SegmentKind.STORAGE:
                 continue  # the payload
-            pieces.append((self.base + segment.offset, data))
+            pieces.append((self.base + offset, data))
         return pieces
 
 

@@ -15,8 +15,7 @@ save) without knowing anything about zip.
 from __future__ import annotations
 
 import dataclasses
-import enum
-from typing import Iterator, NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
@@ -78,31 +77,25 @@ class StorageRecord:
 Record = BytesRecord | StorageRecord
 
 
-class SegmentKind(enum.Enum):
-    BYTES = "bytes"  # static bytes known now: headers, padding, metadata payloads
-    STORAGE = "storage"  # a slice of a storage view
-    DESCRIPTOR = "descriptor"  # a data descriptor: needs the record's CRC-32
-    TRAILER = "trailer"  # central directory + end records: needs every CRC-32
+class SegmentKind:
+    """What a segment's bytes are. Plain ints, so a segment row holds no object the garbage collector tracks."""
+
+    BYTES = 0  # static bytes known now: headers, padding, metadata payloads
+    STORAGE = 1  # a slice of a storage view
+    DESCRIPTOR = 2  # a data descriptor: needs the record's CRC-32
+    TRAILER = 3  # central directory + end records: needs every CRC-32
 
 
-class Segment(NamedTuple):
-    """``length`` bytes of the file at ``offset``.
+Segment = tuple  # (kind, offset, length, record, data)
+"""``length`` bytes of the file at ``offset``: a plain tuple ``(kind, offset, length, record, data)``.
 
-    ``record`` indexes :attr:`SavePlan.records` (STORAGE, DESCRIPTOR);
-    ``data`` holds the bytes of a BYTES segment. An immutable tuple (cheaper
-    to build than a frozen dataclass: a plan of 100,000 small tensors has
-    300,000 segments).
-    """
-
-    kind: SegmentKind
-    offset: int
-    length: int
-    record: int = -1
-    data: bytes = b""
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
+``kind`` is a :class:`SegmentKind` value; ``record`` indexes
+:attr:`SavePlan.records` (STORAGE, DESCRIPTOR; -1 otherwise); ``data`` holds
+the bytes of a BYTES segment (``b""`` otherwise). Plain tuples of ints and
+bytes, not named ones: the collector stops tracking those, and a plan of
+100,000 small tensors has 300,000 segments (as named tuples their full
+collections were a third of such a save).
+"""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -136,7 +129,6 @@ class SavePlan:
         # One pass with few attribute lookups: 100,000 small storages make 300,000 segments.
         pieces: list[Segment] = []
         append = pieces.append
-        new = tuple.__new__
         bytes_kind, storage_kind, descriptor_kind = SegmentKind.BYTES, SegmentKind.STORAGE, SegmentKind.DESCRIPTOR
         position = 0
         for index, record in enumerate(self.records):
@@ -144,30 +136,20 @@ class SavePlan:
             header_offset, data_offset, size = entry.header_offset, entry.data_offset, entry.size
             if header_offset != position:
                 raise AssertionError(f"layout gap before {entry.name!r}")
-            append(new(Segment, (bytes_kind, header_offset, data_offset - header_offset, -1, entry.local_header())))
+            append((bytes_kind, header_offset, data_offset - header_offset, -1, entry.local_header()))
             if isinstance(record, BytesRecord):
-                append(new(Segment, (bytes_kind, data_offset, size, -1, record.data)))
+                append((bytes_kind, data_offset, size, -1, record.data))
             elif size:
-                append(new(Segment, (storage_kind, data_offset, size, index, b"")))
+                append((storage_kind, data_offset, size, index, b""))
             position = data_offset + size
             descriptor_size = entry.descriptor_size
             if descriptor_size:
                 # Filled from the executor's CRC table, like the central directory, so the two
                 # always agree (both 0 when checksums are off).
-                append(new(Segment, (descriptor_kind, position, descriptor_size, index, b"")))
+                append((descriptor_kind, position, descriptor_size, index, b""))
                 position += descriptor_size
         trailer_size = self.layout.trailer_size()
-        pieces.append(Segment(SegmentKind.TRAILER, position, trailer_size))
+        pieces.append((SegmentKind.TRAILER, position, trailer_size, -1, b""))
         if position + trailer_size != self.size:
             raise AssertionError("layout does not end at the file size")
         return pieces
-
-    @staticmethod
-    def overlapping(segments: Sequence[Segment], start: int, end: int, first: int = 0) -> Iterator[tuple[int, Segment]]:
-        """(index, segment) for segments meeting ``[start, end)``, scanning from index ``first``."""
-        for index in range(first, len(segments)):
-            segment = segments[index]
-            if segment.offset >= end:
-                return
-            if segment.end > start:
-                yield index, segment

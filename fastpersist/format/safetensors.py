@@ -385,12 +385,12 @@ class SafetensorsPlan:
         return {r.device for r in self.records}
 
     def segments(self) -> list[Segment]:
-        pieces = [Segment(SegmentKind.BYTES, 0, len(self.header), data=self.header)]
+        pieces = [(SegmentKind.BYTES, 0, len(self.header), -1, self.header)]
         position = len(self.header)
         for index, record in enumerate(self.records):
             length = record.view.numel()
             if length:
-                pieces.append(Segment(SegmentKind.STORAGE, position, length, record=index))
+                pieces.append((SegmentKind.STORAGE, position, length, index, b""))
             position += length
         return pieces
 

@@ -33,25 +33,23 @@ def write_plan_to_stream(plan: SavePlan, stream: BinaryIO, *, checksum: bool = T
         raise NotWritableError(f"expected a path or a writable binary file object, got {type(stream).__name__}")
     crcs = initial_crcs(plan, checksum)
     written = 0
-    for segment in plan.segments():
-        if segment.kind is SegmentKind.BYTES:
-            data = segment.data
-        elif segment.kind is SegmentKind.DESCRIPTOR:
-            data = plan.records[segment.record].entry.data_descriptor(crcs[segment.record])
-        elif segment.kind is SegmentKind.TRAILER:
+    for kind, _, length, record, data in plan.segments():
+        if kind == SegmentKind.DESCRIPTOR:
+            data = plan.records[record].entry.data_descriptor(crcs[record])
+        elif kind == SegmentKind.TRAILER:
             data = plan.trailer(crcs)
-        else:
-            view = plan.records[segment.record].view
+        elif kind == SegmentKind.STORAGE:
+            view = plan.records[record].view
             crc = 0
-            for start in range(0, segment.length, chunk_size):
+            for start in range(0, length, chunk_size):
                 piece = view[start : start + chunk_size]
                 host = piece if piece.device.type == "cpu" else piece.to("cpu")
                 block = host_memoryview(host)
                 if checksum:
                     crc = engine.crc32_of(block, crc)
                 _write_all(stream, block)
-            crcs[segment.record] = crc
-            written += segment.length
+            crcs[record] = crc
+            written += length
             continue
         _write_all(stream, data)
         written += len(data)

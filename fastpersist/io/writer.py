@@ -115,7 +115,7 @@ def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None, byte_r
         fill_cursor = _Cursor(segments)
         finalize_cursor = _Cursor(segments)
         if partial:  # skip the segments that end before the range
-            fill_cursor.first = finalize_cursor.first = bisect.bisect_right([s.end for s in segments], first)
+            fill_cursor.first = finalize_cursor.first = bisect.bisect_right([s[1] + s[2] for s in segments], first)
         trailer: list[bytes] = []
         finalizer = workers.executor(1, "fastpersist-crc")
         try:
@@ -167,10 +167,10 @@ class _Cursor:
         segments = self.segments
         for index in range(self.first, len(segments)):
             segment = segments[index]
-            offset = segment.offset
+            offset = segment[1]
             if offset >= end:
                 return
-            segment_end = offset + segment.length
+            segment_end = offset + segment[2]
             if segment_end > start:
                 if segment_end <= end:
                     yield segment, (offset if offset > start else start), segment_end
@@ -197,30 +197,28 @@ def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams, crcs: list[int]
     records = plan.records
     window = slot.view
     device_copies: dict = {}  # stream -> [(destination, source)], queued once per window
-    for segment, lo, hi in cursor.overlapping(start, end):
-        kind = segment.kind
-        if kind is _BYTES:
-            data = segment.data
-            if lo == segment.offset and hi - lo == len(data):
+    for (kind, offset, _, index, data), lo, hi in cursor.overlapping(start, end):
+        if kind == _BYTES:
+            if lo == offset and hi - lo == len(data):
                 window[lo - start : hi - start] = data
             else:
-                window[lo - start : hi - start] = data[lo - segment.offset : hi - segment.offset]
-        elif kind is _STORAGE:
-            record = records[segment.record]
+                window[lo - start : hi - start] = data[lo - offset : hi - offset]
+        elif kind == _STORAGE:
+            record = records[index]
             if record.device.type == "cpu":
                 # Pointer arithmetic, not tensor slices: with 100,000 small storages the
                 # slicing cost more than the copies. Large pieces are copied (and
                 # checksummed) by several cores at once.
-                destination, source = base + (lo - start), record.data_ptr() + (lo - segment.offset)
+                destination, source = base + (lo - start), record.data_ptr() + (lo - offset)
                 if checksum:
                     # Records are filled in file order, so this running CRC is complete
                     # before finalize (on the worker) writes the record's descriptor.
-                    crcs[segment.record] = crc_pool.copy_with_crc32(destination, source, hi - lo, crcs[segment.record])
+                    crcs[index] = crc_pool.copy_with_crc32(destination, source, hi - lo, crcs[index])
                 else:
                     crc_pool.copy(destination, source, hi - lo)
                 continue
             view = record.view
-            source = view[lo - segment.offset : hi - segment.offset]
+            source = view[lo - offset : hi - offset]
             destination = slot.buffer[lo - start : hi - start]
             if source.device.type == "cuda":
                 device_copies.setdefault(streams[source.device], []).append((destination, source))
@@ -237,7 +235,7 @@ def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams, crcs: list[int]
         slot.events.append(event)
 
 
-_BYTES, _STORAGE = SegmentKind.BYTES, SegmentKind.STORAGE
+_BYTES, _STORAGE, _DESCRIPTOR, _TRAILER = SegmentKind.BYTES, SegmentKind.STORAGE, SegmentKind.DESCRIPTOR, SegmentKind.TRAILER
 
 
 def _finalize_and_submit(plan, slot: _Slot, cursor: _Cursor, crcs, trailer: list[bytes], settings, file,
@@ -258,23 +256,23 @@ def _finalize_and_submit(plan, slot: _Slot, cursor: _Cursor, crcs, trailer: list
 def _finalize_pieces(plan, slot: _Slot, pieces, queued: dict, crcs, trailer: list[bytes], settings,
                      range_start: int | None) -> None:  # fmt: skip
     start = slot.window[0]
-    for segment, lo, hi in pieces:
-        if range_start is not None and (segment.kind is SegmentKind.TRAILER or (
-                segment.kind is SegmentKind.DESCRIPTOR and plan.records[segment.record].entry.data_offset < range_start)):
+    for (kind, offset, _, index, _), lo, hi in pieces:
+        if range_start is not None and (kind == _TRAILER or (
+                kind == _DESCRIPTOR and plan.records[index].entry.data_offset < range_start)):
             slot.view[lo - start : hi - start] = bytes(hi - lo)  # the committing rank writes these  # fmt: skip
-        elif segment.kind is SegmentKind.STORAGE:
-            pending = queued.get(segment.record)
+        elif kind == _STORAGE:
+            pending = queued.get(index)
             if pending is not None:
-                crcs[segment.record] = pending.result()
-            elif settings.checksum and plan.records[segment.record].device.type != "cpu":
-                crcs[segment.record] = engine.crc32(slot.buffer.data_ptr() + (lo - start), hi - lo, crcs[segment.record])
-        elif segment.kind is SegmentKind.DESCRIPTOR:
-            data = plan.records[segment.record].entry.data_descriptor(crcs[segment.record])
-            slot.view[lo - start : hi - start] = data[lo - segment.offset : hi - segment.offset]
-        elif segment.kind is SegmentKind.TRAILER:
+                crcs[index] = pending.result()
+            elif settings.checksum and plan.records[index].device.type != "cpu":
+                crcs[index] = engine.crc32(slot.buffer.data_ptr() + (lo - start), hi - lo, crcs[index])
+        elif kind == _DESCRIPTOR:
+            data = plan.records[index].entry.data_descriptor(crcs[index])
+            slot.view[lo - start : hi - start] = data[lo - offset : hi - offset]
+        elif kind == _TRAILER:
             if not trailer:
                 trailer.append(plan.trailer(crcs))
-            slot.view[lo - start : hi - start] = trailer[0][lo - segment.offset : hi - segment.offset]
+            slot.view[lo - start : hi - start] = trailer[0][lo - offset : hi - offset]
 
 
 _INLINE_CRC = 256 << 10
@@ -292,8 +290,7 @@ def _queue_device_crcs(plan: SavePlan, slot: _Slot, pieces, crcs: list[int]) -> 
     start = slot.window[0]
     base = slot.buffer.data_ptr()
     queued = {}
-    for segment, lo, hi in pieces:
-        if (segment.kind is SegmentKind.STORAGE and hi - lo >= _INLINE_CRC
-                and plan.records[segment.record].device.type != "cpu"):  # fmt: skip
-            queued[segment.record] = crc_pool.submit_crc32(base + (lo - start), hi - lo, crcs[segment.record])
+    for (kind, _, _, index, _), lo, hi in pieces:
+        if kind == _STORAGE and hi - lo >= _INLINE_CRC and plan.records[index].device.type != "cpu":
+            queued[index] = crc_pool.submit_crc32(base + (lo - start), hi - lo, crcs[index])
     return queued
