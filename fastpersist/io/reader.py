@@ -269,15 +269,19 @@ class FileStorageProvider:
             slab.loaded = True
         if not self._verify:
             return
-        crc_of: dict[str, int] = {}
+        # Small records are compared in place; only those that differ (normally none) are kept
+        # (a dict of every record's CRC was 10 MB and 0.1 s for 100,000 small tensors).
+        differing: dict[str, int] = {}
         for covered in small:
-            crc_of.update(zip([record.name for record in covered.records], covered.crcs()))
+            for record, crc in zip(covered.records, covered.crcs()):
+                if crc != record.crc:
+                    differing[record.name] = crc
+        if not (differing or pending):
+            return
         for record, storage in items:  # raises ChecksumMismatchError, in file order
             name = record.name
-            crc = crc_of.get(name)
-            if crc is not None:
-                if crc != record.crc:
-                    self._check(record, crc)
+            if name in differing:
+                self._check(record, differing[name])
             elif name in pending:
                 self._check(record, _combine(pending.pop(name)))
 
