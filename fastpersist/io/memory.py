@@ -8,9 +8,13 @@ and size and reused (:func:`lease_buffers`).
 All memory comes from :class:`fastpersist.io.engine.AlignedBuffer` (anonymous
 ``mmap``), viewed as a tensor with ``torch.frombuffer`` -- no copy, and the
 tensor keeps the mapping alive. This works on CPU-only torch builds where
-``pin_memory()`` raises. When CUDA is available, locked buffers are also
+``pin_memory()`` raises. Once this process uses CUDA, locked buffers are also
 registered with ``cudaHostRegister`` so device copies run at pinned speed; they
-are unregistered just before the memory is unmapped.
+are unregistered just before the memory is unmapped. A process that never
+touches CUDA never initializes it here: registering would create a CUDA
+context, some 250 MB of host memory and a fraction of a second, for a save of
+CPU tensors. Pooled buffers made before CUDA was first used are registered
+when they are next leased.
 """
 
 from __future__ import annotations
@@ -68,10 +72,14 @@ def _warn_unlocked(reason: str) -> None:
     )
 
 
-def _cuda_register(buffer: "engine.AlignedBuffer") -> None:
-    """Registers ``buffer`` with CUDA (pinned for DMA) and arranges unregistering before unmap."""
-    if buffer.nbytes == 0 or not torch.cuda.is_available():
-        return
+def _cuda_register(buffer: "engine.AlignedBuffer") -> bool:
+    """Registers ``buffer`` with CUDA (pinned for DMA) and arranges unregistering before unmap.
+
+    Only once CUDA is initialized in this process (see the module docstring);
+    returns whether the buffer is registered now.
+    """
+    if buffer.nbytes == 0 or not torch.cuda.is_initialized():
+        return False
     cudart = torch.cuda.cudart()
     result = cudart.cudaHostRegister(buffer.ptr, buffer.nbytes, 0)
     if int(getattr(result, "value", result)) != 0:
@@ -80,13 +88,14 @@ def _cuda_register(buffer: "engine.AlignedBuffer") -> None:
             RuntimeWarning,
             stacklevel=3,
         )
-        return
+        return True  # do not try again: the warning said it once
     ptr = buffer.ptr
 
     def unregister() -> None:
         cudart.cudaHostUnregister(ptr)
 
     buffer.set_release_hook(unregister)
+    return True
 
 
 def _tensor_over(buffer: "engine.AlignedBuffer", nbytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -101,8 +110,10 @@ def new_cpu_locked_tensor(numel: int, dtype: torch.dtype = torch.uint8) -> torch
 
     Mirrors DeepNVMe's ``new_cpu_locked_tensor``. If ``mlock`` fails (RLIMIT_MEMLOCK),
     the memory stays usable but unlocked and one ``RuntimeWarning`` is issued per
-    process. With CUDA available the memory is also registered for pinned copies.
-    The memory is released when the last reference to the tensor goes.
+    process. Once the process uses CUDA, the memory is also registered for pinned
+    copies (a tensor made before CUDA's first use is not: device copies from it
+    still work, at pageable speed). The memory is released when the last
+    reference to the tensor goes.
 
     Raises:
         MemoryError / OSError: the mapping cannot be created.
@@ -111,16 +122,22 @@ def new_cpu_locked_tensor(numel: int, dtype: torch.dtype = torch.uint8) -> torch
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     nbytes = int(numel) * torch.empty(0, dtype=dtype).element_size()
+    tensor, _, _ = _new_locked(nbytes, dtype)
+    return tensor
+
+
+def _new_locked(nbytes: int, dtype: torch.dtype = torch.uint8) -> tuple[torch.Tensor, "engine.AlignedBuffer", bool]:
+    """:func:`new_cpu_locked_tensor` of ``nbytes``: the tensor, its buffer, and whether CUDA registered it."""
     buffer = engine.AlignedBuffer(nbytes, lock=True, huge_pages=False)
     if nbytes and not buffer.locked:
         _warn_unlocked(buffer.lock_error)
-    _cuda_register(buffer)
+    registered = _cuda_register(buffer)
     tensor = _tensor_over(buffer, nbytes, dtype)
     if nbytes:
         with _registry_lock:
             _locked_registry[tensor.data_ptr()] = buffer.locked
             _locked_sizes[tensor.data_ptr()] = nbytes
-    return tensor
+    return tensor, buffer, registered
 
 
 def free_cpu_locked_tensor(tensor: torch.Tensor) -> bool:
@@ -187,12 +204,18 @@ def aligned_empty(nbytes: int, huge_pages: bool = True, lock: bool = False) -> t
 
 
 class _BufferPool:
-    """Locked buffers by size, allocated on first use and reused for the life of the process."""
+    """Locked buffers by size, allocated on first use and reused for the life of the process.
+
+    Each buffer is kept with its AlignedBuffer and whether CUDA has registered
+    it, so that one made before the process first used CUDA is registered on
+    its first lease after that.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[int, list[torch.Tensor]] = {}
         self._allocated: dict[int, int] = {}
+        self._unregistered: dict[int, engine.AlignedBuffer] = {}  # data_ptr -> buffer, for those CUDA has not
 
     def acquire(self, count: int, size: int) -> list[torch.Tensor]:
         with self._lock:
@@ -201,14 +224,29 @@ class _BufferPool:
             missing = count - len(taken)
             self._allocated[size] = self._allocated.get(size, 0) + missing
         try:
-            # Allocation and locking are slow; do them outside the lock.
-            taken.extend(new_cpu_locked_tensor(size) for _ in range(missing))
+            # Allocation, locking and registering are slow; do them outside the lock.
+            if self._unregistered and torch.cuda.is_initialized():
+                self._register(taken)
+            for _ in range(missing):
+                tensor, buffer, registered = _new_locked(size)
+                taken.append(tensor)
+                if not registered and size:
+                    with self._lock:
+                        self._unregistered[tensor.data_ptr()] = buffer
         except BaseException:
             with self._lock:
                 self._allocated[size] -= count - len(taken)
             self.release(taken, size)
             raise
         return taken
+
+    def _register(self, tensors: list[torch.Tensor]) -> None:
+        for tensor in tensors:
+            with self._lock:
+                buffer = self._unregistered.pop(tensor.data_ptr(), None)
+            if buffer is not None and not _cuda_register(buffer):
+                with self._lock:
+                    self._unregistered[tensor.data_ptr()] = buffer
 
     def release(self, tensors: list[torch.Tensor], size: int) -> None:
         with self._lock:
@@ -220,6 +258,7 @@ class _BufferPool:
             for size, tensors in self._free.items():
                 self._allocated[size] -= len(tensors)
                 for t in tensors:
+                    self._unregistered.pop(t.data_ptr(), None)
                     free_cpu_locked_tensor(t)
             self._free.clear()
         return freed

@@ -45,10 +45,13 @@ class StagingArea:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        if torch.cuda.is_available():
+        # Pinned (locked and registered with CUDA) once the process uses CUDA. Before that
+        # there is no DMA to speed up, and registering would create a CUDA context (~250 MB
+        # of host memory) for a snapshot of CPU tensors: page-aligned memory, not locked.
+        self.pinned = torch.cuda.is_initialized()
+        if self.pinned:
             self.buffer = memory.new_cpu_locked_tensor(capacity)
         else:
-            # Without a GPU there is no DMA to speed up: page-aligned memory, not locked.
             self.buffer = memory.aligned_empty(capacity, huge_pages=True)
 
     def free(self) -> None:
@@ -66,14 +69,16 @@ class _Pool:
 
     def acquire(self, nbytes: int) -> StagingArea:
         with self.lock:
-            fitting = [area for area in self.idle if area.capacity >= nbytes]
+            # An area made before CUDA's first use is not pinned: it is not taken once CUDA is up.
+            pinned = torch.cuda.is_initialized()
+            fitting = [area for area in self.idle if area.capacity >= nbytes and (area.pinned or not pinned)]
             if fitting:
                 area = min(fitting, key=lambda a: a.capacity)
                 self.idle.remove(area)
                 self.busy.add(id(area))
                 return area
-            # Grow: the largest idle area is replaced by a bigger one.
-            replaced = max(self.idle, key=lambda a: a.capacity) if self.idle else None
+            # Grow: the largest idle area (an unpinned one first, when CUDA is up) is replaced by a bigger one.
+            replaced = max(self.idle, key=lambda a: (pinned and not a.pinned, a.capacity)) if self.idle else None
             if replaced is not None:
                 self.idle.remove(replaced)
                 self.allocated -= replaced.capacity
