@@ -566,8 +566,21 @@ def _check_framing(
     """
     # Few temporary objects per record: a verified load of 100,000 small tensors runs this for each.
     name = record.name
-    _, _, central_version, central_flags, central_method, central_time, central_date, central_crc, size, _ = entry
+    _, raw_name, central_version, central_flags, central_method, central_time, central_date, central_crc, size, _ = entry
     header = read_at(record.header_offset, record.data_offset - record.header_offset)
+    # A record framed exactly as fastpersist's writer frames it (below 4 GiB, a checksum in the
+    # directory) is checked by comparing its header and descriptor with the bytes the writer
+    # would have written: what the checks below would accept, at a third of their cost.
+    # Anything else, damage included, takes the field-by-field checks, which say what is wrong.
+    if (central_version == 20 and central_flags == _FLAGS and central_method == 0 and central_crc
+            and (central_time, central_date) == _DOS_TIME_DATE and 0 < size < _U32_MAX
+            and record.header_offset < _U32_MAX):  # fmt: skip
+        extra_length = len(header) - _LOCAL.size - len(raw_name)
+        end = record.data_offset + size
+        if (extra_length >= 4 and header == _local_header32(len(raw_name), extra_length) + raw_name
+                + _padding_field(extra_length - 4)
+                and read_at(end, _DESCRIPTOR32.size) == _DESCRIPTOR32.pack(_SIG_DESCRIPTOR, central_crc, size, size)):  # fmt: skip
+            return end + _DESCRIPTOR32.size, central_crc
     if len(header) != record.data_offset - record.header_offset:
         raise _corrupt(path, f"record {name!r} header is cut short", name)
     (_, version_needed, flags, method, time, date, crc, csize, usize, name_len,
