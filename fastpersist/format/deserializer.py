@@ -76,6 +76,9 @@ def target_device(map_location: Any, location: str) -> torch.device | None:
     return None
 
 
+_UNKNOWN = object()
+
+
 def _is_meta(map_location: Any) -> bool:
     return (isinstance(map_location, str) and map_location == "meta") or (
         isinstance(map_location, torch.device) and map_location.type == "meta"
@@ -126,6 +129,7 @@ def deserialize(
     # layouts) as soon as they are imported; their rebuilds read no data, like its other ones.
     eager = not weights_only or swap or _user_safe_globals()
     loaded: dict[str, torch.storage.TypedStorage] = {}
+    devices: dict[str, Any] = {}  # location -> target_device(map_location, location)
     from_storage: set[int] = set()  # ids of exceptions raised while loading a storage
 
     def load_storage(dtype: torch.dtype, nbytes: int, key: str, location: str) -> torch.storage.TypedStorage:
@@ -142,7 +146,9 @@ def deserialize(
         if meta:
             wrap = torch.UntypedStorage(nbytes, device="meta")
         else:
-            device = target_device(map_location, location)
+            device = devices.get(location, _UNKNOWN)
+            if device is _UNKNOWN:  # one lookup per location, not per storage (100,000 small tensors)
+                device = devices[location] = target_device(map_location, location)
             storage = provider.storage(record, device or torch.device("cpu"))
             if eager or device is None:
                 provider.flush()
