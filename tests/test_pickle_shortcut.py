@@ -56,13 +56,18 @@ def _data_pkl(path) -> bytes:
         return archive.read(f"{path.stem}/data.pkl")
 
 
-def test_data_pkl_is_torch_saves(tmp_path):
-    state = _kinds()
+def _assert_same_data_pkl(state, tmp_path) -> None:
+    """Saves ``state`` with fastpersist and torch.save under the same file name; their data.pkl must match."""
     (tmp_path / "ours").mkdir()
     (tmp_path / "torch").mkdir()
     fastpersist.save(state, tmp_path / "ours" / "ckpt.pt")
     torch.save(state, tmp_path / "torch" / "ckpt.pt")
     assert _data_pkl(tmp_path / "ours" / "ckpt.pt") == _data_pkl(tmp_path / "torch" / "ckpt.pt")
+
+
+def test_data_pkl_is_torch_saves(tmp_path):
+    state = _kinds()
+    _assert_same_data_pkl(state, tmp_path)
     loaded = fastpersist.load(tmp_path / "ours" / "ckpt.pt", weights_only=False)
     assert torch.equal(loaded["view"], state["view"]) and loaded["view"].stride() == state["view"].stride()
     assert loaded["conj"].is_conj() and loaded["neg"].is_neg() and loaded["grad"].requires_grad
@@ -102,11 +107,7 @@ def test_no_shortcut_when_its_check_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(serializer, "_shortcut_pickles_as_torch", lambda protocol: False)
     assert serializer._plain_tensor_dispatch_table(2) is None
     state = _kinds()
-    (tmp_path / "ours").mkdir()
-    (tmp_path / "torch").mkdir()
-    fastpersist.save(state, tmp_path / "ours" / "ckpt.pt")
-    torch.save(state, tmp_path / "torch" / "ckpt.pt")
-    assert _data_pkl(tmp_path / "ours" / "ckpt.pt") == _data_pkl(tmp_path / "torch" / "ckpt.pt")
+    _assert_same_data_pkl(state, tmp_path)
 
 
 def test_check_turns_the_shortcut_off_when_it_differs(monkeypatch):
