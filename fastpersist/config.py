@@ -88,7 +88,8 @@ class Settings:
     verify: bool = True
     """``load`` of a path verifies every record's CRC-32 (overlapped with the reads; see docs/reliability.md)."""
     huge_pages: bool = True
-    """Ask for transparent huge pages for large load destinations (fewer page faults)."""
+    """Ask for transparent huge pages for large load destinations (fewer page faults) and for the
+    staging rings of saves and loads (direct requests from them need few scatter-gather segments)."""
     async_mode: str = "pipelined"
     """``async_save``: ``pipelined`` (write from the live tensors) or ``snapshot`` (copy to pinned staging first)."""
     async_max_pending: int = 1

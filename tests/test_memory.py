@@ -104,6 +104,36 @@ def test_lease_buffers_reuses_and_separates():
     assert memory.release_pooled_buffers() >= 4 * size
 
 
+def test_pooled_buffers_ask_for_huge_pages_unless_the_setting_says_no():
+    size = 4 << 20
+    with memory.lease_buffers(1, size) as (huge,), memory.lease_buffers(1, size, huge_pages=False) as (small,):
+        assert huge.data_ptr() % (2 << 20) == 0  # 2 MiB aligned: advised for transparent huge pages
+        assert huge.data_ptr() != small.data_ptr()
+    with memory.lease_buffers(1, size, huge_pages=False) as (again,):  # the pool keeps the two kinds apart
+        assert again.data_ptr() == small.data_ptr()
+    with memory.lease_buffers(1, 1 << 20) as (tiny,):  # below one huge page: plain pages
+        assert tiny.data_ptr() % 4096 == 0
+
+
+def test_save_and_load_rings_follow_the_huge_pages_setting(tmp_path, monkeypatch):
+    import fastpersist
+
+    leases = []
+    lease = memory.lease_buffers
+
+    def recording(count, size, huge_pages=True):
+        leases.append(huge_pages)
+        return lease(count, size, huge_pages)
+
+    monkeypatch.setattr(memory, "lease_buffers", recording)
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    for huge in (True, False):
+        leases.clear()
+        fastpersist.save(state, tmp_path / "s.pt", huge_pages=huge)
+        assert leases == [huge]
+    assert torch.equal(fastpersist.load(tmp_path / "s.pt")["w"], state["w"])
+
+
 def test_lease_buffers_thread_safe():
     size = 1 << 20
     seen: list[set[int]] = []

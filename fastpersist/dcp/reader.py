@@ -523,7 +523,7 @@ def _stream_to_device(pieces: list, settings, verify: bool) -> list[int]:
         if destination.device not in streams:
             stream = streams[destination.device] = torch.cuda.Stream(destination.device)
             stream.wait_stream(torch.cuda.current_stream(destination.device))
-    with memory.lease_buffers(count, window) as buffers:
+    with memory.lease_buffers(count, window, settings.huge_pages) as buffers:
         handles = [engine.make_handle(settings) for _ in buffers]
 
         def submit(slot: int, number: int) -> None:

@@ -388,7 +388,7 @@ def _write_through_ring(
             )  # see the producers' writes
             streams[device] = stream
     count = max(2, min(settings.buffer_count, len(windows)))
-    with memory.lease_buffers(count, window) as buffers:
+    with memory.lease_buffers(count, window, settings.huge_pages) as buffers:
         handles = [engine.make_handle(settings) for _ in buffers]
         staged: list = []  # (slot, window, event) copied but not yet written
 

@@ -298,7 +298,7 @@ class FileStorageProvider:
         _, buffer_size = memory.ring_shape(max(w.end - w.start for w in windows), self._settings.buffer_size, 1)
         # Each window's CRCs go to the pool as soon as its read lands, while this thread
         # queues its host-to-device copies; a slot is refilled only once both are done.
-        with memory.lease_buffers(count, buffer_size) as buffers:
+        with memory.lease_buffers(count, buffer_size, self._settings.huge_pages) as buffers:
             while len(self._ring_handles) < count:
                 self._ring_handles.append(engine.make_handle(self._settings))
             handles = self._ring_handles[:count]

@@ -110,7 +110,7 @@ def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None, byte_r
         crcs = [0 if isinstance(record, StorageRecord) else crc for record, crc in zip(plan.records, crcs)]
     if streams is None:
         streams = side_streams(plan)
-    with memory.lease_buffers(count, window_size) as buffers:
+    with memory.lease_buffers(count, window_size, settings.huge_pages) as buffers:
         slots = [_Slot(buffer, engine.make_handle(settings)) for buffer in buffers]
         fill_cursor = _Cursor(segments)
         finalize_cursor = _Cursor(segments)
