@@ -148,14 +148,13 @@ def submit_crc32(address: int, length: int, crc: int = 0, *, piece_size: int = P
     return PendingCrc(crc, [(pool.submit(engine.crc32, address + o, n), n) for o, n in _split(length, piece_size)])
 
 
-def _crc32_many(ranges: list[tuple[int, int]]) -> list[int]:
-    crc = engine.crc32
-    return [crc(address, length) for address, length in ranges]
-
-
 def submit_crc32_many(ranges: list[tuple[int, int]]) -> concurrent.futures.Future:
-    """Queues one task computing the CRC-32 of each small ``(address, length)`` range; a list in order."""
-    return _executor().submit(_crc32_many, list(ranges))
+    """Queues one task computing the CRC-32 of each small ``(address, length)`` range; a list in order.
+
+    The task is one ``engine.copy_many`` call, which runs without the GIL.
+    """
+    addresses = [address for address, _ in ranges]
+    return _executor().submit(engine.copy_many, [0] * len(addresses), addresses, [n for _, n in ranges], True)
 
 
 def submit_copy_with_crc32(destination: int, source: int, length: int, crc: int = 0, *,

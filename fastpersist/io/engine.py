@@ -49,6 +49,7 @@ __all__ = [
     "copy_with_crc32",
     "crc32_accelerated",
     "crc32_combine",
+    "copy_many",
 ]
 
 File = _native.File
@@ -64,6 +65,9 @@ crc32_of = _native.crc32_of
 entry point for bytes already in Python objects (``crc32`` takes an address)."""
 copy_with_crc32 = _native.copy_with_crc32
 """``copy_with_crc32(destination, source, length, crc=0)``: memcpy that returns the CRC-32 of the bytes."""
+copy_many = _native.copy_many
+"""``copy_many(destinations, sources, lengths, checksum)``: many small copies in one call, without the GIL
+(a destination of 0 only checksums); returns each range's CRC-32 with ``checksum``, else ``[]``."""
 crc32_accelerated = _native.crc32_accelerated
 crc32_combine = _native.crc32_combine
 """``crc32_combine(crc_first, crc_second, length_second)``: CRC-32 of two ranges back to back (zlib's)."""

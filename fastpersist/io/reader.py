@@ -4,8 +4,12 @@ CPU targets: each storage's bytes are read with O_DIRECT straight into
 page-aligned memory that *becomes* the storage (no second copy). The
 destination is placed so that its address and the record's file offset agree
 modulo the page size, which lets the engine read the aligned middle directly
-even for torch.save's 64-byte-aligned files. Small records that sit next to
-each other in the file share one allocation and one read.
+even for torch.save's 64-byte-aligned files. Small records (below 1 MiB)
+that sit next to each other in the file share one read into a slab (the next
+slab is read ahead); each is copied out, and checksummed in the same pass, into
+its own allocation as soon as it is asked for, as torch.load makes it. A slab,
+which also holds the records' zip headers, is freed once every record in it is
+out.
 
 CUDA targets: file windows stream through a ring of page-locked buffers
 (one native handle per buffer, reads issued ahead), and each window is copied
@@ -33,7 +37,7 @@ __all__ = ["FileStorageProvider", "MmapStorageProvider"]
 
 _PAGE = 4096
 _SMALL_RECORD = 1 << 20  # records below this share allocations and reads
-_SLAB_LIMIT = 64 << 20
+_SLAB_LIMIT = 4 << 20
 _MAX_GAP = 64 << 10  # bytes of headers we accept reading to merge two small records
 _BATCH_BYTES = 1 << 20  # small record pieces are checksummed in tasks of about this many bytes
 _INLINE_BYTES = 256 << 10  # a last batch smaller than this is checksummed on the calling thread
@@ -46,65 +50,26 @@ def _align_down(value: int) -> int:
 
 @dataclasses.dataclass
 class _Slab:
-    """One allocation and one read covering several small records' file range."""
+    """One read covering several small records' file range, into a buffer that lives until
+    every record in it has been copied out."""
 
     file_start: int  # page-aligned
     file_end: int
-    buffer: object = None  # engine.AlignedBuffer, allocated on first use
-    storage: torch.UntypedStorage | None = None  # over buffer; records' storages are slices of it
-    loaded: bool = False
-
-
-class _SmallRecords:
-    """Small records whose bytes are in memory (or will be, with one slab read), and their CRC-32s.
-
-    Two parallel lists rather than an object per record: a load of 100,000 small
-    tensors made the garbage collector a third of its time.
-    """
-
-    __slots__ = ("records", "addresses", "_parts")
-
-    def __init__(self):
-        self.records: list[ZipRecordInfo] = []
-        self.addresses: list[int] = []
-        self._parts: list = []  # lists of CRC-32s, or futures of them, in record order
-
-    def add(self, record: ZipRecordInfo, address: int) -> None:
-        self.records.append(record)
-        self.addresses.append(address)
-
-    def queue_crcs(self) -> list:
-        """Starts checksumming every record (on the pool in tasks of about _BATCH_BYTES, or here when
-        there is little); returns what to wait for before the memory may be reused."""
-        sizes = [record.size for record in self.records]
-        total = sum(sizes)
-        if total < _INLINE_BYTES:
-            crc32 = engine.crc32
-            self._parts = [[crc32(address, size) for address, size in zip(self.addresses, sizes)]]
-            return []
-        queued, first, batch_bytes = [], 0, 0
-        for index, size in enumerate(sizes):
-            batch_bytes += size
-            if batch_bytes >= _BATCH_BYTES or index == len(sizes) - 1:
-                future = checksum.submit_crc32_many(zip(self.addresses[first : index + 1], sizes[first : index + 1]))
-                self._parts.append(future)
-                queued.append(checksum.PendingCrc(0, [(future, 0)]))
-                first, batch_bytes = index + 1, 0
-        return queued
-
-    def crcs(self) -> list[int]:
-        """Every record's CRC-32, in record order (after :meth:`queue_crcs`)."""
-        result: list[int] = []
-        for part in self._parts:
-            result += part if isinstance(part, list) else part.result()
-        return result
+    index: int  # in file order
+    records: int = 0  # small records planned in it
+    copied: int = 0  # of those, copied out so far
+    buffer: object = None  # engine.AlignedBuffer while needed
+    address: int = 0  # of buffer; 0 without one
+    request: object = None  # the native read filling buffer, until waited for
 
 
 class FileStorageProvider:
     """Implements format.deserializer.StorageProvider over an open native File.
 
     Call order: ``storage(...)`` any number of times, then ``flush()``; repeat.
-    One native handle (and, for CUDA targets, one ring of handles) serves
+    Small records are filled (and verified) before ``storage`` returns; the
+    others at ``flush``, into zeroed memory until then. One native handle (and,
+    for CUDA targets, one ring of handles) serves
     every flush of a load: ``load(weights_only=False)`` flushes after each
     storage, and creating a handle per storage made it 13x slower than
     torch.load on 20,000 small tensors. CRC-32 work goes to the shared pool of
@@ -120,22 +85,36 @@ class FileStorageProvider:
         self._cpu: list[tuple[ZipRecordInfo, torch.UntypedStorage]] = []
         self._device: list[tuple[ZipRecordInfo, torch.UntypedStorage]] = []
         self._slab_of: dict[str, _Slab] = {}
+        self._slabs: list[_Slab] = []  # in file order
         self._handle = None
         self._ring_handles: list = []
         self._plan_slabs(records)
 
     def close(self) -> None:
-        """Drops the handles (waiting for nothing: every flush leaves nothing in flight)."""
+        """Drops the handles and slabs, once a slab read ahead is no longer in flight."""
+        for slab in self._slabs:
+            if slab.request is not None:
+                try:
+                    self._handle.wait_request(slab.request)
+                except OSError:
+                    pass  # nobody needs these bytes any more
+                slab.request = None
+            slab.buffer, slab.address = None, 0
         self._handle = None
         self._ring_handles = []
 
     # -- StorageProvider ------------------------------------------------------
 
     def storage(self, record: ZipRecordInfo, device: torch.device) -> torch.UntypedStorage:
+        slab = self._slab_of.get(record.name)
+        if slab is not None:
+            return self._small_storage(record, slab, device)
         if device.type == "cuda":
             storage = torch.empty(record.size, dtype=torch.uint8, device=device).untyped_storage()
             self._device.append((record, storage))
             return storage
+        if record.size == 0:
+            return torch.UntypedStorage(0)
         storage = self._cpu_destination(record)
         self._cpu.append((record, storage))
         return storage
@@ -146,15 +125,52 @@ class FileStorageProvider:
             self._read_cpu(cpu)
         if self._device:
             device, self._device = self._device, []
-            small = [item for item in device if item[0].name in self._slab_of]
-            if small:
-                # Small records come through their slab (one read for many), then one copy each.
-                self._read_cpu([(record, self._slab_storage(record)) for record, _ in small])
-                for record, storage in small:
-                    storage_byte_view(storage).copy_(storage_byte_view(self._slab_storage(record)))
-            large = [item for item in device if item[0].name not in self._slab_of]
-            if large:
-                self._read_device(large)
+            self._read_device(device)
+
+    # -- small records ----------------------------------------------------------
+
+    def _small_storage(self, record: ZipRecordInfo, slab: _Slab, device: torch.device) -> torch.UntypedStorage:
+        """``record``'s own storage, filled from its slab now (read if needed) and checked.
+
+        Filled before it is returned: a rebuild function may read a tensor's values while
+        unpickling (nested tensors do), and torch.load's storages always hold their bytes.
+        """
+        if slab.address == 0 or slab.request is not None:
+            self._slab_ready(slab)
+        storage = torch.UntypedStorage(record.size)
+        crc = engine.copy_with_crc32(storage.data_ptr(), slab.address + (record.data_offset - slab.file_start),
+                                     record.size)  # fmt: skip
+        slab.copied += 1
+        if slab.copied >= slab.records:  # every record is out (one asked for again, never by our deserializer, rereads)
+            slab.buffer, slab.address = None, 0
+        if crc != record.crc and self._verify:
+            self._check(record, crc)  # raises, unless the archive stores no CRC
+        if device.type == "cuda":
+            return torch.empty(record.size, dtype=torch.uint8, device=device).copy_(
+                storage_byte_view(storage)).untyped_storage()  # fmt: skip
+        return storage
+
+    def _slab_ready(self, slab: _Slab) -> None:
+        """Waits for ``slab``'s bytes, reading it first if needed (and the next slab ahead)."""
+        if slab.address == 0:
+            self._submit_slab(slab)
+            following = slab.index + 1
+            if following < len(self._slabs) and self._slabs[following].address == 0:
+                self._submit_slab(self._slabs[following])
+        if slab.request is not None:
+            request, slab.request = slab.request, None
+            try:
+                self._handle.wait_request(request)
+            except BaseException:
+                slab.buffer, slab.address = None, 0
+                raise
+
+    def _submit_slab(self, slab: _Slab) -> None:
+        slab.buffer = engine.AlignedBuffer(slab.file_end - slab.file_start, lock=False, huge_pages=False)
+        slab.address = slab.buffer.ptr
+        # Detached: the flushes' wait() neither waits for a read ahead nor raises its error.
+        slab.request = self._io().submit_read(slab.buffer.ptr, slab.file_end - slab.file_start, self._file,
+                                              slab.file_start, slab.buffer, detached=True)  # fmt: skip
 
     # -- CPU ------------------------------------------------------------------
 
@@ -168,24 +184,13 @@ class FileStorageProvider:
                 or record.data_offset - slab.file_end > _MAX_GAP
                 or record.data_offset + record.size - slab.file_start > _SLAB_LIMIT
             ):
-                slab = _Slab(_align_down(record.data_offset), record.data_offset)
+                slab = _Slab(_align_down(record.data_offset), record.data_offset, len(self._slabs))
+                self._slabs.append(slab)
             slab.file_end = record.data_offset + record.size
+            slab.records += 1
             self._slab_of[record.name] = slab
 
-    def _slab_storage(self, record: ZipRecordInfo) -> torch.UntypedStorage:
-        slab = self._slab_of[record.name]
-        if slab.storage is None:
-            slab.buffer = engine.AlignedBuffer(slab.file_end - slab.file_start, lock=False, huge_pages=False)
-            slab.storage = torch.frombuffer(slab.buffer, dtype=torch.uint8).untyped_storage()
-        offset = record.data_offset - slab.file_start
-        # A slice of the slab's storage: its own storage object over the record's bytes, keeping the slab alive.
-        return slab.storage[offset : offset + record.size]
-
     def _cpu_destination(self, record: ZipRecordInfo) -> torch.UntypedStorage:
-        if record.size == 0:
-            return torch.UntypedStorage(0)
-        if record.name in self._slab_of:
-            return self._slab_storage(record)
         # Same address modulo the page as the file offset: the middle reads directly.
         delta = record.data_offset % _PAGE
         buffer = engine.AlignedBuffer(delta + record.size, lock=False, huge_pages=self._settings.huge_pages)
@@ -197,93 +202,39 @@ class FileStorageProvider:
         return self._handle
 
     def _read_cpu(self, items: list[tuple[ZipRecordInfo, torch.UntypedStorage]]) -> None:
-        """Reads every item's bytes; with verify, CRCs run on the pool as each read lands."""
-        slab_of = self._slab_of
-        if len(items) == 1:
-            # load(weights_only=False) asks for one storage at a time: most are small records
-            # of a slab an earlier storage already read, which only need their CRC-32 checked.
-            record, storage = items[0]
-            slab = slab_of.get(record.name)
-            if slab is not None and slab.loaded:
-                if self._verify:
-                    self._check(record, engine.crc32(storage.data_ptr(), record.size))
-                return
+        """Reads every item's bytes in place; with verify, CRCs run on the pool as each read lands."""
         handle = self._io()
         piece_size = max(self._settings.buffer_size, _PAGE)
-        slabs: list[_Slab] = []
-        # (native Request or None, what it fills) in file order: a piece of a large record,
-        # [(record, address, record_offset, length)], or the small records of one slab.
-        reads: list[tuple[object, list[tuple[ZipRecordInfo, int, int, int]] | _SmallRecords]] = []
-        slab_reads: dict[int, _SmallRecords] = {}
-        in_memory = _SmallRecords()  # small records of slabs an earlier flush read
+        # Large records are read in pieces so that checksumming starts before the whole
+        # record is in. Piece boundaries keep address == offset (mod page).
+        reads: list[tuple[object, list[tuple[ZipRecordInfo, int, int, int]]]] = []
         for record, storage in items:
-            if record.size == 0:
-                continue
-            slab = slab_of.get(record.name)
-            if slab is None:
-                # Large records are read in pieces so that checksumming starts before the
-                # whole record is in. Piece boundaries keep address == offset (mod page).
-                address = storage.data_ptr()
-                for offset in range(0, record.size, piece_size):
-                    length = min(piece_size, record.size - offset)
-                    request = handle.submit_read(address + offset, length, self._file, record.data_offset + offset,
-                                                 storage)  # fmt: skip
-                    reads.append((request, [(record, address + offset, offset, length)]))
-            elif slab.loaded:
-                in_memory.add(record, storage.data_ptr())
-            else:
-                covered = slab_reads.get(id(slab))
-                if covered is None:
-                    slabs.append(slab)
-                    request = handle.submit_read(slab.storage.data_ptr(), slab.file_end - slab.file_start, self._file,
-                                                 slab.file_start, slab.buffer)  # fmt: skip
-                    covered = slab_reads[id(slab)] = _SmallRecords()
-                    reads.append((request, covered))
-                covered.add(record, storage.data_ptr())
+            address = storage.data_ptr()
+            for offset in range(0, record.size, piece_size):
+                length = min(piece_size, record.size - offset)
+                request = handle.submit_read(address + offset, length, self._file, record.data_offset + offset,
+                                             storage)  # fmt: skip
+                reads.append((request, [(record, address + offset, offset, length)]))
         pending: dict[str, list] = {}
         queued: list = []
-        small: list[_SmallRecords] = []
         try:
             if self._verify:
-                if in_memory.records:
-                    queued += in_memory.queue_crcs()
-                    small.append(in_memory)
                 # Requests complete roughly in submission (file) order: queue each one's
                 # CRCs as soon as its bytes are in, while later reads are still in flight.
-                for request, covered in reads:
-                    while request is not None and not request.done:
+                for request, pieces in reads:
+                    while not request.done:
                         time.sleep(_POLL_SECONDS)
-                    if request is not None and request.failed:
+                    if request.failed:
                         break  # wait() below raises the read error
-                    if type(covered) is _SmallRecords:
-                        queued += covered.queue_crcs()
-                        small.append(covered)
-                    else:
-                        queued += _queue_crcs(covered, pending)
+                    queued += _queue_crcs(pieces, pending)
         finally:
             try:
                 handle.wait()  # raises the first read error once nothing is in flight
             finally:
                 _wait_all(queued)
-        for slab in slabs:
-            slab.loaded = True
-        if not self._verify:
-            return
-        # Small records are compared in place; only those that differ (normally none) are kept
-        # (a dict of every record's CRC was 10 MB and 0.1 s for 100,000 small tensors).
-        differing: dict[str, int] = {}
-        for covered in small:
-            for record, crc in zip(covered.records, covered.crcs()):
-                if crc != record.crc:
-                    differing[record.name] = crc
-        if not (differing or pending):
-            return
-        for record, storage in items:  # raises ChecksumMismatchError, in file order
-            name = record.name
-            if name in differing:
-                self._check(record, differing[name])
-            elif name in pending:
-                self._check(record, _combine(pending.pop(name)))
+        if self._verify:
+            for record, _ in items:  # raises ChecksumMismatchError, in file order
+                self._check(record, _combine(pending.pop(record.name, [])))
 
     # -- CUDA -----------------------------------------------------------------
 

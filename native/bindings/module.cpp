@@ -9,6 +9,9 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -445,6 +448,35 @@ own request and sees only its own error, whatever other threads do on the handle
       },
       py::arg("destination"), py::arg("source"), py::arg("length"), py::arg("crc") = 0,
       "Copies ``length`` bytes (non-overlapping) and returns their CRC-32 continued from ``crc``; reads the source once.");
+  m.def(
+      "copy_many",
+      [](const std::vector<uintptr_t>& destinations, const std::vector<uintptr_t>& sources,
+         const std::vector<size_t>& lengths, bool checksum) {
+        if (destinations.size() != sources.size() || sources.size() != lengths.size()) {
+          throw std::invalid_argument("copy_many: destinations, sources and lengths differ in length");
+        }
+        std::vector<uint32_t> crcs(checksum ? sources.size() : 0);
+        {
+          // One call for thousands of small records: the work runs without the GIL, so
+          // pool threads copy while the interpreter goes on unpickling.
+          py::gil_scoped_release release;
+          for (size_t i = 0; i < sources.size(); ++i) {
+            void* to = reinterpret_cast<void*>(destinations[i]);
+            const void* from = reinterpret_cast<const void*>(sources[i]);
+            if (to == nullptr) {
+              if (checksum) crcs[i] = crc32_update(0, from, lengths[i]);
+            } else if (checksum) {
+              crcs[i] = copy_with_crc32(to, from, lengths[i], 0);
+            } else {
+              std::memcpy(to, from, lengths[i]);
+            }
+          }
+        }
+        return crcs;
+      },
+      py::arg("destinations"), py::arg("sources"), py::arg("lengths"), py::arg("checksum"),
+      "Copies each ``lengths[i]`` bytes from ``sources[i]`` to ``destinations[i]`` (0: no copy) without the "
+      "GIL; with ``checksum`` returns each range's CRC-32 (else an empty list).");
   m.def(
       "crc32_of",
       [](py::object data, uint32_t crc) {
