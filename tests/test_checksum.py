@@ -77,3 +77,19 @@ def test_crc32_of_refuses_what_is_not_one_contiguous_buffer():
         engine.crc32_of(memoryview(b"abcdef")[::2])
     with pytest.raises(TypeError):
         engine.crc32_of("text")
+
+
+def test_copy_many_copies_checksums_or_only_checksums():
+    source = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    pieces = [(0, 0), (1, 7), (100, 1000), (3000, 1096)]  # (offset, length), an empty one included
+    lengths = [n for _, n in pieces]
+    sources = [source.data_ptr() + o for o, _ in pieces]
+    expected = [zlib.crc32(source[o : o + n].numpy().tobytes()) for o, n in pieces]
+    for checksum in (True, False):
+        targets = [torch.zeros(max(n, 1), dtype=torch.uint8) for n in lengths]
+        crcs = engine.copy_many([t.data_ptr() for t in targets], sources, lengths, checksum)
+        assert crcs == (expected if checksum else [])
+        assert all(torch.equal(t[:n], source[o : o + n]) for t, (o, n) in zip(targets, pieces))
+    assert engine.copy_many([0] * len(pieces), sources, lengths, True) == expected  # checksums only
+    with pytest.raises(ValueError, match="differ in length"):
+        engine.copy_many([0], sources, lengths, True)
