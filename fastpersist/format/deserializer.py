@@ -96,6 +96,7 @@ def deserialize(
     weights_only: bool = True,
     byteorder: bytes | None = b"little",
     path: str | None = None,
+    release_records: bool = False,
     **pickle_load_args: Any,
 ) -> Any:
     """Rebuilds the saved object.
@@ -107,6 +108,9 @@ def deserialize(
         provider: supplies storages (see StorageProvider).
         map_location, pickle_module, weights_only, pickle_load_args: as torch.load.
         byteorder: the file's ``byteorder`` record (None: native order).
+        release_records: remove each storage's record from ``records`` (a
+            dict) once its storage is loaded, so that the directory shrinks
+            as the state grows.
 
     Raises:
         pickle.UnpicklingError: weights_only refused something (torch's
@@ -157,7 +161,9 @@ def deserialize(
             wrap = storage if device is not None else _restore(restore_location, storage, location, name, path)
         typed = torch.storage.TypedStorage(wrap_storage=wrap, dtype=dtype, _internal=True)
         if typed._data_ptr() != 0:
-            loaded[key] = typed
+            loaded[key] = typed  # asked for again, it comes from here
+            if release_records:
+                del records[name]
         return typed
 
     def persistent_load(saved_id: Any) -> torch.storage.TypedStorage:

@@ -106,7 +106,8 @@ class FileStorageProvider:
     # -- StorageProvider ------------------------------------------------------
 
     def storage(self, record: ZipRecordInfo, device: torch.device) -> torch.UntypedStorage:
-        slab = self._slab_of.get(record.name)
+        # Popped: the table shrinks as the state grows; a record asked for again is read on its own.
+        slab = self._slab_of.pop(record.name, None)
         if slab is not None:
             return self._small_storage(record, slab, device)
         if device.type == "cuda":
@@ -141,7 +142,7 @@ class FileStorageProvider:
         crc = engine.copy_with_crc32(storage.data_ptr(), slab.address + (record.data_offset - slab.file_start),
                                      record.size)  # fmt: skip
         slab.copied += 1
-        if slab.copied >= slab.records:  # every record is out (one asked for again, never by our deserializer, rereads)
+        if slab.copied == slab.records:  # every record is out
             slab.buffer, slab.address = None, 0
         if crc != record.crc and self._verify:
             self._check(record, crc)  # raises, unless the archive stores no CRC
