@@ -15,10 +15,11 @@ from fastpersist.errors import CorruptCheckpointError, FastPersistError, Truncat
 from fastpersist.format.deserializer import archive_prefix, deserialize
 from fastpersist.format.zipformat import (
     MissingEndRecordError,
+    RecordTable,
     ZipRecordInfo,
     check_record_crc,
-    check_structure,
     read_directory,
+    read_rows,
 )
 from fastpersist.io import engine
 from fastpersist.io.reader import FileStorageProvider, MmapStorageProvider
@@ -164,13 +165,13 @@ def _load_sharded(path: str, group: Any, timeout: float | None, verify: bool, lo
     return _NOT_SHARDED
 
 
-def _open_records(file, path: str, verify: bool) -> tuple[dict[str, ZipRecordInfo], Callable[[int, int], bytes]]:
+def _open_records(file, path: str, verify: bool) -> tuple[RecordTable, Callable[[int, int], bytes]]:
     size = file.size()
 
     read_at = _HeaderCache(file.fd, size)
     # Verifying also checks the bytes no CRC covers (headers, descriptors, end records).
-    parse = check_structure if verify else read_directory
-    return {r.name: r for r in parse(read_at, size, path)}, read_at
+    # Rows, not named tuples: the garbage collector stops tracking them (see read_rows).
+    return RecordTable(read_rows(read_at, size, path, check=verify)), read_at
 
 
 class _HeaderCache:
@@ -309,9 +310,9 @@ def _load_from_path(path, map_location, pickle_module, weights_only, mmap, verif
                 warnings.warn(f"{path} was written without CRC-32 checksums; it cannot be verified", stacklevel=3)
             verify = False
         if verify:  # the small records nothing else reads (version, serialization id, ...)
-            for name, record in records.items():
+            for name in records:
                 if not name.startswith(prefix + "data/") and name != prefix + "data.pkl":
-                    _record_bytes(read_at, record, path, verify)
+                    _record_bytes(read_at, records[name], path, verify)
         pickle_bytes = _record_bytes(read_at, records[prefix + "data.pkl"], path, verify)
         byteorder = b"little"
         if prefix + "byteorder" in records:
@@ -321,7 +322,7 @@ def _load_from_path(path, map_location, pickle_module, weights_only, mmap, verif
         if mmap:
             provider = MmapStorageProvider(path, file.size(), verify=verify)
         else:
-            storages = [r for name, r in records.items() if name.startswith(prefix + "data/")]
+            storages = [row for row in records.rows() if row[0].startswith(prefix + "data/")]
             provider = FileStorageProvider(file, storages, settings, verify=verify, path=path)
             del storages
         try:

@@ -83,3 +83,32 @@ def test_a_load_lets_the_zip_directory_go_as_the_state_comes(tmp_path, monkeypat
         assert loaded["view"].untyped_storage().data_ptr() == loaded["a"].untyped_storage().data_ptr()
         remaining = [name for name in seen.pop() if "/data/" in name]
         assert len(remaining) == 1  # only the empty storage's record (empty storages are not shared)
+
+
+def test_the_zip_directory_of_a_load_is_rows_the_collector_does_not_track(tmp_path):
+    """20,000 named-tuple records alive through a load set off a second full collection."""
+    import gc
+    import os
+
+    import fastpersist
+    from fastpersist.format.zipformat import RecordTable, ZipRecordInfo, check_structure, read_rows
+
+    path = tmp_path / "s.pt"
+    fastpersist.save({f"t{i}": torch.full((i + 1,), float(i)) for i in range(50)}, path)
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+
+        def read_at(offset, length):
+            return os.pread(handle.fileno(), length, offset)
+
+        for check in (False, True):
+            rows = read_rows(read_at, size, str(path), check=check)
+            gc.collect()
+            assert rows and not any(gc.is_tracked(row) for row in rows)
+            assert [tuple(r) for r in check_structure(read_at, size, str(path))] == rows
+            table = RecordTable(rows)
+            name = rows[-1][0]
+            assert len(table) == len(rows) and name in table and list(table)[-1] == name
+            assert type(table[name]) is ZipRecordInfo and table[name] == rows[-1] and table.get(name).size == rows[-1][3]
+            del table[name]
+            assert name not in table and table.get(name) is None and len(table) == len(rows) - 1

@@ -27,7 +27,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import struct
-from typing import Callable, Iterable, NamedTuple, Sequence
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError
 
@@ -43,6 +44,8 @@ __all__ = [
     "layout_archive",
     "ZipRecordInfo",
     "read_directory",
+    "read_rows",
+    "RecordTable",
     "check_structure",
     "MissingEndRecordError",
 ]
@@ -374,10 +377,64 @@ def read_directory(read_at: ReadAt, file_size: int, path: str | None = None) -> 
             header that disagrees with the directory, or any other
             inconsistency.
     """
+    return [_record(row) for row in read_rows(read_at, file_size, path, check=False)]
+
+
+def read_rows(read_at: ReadAt, file_size: int, path: str | None = None, *, check: bool) -> list[tuple]:
+    """:func:`read_directory` (``check=False``) or :func:`check_structure` (``check=True``), each
+    record as a plain ``(name, header_offset, data_offset, size, crc)`` tuple.
+
+    The garbage collector stops tracking plain tuples of strings and ints, not
+    named tuples: 20,000 ZipRecordInfo objects alive through a load set off a
+    second full collection of the whole process (torch.load sets off one).
+    :class:`RecordTable` keeps rows and hands out ZipRecordInfo on demand.
+    """
+    if check:
+        return _checked_rows(read_at, file_size, path)
     directory = _read_central_directory(read_at, file_size, path)
-    records = [_locate(read_at, directory.cd_offset, path, e) for e in directory.entries]
-    _check_disjoint(records, path)
-    return records
+    rows = [_locate(read_at, directory.cd_offset, path, e) for e in directory.entries]
+    _check_disjoint(rows, path)
+    return rows
+
+
+def _record(row: tuple) -> ZipRecordInfo:
+    return tuple.__new__(ZipRecordInfo, row)
+
+
+class RecordTable(Mapping):
+    """An archive's records by name, kept as plain tuples (see :func:`read_rows`).
+
+    Looking a name up returns a ZipRecordInfo made on the spot. Deleting a name
+    lets its row go (a load drops each storage's row once the storage is in).
+    """
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, rows: Iterable[tuple]):
+        self._rows: dict[str, tuple] = {row[0]: row for row in rows}
+
+    def __getitem__(self, name: str) -> ZipRecordInfo:
+        return tuple.__new__(ZipRecordInfo, self._rows[name])
+
+    def get(self, name: str, default: Any = None) -> Any:
+        row = self._rows.get(name)
+        return default if row is None else tuple.__new__(ZipRecordInfo, row)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._rows
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __delitem__(self, name: str) -> None:
+        del self._rows[name]
+
+    def rows(self) -> list[tuple]:
+        """Every row, ``(name, header_offset, data_offset, size, crc)``; index access works on records too."""
+        return list(self._rows.values())
 
 
 def check_structure(read_at: ReadAt, file_size: int, path: str | None = None) -> list[ZipRecordInfo]:
@@ -398,6 +455,10 @@ def check_structure(read_at: ReadAt, file_size: int, path: str | None = None) ->
             when the damage is inside one (for a truncated file: the record
             the file ends in or after, when one can be found).
     """
+    return [_record(row) for row in read_rows(read_at, file_size, path, check=True)]
+
+
+def _checked_rows(read_at: ReadAt, file_size: int, path: str | None) -> list[tuple]:
     try:
         directory = _read_central_directory(read_at, file_size, path)
     except MissingEndRecordError:
@@ -408,22 +469,22 @@ def check_structure(read_at: ReadAt, file_size: int, path: str | None = None) ->
             path, f"the file ends at byte {file_size} without its zip end records: it was cut short "
             f"inside or after record {last!r}", last,
         ) from None  # fmt: skip
-    records = [_locate(read_at, directory.cd_offset, path, e) for e in directory.entries]
-    _check_disjoint(records, path)
+    rows = [_locate(read_at, directory.cd_offset, path, e) for e in directory.entries]
+    _check_disjoint(rows, path)
     expected = 0
-    order = sorted(range(len(records)), key=lambda i: records[i].header_offset)
+    order = sorted(range(len(rows)), key=lambda i: rows[i][1])
     for index in order:
-        entry, record = directory.entries[index], records[index]
+        entry, record = directory.entries[index], tuple.__new__(ZipRecordInfo, rows[index])
         if record.header_offset != expected:
             raise _corrupt(path, f"{record.header_offset - expected:+d} unexplained bytes before record "
                                  f"{record.name!r} at offset {expected}", record.name)  # fmt: skip
         expected, crc = _check_framing(read_at, entry, record, directory.cd_offset, path)
         if crc != record.crc:  # the central directory's CRC is 0, the local record holds one: verify that
-            records[index] = record._replace(crc=crc)
+            rows[index] = rows[index][:4] + (crc,)
     if expected != directory.cd_offset:
         raise _corrupt(path, f"{directory.cd_offset - expected} unexplained bytes before the central directory")
     _check_end_records(read_at, file_size, directory, path)
-    return records
+    return rows
 
 
 def _read_central_directory(read_at: ReadAt, file_size: int, path: str | None) -> _Directory:
@@ -523,7 +584,8 @@ def _apply_zip64_extra(extra: bytes, usize: int, csize: int, offset: int, path, 
     return usize, csize, offset
 
 
-def _locate(read_at: ReadAt, cd_offset: int, path, entry: _CentralEntry) -> ZipRecordInfo:
+def _locate(read_at: ReadAt, cd_offset: int, path, entry: _CentralEntry) -> tuple:
+    """The record's row, ``(name, header_offset, data_offset, size, crc)``, once its local header agrees."""
     name, raw_name, _, _, _, _, _, crc, size, header_offset = entry
     header_length = _LOCAL.size + len(raw_name)
     if header_offset + header_length > cd_offset:
@@ -544,15 +606,15 @@ def _locate(read_at: ReadAt, cd_offset: int, path, entry: _CentralEntry) -> ZipR
     data_offset = header_offset + _LOCAL.size + fields[9] + fields[10]
     if data_offset + size > cd_offset:
         raise _corrupt(path, f"record {name!r} ({size} bytes at {data_offset}) runs past the data area", name)
-    return ZipRecordInfo(name, header_offset, data_offset, size, crc)
+    return (name, header_offset, data_offset, size, crc)
 
 
-def _check_disjoint(records: list[ZipRecordInfo], path) -> None:
+def _check_disjoint(rows: list[tuple], path) -> None:
     """Rejects records whose byte ranges overlap (a damaged offset, or a zip bomb)."""
-    ordered = sorted(records, key=lambda r: (r.header_offset, r.data_offset + r.size))
+    ordered = sorted(rows, key=lambda r: (r[1], r[2] + r[3]))
     for before, after in zip(ordered, ordered[1:]):
-        if before.data_offset + before.size > after.header_offset:
-            raise _corrupt(path, f"records {before.name!r} and {after.name!r} overlap", after.name)
+        if before[2] + before[3] > after[1]:
+            raise _corrupt(path, f"records {before[0]!r} and {after[0]!r} overlap", after[0])
 
 
 def _check_framing(

@@ -77,7 +77,7 @@ class FileStorageProvider:
     :meth:`close` when done (``load`` does).
     """
 
-    def __init__(self, file, records: Sequence[ZipRecordInfo], settings: Settings, *, verify: bool, path: str):
+    def __init__(self, file, records: Sequence[tuple], settings: Settings, *, verify: bool, path: str):
         self._file = file
         self._settings = settings
         self._verify = verify
@@ -175,21 +175,23 @@ class FileStorageProvider:
 
     # -- CPU ------------------------------------------------------------------
 
-    def _plan_slabs(self, records: Sequence[ZipRecordInfo]) -> None:
+    def _plan_slabs(self, records: Sequence[tuple]) -> None:
+        """Groups small records into slabs; ``records`` are ZipRecordInfo or plain rows of the same
+        fields (``RecordTable.rows()``), read by index."""
         slab = None
-        for record in sorted(records, key=lambda r: r.data_offset):
-            if record.size == 0 or record.size >= _SMALL_RECORD or "/data/" not in record.name:
+        for name, _, data_offset, size, _ in sorted(records, key=lambda r: r[2]):
+            if size == 0 or size >= _SMALL_RECORD or "/data/" not in name:
                 continue
             if (
                 slab is None
-                or record.data_offset - slab.file_end > _MAX_GAP
-                or record.data_offset + record.size - slab.file_start > _SLAB_LIMIT
+                or data_offset - slab.file_end > _MAX_GAP
+                or data_offset + size - slab.file_start > _SLAB_LIMIT
             ):
-                slab = _Slab(_align_down(record.data_offset), record.data_offset, len(self._slabs))
+                slab = _Slab(_align_down(data_offset), data_offset, len(self._slabs))
                 self._slabs.append(slab)
-            slab.file_end = record.data_offset + record.size
+            slab.file_end = data_offset + size
             slab.records += 1
-            self._slab_of[record.name] = slab
+            self._slab_of[name] = slab
 
     def _cpu_destination(self, record: ZipRecordInfo) -> torch.UntypedStorage:
         # Same address modulo the page as the file offset: the middle reads directly.
