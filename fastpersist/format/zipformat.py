@@ -398,6 +398,7 @@ def read_rows(read_at: ReadAt, file_size: int, path: str | None = None, *, check
 
 
 def _record(row: tuple) -> ZipRecordInfo:
+    """The ZipRecordInfo of a row (without the keyword handling of its constructor)."""
     return tuple.__new__(ZipRecordInfo, row)
 
 
@@ -414,11 +415,11 @@ class RecordTable(Mapping):
         self._rows: dict[str, tuple] = {row[0]: row for row in rows}
 
     def __getitem__(self, name: str) -> ZipRecordInfo:
-        return tuple.__new__(ZipRecordInfo, self._rows[name])
+        return _record(self._rows[name])
 
     def get(self, name: str, default: Any = None) -> Any:
         row = self._rows.get(name)
-        return default if row is None else tuple.__new__(ZipRecordInfo, row)
+        return default if row is None else _record(row)
 
     def __contains__(self, name: object) -> bool:
         return name in self._rows
@@ -474,7 +475,7 @@ def _checked_rows(read_at: ReadAt, file_size: int, path: str | None) -> list[tup
     expected = 0
     order = sorted(range(len(rows)), key=lambda i: rows[i][1])
     for index in order:
-        entry, record = directory.entries[index], tuple.__new__(ZipRecordInfo, rows[index])
+        entry, record = directory.entries[index], _record(rows[index])
         if record.header_offset != expected:
             raise _corrupt(path, f"{record.header_offset - expected:+d} unexplained bytes before record "
                                  f"{record.name!r} at offset {expected}", record.name)  # fmt: skip
