@@ -50,6 +50,8 @@ __all__ = [
     "crc32_accelerated",
     "crc32_combine",
     "copy_many",
+    "hash64",
+    "hash64_many",
 ]
 
 File = _native.File
@@ -71,6 +73,10 @@ copy_many = _native.copy_many
 crc32_accelerated = _native.crc32_accelerated
 crc32_combine = _native.crc32_combine
 """``crc32_combine(crc_first, crc_second, length_second)``: CRC-32 of two ranges back to back (zlib's)."""
+hash64 = _native.hash64
+"""``hash64(address, length, seed=0)``: XXH64 of memory (64 bits; GIL released from 64 KiB)."""
+hash64_many = _native.hash64_many
+"""``hash64_many(addresses, lengths, seed=0)``: XXH64 of each range, one call without the GIL."""
 
 ENGINE_NAMES = ("io_uring", "threads")
 """Engines fastpersist knows, best first."""

@@ -22,6 +22,7 @@
 #include "fastpersist/error.hpp"
 #include "fastpersist/file.hpp"
 #include "fastpersist/handle.hpp"
+#include "fastpersist/hash.hpp"
 
 namespace py = pybind11;
 using namespace fastpersist;
@@ -496,4 +497,32 @@ own request and sees only its own error, whatever other threads do on the handle
   m.def("crc32_combine", &crc32_combine, py::arg("crc_first"), py::arg("crc_second"), py::arg("length_second"),
         "CRC-32 of two ranges back to back from each one's CRC-32 (zlib's crc32_combine).");
   m.def("crc32_accelerated", &crc32_accelerated, "Whether CRC-32 uses carry-less multiplication on this CPU.");
+
+  // ---------------------------------------------------------------- 64-bit hashes
+  m.def(
+      "hash64",
+      [](uintptr_t address, size_t length, uint64_t seed) {
+        if (length < kReleaseGilFrom) return xxh64(reinterpret_cast<const void*>(address), length, seed);
+        py::gil_scoped_release release;
+        return xxh64(reinterpret_cast<const void*>(address), length, seed);
+      },
+      py::arg("address"), py::arg("length"), py::arg("seed") = 0,
+      "XXH64 of ``length`` bytes at ``address`` with ``seed`` (the reference implementation's value).");
+  m.def(
+      "hash64_many",
+      [](const std::vector<uintptr_t>& addresses, const std::vector<size_t>& lengths, uint64_t seed) {
+        if (addresses.size() != lengths.size()) {
+          throw std::invalid_argument("hash64_many: addresses and lengths differ in length");
+        }
+        std::vector<uint64_t> hashes(addresses.size());
+        {
+          py::gil_scoped_release release;
+          for (size_t i = 0; i < addresses.size(); ++i) {
+            hashes[i] = xxh64(reinterpret_cast<const void*>(addresses[i]), lengths[i], seed);
+          }
+        }
+        return hashes;
+      },
+      py::arg("addresses"), py::arg("lengths"), py::arg("seed") = 0,
+      "XXH64 of each ``(addresses[i], lengths[i])`` range with ``seed``, in one call without the GIL.");
 }
