@@ -15,22 +15,41 @@ learns every rank's status, and:
 * if the store itself goes away (rank 0, which hosts a TCPStore, was killed)
   the store's connection error is raised the same way.
 
-The store carries metadata only (sizes, CRC-32s, names, status). It is used
+**Which call is which.** Ranks do not count their calls: one call made on
+some ranks only (a collective save left inside ``if rank == 0:``) would put
+the counts out of step for good. Instead the group's rank 0 *opens* each
+call: it takes the next number of a counter in the store (``store.add``) and
+posts the call's description there (``"save"`` or ``"load"``, the layout and
+the file's base name). Every other rank walks the opened calls it has not yet
+seen, in order, and joins the first that describes its own call:
+
+* a call that was abandoned (its rank 0 timed out, failed or was
+  interrupted; the call is then marked *aborted* in the store) is skipped;
+* a call that describes another operation (rank 0 saving ``a.pt`` while this
+  rank saves ``b.pt``) is waited out: rank 0 abandons it at its timeout, then
+  opens the call that matches;
+* if rank 0 opens nothing that matches within the timeout, this rank raises.
+
+So an unmatched call fails once, on the ranks that made it, after the
+timeout, and the next matched call works. A rank that gives up on a call
+(timeout, error, Ctrl-C) marks it aborted, and ranks waiting in it notice
+within a second instead of waiting out their own timeout.
+
+The store carries metadata only (sizes, digests, names, status). It is used
 instead of ``all_gather_object`` because a collective of the group's backend
 can only time out at the group's own timeout (30 minutes by default; NCCL may
-also abort the process), while a store wait takes a timeout per call. Keys are
-namespaced by the group's ranks and a per-group call counter (every rank
-makes the same collective calls in the same order); each rank deletes its
-keys of the call before last, so the store does not grow with the number of
-saves.
+also abort the process), while a store wait takes a timeout per call. Each
+rank deletes its keys of the call before last, so the store does not grow
+with the number of saves.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
+import os
 import pickle
 import threading
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -42,9 +61,28 @@ __all__ = ["Coordinator", "DEFAULT_TIMEOUT"]
 DEFAULT_TIMEOUT = 600.0
 """Seconds a rank waits for the others at each step (covers the slowest rank's share of the write)."""
 
-_counters: dict[str, int] = {}
-_own_keys: dict[str, list[list[str]]] = {}
+
+class _GroupState:
+    """Per process and per group: the last call this rank took part in, and its keys to delete later."""
+
+    def __init__(self) -> None:
+        self.last_call = 0
+        self.keys: list[list[str]] = []
+
+
+_states: dict[tuple[int, str], _GroupState] = {}
 _lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    # A forked child is not a member of its parent's groups; its lock may have been held.
+    global _lock
+    _lock = threading.Lock()
+    _states.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _describe(error: BaseException) -> str:
@@ -62,12 +100,18 @@ class Coordinator:
         group: a ``torch.distributed`` process group (``None``: the default group).
         timeout: seconds to wait for the other ranks at each exchange.
         what: a word for messages ("save", "load").
+        description: what this call is (e.g. the layout and the file's base
+            name): ranks join a call of rank 0's only when ``what`` and this
+            match, so mismatched calls fail instead of pairing up.
 
     Raises:
-        RuntimeError: torch.distributed is not initialized.
+        RuntimeError: torch.distributed is not initialized, or this process is
+            not a member of ``group``.
+        ValueError: ``timeout`` is not positive.
     """
 
-    def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT, what: str = "save"):
+    def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT, what: str = "save",
+                 description: str = ""):  # fmt: skip
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "a collective fastpersist call needs torch.distributed initialized "
@@ -83,26 +127,119 @@ class Coordinator:
         self.global_ranks = dist.get_process_group_ranks(group)
         self.timeout = float(timeout)
         self.what = what
+        self.description = description
         if self.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        namespace = hashlib.sha1(repr(self.global_ranks).encode()).hexdigest()[:12]
-        with _lock:
-            call = _counters.get(namespace, 0)
-            _counters[namespace] = call + 1
-            history = _own_keys.setdefault(namespace, [])
-            stale = history.pop(0) if len(history) >= 2 else []
-            history.append([])
-            self._keys = history[-1]
-        self.prefix = f"fastpersist/{namespace}/{call}/"
+        self.namespace = "fastpersist/" + hashlib.sha1(repr(self.global_ranks).encode()).hexdigest()[:12]
         self.store = dist.distributed_c10d._get_default_store()
+        with _lock:
+            self._state = _states.setdefault((id(self.store), self.namespace), _GroupState())
+        self.call: int | None = None  # the store's number of this call, once opened or joined
+        self._keys: list[str] = []
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.global_ranks[group_rank]
+
+    # ------------------------------------------------------------------ which call
+
+    def _call_key(self, call: int) -> str:
+        return f"{self.namespace}/call/{call}"
+
+    def _aborted_key(self, call: int) -> str:
+        return f"{self.namespace}/call/{call}/aborted"
+
+    def _counter(self) -> str:
+        return f"{self.namespace}/calls"
+
+    def _begin(self, deadline: float, step: str) -> None:
+        """Opens (rank 0) or joins (the others) this call; sets :attr:`call`."""
+        if self.rank == 0:
+            call = self.store.add(self._counter(), 1)
+            self._keys.append(self._call_key(call))
+            self.store.set(self._call_key(call), pickle.dumps((self.what, self.description)))
+        else:
+            call = self._join(deadline, step)
+        self.call = call
+        self._state.last_call = call
+        with _lock:
+            self._state.keys.append(self._keys)
+            stale = self._state.keys.pop(0) if len(self._state.keys) > 2 else []
         for key in stale:  # the call before last: every rank has read them (see the module docstring)
             try:
                 self.store.delete_key(key)
             except Exception:  # noqa: BLE001 - housekeeping must not fail a save
                 pass
 
-    def global_rank(self, group_rank: int) -> int:
-        return self.global_ranks[group_rank]
+    def _join(self, deadline: float, step: str) -> int:
+        """The first opened call after the last one this rank took part in that describes this call."""
+        call = self._state.last_call + 1
+        if self.store.add(self._counter(), 0) < self._state.last_call:
+            call = 1  # a new store (the group was made again): its calls count from 1
+        while True:
+            key = self._call_key(call)
+            if not self._present(key):
+                if self.store.add(self._counter(), 0) > call:
+                    call += 1  # opened, abandoned and already cleaned up
+                    continue
+                self._wait_for([key], deadline, step, waiting_for_open=True)
+                continue
+            if self._present(self._aborted_key(call)):
+                call += 1
+                continue
+            what, description = pickle.loads(self.store.get(key))
+            if (what, description) == (self.what, self.description):
+                return call
+            # Rank 0 is in another call (one this rank does not make): it will abandon it at its timeout.
+            self._wait_for([self._aborted_key(call)], deadline, step, waiting_for_open=True,
+                           other=f"{what} {description}".strip())  # fmt: skip
+            call += 1
+
+    def abort(self, reason: str) -> None:
+        """Marks this call abandoned, so the ranks still in it stop waiting (best effort, never raises)."""
+        if self.call is None:
+            return
+        key = self._aborted_key(self.call)
+        try:
+            self.store.set(key, f"rank {self.rank} {reason}".encode())
+            self._keys.append(key)
+        except Exception:  # noqa: BLE001 - the store may be gone; the others then time out
+            pass
+
+    # ------------------------------------------------------------------ waiting
+
+    def _wait_for(self, keys: list[str], deadline: float, step: str, *, waiting_for_open: bool = False,
+                  other: str | None = None) -> None:  # fmt: skip
+        """Waits until every key exists; raises at the deadline or when the call was abandoned.
+
+        Polls with ``store.check`` (a sleep between looks, from half a millisecond
+        growing to :func:`_poll_cap`) rather than blocking in ``store.wait``: a
+        sleeping thread takes Ctrl-C at once, an abandoned call is noticed within
+        one interval, and timed-out store waits would log a C++ warning each.
+        """
+        pause, cap = 0.0005, _poll_cap(self.size)
+        while True:
+            if self.store.check(keys):
+                return
+            if self.call is not None and not waiting_for_open:
+                mark = self._aborted_by()
+                if mark is not None:
+                    raise _Abandoned(mark)
+            if time.monotonic() >= deadline:
+                if waiting_for_open:
+                    raise _NotOpened(other)
+                raise _TimedOut()
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(pause * 2, cap)
+
+    def _aborted_by(self) -> str | None:
+        """Why another rank abandoned this call, or None."""
+        key = self._aborted_key(self.call)
+        if not self._present(key):
+            return None
+        try:
+            return self.store.get(key).decode("utf-8", "replace")
+        except Exception:  # noqa: BLE001
+            return "abandoned"
 
     def exchange(self, step: str, payload: Any = None, error: BaseException | None = None) -> list[Any]:
         """Posts this rank's payload (or error), returns every rank's payload in rank order.
@@ -112,27 +249,46 @@ class Coordinator:
                 post within the timeout, or the store is unreachable. Raised
                 on every rank (chained from ``error`` on the rank that had it).
         """
-        status = ("error", _describe(error)) if error is not None else ("ok", payload)
-        key = f"{self.prefix}{step}/{self.rank}"
-        keys = [f"{self.prefix}{step}/{r}" for r in range(self.size)]
+        deadline = time.monotonic() + self.timeout
         try:
-            self.store.set(key, pickle.dumps(status))
-            self._keys.append(key)
-            try:
-                self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
-            except Exception as e:  # noqa: BLE001 - the store reports a timeout as RuntimeError/DistStoreError
-                missing = [r for r, k in enumerate(keys) if not self._present(k)]
-                if not missing:
-                    raise
-                failures = {r: f"did not report within {self.timeout:g} s" for r in missing}
-                raise DistributedCheckpointError(
-                    f"collective {self.what} failed at step {step!r}: rank(s) {missing} of the group did not "
-                    f"report within {self.timeout:g} s (killed, hung, or not calling fastpersist.{self.what} "
-                    f"collectively); nothing was committed. Raise timeout= if a rank is just slow",
-                    failures,
-                ) from e
+            if self.call is None:
+                self._begin(deadline, step)
+            prefix = f"{self.namespace}/{self.call}/"
+            keys = [f"{prefix}{step}/{r}" for r in range(self.size)]
+            status = ("error", _describe(error)) if error is not None else ("ok", payload)
+            self.store.set(keys[self.rank], pickle.dumps(status))
+            self._keys.append(keys[self.rank])
+            self._wait_for(keys, deadline, step)
             statuses = [pickle.loads(self.store.get(k)) for k in keys]
-            self._acknowledge(step)
+            self._acknowledge(prefix, step)
+        except (KeyboardInterrupt, SystemExit) as e:
+            self.abort(f"was interrupted ({type(e).__name__}) at step {step!r}")
+            raise
+        except _NotOpened as e:
+            doing = f"; rank 0 is in another call ({self.what if e.other else ''} {e.other})" if e.other else ""
+            this = f" ({self.what} {self.description})" if self.description else ""
+            raise DistributedCheckpointError(
+                f"collective {self.what} failed at step {step!r}: rank 0 of the group did not make this call{this} "
+                f"within {self.timeout:g} s{doing}. Every rank must call fastpersist.{self.what} with the same "
+                "path, in the same order (not inside `if rank == 0:`); nothing was committed",
+                {0: "did not make this call"},
+            ) from error
+        except _TimedOut:
+            missing = [r for r, k in enumerate(keys) if not self._present(k)]
+            failures = {r: f"did not report within {self.timeout:g} s" for r in missing}
+            self.abort(f"gave up at step {step!r}: rank(s) {missing} did not report within {self.timeout:g} s")
+            raise DistributedCheckpointError(
+                f"collective {self.what} failed at step {step!r}: rank(s) {missing} of the group did not "
+                f"report within {self.timeout:g} s (killed, hung, or not calling fastpersist.{self.what} "
+                f"collectively); nothing was committed. Raise timeout= if a rank is just slow",
+                failures,
+            ) from error
+        except _Abandoned as e:
+            raise DistributedCheckpointError(
+                f"collective {self.what} failed at step {step!r}: the call was abandoned ({e}); nothing was "
+                "committed and the previous checkpoint is intact",
+                {},
+            ) from error
         except DistributedCheckpointError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -151,21 +307,21 @@ class Coordinator:
             ) from error
         return [s[1] for s in statuses]
 
-    def _acknowledge(self, step: str) -> None:
+    def _acknowledge(self, prefix: str, step: str) -> None:
         """Tells the store's host this rank has read the step; the host waits for everybody's word.
 
         The store lives in global rank 0's process: if that rank returned and its
         process ended (the last save before exit) while others were still reading
         the statuses, they would fail on a vanished store.
         """
-        key = f"{self.prefix}{step}/read/{self.rank}"
+        key = f"{prefix}{step}/read/{self.rank}"
         self.store.set(key, b"1")
         self._keys.append(key)
         if dist.get_rank() == 0:
             try:
-                self.store.wait([f"{self.prefix}{step}/read/{r}" for r in range(self.size)],
-                                datetime.timedelta(seconds=self.timeout))  # fmt: skip
-            except Exception:  # noqa: S110 - a rank that died after reading changes nothing here
+                self._wait_for([f"{prefix}{step}/read/{r}" for r in range(self.size)],
+                               time.monotonic() + self.timeout, step)  # fmt: skip
+            except (_TimedOut, _Abandoned):  # a rank that died after reading changes nothing here
                 pass
 
     def _present(self, key: str) -> bool:
@@ -175,13 +331,36 @@ class Coordinator:
             return False
 
     def run(self, step: str, work, *args, **kwargs) -> list[Any]:
-        """Runs ``work(*args, **kwargs)`` here, then :meth:`exchange` its result or its error."""
+        """Runs ``work(*args, **kwargs)`` here, then :meth:`exchange` its result or its error.
+
+        A ``KeyboardInterrupt`` or ``SystemExit`` in ``work`` marks the call
+        aborted (the other ranks raise within a second) and propagates.
+        """
         try:
             payload = work(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                self.abort(f"was interrupted ({type(e).__name__}) before step {step!r}")
                 raise
             self.exchange(step, error=e)
             raise AssertionError("unreachable") from e  # exchange always raises when given an error
         return self.exchange(step, payload)
 
+
+class _TimedOut(Exception):
+    pass
+
+
+class _Abandoned(Exception):
+    pass
+
+
+class _NotOpened(Exception):
+    def __init__(self, other: str | None):
+        super().__init__(other)
+        self.other = other
+
+
+def _poll_cap(size: int) -> float:
+    """Longest pause between two looks at the store: 50 ms, longer in large groups (~1,000 looks/s in all)."""
+    return max(0.05, size / 1000.0)

@@ -194,7 +194,7 @@ def load_collective(path: str, group: Any, load_kwargs: dict[str, Any], verify: 
     """
     import torch.distributed as dist
 
-    coordinator = Coordinator(group, timeout, "load")
+    coordinator = Coordinator(group, timeout, "load", os.path.basename(os.fspath(path)))
 
     def survey() -> dict[str, Any]:
         manifest = None
