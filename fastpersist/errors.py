@@ -25,6 +25,7 @@ __all__ = [
     "TargetDirectoryMissingError",
     "MixedDtypeViewsError",
     "NotWritableError",
+    "ReplicaDivergenceWarning",
 ]
 
 
@@ -90,6 +91,17 @@ class DistributedCheckpointError(FastPersistError, RuntimeError):
     def __init__(self, message: str, failures: dict[int, str] | None = None):
         super().__init__(message)
         self.failures = dict(failures or {})
+
+
+class ReplicaDivergenceWarning(UserWarning):
+    """A collective save found tensors whose values differ between ranks; rank 0's values were written.
+
+    A collective save writes rank 0's object (what ``torch.save`` on rank 0
+    would write). Per-rank state (RNG states, unsynchronized metrics) is
+    expected to differ; weights that differ mean the replicas drifted apart.
+    Silence it with ``divergence="ignore"``, or make it an error with
+    ``divergence="error"`` (docs/distributed.md).
+    """
 
 
 class TensorModifiedError(FastPersistError, RuntimeError):

@@ -30,6 +30,7 @@ def save(
     group: Any = None,
     layout: str = "file",
     writers: str = "all",
+    divergence: str = "warn",
     timeout: float | None = None,
     **settings: Any,
 ) -> None:
@@ -53,14 +54,20 @@ def save(
             _disable_byteorder_record: as ``torch.save``.
         group: a ``torch.distributed`` process group (or ``True`` for the
             default one): a collective, data-parallel save that every rank
-            calls with the same replicated object; each rank writes a disjoint
-            slice (see :mod:`fastpersist.distributed`, docs/distributed.md).
-            Without a group, or with a group of one rank, it is the ordinary
-            single-process save. ``f`` must then be a path.
+            calls; the file holds rank 0's object (what ``torch.save`` on
+            rank 0 writes), and every rank writes the slices of it that it
+            holds byte for byte (see :mod:`fastpersist.distributed`,
+            docs/distributed.md). Without a group, or with a group of one
+            rank, it is the ordinary single-process save. ``f`` must then be
+            a path.
         layout: (with ``group``) ``"file"``: one ordinary checkpoint on a
             shared filesystem; ``"parts"``: one part per writer on its own
             storage, plus a manifest at ``f``.
         writers: (with ``group``) ``"all"`` ranks write, or one per ``"node"``.
+        divergence: (with ``group``) when a rank's tensor has other values
+            than rank 0's (same key and size): ``"warn"`` writes rank 0's and
+            warns (:class:`~fastpersist.errors.ReplicaDivergenceWarning`),
+            ``"error"`` raises on every rank, ``"ignore"`` writes rank 0's.
         timeout: (with ``group``) seconds a rank waits for the others at each
             step before raising (default 600).
         **settings: per-call overrides of any ``fastpersist.config`` setting
@@ -91,6 +98,8 @@ def save(
         return
     overrides, _ = config.split_overrides("save", settings, allow_other=False)
     resolved = config.resolve(overrides)
+    if resolved.checksum and not _torch_compute_crc32():
+        resolved = resolved.replace(checksum=False)  # torch.serialization.set_crc32_options(False)
     if group is not None and group is not False:
         from fastpersist.distributed import save as distributed_save
 
@@ -98,7 +107,7 @@ def save(
             if not isinstance(f, (str, os.PathLike)):
                 raise TypeError("a collective save (group=...) needs a path, not a file object")
             distributed_save.save(
-                obj, f, group=None if group is True else group, layout=layout, writers=writers,
+                obj, f, group=None if group is True else group, layout=layout, writers=writers, divergence=divergence,
                 timeout=distributed_save.DEFAULT_TIMEOUT if timeout is None else timeout, pickle_module=pickle_module,
                 pickle_protocol=pickle_protocol, disable_byteorder_record=_disable_byteorder_record, settings=resolved,
             )  # fmt: skip
@@ -109,8 +118,6 @@ def save(
         _TORCH_SAVE(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization,
                    _disable_byteorder_record)  # fmt: skip
         return
-    if resolved.checksum and not _torch_compute_crc32():
-        resolved = resolved.replace(checksum=False)  # torch.serialization.set_crc32_options(False)
     if isinstance(f, (str, os.PathLike)):
         path = os.fspath(f)
         directory = check_target(resolve_target(path))

@@ -66,6 +66,10 @@ class StorageRecord:
     def device(self) -> torch.device:
         return self._storage.device if self._view is None else self._view.device
 
+    def placed(self, entry: ZipEntry) -> StorageRecord:
+        """The same storage (or view) as the record of another layout's ``entry``."""
+        return StorageRecord(entry, self.key, self._storage, view=self._view)
+
     def data_ptr(self) -> int:
         """The address of the first byte (``view.data_ptr()``), without making the view."""
         return self._storage.data_ptr() if self._view is None else self._view.data_ptr()

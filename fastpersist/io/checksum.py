@@ -26,7 +26,7 @@ import threading
 
 from fastpersist.io import engine, workers
 
-__all__ = ["crc32_combine_all", "PendingCrc", "submit_crc32", "submit_crc32_many", "submit_copy_with_crc32", "crc32", "copy_with_crc32", "copy", "threads",
+__all__ = ["executor", "crc32_combine_all", "PendingCrc", "submit_crc32", "submit_crc32_many", "submit_copy_with_crc32", "crc32", "copy_with_crc32", "copy", "threads",
            "PIECE_SIZE", "shutdown"]  # fmt: skip
 
 PIECE_SIZE = 4 << 20
@@ -52,7 +52,8 @@ def threads() -> int:
     return max(1, min(32, available))
 
 
-def _executor() -> concurrent.futures.Executor:
+def executor() -> concurrent.futures.Executor:
+    """The process-wide pool (made on first use, again after ``fork``), for other native work on every core."""
     global _pool, _pool_pid
     pid = os.getpid()
     pool = _pool
@@ -143,8 +144,8 @@ def submit_crc32(address: int, length: int, crc: int = 0, *, piece_size: int = P
     if length <= 0:
         return PendingCrc(crc, [])
     if length <= piece_size:
-        return PendingCrc(crc, [(_executor().submit(engine.crc32, address, length), length)])
-    pool = _executor()
+        return PendingCrc(crc, [(executor().submit(engine.crc32, address, length), length)])
+    pool = executor()
     return PendingCrc(crc, [(pool.submit(engine.crc32, address + o, n), n) for o, n in _split(length, piece_size)])
 
 
@@ -154,7 +155,7 @@ def submit_crc32_many(ranges: list[tuple[int, int]]) -> concurrent.futures.Futur
     The task is one ``engine.copy_many`` call, which runs without the GIL.
     """
     addresses = [address for address, _ in ranges]
-    return _executor().submit(engine.copy_many, [0] * len(addresses), addresses, [n for _, n in ranges], True)
+    return executor().submit(engine.copy_many, [0] * len(addresses), addresses, [n for _, n in ranges], True)
 
 
 def submit_copy_with_crc32(destination: int, source: int, length: int, crc: int = 0, *,
@@ -162,7 +163,7 @@ def submit_copy_with_crc32(destination: int, source: int, length: int, crc: int 
     """Queues a copy of ``length`` bytes (non-overlapping) and its CRC-32, pieces on several cores."""
     if length <= 0:
         return PendingCrc(crc, [])
-    pool = _executor()
+    pool = executor()
     return PendingCrc(crc, [(pool.submit(engine.copy_with_crc32, destination + o, source + o, n), n)
                             for o, n in _split(length, piece_size)])  # fmt: skip
 
@@ -190,7 +191,7 @@ def copy(destination: int, source: int, length: int, *, piece_size: int = PIECE_
     if length <= piece_size:
         ctypes.memmove(destination, source, length)  # ctypes releases the GIL
         return
-    pool = _executor()
+    pool = executor()
     futures = [pool.submit(ctypes.memmove, destination + o, source + o, n) for o, n in _split(length, piece_size)]
     for future in futures:
         future.result()
