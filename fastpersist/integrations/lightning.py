@@ -84,6 +84,11 @@ def _settings_from(storage_options: Any, owner: str) -> dict[str, Any]:
     )
 
 
+def _to_host(storage: Any, location: str) -> Any:
+    """Lightning's default ``map_location`` (``TorchCheckpointIO``): leave every storage on the CPU."""
+    return storage
+
+
 _BYPASSING = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy", "SingleDeviceXLAStrategy")
 
 
@@ -153,15 +158,19 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
             self.settings = settings
 
         def save_checkpoint(
-            self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None, *, group: Any = None
+            self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None, *, group: Any = None,
+            divergence: str = "warn",
         ) -> None:
             """Saves ``checkpoint`` to ``path``.
 
             Args:
                 storage_options: None, or a dict of fastpersist settings for this save.
                 group: a process group whose ranks all call this (sharded save,
-                    see :func:`install_sharded_save`); needs a fastpersist with
-                    ``save(..., group=)``.
+                    see :func:`install_sharded_save`); the file holds global
+                    rank 0's checkpoint, as Lightning's own rank-0 save does.
+                divergence: with ``group``: what to do about tensors whose
+                    values differ between ranks (``"warn"``, ``"error"``,
+                    ``"ignore"``; see ``fastpersist.save``).
 
             Raises:
                 TypeError: ``storage_options`` is not a dict.
@@ -175,14 +184,20 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
             directory = os.path.dirname(os.path.abspath(path))
             os.makedirs(directory, exist_ok=True)
             if group is not None:
-                fastpersist.save(checkpoint, path, group=group, **settings)
+                fastpersist.save(checkpoint, path, group=group, divergence=divergence, **settings)
             else:
                 fastpersist.save(checkpoint, path, **settings)
 
         def load_checkpoint(
-            self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+            self, path: Any, map_location: Any | None = _to_host, weights_only: bool | None = None
         ) -> dict[str, Any]:
-            """Loads the checkpoint at ``path`` (``FileNotFoundError`` if it is missing)."""
+            """Loads the checkpoint at ``path`` (``FileNotFoundError`` if it is missing).
+
+            ``map_location`` defaults to Lightning's own (``lambda storage, loc:
+            storage``): every tensor comes back on the CPU, whatever device it
+            was saved from (under DDP a file saved on rank 0 names ``cuda:0``,
+            which is not rank 1's device).
+            """
             if not _is_local(path):
                 return cloud_io._load(path, map_location=map_location, weights_only=weights_only)
             path = _local(path)
@@ -245,14 +260,15 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
             self._checkpointer._surface_errors()
 
         def save_checkpoint(
-            self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None, *, group: Any = None
+            self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None, *, group: Any = None,
+            divergence: str = "warn",
         ) -> None:
             self._surface()
             settings = {**self.settings, **_settings_from(storage_options, type(self).__name__)}
             if group is not None or not _is_local(path):
                 # Collective and remote saves are synchronous (after what is pending).
                 self._wait()
-                super().save_checkpoint(checkpoint, path, storage_options, group=group)
+                super().save_checkpoint(checkpoint, path, storage_options, group=group, divergence=divergence)
                 return
             path = _local(path)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -267,7 +283,7 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
             # on the save thread, after every write already queued (of this path too).
             self._removals.append(futures.run_in_order(lambda: _remove(_local(path)), _local(path)))
 
-        def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None):
+        def load_checkpoint(self, path: Any, map_location: Any | None = _to_host, weights_only: bool | None = None):
             self._wait()
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
@@ -306,13 +322,18 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
             pass
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def install_sharded_save(strategy: Any) -> Any:
+    def install_sharded_save(strategy: Any, divergence: str = "warn") -> Any:
         """Lets every data-parallel rank write its slice of each checkpoint (DDP).
 
         Lightning calls CheckpointIO on global rank 0 only; after this call the
         strategy's ``save_checkpoint`` runs on every rank and calls
-        ``fastpersist.save(checkpoint, path, group=WORLD)`` collectively: each
-        rank writes a disjoint byte range of one ordinary checkpoint file. If
+        ``fastpersist.save(checkpoint, path, group=WORLD)`` collectively: the
+        file holds global rank 0's checkpoint (what Lightning's own save
+        writes: rank 0's Timer state, its unsynchronized metrics), and each
+        rank writes the byte ranges of it that it holds identically (the
+        replicated weights and optimizer state). ``divergence`` says what to
+        do about tensors whose values differ between ranks (``"warn"``: write
+        rank 0's and warn once; ``"error"``; ``"ignore"``). If
         this fastpersist has no sharded save (``save`` without ``group``), or
         the world has one rank, rank 0 saves the whole file as before (with one
         warning in the first case). The strategy's CheckpointIO becomes a
@@ -361,7 +382,7 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
             if not sharded:
                 original(checkpoint, filepath, storage_options=storage_options)
                 return
-            io.save_checkpoint(checkpoint, filepath, storage_options, group=dist.group.WORLD)
+            io.save_checkpoint(checkpoint, filepath, storage_options, group=dist.group.WORLD, divergence=divergence)
 
         strategy.save_checkpoint = save_checkpoint
         strategy._fastpersist_sharded = True
@@ -370,14 +391,15 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
     class FastPersistDDPStrategy(strategies.DDPStrategy):
         """``DDPStrategy`` whose checkpoints are written by fastpersist, each rank its slice.
 
-        Same arguments as ``DDPStrategy``; ``checkpoint_io`` defaults to
+        Same arguments as ``DDPStrategy``, and ``divergence`` (see
+        :func:`install_sharded_save`); ``checkpoint_io`` defaults to
         :class:`FastPersistCheckpointIO`.
         """
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, divergence: str = "warn", **kwargs: Any) -> None:
             kwargs.setdefault("checkpoint_io", FastPersistCheckpointIO())
             super().__init__(*args, **kwargs)
-            install_sharded_save(self)
+            install_sharded_save(self, divergence=divergence)
 
     class FastPersistCheckpoint(pl.callbacks.ModelCheckpoint):
         """``ModelCheckpoint`` (same arguments) whose files are written by fastpersist.
@@ -392,7 +414,12 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
                 or ``"pipelined"`` (:class:`AsyncFastPersistCheckpointIO`; in
                 pipelined mode the optimizers wait for the pending save before
                 stepping).
-            sharded: under DDP, let every rank write its slice (synchronous saves only).
+            sharded: under DDP, let every rank write its slice of rank 0's
+                checkpoint (synchronous saves only).
+            divergence: with ``sharded``: tensors whose values differ between
+                ranks (an unsynchronized metric's best score, a drifted
+                replica) are written as rank 0 has them, with one warning
+                (``"warn"``), silently (``"ignore"``), or refused (``"error"``).
             settings: ``fastpersist.config`` overrides (a dict).
         """
 
@@ -401,6 +428,7 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
             *args: Any,
             async_mode: str | None = None,
             sharded: bool = True,
+            divergence: str = "warn",
             settings: dict[str, Any] | None = None,
             **kwargs: Any,
         ) -> None:
@@ -409,6 +437,7 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
                 raise ValueError(f"async_mode must be None, 'snapshot' or 'pipelined', got {async_mode!r}")
             self.async_mode = async_mode
             self.sharded = sharded
+            self.divergence = divergence
             self.fastpersist_settings = dict(settings or {})
             self.checkpoint_io: FastPersistCheckpointIO | None = None
 
@@ -436,7 +465,7 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
                     self.checkpoint_io = AsyncFastPersistCheckpointIO(self.async_mode, **self.fastpersist_settings)
                 strategy.checkpoint_io = self.checkpoint_io
             if self.sharded and isinstance(strategy, strategies.DDPStrategy) and self.async_mode is None:
-                install_sharded_save(strategy)
+                install_sharded_save(strategy, divergence=self.divergence)
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             io = self.checkpoint_io
