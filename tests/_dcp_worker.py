@@ -8,7 +8,10 @@ Phases (run in this order by the test):
   save2  -- 2 ranks save a DTensor-sharded + replicated state with fastpersist, read it back both ways;
   world4 -- 4 ranks: save with fastpersist and FileSystemWriter, cross-read, load the 2-rank
             checkpoint (resharding 2 -> 4), async_save, and a save where rank 2 fails;
-  load2  -- 2 ranks load the 4-rank checkpoints (resharding 4 -> 2).
+  load2  -- 2 ranks load the 4-rank checkpoints (resharding 4 -> 2);
+  fsdp2  -- 2 ranks: an FSDP2 (fully_shard) model and its AdamW state, saved and resumed through
+            fastpersist and FileSystemWriter/Reader both ways (gloo on CPU, NCCL on two GPUs);
+  nccl   -- 2 ranks on two GPUs: DTensor save, load both ways, async_save.
 """
 
 from __future__ import annotations
@@ -90,6 +93,62 @@ def scenario(report: dict, name: str, function) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the test
         report[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     dist.barrier()
+
+
+def fsdp2(report: dict, mesh, device: str, rank: int, path) -> None:
+    """FSDP2 (``fully_shard``) model and AdamW state through DCP: ours and FileSystemWriter/Reader both ways.
+
+    A loaded run continues exactly like the one that saved (two more steps, bitwise equal).
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 20)).to(device)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(model, optimizer, first: int, count: int) -> None:
+        for step in range(first, first + count):
+            x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step * 10 + rank)).to(device)
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def full(model) -> dict:
+        return {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+
+    model, optimizer = build()
+    train(model, optimizer, 0, 3)
+
+    def save(writer, name: str) -> None:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optimizer_state}, storage_writer=writer(path(name)))
+
+    def resume(reader, name: str) -> None:
+        other, other_optimizer = build()
+        model_state, optimizer_state = get_state_dict(other, other_optimizer)
+        state = {"model": model_state, "optim": optimizer_state}
+        dcp.load(state, storage_reader=reader(path(name)))
+        set_state_dict(other, other_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if any(not torch.equal(v, saved[k]) for k, v in full(other).items()):
+            raise AssertionError("loaded weights differ")
+        train(other, other_optimizer, 3, 2)
+        if any(not torch.equal(v, continued[k]) for k, v in full(other).items()):
+            raise AssertionError("a resumed run differs from the run that saved")
+
+    scenario(report, "fsdp2_save_fastpersist", lambda: save(FastPersistWriter, "fsdp-fp"))
+    scenario(report, "fsdp2_save_filesystem_writer", lambda: save(FileSystemWriter, "fsdp-fs"))
+    saved = full(model)
+    train(model, optimizer, 3, 2)  # the run that saved goes on: what every resumed run must reach
+    continued = full(model)
+    scenario(report, "fsdp2_load_fastpersist", lambda: resume(FastPersistReader, "fsdp-fp"))
+    scenario(report, "fsdp2_filesystem_reader_reads_ours", lambda: resume(FileSystemReader, "fsdp-fp"))
+    scenario(report, "fsdp2_fastpersist_reads_filesystem_writer", lambda: resume(FastPersistReader, "fsdp-fs"))
 
 
 def main() -> int:
@@ -195,6 +254,8 @@ def main() -> int:
             load_and_check(mesh, path("nccl-async"), FastPersistReader)
 
         scenario(report, "async_save", async_save)
+    elif phase == "fsdp2":
+        fsdp2(report, mesh, device, rank, path)
     elif phase == "load2":
         scenario(
             report,

@@ -11,16 +11,24 @@ import errno
 import json
 import os
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
 
 
-def make_state(seed: int = 0) -> dict:
-    """Uneven sizes: records straddle rank boundaries, one empty tensor, shared storage, non-tensor items."""
+def make_state(seed: int = 0, rank: int = 0, variant: str | None = None) -> dict:
+    """Uneven sizes: records straddle rank boundaries, one empty tensor, shared storage, non-tensor items.
+
+    ``variant``: ``"per_rank"`` adds what differs between real data-parallel
+    ranks: a per-rank 4 MiB permutation and a tiny RNG-like tensor (same key
+    and size, other values), a per-rank Python int, and the same values held
+    with another ``requires_grad``, storage offset or memory layout;
+    ``"drift"`` does that and also makes one replicated weight drift.
+    """
     generator = torch.Generator().manual_seed(seed)
     base = torch.randn(3000, 7, generator=generator)
-    return {
+    state = {
         "weights": [torch.randn(1000 + 97 * i, 113, generator=generator) for i in range(5)],
         "half": torch.randn(4097, 3, generator=generator).to(torch.bfloat16),
         "ints": torch.arange(12345, dtype=torch.int64),
@@ -30,6 +38,17 @@ def make_state(seed: int = 0) -> dict:
         "step": 17,
         "name": "model",
     }
+    if variant in ("per_rank", "drift"):
+        own = torch.Generator().manual_seed(1000 + rank)
+        state["sampler"] = torch.randperm(1 << 19, generator=own)
+        state["rng"] = torch.randint(0, 1 << 30, (5,), generator=own)
+        state["position"] = 100 + rank
+        state["flagged"] = state["weights"][0].clone().requires_grad_(rank == 1)
+        state["shifted"] = torch.cat([torch.zeros(7 * rank), base.flatten()])[7 * rank :]
+        state["layout"] = base.t().contiguous() if rank == 0 else base.t()
+    if variant == "drift":
+        state["weights"][2] = state["weights"][2] + rank * 1e-3
+    return state
 
 
 def same(a, b) -> bool:
@@ -54,13 +73,20 @@ def _do(rank: int, world: int, directory: str, step: dict):
 
     kind = step["op"]
     path = _path(directory, rank, step)
-    state = make_state(step.get("seed", 0))
+    seed = rank if step.get("seed") == "rank" else step.get("seed", 0)  # "rank": nothing in common
+    state = make_state(seed, rank, step.get("variant"))
+    if step.get("only") is not None and step["only"] != rank:
+        return {"skipped": True}  # a call made on one rank only (inside `if rank == ...:`)
     if step.get("device") == "cuda":  # every rank's tensors on its GPU (ranks share GPUs when there are fewer)
         torch.cuda.set_device(rank % torch.cuda.device_count())
         state = {k: v.cuda() if isinstance(v, torch.Tensor) else [t.cuda() for t in v] if isinstance(v, list) else v
                  for k, v in state.items()}  # fmt: skip
+        if "base" in state:
+            state["view"] = state["base"][10:20]  # still a view of "base" (one storage), as on the CPU
     options = dict(group=dist.group.WORLD, layout=step.get("layout", "file"), writers=step.get("writers", "all"),
                    timeout=step.get("timeout", 20), buffer_size=256 << 10, block_size=64 << 10)  # fmt: skip
+    if "divergence" in step:
+        options["divergence"] = step["divergence"]
     if kind == "save":
         bad = step.get("bad")
         if bad == rank and step.get("fault") == "exception":
@@ -70,33 +96,77 @@ def _do(rank: int, world: int, directory: str, step: dict):
                 os._exit(17)
 
             dsave.write_plan = die
-        if bad == rank and step.get("fault") == "enospc":
-            with engine.inject_fault(nth=1, errno=errno.ENOSPC, op="write"):
+        if bad == rank and step.get("fault") == "interrupt":
+            def interrupt(*args, **kwargs):
+                raise KeyboardInterrupt
+
+            dsave.write_plan = interrupt
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if bad == rank and step.get("fault") == "enospc":
+                with engine.inject_fault(nth=1, errno=errno.ENOSPC, op="write"):
+                    fastpersist.save(state, path, **options)
+            else:
                 fastpersist.save(state, path, **options)
-        else:
-            fastpersist.save(state, path, **options)
         stats = dsave.last_stats()
         if stats is None:
             return {"plain": True}
         dsave._last.clear()
-        return {"bytes": stats.bytes_written, "size": stats.file_size, "writers": stats.writers}
+        return {"bytes": stats.bytes_written, "size": stats.file_size, "writers": stats.writers,
+                "shared": stats.shared_bytes, "divergent": list(stats.divergent),
+                "warnings": [f"{w.category.__name__}: {w.message}" for w in caught
+                             if issubclass(w.category, fastpersist.errors.ReplicaDivergenceWarning)]}  # fmt: skip
     if kind == "load":
-        loaded = fastpersist.load(path, group=dist.group.WORLD, timeout=step.get("timeout", 20), map_location="cpu")
-        return {"same": same(loaded, make_state(step.get("seed", 0)))}
+        where = step.get("map_location", "cpu")
+        if where == "own":  # this rank's GPU, whatever device the file names (as torch.load(map_location=...))
+            where = f"cuda:{rank % torch.cuda.device_count()}"
+        loaded = fastpersist.load(path, group=dist.group.WORLD, timeout=step.get("timeout", 20), map_location=where)
+        devices = sorted({str(t.device) for t in _tensors(loaded)})
+        return {"same": same(_to_cpu(loaded), make_state(step.get("seed", 0), 0, step.get("variant"))),
+                "devices": devices}
     raise ValueError(kind)
 
 
-def run(rank: int, world: int, port: int, directory: str, steps: list, backend: str = "gloo") -> None:
+def _tensors(item) -> list:
+    if isinstance(item, torch.Tensor):
+        return [item]
+    if isinstance(item, dict):
+        return [t for v in item.values() for t in _tensors(v)]
+    if isinstance(item, (list, tuple)):
+        return [t for v in item for t in _tensors(v)]
+    return []
+
+
+def _to_cpu(item):
+    if isinstance(item, torch.Tensor):
+        return item.cpu()
+    if isinstance(item, dict):
+        return {k: _to_cpu(v) for k, v in item.items()}
+    if isinstance(item, list):
+        return [_to_cpu(v) for v in item]
+    return item
+
+
+def tag_as_cuda(rank: int) -> None:
+    """Pickle this rank's CPU storages with the location tag ``cuda:<rank>``, as one GPU per rank does."""
+    torch.serialization.register_package(1, lambda s: f"cuda:{rank}" if s.device.type == "cpu" else None,
+                                         lambda s, location: None)  # fmt: skip
+
+
+def run(rank: int, world: int, port: int, directory: str, steps: list, backend: str = "gloo",
+        tag_cuda: bool = False) -> None:  # fmt: skip
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     results = []
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        if tag_cuda:
+            tag_as_cuda(rank)
         dist.init_process_group(backend, rank=rank, world_size=world)
         for step in steps:
             try:
                 results.append({"ok": _do(rank, world, directory, step)})
-            except Exception as e:  # noqa: BLE001 - reported to the test
+            except BaseException as e:  # noqa: BLE001 - reported to the test (KeyboardInterrupt too)
                 results.append({"error": type(e).__name__, "message": str(e),
                                 "failures": {str(k): v for k, v in getattr(e, "failures", {}).items()},
                                 "traceback": traceback.format_exc()})  # fmt: skip

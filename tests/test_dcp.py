@@ -463,6 +463,25 @@ def test_nccl_two_gpus_dtensor(tmp_path):
         _check_all(reports, key)
 
 
+FSDP2_SCENARIOS = ("fsdp2_save_fastpersist", "fsdp2_save_filesystem_writer", "fsdp2_load_fastpersist",
+                   "fsdp2_filesystem_reader_reads_ours", "fsdp2_fastpersist_reads_filesystem_writer")  # fmt: skip
+
+
+def test_fsdp2_gloo_two_ranks(tmp_path):
+    """FSDP2 model + optimizer state on CPU (gloo): saved and resumed both ways with FileSystemWriter/Reader."""
+    reports = _run_world(2, "fsdp2", tmp_path)
+    for key in FSDP2_SCENARIOS:
+        _check_all(reports, key)
+
+
+@pytest.mark.multigpu
+def test_fsdp2_nccl_two_gpus(tmp_path):
+    """FSDP2 on two GPUs (NCCL), one rank per GPU: the same scenarios as on gloo."""
+    reports = _run_world(2, "fsdp2", tmp_path, device="cuda")
+    for key in FSDP2_SCENARIOS:
+        _check_all(reports, key)
+
+
 def test_without_collectives_per_rank_metadata(tmp_path):
     """use_collectives=False: each rank commits its own __{rank}.metadata, as FileSystemWriter does."""
     state = _state()

@@ -33,13 +33,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(world: int, directory, steps: list, deadline: float = 120, backend: str = "gloo") -> list[list[dict]]:
-    """Runs ``steps`` on ``world`` ranks; returns each rank's per-step results. Fails on a hang."""
+def spawn(world: int, directory, steps: list, deadline: float = 120, backend: str = "gloo",
+          tag_cuda: bool = False) -> list[list[dict]]:  # fmt: skip
+    """Runs ``steps`` on ``world`` ranks; returns each rank's per-step results. Fails on a hang.
+
+    ``tag_cuda``: each rank pickles its CPU storages as ``cuda:<rank>`` (what one GPU per rank gives).
+    """
     import _distributed_worker
 
     context = mp.get_context("spawn")
     port = free_port()
-    processes = [context.Process(target=_distributed_worker.run, args=(r, world, port, str(directory), steps, backend))
+    processes = [context.Process(target=_distributed_worker.run,
+                                 args=(r, world, port, str(directory), steps, backend, tag_cuda))
                  for r in range(world)]  # fmt: skip
     for p in processes:
         p.start()

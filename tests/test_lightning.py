@@ -259,16 +259,22 @@ def test_pytorch_lightning_flavour(tmp_path):
     assert torch.load(tmp_path / "c" / "last.ckpt", weights_only=False)["global_step"] == 2
 
 
-def test_ddp_gloo_two_ranks(tmp_path):
-    """Trainer(strategy='ddp', devices=2) on CPU (gloo) with the callback: fit, top-k + last, resume."""
+@pytest.mark.parametrize("variant", [["--io", "callback"], ["--io", "callback", "--async-mode", "snapshot"],
+                                     ["--io", "callback", "--async-mode", "pipelined"], ["--io", "strategy"],
+                                     ["--io", "plugin"]], ids=lambda v: "-".join(v[1::2]))  # fmt: skip
+def test_ddp_gloo_two_ranks(tmp_path, variant):
+    """Trainer(strategy='ddp', devices=2) on CPU (gloo): fit with a Timer and an unsynchronized monitored metric,
+    top-k + last, resume; last.ckpt is rank 0's checkpoint dict, the resumed weights equal an uninterrupted run."""
     env = {**os.environ, "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore"}
     script = os.path.join(REPO, "examples", "lightning_callback.py")
     run = subprocess.run(
-        [sys.executable, script, "--dir", str(tmp_path), "--devices", "2", "--epochs", "2", "--check"],
+        [sys.executable, script, "--dir", str(tmp_path), "--devices", "2", "--epochs", "2", "--accelerator", "cpu",
+         "--check", *variant],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "resumed at epoch 2" in run.stdout and "ranks=2" in run.stdout
+    assert "last.ckpt holds rank 0's checkpoint" in run.stdout and "weights equal an uninterrupted run" in run.stdout
 
 
 class _FakeStrategy:
