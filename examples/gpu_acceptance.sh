@@ -6,7 +6,9 @@
 #   bash examples/gpu_acceptance.sh OUTDIR checkpoint   # checkpoint benchmark: 4 GB disk, 4 GB /dev/shm, 16 GB (~6 min)
 #   bash examples/gpu_acceptance.sh OUTDIR shapes       # shapes + sink, AioHandle ring, DP ranks (~6 min)
 #   bash examples/gpu_acceptance.sh OUTDIR features     # safetensors, DCP, training overhead (~8 min)
-#   bash examples/gpu_acceptance.sh OUTDIR all          # everything, one after the other
+#   bash examples/gpu_acceptance.sh OUTDIR multigpu     # 2+ GPUs: multigpu tests, DDP + Lightning examples (~8 min)
+#   bash examples/gpu_acceptance.sh OUTDIR multigpu-bench  # 2+ GPUs: collective save (disk, sink), DDP training (~8 min)
+#   bash examples/gpu_acceptance.sh OUTDIR all          # everything for one GPU, one after the other
 #   cp OUTDIR/*.json docs/results/ && python -m fastpersist.bench report --update-docs
 #
 # Peer suites come from paths outside the repository: DEEPSPEED_DIR (default .devcarry/deepspeed)
@@ -20,7 +22,12 @@ out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 FASTPERSIST_BENCH_TRACEBACK=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))" \
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" 2>/dev/null; then
+  echo "examples/gpu_acceptance.sh needs a CUDA GPU (torch.cuda.is_available() is False here);" \
+       "run it on the GPU machine, or run the CPU tests with: python -m pytest -q" >&2
+  exit 2
+fi
+python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0))" \
   || exit 1
 python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 machine=$(python3 -c "import re, torch; m = re.search(r'[HAB]\d{2,3}', torch.cuda.get_device_name(0)); print(m.group(0).lower() if m else 'gpu')")
@@ -101,11 +108,42 @@ part_features() {
     --iterations 10 --batch 192 --json "$out/$machine-training-b192.json"
 }
 
+need_gpus() {  # need_gpus N: the multi-GPU parts refuse to run (status 1) on fewer GPUs
+  local have
+  have=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  if [ "$have" -lt "$1" ]; then echo "!! this part needs $1 GPUs, found $have"; status=1; return 1; fi
+}
+
+part_multigpu() {  # NCCL, one rank per GPU: every distributed path on real devices
+  need_gpus 2 || return
+  step multigpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rs -m multigpu tests/
+  step ddp-example 180 torchrun --nproc-per-node 2 examples/ddp_sharded.py --dir "$scratch/ddp"
+  local mode name
+  for mode in "--io callback" "--io callback --async-mode snapshot" "--io callback --async-mode pipelined" \
+              "--io strategy" "--io plugin"; do
+    name=lightning-ddp$(echo "$mode" | tr -d ' ' | sed 's/--io//; s/--async-mode/-/')
+    rm -rf "$scratch/$name"
+    step "$name" 180 python3 examples/lightning_callback.py --dir "$scratch/$name" --devices 2 --check $mode
+  done
+}
+
+part_multigpu_bench() {  # 4 GB of bf16 state per rank on its own GPU
+  need_gpus 2 || return
+  step "$machine-ranks-nccl-disk" 240 python3 -m fastpersist.bench ranks --ranks 2 --size 4G --device cuda \
+    --backend nccl --dir "$scratch" --repeat 3 --json "$out/$machine-ranks-nccl-disk.json"
+  step "$machine-ranks-nccl-sink" 200 python3 -m fastpersist.bench ranks --ranks 2 --size 4G --device cuda \
+    --backend nccl --sink --repeat 3 --json "$out/$machine-ranks-nccl-sink.json"
+  step "$machine-training-ddp-shm" 240 python3 -m fastpersist.bench training --ranks 2 --dir /dev/shm/fp-train \
+    --repeats 1 --iterations 12 --json "$out/$machine-training-ddp-shm.json"
+}
+
 case "$part" in
   tests) part_tests ;;
   checkpoint) part_checkpoint ;;
   shapes) part_shapes ;;
   features) part_features ;;
+  multigpu) part_multigpu ;;
+  multigpu-bench) part_multigpu_bench ;;
   all) part_tests; part_checkpoint; part_shapes; part_features ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

@@ -11,6 +11,13 @@ times ``--repeat`` collective saves (``fastpersist.save(..., group=...)``):
 * N = 1 is the single-process ``fastpersist.save`` (always run: the
   single-writer baseline of the same run).
 
+``--sink`` runs the same saves into ``/dev/null`` (nothing is committed):
+the pipeline without storage -- pickling, the identity check, device-to-host
+copies, CRC-32s, the exchanges -- i.e. what separate drives per rank would
+see when they are faster than the pipeline. Each rank's identity check (the
+digests of its storages that decide which bytes it may write, see
+:mod:`fastpersist.distributed.replicas`) is timed as ``digest_seconds``.
+
 With one shared disk, the end-to-end time should not exceed the single
 writer's. With per-rank targets whose rates are independent (one SSD per
 rank; give ``--dir`` one directory per rank with ``--layout parts``), the
@@ -53,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layout", default="file", choices=["file", "parts"])
     parser.add_argument("--writers", default="all", choices=["all", "node"])
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--sink", action="store_true",
+                        help="write into /dev/null and commit nothing: the pipeline without storage")  # fmt: skip
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", default=None, help="write the result document here")
@@ -98,22 +107,28 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
     for repeat in range(args["repeat"]):
         dist.barrier()
         start = time.time()
+        digest_seconds = 0.0
         if world == 1:
             began = time.perf_counter()
-            fastpersist.save(state, path)
+            if args.get("sink"):
+                written = _sink_save(state)
+            else:
+                fastpersist.save(state, path)
+                written = os.path.getsize(path)
             write_seconds = time.perf_counter() - began
-            written = os.path.getsize(path)
             steps = {}
         else:
-            fastpersist.save(state, path, group=dist.group.WORLD, layout=args["layout"], writers=args["writers"],
-                             timeout=args["timeout"])  # fmt: skip
+            dsave.save(state, path, group=dist.group.WORLD, layout=args["layout"], writers=args["writers"],
+                       timeout=args["timeout"], settings=config.settings(), _sink=bool(args.get("sink")))  # fmt: skip
             stats = dsave.last_stats()
             write_seconds, written = stats.write_seconds, stats.bytes_written
-            steps = stats.steps
+            steps, digest_seconds = stats.steps, stats.digest_seconds
         end = time.time()
         dist.barrier()
         check = {}
-        if rank == 0:
+        if args.get("sink"):
+            check = {"sink": True}
+        elif rank == 0:
             report = fastpersist.verify(path)
             check = {"verified_records": report.records, "checksummed": report.checksummed}
             if repeat == 0:
@@ -122,11 +137,27 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
             check["file_bytes"] = sum(os.path.getsize(f) for f in _files_of(path))
         dist.barrier()
         records.append({"rank": rank, "repeat": repeat, "start": start, "end": end, "bytes": written,
-                        "write_seconds": write_seconds, "steps": steps, **check})  # fmt: skip
+                        "write_seconds": write_seconds, "digest_seconds": digest_seconds, "steps": steps,
+                        **check})  # fmt: skip
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as handle:
         json.dump(records, handle)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _sink_save(state: dict) -> int:
+    """The single-process pipeline into /dev/null (the N = 1 baseline of ``--sink``); returns the plan's bytes."""
+    from fastpersist.format.serializer import plan_save
+    from fastpersist.io import engine
+    from fastpersist.io.writer import write_plan
+
+    plan = plan_save(state, "ranks-bench")
+    sink = engine.File("/dev/null", "w", direct=False, create=False)
+    try:
+        write_plan(plan, sink, config.settings())
+    finally:
+        sink.close()
+    return plan.layout.central_directory_offset
 
 
 def _files_of(path: str) -> list[str]:
@@ -169,6 +200,7 @@ def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, A
         mine = [r for r in rows if r["rank"] == rank]
         seconds = measure.summarize([r["write_seconds"] for r in mine])
         per_rank.append({"rank": rank, "bytes": mine[0]["bytes"], "write_seconds": seconds,
+                         "digest_seconds": measure.summarize([r.get("digest_seconds", 0.0) for r in mine]),
                          "write_GBps": mine[0]["bytes"] / seconds["median"] / 1e9 if seconds["median"] else None})  # fmt: skip
     checks = [r for r in rows if r["rank"] == 0]
     e2e = measure.summarize(end_to_end)
@@ -180,9 +212,11 @@ def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, A
         "coordination_seconds": measure.summarize([e - w for e, w in zip(end_to_end, slowest_write)]),
         "per_rank": per_rank,
         "rank0_steps_seconds": {step: measure.summarize([r["steps"][step] for r in checks if step in r["steps"]])
-                                for step in ("plan", "write", "commit")} if world > 1 else None,  # fmt: skip
+                                for step in ("plan", "match", "write", "commit")} if world > 1 else None,  # fmt: skip
         "file_bytes": checks[0].get("file_bytes"),
-        "verified": all(c.get("verified_records") for c in checks) and checks[0].get("round_trip", False),
+        "identity_check_seconds": max(p["digest_seconds"]["median"] for p in per_rank),
+        "verified": all(c.get("sink") for c in checks) or (all(c.get("verified_records") for c in checks)
+                                                            and checks[0].get("round_trip", False)),  # fmt: skip
     }
 
 
@@ -224,17 +258,21 @@ def to_markdown(document: dict[str, Any], title: str | None = None) -> str:
     machine = document["machine"]
     lines = [f"#### {title or 'sharded save against N ranks'}", "",
              f"{machine.get('cpu_count')} cores, {machine.get('device_name')}, torch {machine.get('torch')}, "
-             f"{models.format_bytes(document['size'])} bf16 on {document['device']}, layout `{document['layout']}`, "
+             f"{models.format_bytes(document['size'])} bf16 on {document['device']} per rank, "
+             f"backend {document.get('backend', 'gloo')}, "
+             + ("**sink** (/dev/null, nothing stored), " if document.get("sink") else "")
+             + f"layout `{document['layout']}`, "
              f"writers `{document['writers']}`, {document['repeat']} repeats (medians), target {document['dirs']}", "",
-             "| N | per-rank bytes | per-rank write (s) | per-rank GB/s | end-to-end (s) | end-to-end GB/s | "
-             "vs single writer | projected, independent targets (s) | projected speed-up |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+             "| N | per-rank bytes | per-rank write (s) | per-rank GB/s | identity check (s) | end-to-end (s) | "
+             "end-to-end GB/s | vs single writer | projected, independent targets (s) | projected speed-up |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in document["results"]:
         writing = [p for p in r["per_rank"] if p["bytes"]]
         lines.append(
             f"| {r['ranks']} | {models.format_bytes(max(p['bytes'] for p in r['per_rank']))} | "
             f"{max(p['write_seconds']['median'] for p in writing):.3f} | "
-            f"{min(p['write_GBps'] for p in writing):.2f} | {r['end_to_end_seconds']['median']:.3f} | "
+            f"{min(p['write_GBps'] for p in writing):.2f} | {r.get('identity_check_seconds', 0.0):.3f} | "
+            f"{r['end_to_end_seconds']['median']:.3f} | "
             f"{r['end_to_end_GBps']:.2f} | {r['measured_speedup']:.2f}x | "
             f"{r['projected_independent_seconds']:.3f} | {r['projected_speedup']:.2f}x |"
         )  # fmt: skip
@@ -264,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=(args.dir or ".").split(",")[0]) as scratch:
         dirs = [d for d in args.dir.split(",")] if args.dir and "," in args.dir else [scratch]
         settings = {"size": size, "device": args.device, "layout": args.layout, "writers": args.writers,
-                    "backend": args.backend, "repeat": args.repeat, "timeout": args.timeout, "dirs": dirs}  # fmt: skip
+                    "backend": args.backend, "repeat": args.repeat, "timeout": args.timeout, "dirs": dirs,
+                    "sink": args.sink}  # fmt: skip
         results = []
         for world in ranks:
             rows = _run(world, settings)

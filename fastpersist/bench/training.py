@@ -25,6 +25,15 @@ The time of a run includes waiting, after the last iteration, for the saves
 still pending (``drained``); ``steady`` excludes it. Memory: peak device
 memory allocated and peak host RSS over the timed loop, above what the loop
 without checkpoints uses.
+
+With ``--ranks N`` (N > 1) each method runs as N processes, one per GPU
+(NCCL; gloo on the CPU), training one DistributedDataParallel model on
+per-rank batches, and the methods are those of data-parallel jobs:
+``fastpersist-collective`` (``fastpersist.save(..., group=WORLD)`` on every
+rank: each writes its share of rank 0's checkpoint), ``fastpersist-sync`` and
+``torch.save`` on rank 0 while the others wait at a barrier (what Lightning
+does), and the asynchronous ``fastpersist-pipelined`` / ``-snapshot`` on
+rank 0 (the others go on). Rank 0's timings are reported.
 """
 
 from __future__ import annotations
@@ -41,9 +50,13 @@ from typing import Any
 
 SCHEMA = "fastpersist-training-bench/1"
 METHODS = ["none", "fastpersist-pipelined", "fastpersist-snapshot", "fastpersist-sync", "torch.save", "lightning-async"]
+RANK_METHODS = ["none", "fastpersist-collective", "fastpersist-pipelined", "fastpersist-snapshot", "fastpersist-sync",
+                "torch.save"]
+"""The methods with ``--ranks`` > 1 (see the module docstring)."""
 
 
-def _build(args, device):
+def _build(args, device, seed: int = 0):
+    """The model and optimizer (the same on every rank) and this rank's batch (``seed``)."""
     import torch
 
     torch.manual_seed(0)
@@ -56,7 +69,8 @@ def _build(args, device):
         torch.nn.Linear(args.d_model, args.vocab),
     ).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)
     return model, optimizer, tokens
 
 
@@ -80,19 +94,35 @@ def _run_one(args) -> dict[str, Any]:
     from fastpersist.bench.measure import PeakMemory
     from fastpersist.system import release_memory
 
-    device = torch.device("cuda" if args.device == "cuda" else "cpu")
-    model, optimizer, tokens = _build(args, device)
+    rank, world = int(os.environ.get("RANK", 0)), args.ranks
+    distributed = world > 1
+    if distributed:
+        import torch.distributed as dist
+
+        if args.device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    model, optimizer, tokens = _build(args, device, seed=rank)
+    trained = model
+    if distributed:
+        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
+                                                            else None)  # fmt: skip
     amp = device.type == "cuda"
-    path = os.path.join(args.dir, f"bench-{args.method}-{os.getpid()}.pt")
+    # One path for every rank: with several ranks, per-process names would not be one checkpoint.
+    path = os.path.join(args.dir, f"bench-{args.method}-{os.getppid() if distributed else os.getpid()}.pt")
     method = args.method
     blocked: list[float] = []
+    writes = not distributed or rank == 0 or method == "fastpersist-collective"
 
     def state():
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
     checkpointer = None
     lightning_io = None
-    if method in ("fastpersist-pipelined", "fastpersist-snapshot"):
+    if not writes:
+        pass
+    elif method in ("fastpersist-pipelined", "fastpersist-snapshot"):
         checkpointer = fastpersist.Checkpointer(optimizer, model=model, mode=method.split("-")[1])
     elif method == "lightning-async":
         from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
@@ -103,7 +133,13 @@ def _run_one(args) -> dict[str, Any]:
         started = time.perf_counter()
         if method == "none":
             return
-        if checkpointer is not None:
+        if method == "fastpersist-collective":
+            fastpersist.save(state(), path, group=dist.group.WORLD)
+        elif not writes:  # a rank that does not save
+            if method in ("fastpersist-sync", "torch.save"):
+                dist.barrier()  # waits for rank 0's save, as Lightning's ranks do
+            return
+        elif checkpointer is not None:
             checkpointer.save(state(), path)
         elif method == "fastpersist-sync":
             fastpersist.save(state(), path)
@@ -113,6 +149,8 @@ def _run_one(args) -> dict[str, Any]:
                 os.fsync(f.fileno())
         elif method == "lightning-async":
             lightning_io.save_checkpoint(state(), path)
+        if distributed and method in ("fastpersist-sync", "torch.save"):
+            dist.barrier()
         blocked.append(time.perf_counter() - started)
 
     def drain():
@@ -122,7 +160,7 @@ def _run_one(args) -> dict[str, Any]:
             lightning_io.teardown()
 
     for _ in range(args.warmup):
-        _iteration(model, optimizer, tokens, amp)
+        _iteration(trained, optimizer, tokens, amp)
         checkpoint()
     drain()
     checkpoint_bytes = os.path.getsize(path) if os.path.exists(path) else 0
@@ -135,7 +173,7 @@ def _run_one(args) -> dict[str, Any]:
     with PeakMemory() as host:
         started = time.perf_counter()
         for index in range(args.iterations):
-            _iteration(model, optimizer, tokens, amp)
+            _iteration(trained, optimizer, tokens, amp)
             if (index + 1) % args.every == 0:
                 checkpoint()
         steady = time.perf_counter() - started
@@ -156,7 +194,10 @@ def _run_one(args) -> dict[str, Any]:
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         "peak_gpu_delta_bytes": (torch.cuda.max_memory_allocated() - base_gpu) if device.type == "cuda" else None,
     }
-    if os.path.exists(path):
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    if os.path.exists(path) and rank == 0:
         os.unlink(path)
     return result
 
@@ -186,19 +227,37 @@ def _measure_d2h(args) -> float | None:
 
 def _child_argv(args, method: str, out: str) -> list[str]:
     argv = [sys.executable, "-m", "fastpersist.bench", "training", "--child", "--method", method, "--out", out]
-    for name in ("dir", "device", "d_model", "layers", "heads", "vocab", "batch", "seq", "iterations", "warmup", "every"):
+    for name in ("dir", "device", "d_model", "layers", "heads", "vocab", "batch", "seq", "iterations", "warmup", "every",
+                 "ranks"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return argv
+
+
+def _run_child(args, method: str, out: str) -> subprocess.CompletedProcess:
+    """One method's process (or ``--ranks`` processes: rank 0 writes ``out``)."""
+    if args.ranks <= 1:
+        return subprocess.run(_child_argv(args, method, out), capture_output=True, text=True)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [sys.executable, "-c", "import os, subprocess, sys; "
+                "procs = [subprocess.Popen(sys.argv[2:], env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r))) "
+                "for r in range(int(sys.argv[1]))]; sys.exit(max(p.wait() for p in procs))", str(args.ranks)]  # fmt: skip
+    env = dict(os.environ, WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return subprocess.run(launcher + _child_argv(args, method, out), capture_output=True, text=True, env=env)
 
 
 def _orchestrate(args) -> dict[str, Any]:
     from fastpersist.bench.measure import machine_info
 
     os.makedirs(args.dir, exist_ok=True)
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = set(methods) - set(METHODS)
+    known = RANK_METHODS if args.ranks > 1 else METHODS
+    methods = [m for m in (args.methods or ",".join(known)).split(",") if m]
+    unknown = set(methods) - set(known)
     if unknown:
-        raise SystemExit(f"unknown methods {sorted(unknown)}; known: {METHODS}")
+        raise SystemExit(f"unknown methods {sorted(unknown)}; known{' with --ranks' if args.ranks > 1 else ''}: {known}")
     if "none" not in methods:
         methods.insert(0, "none")
     samples: dict[str, list[dict]] = {m: [] for m in methods}
@@ -208,7 +267,7 @@ def _orchestrate(args) -> dict[str, Any]:
             order = methods if repeat % 2 == 0 else list(reversed(methods))
             for method in order:
                 out = os.path.join(scratch, f"{method}-{repeat}.json")
-                run = subprocess.run(_child_argv(args, method, out), capture_output=True, text=True)
+                run = _run_child(args, method, out)
                 if run.returncode != 0:
                     errors[method] = (run.stderr or run.stdout)[-2000:]
                     print(f"{method}: failed\n{errors[method]}", file=sys.stderr)
@@ -248,7 +307,7 @@ def _orchestrate(args) -> dict[str, Any]:
         "schema": SCHEMA,
         "machine": machine_info(args.dir, device=args.device),
         "config": {k: getattr(args, k) for k in ("device", "d_model", "layers", "heads", "vocab", "batch", "seq",
-                                                   "iterations", "warmup", "repeats", "dir", "every")},  # fmt: skip
+                                                   "iterations", "warmup", "repeats", "dir", "every", "ranks")},  # fmt: skip
         "checkpoint_bytes": checkpoint_bytes,
         "d2h_seconds": _measure_d2h(args),
         "results": results,
@@ -267,7 +326,8 @@ def to_markdown(document: dict[str, Any]) -> str:
         f"Device `{config['device']}` ({document['machine'].get('device_name')}, "
         f"{document['machine'].get('cpu_count')} CPUs), checkpoint {document['checkpoint_bytes'] / 1e6:,.0f} MB "
         f"(model + AdamW), {config['iterations']} iterations, checkpoint every {config.get('every', 1)}, "
-        f"median of {config['repeats']}; "
+        + (f"{config['ranks']} data-parallel ranks (DDP, rank 0's times), " if config.get("ranks", 1) > 1 else "")
+        + f"median of {config['repeats']}; "
         f"iteration without checkpoint {base['per_iteration_s'] * 1000:.1f} ms"
         + (f", device-to-host copy of the state {document['d2h_seconds'] * 1000:.1f} ms" if document.get("d2h_seconds") else "")
         + ".",
@@ -333,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=20 if gpu else 8)
     parser.add_argument("--warmup", type=int, default=3 if gpu else 2)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="data-parallel processes (one per GPU, DDP); methods then: " + ",".join(RANK_METHODS))
+    parser.add_argument("--methods", default=None, help=f"comma list (default: all of {','.join(METHODS)})")
     parser.add_argument("--json", help="write the result document here")
     parser.add_argument("--report", nargs="+", metavar="JSON", help="print Markdown tables of earlier results")
     parser.add_argument("--svg", help="with --report: write a bar chart of the overheads here")
@@ -342,8 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        with open(args.out, "w") as f:
-            json.dump(_run_one(args), f)
+        result = _run_one(args)
+        if int(os.environ.get("RANK", 0)) == 0:
+            with open(args.out, "w") as f:
+                json.dump(result, f)
         return 0
     if args.report:
         documents = []
