@@ -116,7 +116,8 @@ need_gpus() {  # need_gpus N: the multi-GPU parts refuse to run (status 1) on fe
 
 part_multigpu() {  # NCCL, one rank per GPU: every distributed path on real devices
   need_gpus 2 || return
-  step multigpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rs -m multigpu tests/
+  step multigpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rs -m "multigpu or gpu" tests/test_distributed.py \
+    tests/test_distributed_replicas.py tests/test_dcp.py
   step ddp-example 180 torchrun --nproc-per-node 2 examples/ddp_sharded.py --dir "$scratch/ddp"
   local mode name
   for mode in "--io callback" "--io callback --async-mode snapshot" "--io callback --async-mode pipelined" \

@@ -112,3 +112,19 @@ def test_the_zip_directory_of_a_load_is_rows_the_collector_does_not_track(tmp_pa
             assert type(table[name]) is ZipRecordInfo and table[name] == rows[-1] and table.get(name).size == rows[-1][3]
             del table[name]
             assert name not in table and table.get(name) is None and len(table) == len(rows) - 1
+
+
+def test_placed_record_keeps_its_source_once_the_view_exists():
+    """A record placed in another layout reads the same bytes, whether or not its view was made already."""
+    from fastpersist.format.plan import StorageRecord
+    from fastpersist.format.zipformat import layout_archive
+
+    storage = torch.arange(10, dtype=torch.float32).untyped_storage()
+    entries = layout_archive([("a/data/0", storage.nbytes(), True), ("b/data/0", storage.nbytes(), True)]).entries
+    record = StorageRecord(entries[0], "0", storage)
+    fresh = record.placed(entries[1])
+    assert fresh.entry is entries[1] and fresh.data_ptr() == storage.data_ptr()
+    record.view  # noqa: B018 - makes and caches the view, as a device digest or a GPU copy does
+    placed = record.placed(entries[1])
+    assert placed.entry is entries[1] and placed.key == "0" and placed.data_ptr() == storage.data_ptr()
+    assert torch.equal(placed.view, record.view)

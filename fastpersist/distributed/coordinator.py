@@ -194,15 +194,29 @@ class Coordinator:
                            other=f"{what} {description}".strip())  # fmt: skip
             call += 1
 
-    def abort(self, reason: str) -> None:
-        """Marks this call abandoned, so the ranks still in it stop waiting (best effort, never raises)."""
+    def abort(self, reason: str, failures: dict[int, str] | None = None, step: str | None = None) -> None:
+        """Marks this call abandoned, so the ranks still in it stop waiting (best effort, never raises).
+
+        The process that hosts the store (global rank 0) then waits a moment
+        for the ranks that were still in the call to see the mark: if it
+        returned and exited at once, they would find the store gone and could
+        only say that it is unreachable.
+        """
         if self.call is None:
             return
         key = self._aborted_key(self.call)
         try:
-            self.store.set(key, f"rank {self.rank} {reason}".encode())
+            self.store.set(key, pickle.dumps((f"rank {self.rank} {reason}", dict(failures or {}))))
             self._keys.append(key)
         except Exception:  # noqa: BLE001 - the store may be gone; the others then time out
+            return
+        if dist.get_rank() != 0 or step is None:
+            return
+        alive = [r for r in range(self.size) if r != self.rank and r not in (failures or {})]
+        seen = [f"{key}/seen/{r}" for r in alive]
+        try:
+            self._wait_for(seen, time.monotonic() + 2 * _poll_cap(self.size) + 1.0, step, waiting_for_open=True)
+        except Exception:  # noqa: BLE001 - a rank that never looks again changes nothing here
             pass
 
     # ------------------------------------------------------------------ waiting
@@ -231,15 +245,17 @@ class Coordinator:
             time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
             pause = min(pause * 2, cap)
 
-    def _aborted_by(self) -> str | None:
-        """Why another rank abandoned this call, or None."""
+    def _aborted_by(self) -> tuple[str, dict[int, str]] | None:
+        """Why another rank abandoned this call and whom it blamed, or None. Tells the store's host it was seen."""
         key = self._aborted_key(self.call)
         if not self._present(key):
             return None
         try:
-            return self.store.get(key).decode("utf-8", "replace")
+            self.store.set(f"{key}/seen/{self.rank}", b"1")
+            self._keys.append(f"{key}/seen/{self.rank}")
+            return pickle.loads(self.store.get(key))
         except Exception:  # noqa: BLE001
-            return "abandoned"
+            return ("another rank abandoned it", {})
 
     def exchange(self, step: str, payload: Any = None, error: BaseException | None = None) -> list[Any]:
         """Posts this rank's payload (or error), returns every rank's payload in rank order.
@@ -262,7 +278,7 @@ class Coordinator:
             statuses = [pickle.loads(self.store.get(k)) for k in keys]
             self._acknowledge(prefix, step)
         except (KeyboardInterrupt, SystemExit) as e:
-            self.abort(f"was interrupted ({type(e).__name__}) at step {step!r}")
+            self.abort(f"was interrupted ({type(e).__name__}) at step {step!r}", {self.rank: "interrupted"}, step)
             raise
         except _NotOpened as e:
             doing = f"; rank 0 is in another call ({self.what if e.other else ''} {e.other})" if e.other else ""
@@ -276,7 +292,8 @@ class Coordinator:
         except _TimedOut:
             missing = [r for r, k in enumerate(keys) if not self._present(k)]
             failures = {r: f"did not report within {self.timeout:g} s" for r in missing}
-            self.abort(f"gave up at step {step!r}: rank(s) {missing} did not report within {self.timeout:g} s")
+            self.abort(f"gave up at step {step!r}: rank(s) {missing} did not report within {self.timeout:g} s",
+                       failures, step)  # fmt: skip
             raise DistributedCheckpointError(
                 f"collective {self.what} failed at step {step!r}: rank(s) {missing} of the group did not "
                 f"report within {self.timeout:g} s (killed, hung, or not calling fastpersist.{self.what} "
@@ -284,10 +301,11 @@ class Coordinator:
                 failures,
             ) from error
         except _Abandoned as e:
+            reason, failures = e.args[0]
             raise DistributedCheckpointError(
-                f"collective {self.what} failed at step {step!r}: the call was abandoned ({e}); nothing was "
+                f"collective {self.what} failed at step {step!r}: the call was abandoned ({reason}); nothing was "
                 "committed and the previous checkpoint is intact",
-                {},
+                failures,
             ) from error
         except DistributedCheckpointError:
             raise
@@ -340,7 +358,8 @@ class Coordinator:
             payload = work(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                self.abort(f"was interrupted ({type(e).__name__}) before step {step!r}")
+                self.abort(f"was interrupted ({type(e).__name__}) before step {step!r}", {self.rank: "interrupted"},
+                           step)  # fmt: skip
                 raise
             self.exchange(step, error=e)
             raise AssertionError("unreachable") from e  # exchange always raises when given an error

@@ -252,13 +252,16 @@ def storage_names(obj: Any, keys: Iterable[str], plan: SavePlan, limit: int = 10
             if key is not None and key not in names:
                 names[key] = path or "(the object)"
             continue
-        if isinstance(item, dict):
-            children = [(f"{path}.{k}" if path else str(k), v) for k, v in item.items()]
-        elif isinstance(item, (list, tuple)):
-            children = [(f"{path}[{i}]", v) for i, v in enumerate(item)]
-        elif hasattr(item, "__dict__") and not isinstance(item, type):
-            children = [(f"{path}.{k}" if path else k, v) for k, v in vars(item).items()]
-        else:
+        try:
+            if isinstance(item, dict):
+                children = [(f"{path}.{k}" if path else str(k), v) for k, v in item.items()]
+            elif isinstance(item, (list, tuple)):
+                children = [(f"{path}[{i}]", v) for i, v in enumerate(item)]
+            elif hasattr(item, "__dict__") and not isinstance(item, type):
+                children = [(f"{path}.{k}" if path else k, v) for k, v in vars(item).items()]
+            else:
+                continue
+        except Exception:  # noqa: BLE001 - a name is a courtesy; an odd object must not fail the save
             continue
         stack.extend(reversed(children))
     return {key: names.get(key, f"data/{key}") for key in keys}

@@ -286,17 +286,19 @@ def save(
         if divergent:
             _report_divergence(obj, state["plan"], divergent, reference_keys, matched, divergence, rank)
         held = {w: set(matched[w]["held"]) for w in writer_list if w != 0}
-        blocked = [_blocked(skeleton, held.get(w)) for w in writer_list]
         layout_0 = skeleton[0]
-        assigned = assign_ranges(layout_0.central_directory_offset, len(writer_list), blocked, alignment)
-        all_ranges = sorted((r for ranges in assigned for r in ranges), key=lambda r: r.start)
-        mine = assigned[writer_list.index(rank)] if rank in writer_list else ()
-        plan = state["plan"] if rank == 0 else _plan_from(skeleton, state["plan"], held.get(rank, set()))
         token = reports[0]["token"]
         timing: dict[str, float] = {}
 
         def write() -> dict[str, Any]:
+            # Everything here may fail on one rank only: inside the step, the others hear of it at once.
             start = time.perf_counter()
+            blocked = [_blocked(skeleton, held.get(w)) for w in writer_list]
+            assigned = assign_ranges(layout_0.central_directory_offset, len(writer_list), blocked, alignment)
+            state["ranges"] = sorted((r for ranges in assigned for r in ranges), key=lambda r: r.start)
+            mine = state["mine"] = assigned[writer_list.index(rank)] if rank in writer_list else ()
+            plan = state["write_plan"] = (state["plan"] if rank == 0 else
+                                          _plan_from(skeleton, state["plan"], held.get(rank, set())))  # fmt: skip
             slices, parts = [], []
             if _sink:
                 slices = _write_ranges(plan, "/dev/null", mine, settings, sink=True)
@@ -306,7 +308,7 @@ def save(
                 slices = _write_ranges(plan, reports[0]["temporary"], mine, settings)
             elif layout == "parts":
                 for byte_range in mine:
-                    name = part_name(state["target"], token, byte_range.index, len(all_ranges))
+                    name = part_name(state["target"], token, byte_range.index, len(state["ranges"]))
                     final = os.path.join(state["directory"], name)
                     slices += _write_part(plan, final, state["directory"], byte_range, settings)
                     state.setdefault("written_parts", []).append(final)
@@ -317,6 +319,7 @@ def save(
 
         written = coordinator.run("write", write)
         marks["write"] = time.perf_counter() - began
+        plan, mine, all_ranges = state["write_plan"], state["mine"], state["ranges"]
 
         def finish() -> None:
             if rank != 0 or _sink:

@@ -68,7 +68,9 @@ class StorageRecord:
 
     def placed(self, entry: ZipEntry) -> StorageRecord:
         """The same storage (or view) as the record of another layout's ``entry``."""
-        return StorageRecord(entry, self.key, self._storage, view=self._view)
+        if self._view is not None:  # a ready view (also once made from the storage): keep using it
+            return StorageRecord(entry, self.key, view=self._view)
+        return StorageRecord(entry, self.key, self._storage)
 
     def data_ptr(self) -> int:
         """The address of the first byte (``view.data_ptr()``), without making the view."""
