@@ -13,6 +13,7 @@ checks it ends with the same weights as the uninterrupted run.
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import os
 
@@ -89,6 +90,11 @@ def main() -> None:
         print(f"ranks={dist.get_world_size()} backend={dist.get_backend()} "
               f"writers={'every rank (sharded)' if sharded else 'rank 0'} step={plain['step']} "
               f"resumed weights identical on all ranks={all(flags)}")  # fmt: skip
+    # Leave nothing of the process group to the interpreter's exit: DDP keeps a reference to it, and a group
+    # destroyed during finalization can abort the process (gloo's worker threads release tensors and need
+    # the GIL then). Drop the wrappers, then destroy the group while the interpreter is fully alive.
+    del ddp, optimizer, model
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     if not all(flags):

@@ -39,6 +39,7 @@ rank 0 (the others go on). Rank 0's timings are reported.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -195,6 +196,9 @@ def _run_one(args) -> dict[str, Any]:
         "peak_gpu_delta_bytes": (torch.cuda.max_memory_allocated() - base_gpu) if device.type == "cuda" else None,
     }
     if distributed:
+        # DDP holds the group: drop it first, so the group goes while the interpreter is alive (not at exit).
+        del trained
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
     if os.path.exists(path) and rank == 0:
