@@ -113,7 +113,7 @@ def _do(rank: int, world: int, directory: str, step: dict):
             return {"plain": True}
         dsave._last.clear()
         return {"bytes": stats.bytes_written, "size": stats.file_size, "writers": stats.writers,
-                "shared": stats.shared_bytes, "divergent": list(stats.divergent),
+                "shared": stats.shared_bytes, "divergent": list(stats.divergent), "repaired": stats.repaired_bytes,
                 "warnings": [f"{w.category.__name__}: {w.message}" for w in caught
                              if issubclass(w.category, fastpersist.errors.ReplicaDivergenceWarning)]}  # fmt: skip
     if kind == "load":

@@ -98,7 +98,7 @@ def test_descriptor_patches_cover_exactly_what_writers_cannot_write():
     crcs = [0] * len(plan.records)
     for writers in (1, 2, 3, 7):
         ranges = plan_ranges(plan, writers, alignment=4096)
-        patched = {offset for offset, _ in _descriptor_patches(plan, crcs, ranges)}
+        patched = {offset for offset, _ in _descriptor_patches(plan, crcs, ranges, set())}
         for record in plan.records:
             entry = record.entry
             if not entry.descriptor_size:
@@ -108,3 +108,41 @@ def test_descriptor_patches_cover_exactly_what_writers_cannot_write():
             writable = all(entry.data_offset >= r.start for r in holders)
             assert (lo in patched) == (not writable)
         assert len(patched) <= 2 * (writers - 1)
+
+
+def test_descriptor_patches_include_records_rank_zero_rewrote():
+    import torch
+
+    from fastpersist.distributed.save import _descriptor_patches
+    from fastpersist.format.serializer import plan_save
+
+    plan = plan_save({f"t{i}": torch.zeros(3000 + 517 * i, dtype=torch.uint8) for i in range(4)}, "a")
+    index = next(i for i, r in enumerate(plan.records) if r.entry.descriptor_size)
+    whole = [ByteRange(0, 0, plan.layout.central_directory_offset)]
+    assert _descriptor_patches(plan, [0] * len(plan.records), whole, set()) == []
+    patches = _descriptor_patches(plan, [7] * len(plan.records), whole, {index})
+    assert patches == [(plan.records[index].entry.descriptor_offset, plan.records[index].entry.data_descriptor(7))]
+
+
+@pytest.mark.parametrize("blocked, pieces, holes", [
+    ([], [(4, 9.5)], []),
+    ([(5.01, 5.02)], [(4, 5), (6, 9.5)], [(5, 6)]),
+    ([(5.01, 5.02), (5.5, 7.2), (100, 101)], [(4, 5), (8, 9.5)], [(5, 8)]),
+    ([(0, 4.5)], [(5, 9.5)], [(4, 5)]),
+    ([(9.2, 9.3)], [(4, 9)], [(9, 9.5)]),
+    ([(0, 100)], [], [(4, 9.5)]),
+])  # fmt: skip
+def test_split_range_leaves_out_whole_units(blocked, pieces, holes):
+    """Blocked intervals widen to whole units inside the range; pieces and holes tile it; index = first unit."""
+    from fastpersist.distributed.sharding import split_range
+
+    unit = 1 << 20
+    at = lambda x: int(x * unit)  # noqa: E731
+    mine = ByteRange(1, at(4), at(9.5))
+    got_pieces, got_holes = split_range(mine, [(at(a), at(b)) for a, b in blocked], unit)
+    assert [(r.start, r.end) for r in got_pieces] == [(at(a), at(b)) for a, b in pieces]
+    assert [(r.start, r.end) for r in got_holes] == [(at(a), at(b)) for a, b in holes]
+    tiles = sorted(got_pieces + got_holes, key=lambda r: r.start)
+    assert tiles[0].start == mine.start and tiles[-1].end == mine.end
+    assert all(a.end == b.start for a, b in zip(tiles, tiles[1:]))
+    assert all(r.index == r.start // unit for r in tiles)

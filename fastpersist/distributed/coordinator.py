@@ -271,7 +271,12 @@ class Coordinator:
                 self._begin(deadline, step)
             prefix = f"{self.namespace}/{self.call}/"
             keys = [f"{prefix}{step}/{r}" for r in range(self.size)]
-            status = ("error", _describe(error)) if error is not None else ("ok", payload)
+            if error is None:
+                status = ("ok", payload)
+            elif isinstance(error, DistributedCheckpointError):  # a verdict about the group: passed on as it is
+                status = ("error", _describe(error), str(error), error.failures)
+            else:
+                status = ("error", _describe(error))
             self.store.set(keys[self.rank], pickle.dumps(status))
             self._keys.append(keys[self.rank])
             self._wait_for(keys, deadline, step)
@@ -316,6 +321,9 @@ class Coordinator:
                 {0: "store unreachable"},
             ) from (error or e)
         failures = {r: s[1] for r, s in enumerate(statuses) if s[0] == "error"}
+        verdicts = [s for s in statuses if s[0] == "error" and len(s) == 4]
+        if len(failures) == 1 and verdicts:  # one rank judged the group (e.g. rank 0 found divergent tensors)
+            raise DistributedCheckpointError(verdicts[0][2], verdicts[0][3]) from error
         if failures:
             detail = "; ".join(f"rank {r}: {text}" for r, text in sorted(failures.items()))
             raise DistributedCheckpointError(

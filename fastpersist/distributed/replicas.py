@@ -1,33 +1,33 @@
-"""Which storages a rank holds byte for byte as rank 0 does: digests, comparison, the rank's plan of rank 0's file.
+"""Which storages a rank holds byte for byte as rank 0 does: 64-bit digests of storages, and their comparison.
 
 A collective save writes **rank 0's object**, the file ``torch.save`` would
-write on rank 0. Another rank may write a part of it only from storages it
-holds identically: in data-parallel training most of the state (weights,
-optimizer moments) is replicated, but some is per rank (RNG states, sampler
-positions, unsynchronized metrics), the pickled metadata differs (each rank's
-tensors are on ``cuda:<rank>``), and a replica may have drifted.
+write on rank 0 (:mod:`fastpersist.distributed.save`). Another rank's bytes
+may stay in that file only where its storage is identical to rank 0's: in
+data-parallel training most of the state (weights, optimizer moments) is
+replicated, but some is per rank (RNG states, sampler positions,
+unsynchronized metrics), and a replica may have drifted.
 
-Each writing rank computes a 64-bit digest of each of its storages, before
-anything is written:
+Every writing rank computes a 64-bit digest of each of its storages while it
+writes (the work runs beside the write and mostly hides behind it):
 
 * storages in host memory, and device storages of at most
   :data:`SMALL_DEVICE_BYTES` (gathered to the host with one copy per device):
-  XXH64 of their bytes, natively on every core (kind :data:`HOST`);
-* larger CUDA storages: on their own device, with torch operations (kind
-  :data:`DEVICE`): the storage is read as 32-bit words ``x[i]``, and the digest
-  is ``sum(mix(x[i] * w[i % R] + r[i // R]))`` modulo 2**64, where ``w`` and
-  ``r`` are fixed pseudo-random odd 64-bit numbers (row length ``R`` = 2**20
-  words) and ``mix(y) = (y ^ (y >> 31)) * K``: a difference anywhere, in any
-  bit, changes the sum unless a 64-bit coincidence cancels it. It reads the
-  storage once at device-memory speed, on the current stream.
+  XXH64 of their bytes, natively on the pool's cores (kind :data:`HOST`;
+  above 4 MiB, XXH64 of the XXH64s of 4 MiB pieces, seeded with the size);
+* larger CUDA storages: on their own device, with torch operations on the
+  current stream (kind :data:`DEVICE`): the storage is read as 32-bit words
+  ``x[i]``, and the digest is ``sum(mix(x[i] * w[i % R] + r[i // R]))``
+  modulo 2**64, where ``w`` and ``r`` are fixed pseudo-random odd 64-bit
+  numbers (row length ``R`` = 2**20 words) and ``mix(y) = y ^ (y >> 31)``
+  (arithmetic shift): a difference anywhere, in any bit, changes the sum
+  unless a 64-bit coincidence cancels it. It reads the storage once, at
+  device-memory speed, with at most 64 MiB of scratch memory.
 
-Storages are matched by their key in the pickle (``data/<key>``, in pickling
-order): rank k may write rank 0's storage ``key`` when its own storage of
-that key has the same size, digest kind and digest. A storage of the same key
-and size whose digest differs is *divergent* (a per-rank tensor, or a replica
-that drifted); others (different size, missing) are simply not shared. Rank 0
-writes whatever no other writer holds. A digest that cannot be computed (a
-device with no digest here, out of device memory) makes the storage rank 0's.
+64 bits make an accidental match of different bytes practically impossible
+(a CRC-32 would match different bytes once in 2**32 comparisons: too often
+over millions of saves). Rank 0 compares each other writer's digests with its
+own (:func:`mismatches`); a digest that cannot be computed (a device with no
+digest here, or no scratch memory) never matches, so rank 0 writes those bytes.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import torch
 from fastpersist.format.plan import SavePlan, StorageRecord
 from fastpersist.io import checksum, engine
 
-__all__ = ["HOST", "DEVICE", "NONE", "SMALL_DEVICE_BYTES", "Digest", "storage_digests", "compare", "storage_names",
-           "device_digest", "host_digest"]  # fmt: skip
+__all__ = ["HOST", "DEVICE", "NONE", "SMALL_DEVICE_BYTES", "Digest", "storage_digests", "storage_names",
+           "device_digest", "PendingDigests", "mismatches"]  # fmt: skip
 
 HOST, DEVICE, NONE = 0, 1, 2
 """Digest kinds: XXH64 of the bytes; the device word hash; no digest (never matches)."""
@@ -57,7 +57,6 @@ _SEED = 0x5EED5
 _OFFSET_STEP = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed 64-bit number
 _OFFSET_BASE = 0x2545F4914F6CDD1D
 _TAIL_OFFSET = 0x6A09E667F3BCC909
-_MIX = -4658895280553007687  # 0xBF58476D1CE4E5B9 as a signed 64-bit number
 _weights: dict[torch.device, torch.Tensor] = {}
 
 
@@ -77,8 +76,10 @@ def _row_weights(device: torch.device) -> torch.Tensor:
 
 
 def _mix_(values: torch.Tensor) -> None:
+    # Folds the high bits of each product into its low bits: without it, differences in high bits only
+    # (sign flips) could cancel in a plain weighted sum. (A constant factor after it would change nothing:
+    # it would multiply the whole sum.)
     values ^= values >> 31
-    values *= _MIX
 
 
 def device_digest(view: torch.Tensor) -> torch.Tensor:
@@ -119,108 +120,120 @@ _DIGEST_PIECE = 4 << 20
 """Host storages larger than this are hashed in pieces on several cores: XXH64 of the pieces' XXH64s."""
 
 
-def host_digest(address: int, length: int) -> int:
-    """The :data:`HOST` digest of ``length`` bytes at ``address`` (several cores for large ranges)."""
-    if length <= _DIGEST_PIECE:
-        return engine.hash64(address, length)
-    pool = checksum.executor()
-    futures = [pool.submit(engine.hash64, address + offset, min(_DIGEST_PIECE, length - offset))
-               for offset in range(0, length, _DIGEST_PIECE)]  # fmt: skip
-    pieces = (ctypes.c_uint64 * len(futures))(*(f.result() for f in futures))
-    return engine.hash64(ctypes.addressof(pieces), ctypes.sizeof(pieces), length)
+class PendingDigests:
+    """Digests being computed: host work on the native pool, device work queued on each device's current stream.
 
+    :meth:`result` waits for them and returns ``(nbytes, kind, value)`` per
+    record, in order. Until then the caller must keep the storages unchanged
+    (they are being read).
+    """
 
-def _host_digests(records: Sequence[StorageRecord], indices: list[int], out: list) -> list:
-    """Queues the host digests of CPU storages; returns futures that fill ``out``."""
-    pool = checksum.executor()
-    futures = []
-    small = [i for i in indices if records[i].entry.size <= _DIGEST_PIECE]
-    for start in range(0, len(small), 4096):
-        batch = small[start : start + 4096]
+    def __init__(self, records: Sequence[StorageRecord]):
+        self._records = records
+        self._out: list[Any] = [None] * len(records)
+        self._futures: list = []
+        self._device: list[tuple[list[int], torch.Tensor | None, list[int], Any]] = []
+        out, pool = self._out, checksum.executor()
+        host, by_device = [], {}
+        for i, record in enumerate(records):
+            if not record.entry.size:
+                out[i] = (0, HOST, 0)
+            elif record.device.type == "cpu":
+                host.append(i)
+            elif record.device.type == "cuda":
+                by_device.setdefault(record.device, []).append(i)
+            else:
+                out[i] = (record.entry.size, NONE, 0)  # left to rank 0
+        small = [i for i in host if records[i].entry.size <= _DIGEST_PIECE]
+        for first in range(0, len(small), 4096):
+            self._futures.append(pool.submit(self._hash_batch, small[first : first + 4096]))
+        self._large: list[tuple[int, list]] = []
+        for i in host:
+            size, address = records[i].entry.size, records[i].data_ptr()
+            if size > _DIGEST_PIECE:
+                self._large.append((i, [pool.submit(engine.hash64, address + o, min(_DIGEST_PIECE, size - o))
+                                        for o in range(0, size, _DIGEST_PIECE)]))  # fmt: skip
+        for device, indices in by_device.items():
+            self._launch(indices)
 
-        def run(batch=batch):
-            hashes = engine.hash64_many([records[i].data_ptr() for i in batch], [records[i].entry.size for i in batch])
-            for i, value in zip(batch, hashes):
-                out[i] = (records[i].entry.size, HOST, value)
+    def _hash_batch(self, batch: list[int]) -> None:
+        records = self._records
+        hashes = engine.hash64_many([records[i].data_ptr() for i in batch], [records[i].entry.size for i in batch])
+        for i, value in zip(batch, hashes):
+            self._out[i] = (records[i].entry.size, HOST, value)
 
-        futures.append(pool.submit(run))
-    for i in indices:
-        if records[i].entry.size > _DIGEST_PIECE:
-            out[i] = (records[i].entry.size, HOST, host_digest(records[i].data_ptr(), records[i].entry.size))
-    return futures
+    def _launch(self, indices: list[int]) -> None:
+        records = self._records
+        large = [i for i in indices if records[i].entry.size > SMALL_DEVICE_BYTES]
+        small = [i for i in indices if records[i].entry.size <= SMALL_DEVICE_BYTES]
+        try:
+            sums = torch.stack([device_digest(records[i].view) for i in large]) if large else None
+            gathered, done = None, None
+            if small:
+                joined = torch.cat([records[i].view for i in small])
+                gathered = torch.empty(joined.numel(), dtype=torch.uint8, pin_memory=True)
+                gathered.copy_(joined, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            self._device.append((large, sums, small, (gathered, done)))
+        except torch.cuda.OutOfMemoryError:
+            for i in indices:  # left to rank 0 (the digest needs a few tens of MiB of device memory)
+                self._out[i] = (records[i].entry.size, NONE, 0)
 
-
-def _gather_small(views: list[torch.Tensor]) -> list[int]:
-    """HOST digests of small device storages: one concatenation on the device, one copy to the host."""
-    joined = torch.cat(views).cpu()
-    base = joined.data_ptr()
-    addresses, position = [], 0
-    for view in views:
-        addresses.append(base + position)
-        position += view.numel()
-    return engine.hash64_many(addresses, [v.numel() for v in views])
+    def result(self) -> list[Digest]:
+        records, out = self._records, self._out
+        for large, sums, small, (gathered, done) in self._device:
+            for i, value in zip(large, sums.tolist() if sums is not None else ()):
+                out[i] = (records[i].entry.size, DEVICE, value)
+            if small:
+                done.synchronize()
+                addresses, position = [], gathered.data_ptr()
+                for i in small:
+                    addresses.append(position)
+                    position += records[i].entry.size
+                for i, value in zip(small, engine.hash64_many(addresses, [records[i].entry.size for i in small])):
+                    out[i] = (records[i].entry.size, HOST, value)
+        self._device.clear()
+        for future in self._futures:
+            future.result()
+        self._futures.clear()
+        for i, futures in self._large:
+            size = records[i].entry.size
+            pieces = (ctypes.c_uint64 * len(futures))(*(f.result() for f in futures))
+            out[i] = (size, HOST, engine.hash64(ctypes.addressof(pieces), ctypes.sizeof(pieces), size))
+        self._large.clear()
+        return list(out)
 
 
 def storage_digests(records: Sequence[StorageRecord]) -> list[Digest]:
-    """``(nbytes, kind, value)`` for each storage record, in order. Synchronizes with the devices once.
-
-    Never raises for a storage it cannot digest: that storage gets kind :data:`NONE`.
-    """
-    out: list[Any] = [None] * len(records)
-    host = [i for i, r in enumerate(records) if r.device.type == "cpu" and r.entry.size]
-    pending = _host_digests(records, host, out)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, record in enumerate(records):
-        if not record.entry.size:
-            out[i] = (0, HOST, 0)
-        elif record.device.type == "cuda":
-            by_device.setdefault(record.device, []).append(i)
-        elif record.device.type != "cpu":
-            out[i] = (record.entry.size, NONE, 0)
-    for device, indices in by_device.items():
-        small = [i for i in indices if records[i].entry.size <= SMALL_DEVICE_BYTES]
-        large = [i for i in indices if records[i].entry.size > SMALL_DEVICE_BYTES]
-        try:
-            sums = torch.stack([device_digest(records[i].view) for i in large]).tolist() if large else []
-            for i, value in zip(large, sums):
-                out[i] = (records[i].entry.size, DEVICE, value)
-            if small:
-                for i, value in zip(small, _gather_small([records[i].view for i in small])):
-                    out[i] = (records[i].entry.size, HOST, value)
-        except torch.cuda.OutOfMemoryError:
-            for i in indices:  # left to rank 0 (the digest needs a few tens of MiB of device memory)
-                if out[i] is None:
-                    out[i] = (records[i].entry.size, NONE, 0)
-    for future in pending:
-        future.result()
-    return out
+    """``(nbytes, kind, value)`` for each storage record, in order (:class:`PendingDigests`, waited for)."""
+    return PendingDigests(records).result()
 
 
-def compare(reference: Sequence[Digest], reference_keys: Sequence[str], records: Sequence[StorageRecord],
-            digests: Sequence[Digest]) -> tuple[list[int], list[int]]:  # fmt: skip
-    """Which of rank 0's storages this rank holds identically, and which diverge.
+def mismatches(reference: dict[int, Digest], theirs: dict[int, Digest]) -> tuple[list[int], list[int]]:
+    """Which storages another rank does not hold as rank 0 does.
 
     Args:
-        reference: rank 0's digests, in rank 0's storage order.
-        reference_keys: rank 0's storage keys, same order.
-        records, digests: this rank's storages and their digests.
+        reference: rank 0's digests, by rank 0's storage ordinal.
+        theirs: the other rank's digests of its storages of the same key and
+            size, by the same ordinals.
 
     Returns:
-        ``(held, divergent)``: indices into rank 0's storages that this rank
-        holds byte for byte (same key, size, digest kind and value); and those
-        of the same key and size whose bytes differ.
+        ``(differ, divergent)``: every ordinal of ``theirs`` whose digest is
+        not rank 0's (the bytes that rank wrote there must be replaced); and
+        those of them whose digests are of the same kind, so the values
+        really differ (not just a digest that could not be computed, or one
+        storage on the CPU and the other on a GPU).
     """
-    mine = {record.key: digest for record, digest in zip(records, digests)}
-    held, divergent = [], []
-    for index, (key, theirs) in enumerate(zip(reference_keys, reference)):
-        own = mine.get(key)
-        if own is None or own[0] != theirs[0]:
+    differ, divergent = [], []
+    for ordinal, digest in sorted(theirs.items()):
+        own = reference.get(ordinal)
+        if own is not None and digest[1] == own[1] != NONE and digest[2] == own[2]:
             continue
-        if own[1] == theirs[1] != NONE and own[2] == theirs[2]:
-            held.append(index)
-        elif own[1] == theirs[1] != NONE:
-            divergent.append(index)
-    return held, divergent
+        differ.append(ordinal)
+        if own is not None and digest[1] == own[1] != NONE:
+            divergent.append(ordinal)
+    return differ, divergent
 
 
 def storage_names(obj: Any, keys: Iterable[str], plan: SavePlan, limit: int = 100_000) -> dict[str, str]:

@@ -1,35 +1,43 @@
 """Collective, data-parallel save: one checkpoint of rank 0's object, its bytes written by every rank.
 
 A collective save means ``torch.save`` on the group's rank 0, written by all
-ranks: the file holds rank 0's object (its pickled metadata, device tags and
-values), and another rank writes a byte of it only from a storage it holds
-byte for byte as rank 0 does (:mod:`~fastpersist.distributed.replicas`), so
-the file is never a mix of ranks' bytes. Ranks exchange metadata only
-(:class:`~fastpersist.distributed.coordinator.Coordinator`), in four steps:
+ranks: the committed file holds rank 0's object (its pickled metadata,
+device tags and values), never a mix of ranks' bytes. Ranks exchange
+metadata only (:class:`~fastpersist.distributed.coordinator.Coordinator`),
+in three steps:
 
 1. ``plan``: every rank pickles and plans its object and reports its host;
-   rank 0 also reports its file layout, metadata records and storage digests,
-   and creates the pre-sized temporary file (``layout="file"``) and a token.
-2. ``match``: every other writer compares its storages with rank 0's (same
-   key, size and 64-bit digest) and reports which it holds. Storages of the
-   same key and size whose bytes differ are *divergent*: rank 0's values are
-   written, and ``divergence`` says whether to warn (default), raise, or
-   not mention it.
-3. ``write``: the file is dealt out in aligned ranges
-   (:func:`~fastpersist.distributed.sharding.assign_ranges`), a writer never
-   getting bytes of a storage it does not hold; each writer writes its ranges
-   from rank 0's layout and its own identical storages, fsyncs, and reports
-   the CRC-32 of each record slice it wrote.
-4. ``commit``: rank 0 combines the slices' CRC-32s
-   (:func:`~fastpersist.io.checksum.crc32_combine_all`, native) and writes what needs
-   them: the data descriptors and the trailer (``layout="file"``, then fsync,
-   rename over the target, directory fsync) or the manifest (``layout="parts"``,
-   atomically, last). Every rank returns only after that succeeded.
+   rank 0 also reports its file layout and metadata records (``data.pkl``,
+   ...), creates the pre-sized temporary file (``layout="file"``) and a token.
+2. ``write``: the file up to the central directory is split into one
+   aligned range per writer (:func:`~fastpersist.distributed.sharding.shard_ranges`).
+   Each writer writes its range of **rank 0's layout** from its own storages
+   of the same key and size (the bytes of storages it does not have are left
+   out, :func:`~fastpersist.distributed.sharding.split_range`), computing the
+   CRC-32 of each record slice on the way, and fsyncs. Beside the write it
+   computes a 64-bit digest of each of its storages
+   (:mod:`~fastpersist.distributed.replicas`; on a GPU it runs on the
+   compute units while the copy engines move the bytes). It reports slices,
+   digests and the sub-ranges it left out.
+3. ``commit`` (rank 0): compares every writer's digests with its own. Where
+   a writer's storage differs from rank 0's (per-rank state, a drifted
+   replica), rank 0 rewrites those bytes of the temporary file from its own
+   copy (``layout="parts"``: records them in the manifest as patches), and
+   writes what the others left out. ``divergence`` says whether to warn
+   (default), raise (nothing is committed), or say nothing. Then it combines
+   the slices' CRC-32s (:func:`~fastpersist.io.checksum.crc32_combine_all`)
+   and writes what needs them: the data descriptors and the trailer
+   (``layout="file"``, then fsync, rename over the target, directory fsync)
+   or the manifest (``layout="parts"``, atomically, last). Every rank
+   returns only after that succeeded.
 
-A failure at any step is raised on every rank, naming the rank; rank 0 then
-removes the temporary file, and the previous checkpoint at the path stays.
-Other ranks open rank 0's temporary file without creating it, so a rank that
-arrives after a failure never recreates it.
+Until the commit nothing is visible at the path: the bytes a writer wrote
+from a differing storage live only in the temporary file (or an unreferenced
+part) until rank 0 has replaced them. A failure at any step is raised on
+every rank, naming the rank; rank 0 then removes the temporary file, and the
+previous checkpoint at the path stays. Other ranks open rank 0's temporary
+file without creating it, so a rank that arrives after a failure never
+recreates it.
 """
 
 from __future__ import annotations
@@ -50,19 +58,22 @@ from fastpersist import commit, config
 from fastpersist.distributed import replicas
 from fastpersist.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from fastpersist.distributed.manifest import Manifest, PartInfo, part_name
-from fastpersist.distributed.sharding import DEFAULT_ALIGNMENT, ByteRange, assign_ranges, writer_ranks
+from fastpersist.distributed.sharding import DEFAULT_ALIGNMENT, ByteRange, shard_ranges, split_range, writer_ranks
 from fastpersist.errors import DistributedCheckpointError, ReplicaDivergenceWarning
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io import engine
 from fastpersist.io.checksum import crc32_combine_all
-from fastpersist.io.writer import write_plan
+from fastpersist.io.writer import side_streams, write_plan
+from fastpersist.tensors import host_memoryview
 
-__all__ = ["DIVERGENCE", "LAYOUTS", "WRITERS", "SaveStats", "is_collective", "last_stats", "save"]
+__all__ = ["DIVERGENCE", "LAYOUTS", "PATCH_LIMIT", "WRITERS", "SaveStats", "is_collective", "last_stats", "save"]
 
 LAYOUTS = ("file", "parts")
 WRITERS = ("all", "node")
 DIVERGENCE = ("warn", "error", "ignore")
+PATCH_LIMIT = 256 << 20
+"""``layout="parts"``: most bytes rank 0 may carry in the manifest for other writers' differing storages."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +88,13 @@ class SaveStats:
     total_seconds: float
     file_size: int
     steps: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Seconds from the start of the save to the end of each step's exchange (plan, match, write, commit)."""
+    """Seconds from the start of the save to the end of each step's exchange (plan, write, commit)."""
     digest_seconds: float = 0.0
-    """Seconds this rank spent computing its storages' digests (the identity check)."""
+    """Seconds the identity check added to this rank's write step (its digests' wait after the write)."""
     shared_bytes: int = 0
-    """Storage bytes this rank holds identically to rank 0 (rank 0: all of its storages' bytes)."""
+    """Storage bytes this rank wrote from its own memory that rank 0 found identical (rank 0: all it wrote)."""
+    repaired_bytes: int = 0
+    """Rank 0: bytes it wrote for the others (left out, or differing from its own)."""
     divergent: tuple[str, ...] = ()
     """Storage keys whose values differ between a writer and rank 0 (rank 0's values were written)."""
 
@@ -115,30 +128,26 @@ def _skeleton(plan: SavePlan) -> tuple:
 _NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
-def _plan_from(skeleton: tuple, own: SavePlan, held: set[int]) -> SavePlan:
-    """Rank 0's plan with this rank's identical storages (``held``: rank 0's storage ordinals).
+def _plan_from(skeleton: tuple, own: SavePlan) -> tuple[SavePlan, dict[int, StorageRecord]]:
+    """Rank 0's plan, with this rank's storages of the same key and size.
 
-    The storages this rank does not hold get an empty stand-in: no range of
-    this rank's covers their bytes (:func:`assign_ranges` saw to it).
+    Returns the plan and, by rank 0's storage ordinal, the records this rank
+    has. The others get an empty stand-in: their bytes are left out of this
+    rank's ranges (:func:`split_range`).
     """
     layout, metadata, keys = skeleton
     records: list[Any] = [None] * len(layout.entries)
     for i, data in metadata:
         records[i] = BytesRecord(layout.entries[i], data)
     mine = {r.key: r for r in own.storages}
+    present = {}
     for ordinal, (i, key) in enumerate(keys):
-        entry = layout.entries[i]
-        records[i] = mine[key].placed(entry) if ordinal in held else StorageRecord(entry, key, view=_NOTHING)
-    return SavePlan(layout, tuple(records))
-
-
-def _blocked(skeleton: tuple, held: set[int] | None) -> list[tuple[int, int]]:
-    """Byte intervals of rank 0's storages a writer does not hold (None: it holds all)."""
-    if held is None:
-        return []
-    layout, _, keys = skeleton
-    return [(layout.entries[i].data_offset, layout.entries[i].data_end) for ordinal, (i, _) in enumerate(keys)
-            if ordinal not in held and layout.entries[i].size]  # fmt: skip
+        entry, candidate = layout.entries[i], mine.get(key)
+        if candidate is not None and candidate.entry.size == entry.size:
+            records[i] = present[ordinal] = candidate.placed(entry)
+        else:
+            records[i] = StorageRecord(entry, key, view=_NOTHING)
+    return SavePlan(layout, tuple(records)), present
 
 
 def _slice_crcs(plan: SavePlan, crcs: list[int], byte_range: ByteRange) -> list[tuple[int, int, int, int]]:
@@ -155,7 +164,7 @@ def _slice_crcs(plan: SavePlan, crcs: list[int], byte_range: ByteRange) -> list[
 
 
 def _combined_crcs(plan: SavePlan, slices: list[tuple[int, int, int, int]], checksum: bool) -> list[int]:
-    """Every record's CRC-32 from the writers' slices (in file order), as one writer would have computed it."""
+    """Every record's CRC-32 from the slices (which tile each record), as one writer would have computed it."""
     if not checksum:
         return [0] * len(plan.records)
     pieces: dict[int, list[tuple[int, int, int]]] = {}
@@ -173,19 +182,32 @@ def _combined_crcs(plan: SavePlan, slices: list[tuple[int, int, int, int]], chec
     return crcs
 
 
-def _descriptor_patches(plan: SavePlan, crcs: list[int], ranges) -> list[tuple[int, bytes]]:
-    """Data descriptors no writer could write: their record starts in an earlier range."""
+def _descriptor_patches(plan: SavePlan, crcs: list[int], ranges, rewritten: set[int]) -> list[tuple[int, bytes]]:
+    """Data descriptors to write at commit: those of records that started in an earlier range (their
+    writer left zeros) and those of records whose bytes rank 0 rewrote (``rewritten``: the writer's
+    descriptor holds its own CRC-32)."""
     patches = []
-    for record, crc in zip(plan.records, crcs):
+    for index, (record, crc) in enumerate(zip(plan.records, crcs)):
         entry = record.entry
         if not entry.descriptor_size:
             continue
         lo, hi = entry.descriptor_offset, entry.descriptor_offset + entry.descriptor_size
         # A writer zeroes the descriptor bytes it holds when the record started before its range
         # (io.writer); a descriptor may straddle two ranges.
-        if any(r.length and r.start < hi and lo < r.end and entry.data_offset < r.start for r in ranges):
+        if index in rewritten or any(r.length and r.start < hi and lo < r.end and entry.data_offset < r.start
+                                     for r in ranges):  # fmt: skip
             patches.append((entry.descriptor_offset, entry.data_descriptor(crc)))
     return patches
+
+
+def _storage_bytes(record: StorageRecord, lo: int, hi: int, chunk: int = 64 << 20):
+    """``(file offset, bytes)`` pieces of a storage record's payload ``[lo, hi)`` (file offsets), in host memory."""
+    offset = record.entry.data_offset
+    view = record.view
+    for start in range(lo, hi, chunk):
+        end = min(start + chunk, hi)
+        piece = view[start - offset : end - offset]
+        yield start, host_memoryview(piece if piece.device.type == "cpu" else piece.cpu())
 
 
 def save(
@@ -220,7 +242,7 @@ def save(
             size but other bytes: ``"warn"`` (write rank 0's values and issue a
             :class:`~fastpersist.errors.ReplicaDivergenceWarning` on rank 0
             naming the tensors), ``"error"`` (raise on every rank, nothing
-            written) or ``"ignore"``.
+            committed) or ``"ignore"``.
         timeout: seconds each rank waits for the others at each step.
         alignment: range boundaries are multiples of this (power of two).
         settings: resolved fastpersist settings (default: current ones).
@@ -230,7 +252,8 @@ def save(
     Raises:
         DistributedCheckpointError: on every rank, when any rank failed, did
             not report in time, or (``divergence="error"``) holds other values
-            than rank 0 (``failures`` names the ranks).
+            than rank 0 (``failures`` names the ranks); also (``layout="parts"``)
+            when more than :data:`PATCH_LIMIT` bytes differ from rank 0's.
         ValueError: an unknown layout, writers or divergence mode (before any exchange).
     """
     if layout not in LAYOUTS:
@@ -243,13 +266,7 @@ def save(
     began = time.perf_counter()
     coordinator = Coordinator(group, timeout, "save", f"{layout} {os.path.basename(os.fspath(path))}")
     rank = coordinator.rank
-    state: dict[str, Any] = {"digest_seconds": 0.0}
-
-    def digests(plan: SavePlan) -> list:
-        start = time.perf_counter()
-        result = replicas.storage_digests(plan.storages)
-        state["digest_seconds"] += time.perf_counter() - start
-        return result
+    state: dict[str, Any] = {}
 
     def prepare() -> dict[str, Any]:
         target = commit.resolve_target(os.fspath(path))
@@ -258,89 +275,58 @@ def save(
         state.update(target=target, directory=directory, plan=plan)
         payload: dict[str, Any] = {"host": socket.gethostname()}
         if rank == 0:
-            payload.update(skeleton=_skeleton(plan), digests=digests(plan), token=secrets.token_hex(6))
+            payload.update(skeleton=_skeleton(plan), token=secrets.token_hex(6))
             if layout == "file" and not _sink:
                 payload["temporary"] = state["temporary"] = _create_presized(target, directory, plan.size, settings)
-        elif writers == "all":
-            state["digests"] = digests(plan)  # every rank writes: digest now, alongside rank 0
         return payload
 
     try:
         reports = coordinator.run("plan", prepare)
         marks = {"plan": time.perf_counter() - began}
-        skeleton = reports[0]["skeleton"]
+        skeleton, token = reports[0]["skeleton"], reports[0]["token"]
         writer_list = writer_ranks([r["host"] for r in reports], writers)
-        reference_keys = [key for _, key in skeleton[2]]
-
-        def match() -> dict[str, Any]:
-            if rank == 0 or rank not in writer_list:
-                return {}
-            own = state["plan"]
-            mine = state.get("digests") or digests(own)
-            held, divergent = replicas.compare(reports[0]["digests"], reference_keys, own.storages, mine)
-            return {"held": held, "divergent": divergent}
-
-        matched = coordinator.run("match", match)
-        marks["match"] = time.perf_counter() - began
-        divergent = sorted({i for m in matched for i in m.get("divergent", ())})
-        if divergent:
-            _report_divergence(obj, state["plan"], divergent, reference_keys, matched, divergence, rank)
-        held = {w: set(matched[w]["held"]) for w in writer_list if w != 0}
-        layout_0 = skeleton[0]
-        token = reports[0]["token"]
+        ranges = shard_ranges(skeleton[0].central_directory_offset, len(writer_list), alignment)
+        mine = ranges[writer_list.index(rank)] if rank in writer_list else None
+        state["units"] = max(1, -(-skeleton[0].central_directory_offset // alignment))
         timing: dict[str, float] = {}
 
         def write() -> dict[str, Any]:
             # Everything here may fail on one rank only: inside the step, the others hear of it at once.
+            if mine is None:
+                return {}
             start = time.perf_counter()
-            blocked = [_blocked(skeleton, held.get(w)) for w in writer_list]
-            assigned = assign_ranges(layout_0.central_directory_offset, len(writer_list), blocked, alignment)
-            state["ranges"] = sorted((r for ranges in assigned for r in ranges), key=lambda r: r.start)
-            mine = state["mine"] = assigned[writer_list.index(rank)] if rank in writer_list else ()
-            plan = state["write_plan"] = (state["plan"] if rank == 0 else
-                                          _plan_from(skeleton, state["plan"], held.get(rank, set())))  # fmt: skip
-            slices, parts = [], []
-            if _sink:
-                slices = _write_ranges(plan, "/dev/null", mine, settings, sink=True)
-            elif layout == "file" and mine:
-                # Rank 0 fsyncs its ranges here too: left to its commit fsync, the flush of its ranges would
-                # start only after the others' (measured: slower), not alongside them.
-                slices = _write_ranges(plan, reports[0]["temporary"], mine, settings)
-            elif layout == "parts":
-                for byte_range in mine:
-                    name = part_name(state["target"], token, byte_range.index, len(state["ranges"]))
-                    final = os.path.join(state["directory"], name)
-                    slices += _write_part(plan, final, state["directory"], byte_range, settings)
-                    state.setdefault("written_parts", []).append(final)
-                    parts.append(dataclasses.asdict(PartInfo(byte_range.index, name, byte_range.start, byte_range.end,
-                                                             socket.gethostname())))  # fmt: skip
-            timing["write"] = time.perf_counter() - start
-            return {"slices": slices, "parts": parts}
+            if rank == 0:
+                plan = state["plan"]
+                present = dict(enumerate(plan.storages))
+            else:
+                plan, present = _plan_from(skeleton, state["plan"])
+            state["write_plan"] = plan
+            missing = [o for o in range(len(plan.storages)) if o not in present]
+            pieces, holes = split_range(mine, _payloads(plan, missing), alignment)
+            streams = side_streams(plan)  # before the digests are queued: the copies must not wait for them
+            compared = sorted(present) if len(writer_list) > 1 else []
+            pending = replicas.PendingDigests([present[o] for o in compared]) if compared else None
+            slices, parts = _write_pieces(plan, pieces, streams, state, layout, token, reports, settings, _sink)
+            written_at = time.perf_counter()
+            digests = dict(zip(compared, pending.result())) if pending else {}
+            timing.update(write=written_at - start, digest=time.perf_counter() - written_at)
+            return {"slices": slices, "parts": parts, "holes": [dataclasses.astuple(h) for h in holes],
+                    "pieces": [dataclasses.astuple(p) for p in pieces], "digests": digests}  # fmt: skip
 
         written = coordinator.run("write", write)
         marks["write"] = time.perf_counter() - began
-        plan, mine, all_ranges = state["write_plan"], state["mine"], state["ranges"]
 
-        def finish() -> None:
-            if rank != 0 or _sink:
-                return
-            crcs = _combined_crcs(plan, [s for w in written for s in w["slices"]], settings.checksum)
-            patches = _descriptor_patches(plan, crcs, all_ranges)
-            if layout == "file":
-                _commit_file(plan, crcs, patches, state["temporary"], state["target"], state["directory"], settings)
-                state.pop("temporary")
-            else:
-                parts = tuple(sorted((PartInfo(**p) for w in written for p in w["parts"]), key=lambda p: p.index))
-                manifest = Manifest(
-                    size=plan.size, token=token, parts=parts, patches=tuple(patches),
-                    trailer_offset=plan.layout.central_directory_offset, trailer=plan.trailer(crcs),
-                    world_size=coordinator.size,
-                )  # fmt: skip
-                _write_atomically(state["target"], state["directory"], manifest.to_json(), settings)
+        def finish() -> dict[str, Any]:
+            if rank != 0:
+                return {}
+            return _commit(obj, state, written, writer_list, layout, divergence, token, coordinator.size, settings,
+                           _sink)  # fmt: skip
 
         state["committing"] = True  # from here a part may be referenced by a committed manifest
-        coordinator.run("commit", finish)
+        outcome = coordinator.run("commit", finish)[0]
         marks["commit"] = time.perf_counter() - began
+        if rank == 0:
+            state.pop("temporary", None)
     except BaseException:
         temporary = state.get("temporary")
         if temporary:
@@ -356,41 +342,176 @@ def save(
         raise
     if layout == "parts" and not _sink:
         _remove_old_parts(state["target"], token)
-    own_bytes = sum(r.entry.size for r in state["plan"].storages)
-    shared = own_bytes if rank == 0 else sum(layout_0.entries[skeleton[2][o][0]].size for o in held.get(rank, ()))
+    report = written[rank] if rank in writer_list else {}
+    wrote = sum(end - start for _, start, end in report.get("pieces", ()))
+    unequal = set(outcome.get("differ", {}).get(rank, ()))
+    plan = state.get("write_plan", state["plan"])
+    storages = plan.storages
+    shared = (sum(r.entry.size for r in storages) if rank == 0 else
+              sum(storages[o].entry.size for o in report.get("digests", {}) if o not in unequal))  # fmt: skip
     _last["stats"] = SaveStats(
         rank=rank, world_size=coordinator.size, writers=len(writer_list),
-        bytes_written=sum(r.length for r in mine), write_seconds=timing.get("write", 0.0),
-        total_seconds=time.perf_counter() - began, file_size=plan.size, steps=marks,
-        digest_seconds=state["digest_seconds"], shared_bytes=shared,
-        divergent=tuple(reference_keys[i] for i in divergent),
+        bytes_written=wrote + (outcome.get("repaired", 0) if rank == 0 else 0),
+        write_seconds=timing.get("write", 0.0), total_seconds=time.perf_counter() - began, file_size=plan.size,
+        steps=marks, digest_seconds=timing.get("digest", 0.0), shared_bytes=shared,
+        repaired_bytes=outcome.get("repaired", 0) if rank == 0 else 0, divergent=tuple(outcome.get("divergent", ())),
     )  # fmt: skip
 
 
-def _report_divergence(obj: Any, plan: SavePlan, divergent: list[int], keys: list[str], matched: list[dict],
-                       policy: str, rank: int) -> None:  # fmt: skip
-    """Warns (rank 0) or raises (every rank) about storages whose values differ between ranks."""
-    if policy == "ignore" or (policy == "warn" and rank != 0):
+def _payloads(plan: SavePlan, ordinals) -> list[tuple[int, int]]:
+    storages = plan.storages
+    return [(storages[o].entry.data_offset, storages[o].entry.data_end) for o in ordinals if storages[o].entry.size]
+
+
+def _write_pieces(plan, pieces, streams, state, layout, token, reports, settings, sink):
+    """Writes this writer's pieces (into rank 0's temporary file, its own parts, or /dev/null)."""
+    if sink:
+        return _write_ranges(plan, "/dev/null", pieces, settings, streams, sink=True), []
+    if layout == "file":
+        return _write_ranges(plan, reports[0]["temporary"], pieces, settings, streams), []
+    slices, parts = [], []
+    for piece in pieces:
+        if not piece.length:
+            continue
+        name = part_name(state["target"], token, piece.index, state["units"])
+        final = os.path.join(state["directory"], name)
+        slices += _write_part(plan, final, state["directory"], piece, settings, streams)
+        state.setdefault("written_parts", []).append(final)
+        parts.append(dataclasses.asdict(PartInfo(piece.index, name, piece.start, piece.end, socket.gethostname())))
+    return slices, parts
+
+
+def _commit(obj, state, written, writer_list, layout, divergence, token, world_size, settings, sink) -> dict:
+    """Rank 0's commit step: compare, repair, CRC-32s, descriptors and trailer or manifest, commit."""
+    plan = state["plan"]
+    storages = plan.storages
+    record_of = [i for i, r in enumerate(plan.records) if isinstance(r, StorageRecord)]  # ordinal -> record index
+    own = written[0]["digests"]
+    slices = [s for w in writer_list for s in written[w]["slices"]]
+    pieces = [ByteRange(*p) for w in writer_list for p in written[w]["pieces"]]
+    differ: dict[int, list[int]] = {}
+    divergent: dict[int, list[int]] = {}
+    for w in writer_list[1:]:
+        differ[w], divergent[w] = replicas.mismatches(own, written[w]["digests"])
+    keys = [r.key for r in storages]
+    bad = sorted({o for ordinals in divergent.values() for o in ordinals})
+    if bad:
+        _report_divergence(obj, plan, bad, keys, divergent, divergence)
+    # What rank 0 writes for the others: the bytes they left out, and those they wrote from differing storages.
+    holes = [ByteRange(*h) for w in writer_list for h in written[w]["holes"]]
+    redo: list[tuple[int, int, int]] = []  # (record index, start, end) of slices to replace
+    rewritten: set[int] = set()
+    for w, ordinals in differ.items():
+        indices = {record_of[o] for o in ordinals}
+        for index, start, _, length in written[w]["slices"]:
+            if index in indices:
+                redo.append((index, start, start + length))
+                rewritten.add(index)
+    redone = {(index, start) for index, start, _ in redo}
+    slices = [s for s in slices if (s[0], s[1]) not in redone]
+    repaired = sum(h.length for h in holes) + sum(end - start for _, start, end in redo)
+    patches: list[tuple[int, bytes]] = []
+    if not sink:
+        if layout == "file":
+            slices += _rewrite_in_file(plan, state["temporary"], holes, redo, settings)
+        else:
+            extra, parts_of_holes = _holes_as_parts(plan, holes, state, token, settings)
+            slices += extra
+            written[0]["parts"] = written[0]["parts"] + parts_of_holes
+            redone_patches, redone_slices = _redo_as_patches(plan, redo)
+            patches += redone_patches
+            slices += redone_slices
+    if sink:
+        return {"differ": differ, "divergent": [keys[o] for o in bad], "repaired": repaired}
+    crcs = _combined_crcs(plan, slices, settings.checksum)
+    patches += _descriptor_patches(plan, crcs, sorted(pieces + holes, key=lambda r: r.start), rewritten)
+    if layout == "file":
+        _commit_file(plan, crcs, patches, state["temporary"], state["target"], state["directory"], settings)
+    else:
+        parts = tuple(sorted((PartInfo(**p) for w in writer_list for p in written[w]["parts"]), key=lambda p: p.start))
+        manifest = Manifest(
+            size=plan.size, token=token, parts=parts, patches=tuple(patches),
+            trailer_offset=plan.layout.central_directory_offset, trailer=plan.trailer(crcs), world_size=world_size,
+        )  # fmt: skip
+        _write_atomically(state["target"], state["directory"], manifest.to_json(), settings)
+    return {"differ": differ, "divergent": [keys[o] for o in bad], "repaired": repaired}
+
+
+def _rewrite_in_file(plan: SavePlan, temporary: str, holes, redo, settings) -> list[tuple[int, int, int, int]]:
+    """``layout="file"``: rank 0 writes the left-out ranges and the differing slices into the temporary file."""
+    slices = []
+    if holes:
+        slices += _write_ranges(plan, temporary, holes, settings, None)
+    if redo:
+        descriptor = os.open(temporary, os.O_WRONLY)
+        try:
+            for index, lo, hi in redo:
+                crc = 0
+                for offset, data in _storage_bytes(plan.records[index], lo, hi):
+                    _pwrite_all(descriptor, data, offset)
+                    crc = engine.crc32_of(data, crc)
+                slices.append((index, lo, crc, hi - lo))
+        finally:
+            os.close(descriptor)
+    return slices
+
+
+def _holes_as_parts(plan: SavePlan, holes, state, token, settings):
+    """``layout="parts"``: each left-out range becomes a part of rank 0's."""
+    slices, parts = [], []
+    for hole in holes:
+        name = part_name(state["target"], token, hole.index, state["units"])
+        final = os.path.join(state["directory"], name)
+        slices += _write_part(plan, final, state["directory"], hole, settings, None)
+        state.setdefault("written_parts", []).append(final)
+        parts.append(dataclasses.asdict(PartInfo(hole.index, name, hole.start, hole.end, socket.gethostname())))
+    return slices, parts
+
+
+def _redo_as_patches(plan: SavePlan, redo) -> tuple[list[tuple[int, bytes]], list[tuple[int, int, int, int]]]:
+    """``layout="parts"``: rank 0 cannot write into another writer's part; its bytes go into the manifest."""
+    total = sum(hi - lo for _, lo, hi in redo)
+    if total > PATCH_LIMIT:
+        raise DistributedCheckpointError(
+            f"collective save: {total / 2**20:.0f} MiB of the other ranks' tensors differ from rank 0's, and with "
+            f"layout='parts' rank 0 can carry at most {PATCH_LIMIT / 2**20:.0f} MiB of them in the manifest (it "
+            "cannot write into another rank's part). Synchronize the state first, or save with layout='file'. "
+            "Nothing was committed",
+            {0: "too many differing bytes for layout='parts'"},
+        )
+    patches, slices = [], []
+    for index, lo, hi in redo:
+        crc = 0
+        for offset, data in _storage_bytes(plan.records[index], lo, hi):
+            patches.append((offset, bytes(data)))
+            crc = engine.crc32_of(data, crc)
+        slices.append((index, lo, crc, hi - lo))
+    return patches, slices
+
+
+def _report_divergence(obj: Any, plan: SavePlan, divergent: list[int], keys: list[str],
+                       where: dict[int, list[int]], policy: str) -> None:  # fmt: skip
+    """Rank 0: warns, or raises (every rank then raises), about storages whose values differ between ranks."""
+    if policy == "ignore":
         return
-    wanted = [keys[i] for i in divergent]
+    wanted = [keys[o] for o in divergent]
     names = replicas.storage_names(obj, wanted, plan)
-    where = {keys[i]: [r for r, m in enumerate(matched) if i in m.get("divergent", ())] for i in divergent}
-    shown = ", ".join(f"{names[k]} (rank {', '.join(map(str, where[k]))})" for k in wanted[:8])
+    ranks = {keys[o]: [w for w, ordinals in where.items() if o in ordinals] for o in divergent}
+    shown = ", ".join(f"{names[k]} (rank {', '.join(map(str, ranks[k]))})" for k in wanted[:8])
     more = f" and {len(wanted) - 8} more" if len(wanted) > 8 else ""
     if policy == "error":
-        ranks = sorted({r for rs in where.values() for r in rs})
         raise DistributedCheckpointError(
             f"collective save: {len(wanted)} tensor(s) hold other values on some ranks than on rank 0: "
-            f"{shown}{more}. Nothing was written. Synchronize them before saving, or pass divergence='warn' "
+            f"{shown}{more}. Nothing was committed. Synchronize them before saving, or pass divergence='warn' "
             "to save rank 0's values (what torch.save on rank 0 would write)",
-            {r: "values differ from rank 0's" for r in ranks},
+            {r: "values differ from rank 0's" for r in sorted({r for rs in ranks.values() for r in rs})},
         )
     warnings.warn(
         f"collective save: {len(wanted)} tensor(s) hold other values on some ranks than on rank 0; rank 0's "
         f"values were saved: {shown}{more}. Expected for per-rank state (RNG states, unsynchronized metrics); "
         "for weights it means the replicas drifted apart. divergence='ignore' silences this, 'error' refuses",
         ReplicaDivergenceWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
 
 
@@ -416,15 +537,16 @@ def _create_presized(target: str, directory: str, size: int, settings: config.Se
     return temporary
 
 
-def _write_ranges(plan: SavePlan, file_path: str, ranges, settings, sink: bool = False):
+def _write_ranges(plan: SavePlan, file_path: str, ranges, settings, streams, sink: bool = False):
     """Writes each range of ``plan`` into rank 0's temporary file (which must exist); fsyncs once."""
+    ranges = [r for r in ranges if r.length]
     if not ranges:
         return []
     file = engine.File(file_path, "w", direct=settings.direct and not sink, truncate=False, create=False)
     slices = []
     try:
         for byte_range in ranges:
-            crcs = write_plan(plan, file, settings, byte_range=(byte_range.start, byte_range.end),
+            crcs = write_plan(plan, file, settings, streams=streams, byte_range=(byte_range.start, byte_range.end),
                               destination_offset=0 if sink else None)  # fmt: skip
             slices += _slice_crcs(plan, crcs, byte_range)
         if settings.fsync and not sink:
@@ -434,14 +556,14 @@ def _write_ranges(plan: SavePlan, file_path: str, ranges, settings, sink: bool =
     return slices
 
 
-def _write_part(plan: SavePlan, final: str, directory: str, byte_range: ByteRange, settings):
+def _write_part(plan: SavePlan, final: str, directory: str, byte_range: ByteRange, settings, streams):
     temporary = _temporary_name(final, directory)
     file = engine.File(temporary, "w", direct=settings.direct, truncate=True)
     try:
         try:
             if file.direct and byte_range.length:
                 file.allocate(0, byte_range.length)
-            crcs = write_plan(plan, file, settings, byte_range=(byte_range.start, byte_range.end),
+            crcs = write_plan(plan, file, settings, streams=streams, byte_range=(byte_range.start, byte_range.end),
                               destination_offset=0)  # fmt: skip
             if settings.fsync:
                 file.fsync()

@@ -12,18 +12,17 @@ descriptors. The trailer (central directory and end records) needs every
 record's CRC-32 and is written by the committing rank once all ranks are
 done (see :mod:`fastpersist.distributed.save`).
 
-When some writers may not write some bytes (they do not hold those storages
-as rank 0 does), :func:`assign_ranges` deals the file out around them: each
-writer then gets a few ranges instead of one, still aligned and balanced.
+A writer that lacks some of rank 0's storages leaves their bytes out of its
+range (:func:`split_range`, aligned so that no two writers share a block);
+rank 0 writes them.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Iterable
 
-__all__ = ["DEFAULT_ALIGNMENT", "ByteRange", "assign_ranges", "plan_ranges", "shard_ranges", "writer_ranks"]
+__all__ = ["DEFAULT_ALIGNMENT", "ByteRange", "plan_ranges", "shard_ranges", "split_range", "writer_ranks"]
 
 DEFAULT_ALIGNMENT = 1 << 20
 """1 MiB: a multiple of every O_DIRECT alignment and of the engine's default block size."""
@@ -85,93 +84,43 @@ def plan_ranges(plan, writers: int, alignment: int = DEFAULT_ALIGNMENT) -> tuple
     return shard_ranges(plan.layout.central_directory_offset, writers, alignment)
 
 
-def assign_ranges(length: int, writers: int, blocked: Sequence[Iterable[tuple[int, int]]],
-                  alignment: int = DEFAULT_ALIGNMENT) -> tuple[tuple[ByteRange, ...], ...]:  # fmt: skip
-    """Splits ``[0, length)`` among ``writers``, none getting a byte it may not write.
+def split_range(byte_range: ByteRange, blocked: Iterable[tuple[int, int]],
+                alignment: int = DEFAULT_ALIGNMENT) -> tuple[list[ByteRange], list[ByteRange]]:  # fmt: skip
+    """Cuts the intervals a writer may not write out of its range.
 
     Args:
-        length: bytes to split (>= 0).
-        writers: number of writers (>= 1). Writer 0 may write every byte.
-        blocked: for each writer, byte intervals ``(start, end)`` it may not
-            write (writer 0's must be empty). Each is widened to whole
-            ``alignment`` units, so that no two writers share a unit.
+        byte_range: the writer's range.
+        blocked: byte intervals ``(start, end)`` it may not write (the payloads
+            of storages it does not have); each is widened to whole
+            ``alignment`` units, so that the bytes left out never share an
+            O_DIRECT block with bytes written.
         alignment: as :func:`shard_ranges`.
 
     Returns:
-        For each writer, its ranges in file order; every range's ``index`` is
-        its position among all ranges in file order. With nothing blocked,
-        exactly :func:`shard_ranges` (one range each). Otherwise units are
-        dealt so that each writer gets about ``length / writers`` bytes: units
-        some writers may not write go to the eligible writer with the most
-        quota left, then the rest, in file order, to each writer in turn.
-
-    Raises:
-        ValueError: as :func:`shard_ranges`; writer 0 blocked; ``blocked``
-            not of length ``writers``.
+        ``(pieces, holes)``: the sub-ranges it writes and the sub-ranges left
+        out (for rank 0 to write), each in file order, together tiling
+        ``byte_range``. Every ``index`` is the sub-range's first alignment
+        unit (``start // alignment``), unique in the file.
     """
-    blocked = [list(b) for b in blocked]
-    if len(blocked) != writers:
-        raise ValueError(f"blocked must list {writers} writers' intervals, got {len(blocked)}")
-    if blocked and blocked[0]:
-        raise ValueError("writer 0 may write every byte: its blocked intervals must be empty")
-    plain = shard_ranges(length, writers, alignment)
-    units = -(-length // alignment)
-    spans = [_merge((start // alignment, -(-end // alignment)) for start, end in b if end > start) for b in blocked]
-    if not any(spans):
-        return tuple((r,) for r in plain)
-    quota = [units // writers + (w < units % writers) for w in range(writers)]
-    cuts = sorted({0, units, *(p for span in spans for interval in span for p in interval)})
-    pieces = []  # (first unit, end unit, eligible writers or None for all)
-    for first, end in zip(cuts, cuts[1:]):
-        eligible = [w for w in range(writers) if not _inside(spans[w], first)]
-        pieces.append((first, end, None if len(eligible) == writers else eligible))
-    owners: list[tuple[int, int, int]] = []
-    for first, end, eligible in pieces:  # restricted units first, to whoever has the most quota left
-        if eligible is None:
+    start, end = byte_range.start, byte_range.end
+    cuts = []
+    for lo, hi in sorted(blocked):
+        lo, hi = max(lo // alignment * alignment, start), min(-(-hi // alignment) * alignment, end)
+        if lo >= hi:
             continue
-        while first < end:
-            writer = max(eligible, key=lambda w: (quota[w], -w))
-            take = end - first if quota[writer] <= 0 else min(end - first, quota[writer])
-            owners.append((first, first + take, writer))
-            quota[writer] -= take
-            first += take
-    writer = 0
-    for first, end, eligible in pieces:  # then the rest, in file order, each writer in turn
-        if eligible is not None:
-            continue
-        while first < end:
-            while writer < writers - 1 and quota[writer] <= 0:
-                writer += 1
-            take = end - first if writer == writers - 1 else min(end - first, quota[writer])
-            owners.append((first, first + take, writer))
-            quota[writer] -= take
-            first += take
-    owners.sort()
-    merged: list[list[int]] = []
-    for first, end, owner in owners:
-        if merged and merged[-1][2] == owner and merged[-1][1] == first:
-            merged[-1][1] = end
+        if cuts and lo <= cuts[-1][1]:
+            cuts[-1][1] = max(cuts[-1][1], hi)
         else:
-            merged.append([first, end, owner])
-    result: list[list[ByteRange]] = [[] for _ in range(writers)]
-    for index, (first, end, owner) in enumerate(merged):
-        result[owner].append(ByteRange(index, first * alignment, min(end * alignment, length)))
-    return tuple(tuple(r) for r in result)
-
-
-def _merge(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[list[int]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [tuple(m) for m in merged]
-
-
-def _inside(intervals: list[tuple[int, int]], unit: int) -> bool:
-    position = bisect.bisect_right(intervals, (unit, float("inf"))) - 1
-    return position >= 0 and intervals[position][0] <= unit < intervals[position][1]
+            cuts.append([lo, hi])
+    pieces, holes, position = [], [], start
+    for lo, hi in cuts:
+        if position < lo:
+            pieces.append(ByteRange(position // alignment, position, lo))
+        holes.append(ByteRange(lo // alignment, lo, hi))
+        position = hi
+    if position < end or (not pieces and not holes):
+        pieces.append(ByteRange(position // alignment, position, end))
+    return pieces, holes
 
 
 def writer_ranks(hosts: list[str], mode: str) -> list[int]:
