@@ -182,3 +182,22 @@ def test_nccl_one_gpu_per_rank(layout, tmp_path):
     ok(results, 5)
     assert all(r["same"] for r in ok(results, 6))
     assert temporaries(tmp_path) == []
+
+
+def test_rank_zeros_bytes_for_a_repair_are_copies():
+    """The bytes rank 0 writes over another rank's are its own, copied to the host piece by piece.
+
+    (On a GPU each piece comes from a temporary host tensor: a view that did not keep it alive wrote
+    freed memory into the file with a matching CRC-32, seen on the two-GPU machine.)
+    """
+    from fastpersist.distributed.save import _storage_bytes
+    from fastpersist.format.serializer import plan_save
+
+    tensor = torch.arange(10_000, dtype=torch.int32)
+    plan = plan_save({"t": tensor}, "x")
+    record = plan.storages[0]
+    start = record.entry.data_offset
+    pieces = list(_storage_bytes(record, start + 4, start + 40_000 - 8, chunk=4096))
+    assert all(isinstance(data, bytes) for _, data in pieces)
+    assert [offset for offset, _ in pieces] == list(range(start + 4, start + 40_000 - 8, 4096))
+    assert b"".join(data for _, data in pieces) == bytes(tensor.numpy().tobytes()[4:-8])

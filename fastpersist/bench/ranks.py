@@ -263,7 +263,7 @@ def to_markdown(document: dict[str, Any], title: str | None = None) -> str:
              + ("**sink** (/dev/null, nothing stored), " if document.get("sink") else "")
              + f"layout `{document['layout']}`, "
              f"writers `{document['writers']}`, {document['repeat']} repeats (medians), target {document['dirs']}", "",
-             "| N | per-rank bytes | per-rank write (s) | per-rank GB/s | identity check (s) | end-to-end (s) | "
+             "| N | per-rank bytes | per-rank write (s) | per-rank GB/s | identity check wait (s) | end-to-end (s) | "
              "end-to-end GB/s | vs single writer | projected, independent targets (s) | projected speed-up |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in document["results"]:

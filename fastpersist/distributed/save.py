@@ -201,13 +201,19 @@ def _descriptor_patches(plan: SavePlan, crcs: list[int], ranges, rewritten: set[
 
 
 def _storage_bytes(record: StorageRecord, lo: int, hi: int, chunk: int = 64 << 20):
-    """``(file offset, bytes)`` pieces of a storage record's payload ``[lo, hi)`` (file offsets), in host memory."""
+    """``(file offset, bytes)`` pieces of a storage record's payload ``[lo, hi)`` (file offsets), copied to the host.
+
+    Always copies (``bytes``), also from CPU storages: a memoryview over a
+    temporary host tensor would outlive it (``host_memoryview`` does not keep
+    its tensor), and one code path for every device is the one the CPU tests
+    check.
+    """
     offset = record.entry.data_offset
     view = record.view
     for start in range(lo, hi, chunk):
         end = min(start + chunk, hi)
-        piece = view[start - offset : end - offset]
-        yield start, host_memoryview(piece if piece.device.type == "cpu" else piece.cpu())
+        host = view[start - offset : end - offset].to("cpu", copy=True)
+        yield start, bytes(host_memoryview(host))  # ``host`` is alive until the copy is made
 
 
 def save(
@@ -483,7 +489,7 @@ def _redo_as_patches(plan: SavePlan, redo) -> tuple[list[tuple[int, bytes]], lis
     for index, lo, hi in redo:
         crc = 0
         for offset, data in _storage_bytes(plan.records[index], lo, hi):
-            patches.append((offset, bytes(data)))
+            patches.append((offset, data))
             crc = engine.crc32_of(data, crc)
         slices.append((index, lo, crc, hi - lo))
     return patches, slices
