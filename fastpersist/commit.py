@@ -39,7 +39,13 @@ import warnings
 from typing import Any
 
 from fastpersist import config, system
-from fastpersist.errors import TargetDirectoryMissingError, TargetPermissionError
+from fastpersist.errors import (
+    CheckpointIOError,
+    TargetDirectoryMissingError,
+    TargetIsADirectoryError,
+    TargetPermissionError,
+    torch_compatible,
+)
 from fastpersist.io import engine, workers
 from fastpersist.io.stream import write_plan_to_stream
 from fastpersist.io.writer import write_plan
@@ -194,16 +200,16 @@ def check_target(path: str) -> str:
     """The target's directory; raises the error torch.save's open() would, with advice.
 
     Raises:
-        IsADirectoryError: ``path`` is a directory.
+        TargetIsADirectoryError: (IsADirectoryError and RuntimeError) ``path`` is a directory.
         TargetDirectoryMissingError: (FileNotFoundError and RuntimeError) its directory is missing.
         TargetPermissionError: (PermissionError and RuntimeError) the file exists and may not be
             written, or it does not exist and its directory may not be written.
-        OSError: errno EROFS on a read-only filesystem.
+        CheckpointIOError: (OSError and RuntimeError) errno EROFS on a read-only filesystem.
     """
     directory = os.path.dirname(os.path.abspath(path))
     kind = target_kind(path)
     if kind == "directory":
-        raise IsADirectoryError(
+        raise TargetIsADirectoryError(
             errno.EISDIR,
             "cannot save a checkpoint over a directory; pass a file path",
             path,
@@ -224,7 +230,7 @@ def check_target(path: str) -> str:
     if (
         os.statvfs(directory).f_flag & os.ST_RDONLY
     ):  # root gets here too: access() checks the mount
-        raise OSError(
+        raise CheckpointIOError(
             errno.EROFS,
             "the filesystem is mounted read-only; save to another filesystem",
             directory,
@@ -347,7 +353,40 @@ def commit_plan(plan, path: str, directory: str, settings: config.Settings, stre
     an atomic save, whose failure it then aborts (the temporary file is removed, ``path`` is
     untouched); after the write of an in-place save (special targets, ``atomic=False``),
     where it can only report.
+
+    Raises:
+        CheckpointIOError: (an ``OSError`` with ``errno`` and a ``RuntimeError``, as
+            torch.save raises) a full disk, a read-only filesystem, an I/O error. A full
+            disk while replacing a file says how much room the atomic replace needed.
+        TargetPermissionError, TargetDirectoryMissingError: as :func:`check_target`.
     """
+    try:
+        _commit_plan(plan, path, directory, settings, streams, before_commit)
+    except OSError as error:
+        raise torch_compatible(error, saving=True, detail=_explain(error, plan, path, directory, settings)) from None
+
+
+def _explain(error: OSError, plan, path: str, directory: str, settings: config.Settings) -> str:
+    """What a full disk means for this save, with the sizes (empty for other errors)."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return ""
+    try:
+        stat = os.statvfs(directory)
+        free = f"{stat.f_bavail * stat.f_frsize / 1e6:,.1f} MB free now"
+    except OSError:
+        free = "free space unknown"
+    new = f"{plan.size / 1e6:,.1f} MB"
+    replacing = getattr(settings, "atomic", True) and target_kind(path) == "regular" and os.path.exists(path)
+    if not replacing:
+        return f"the checkpoint needs {new} ({free})"
+    old = f"{os.path.getsize(path) / 1e6:,.1f} MB"
+    return (f"replacing {path!r} ({old}) atomically writes the new checkpoint ({new}) completely beside it and "
+            f"removes the old one only after the rename, so the filesystem needs room for both ({free}); the old "
+            "file is intact. Free space, save to another filesystem, or pass atomic=False to overwrite it in "
+            "place as torch.save does (the old checkpoint is then lost if that save fails)")
+
+
+def _commit_plan(plan, path: str, directory: str, settings: config.Settings, streams, before_commit) -> None:
     kind = target_kind(path)
     if kind == "special":
         _write_special(plan, path, settings)

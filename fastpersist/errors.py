@@ -10,6 +10,8 @@ raise in the same situation, so existing ``except`` clauses keep working.
 
 from __future__ import annotations
 
+import pickle
+
 __all__ = [
     "FastPersistError",
     "ConfigError",
@@ -23,9 +25,13 @@ __all__ = [
     "TensorModifiedError",
     "TargetPermissionError",
     "TargetDirectoryMissingError",
+    "TargetIsADirectoryError",
     "MixedDtypeViewsError",
     "NotWritableError",
+    "CheckpointIOError",
     "ReplicaDivergenceWarning",
+    "torch_compatible",
+    "unsupported_object_error",
 ]
 
 
@@ -61,6 +67,24 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class UnsupportedObjectError(FastPersistError, TypeError):
     """The object to save contains something fastpersist cannot serialize."""
+
+
+class UnpicklableObjectError(UnsupportedObjectError, pickle.PicklingError):
+    """The pickler refused an object (torch.save raises ``pickle.PicklingError`` for it)."""
+
+
+class UnpicklableAttributeError(UnsupportedObjectError, AttributeError):
+    """The pickler could not find an object by its name, e.g. a local class (torch.save: ``AttributeError``)."""
+
+
+def unsupported_object_error(cause: BaseException, message: str) -> UnsupportedObjectError:
+    """The :class:`UnsupportedObjectError` for what the pickler raised: also of ``cause``'s type (PicklingError,
+    AttributeError or TypeError), so the ``except`` clause written for torch.save catches it."""
+    if isinstance(cause, pickle.PicklingError):
+        return UnpicklableObjectError(message)
+    if isinstance(cause, AttributeError):
+        return UnpicklableAttributeError(message)
+    return UnsupportedObjectError(message)  # already a TypeError
 
 
 class TruncatedCheckpointError(CorruptCheckpointError, EOFError):
@@ -131,8 +155,10 @@ class TensorModifiedError(FastPersistError, RuntimeError):
 # |--------------------------------------------------|-----------------|-----------------------------------------------------------|
 # | the file exists and may not be written (0444)    | RuntimeError    | TargetPermissionError (PermissionError, RuntimeError)     |
 # | the directory to save into is missing            | RuntimeError    | TargetDirectoryMissingError (FileNotFoundError, RuntimeError) |
+# | the path to save to is a directory               | RuntimeError    | TargetIsADirectoryError (IsADirectoryError, RuntimeError) |
 # | two tensors view one storage with other dtypes   | RuntimeError    | MixedDtypeViewsError (UnsupportedObjectError -> TypeError, RuntimeError) |
 # | ``f`` is neither a path nor has ``write``        | AttributeError  | NotWritableError (AttributeError, TypeError)              |
+# | I/O error while saving or loading (ENOSPC, EROFS, EIO, EDQUOT, ...) | RuntimeError | CheckpointIOError (OSError, RuntimeError) |
 # | damaged / truncated file                         | RuntimeError, EOFError, UnpicklingError | CorruptCheckpointError (RuntimeError), TruncatedCheckpointError (EOFError) |
 
 
@@ -147,9 +173,59 @@ class TargetDirectoryMissingError(FastPersistError, FileNotFoundError, RuntimeEr
     """The directory to save into does not exist (torch.save: RuntimeError "Parent directory ... does not exist")."""
 
 
+class TargetIsADirectoryError(FastPersistError, IsADirectoryError, RuntimeError):
+    """The path to save to is a directory (torch.save: RuntimeError "... Is a directory")."""
+
+
 class MixedDtypeViewsError(UnsupportedObjectError, RuntimeError):
     """Two tensors or storages view the same memory with different dtypes (torch.save: RuntimeError)."""
 
 
 class NotWritableError(FastPersistError, AttributeError, TypeError):
     """``f`` is neither a path nor a file object with ``write`` (torch.save: AttributeError)."""
+
+
+class CheckpointIOError(FastPersistError, OSError, RuntimeError):
+    """An I/O error while saving or loading a checkpoint: a full disk (ENOSPC), a read-only filesystem
+    (EROFS), a quota (EDQUOT), a failing device (EIO), ...
+
+    An ``OSError`` with ``errno``, ``strerror`` and ``filename`` set, and a
+    ``RuntimeError``, which is what torch.save and torch.load raise for the
+    same failures: ``except RuntimeError`` and ``except OSError`` both catch it.
+    """
+
+
+_KEPT_ON_LOAD = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def torch_compatible(error: OSError, *, saving: bool, detail: str = "") -> OSError:
+    """``error`` as an exception that ``except RuntimeError`` (torch's type for I/O failures) catches too.
+
+    Keeps ``errno``, ``filename`` and notes; ``detail`` is appended to the
+    message. A permission error of a save becomes a
+    :class:`TargetPermissionError`, a missing directory a
+    :class:`TargetDirectoryMissingError`, anything else a
+    :class:`CheckpointIOError`. On loads, the errors ``open()`` raises for a
+    path (missing, not permitted, a directory) stay as they are: torch.load
+    raises those too.
+
+    Returns ``error`` itself when nothing is to change.
+    """
+    if isinstance(error, RuntimeError) or (not saving and isinstance(error, _KEPT_ON_LOAD)):
+        if detail:
+            error.add_note(detail)
+        return error
+    if saving and isinstance(error, PermissionError):
+        kind: type[OSError] = TargetPermissionError
+    elif saving and isinstance(error, FileNotFoundError):
+        kind = TargetDirectoryMissingError
+    else:
+        kind = CheckpointIOError
+    message = error.strerror or str(error)
+    if detail:
+        message = f"{message}; {detail}"
+    converted = kind(error.errno, message, error.filename) if error.errno is not None else kind(message)
+    for note in getattr(error, "__notes__", ()):
+        converted.add_note(note)
+    converted.__traceback__ = error.__traceback__
+    return converted

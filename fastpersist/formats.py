@@ -65,6 +65,12 @@ def is_safetensors_file(path: str) -> bool:
         return looks_like_safetensors(handle.read(9))
 
 
+def is_torch_zip_file(path: str) -> bool:
+    """Whether the file at ``path`` starts like a zip archive (every torch.save file since torch 1.6)."""
+    with open(path, "rb") as handle:
+        return handle.read(4) == b"PK\x03\x04"
+
+
 # ----------------------------------------------------------------------------- flattening
 
 

@@ -11,7 +11,7 @@ from typing import Any, BinaryIO, Callable
 import torch
 
 from fastpersist import config, formats
-from fastpersist.errors import CorruptCheckpointError, FastPersistError, TruncatedCheckpointError
+from fastpersist.errors import CorruptCheckpointError, FastPersistError, TruncatedCheckpointError, torch_compatible
 from fastpersist.format.deserializer import archive_prefix, deserialize
 from fastpersist.format.zipformat import (
     MissingEndRecordError,
@@ -101,6 +101,8 @@ def load(
 
     Raises:
         FileNotFoundError, PermissionError, IsADirectoryError: as open().
+        CheckpointIOError: (an ``OSError`` and a ``RuntimeError``, as torch.load raises)
+            an I/O error while reading (EIO, ...), ``errno`` and ``filename`` set.
         CorruptCheckpointError: truncated, damaged or non-checkpoint file.
         ChecksumMismatchError: (verify) a record's bytes do not match its CRC-32.
         pickle.UnpicklingError: weights_only refused an object (torch's message).
@@ -138,8 +140,11 @@ def load(
         # torch warns, and still hands them (``encoding=``) to the weights-only unpickler.
         warnings.warn("pickle_load_args only works if `weights_only=False`.")
     pickle_load_args = {"encoding": "utf-8", **pickle_load_args}  # torch.load's default
-    return _load_from_path(path, map_location, pickle_module, weights_only, mmap, verify, resolved, torch_kwargs,
-                           pickle_load_args, warn_unverifiable=explicit)  # fmt: skip
+    try:
+        return _load_from_path(path, map_location, pickle_module, weights_only, mmap, verify, resolved, torch_kwargs,
+                               pickle_load_args, warn_unverifiable=explicit)  # fmt: skip
+    except OSError as error:  # EIO and the like: torch.load raises RuntimeError for them (open()'s errors stay)
+        raise torch_compatible(error, saving=False) from None
 
 
 _NOT_SHARDED = object()
@@ -286,18 +291,13 @@ def _is_safetensors_stream(f) -> bool:
     return isinstance(head, bytes) and formats.looks_like_safetensors(head)
 
 
-def _is_zip(path: str) -> bool:
-    with open(path, "rb") as handle:
-        return handle.read(4) == b"PK\x03\x04"
-
-
 def _load_from_path(path, map_location, pickle_module, weights_only, mmap, verify, settings, torch_kwargs,
                     pickle_load_args, warn_unverifiable=True):  # fmt: skip
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "expected a checkpoint file, got a directory", path)
     if formats.is_safetensors_file(path):
         return formats.load_safetensors(path, map_location, settings.as_dict())
-    if not _is_zip(path):  # legacy (pre-1.6) or foreign format: torch.load knows them all
+    if not formats.is_torch_zip_file(path):  # legacy (pre-1.6) or foreign format: torch.load knows them all
         return _load_with_torch(path, map_location, torch_kwargs)
     file = engine.File(path, "r", direct=settings.direct and not mmap)
     try:

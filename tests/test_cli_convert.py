@@ -62,3 +62,29 @@ def test_safetensors_to_torch(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "missing.pt"), str(tmp_path / "x.safetensors")]) == 2
     with pytest.raises(SystemExit, match="no entry 'model'"):
         main(["convert", str(tmp_path / "out.pt"), str(tmp_path / "x.safetensors"), "--key", "model"])
+
+
+def test_unreadable_inputs_and_missing_output_directory_are_one_line_errors(tmp_path, capsys):
+    torch.save({"w": torch.ones(3)}, tmp_path / "good.pt")
+    (tmp_path / "garbage.pt").write_bytes(b"garbage" * 10)
+    whole = (tmp_path / "good.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(whole[: len(whole) // 2])
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "garbage.pt"), str(tmp_path / "o.safetensors")]) == 1
+    error = capsys.readouterr().err
+    assert "not a checkpoint: neither a zip archive" in error and "Traceback" not in error
+    assert main(["convert", str(tmp_path / "cut.pt"), str(tmp_path / "o.safetensors")]) == 1
+    assert "cannot be read (CorruptCheckpointError" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "good.pt"), str(tmp_path / "missing" / "o.safetensors")]) == 2
+    assert "does not exist; create it first" in capsys.readouterr().err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_drop_non_tensors_applies_to_torch_outputs(tmp_path, capsys):
+    checkpoint = _lightning_like()
+    torch.save(checkpoint, tmp_path / "ckpt.pt")
+    assert main(["convert", str(tmp_path / "ckpt.pt"), str(tmp_path / "tensors.pt"), "--drop-non-tensors"]) == 0
+    assert "dropped 2 non-tensor values: epoch, optimizer_states.0.param_groups.0.lr" in capsys.readouterr().out
+    out = torch.load(tmp_path / "tensors.pt")
+    assert "epoch" not in out and out["optimizer_states"][0]["param_groups"] == [{}]
+    assert torch.equal(out["state_dict"]["t"], checkpoint["state_dict"]["t"])

@@ -10,7 +10,8 @@ Lightning checkpoint):
 * nested dicts and lists are flattened to dotted names
   (``optimizer.state.0.exp_avg``);
 * leaves that are not tensors (epoch numbers, hyper-parameters, ...) are
-  refused, with their names, unless ``--drop-non-tensors`` leaves them out or
+  refused, with their names, unless ``--drop-non-tensors`` leaves them out (it
+  does so for torch outputs too, keeping the nesting) or
   ``--keep-structure`` stores the whole object as fastpersist does for
   ``save(obj, "x.safetensors")`` (the structure goes into ``__metadata__``;
   ``fastpersist.load`` rebuilds it, other readers see the tensors);
@@ -27,12 +28,14 @@ safetensors -> torch: the tensors (or the object stored with
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import pickle
 import sys
 import time
 from typing import Any
 
-__all__ = ["HELP", "add_arguments", "flatten_tensors", "run"]
+__all__ = ["HELP", "add_arguments", "drop_non_tensors", "flatten_tensors", "run"]
 
 HELP = "convert between torch checkpoints and safetensors files"
 
@@ -123,6 +126,59 @@ def _storable(tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     return result, aliases
 
 
+def drop_non_tensors(obj: Any) -> tuple[Any, list[str]]:
+    """``obj`` with only its tensors (in nested dicts, lists and tuples), and the dotted names of what was left out."""
+    import torch
+
+    dropped: list[str] = []
+
+    def keep(value: Any, path: str) -> tuple[bool, Any]:
+        if isinstance(value, torch.Tensor):
+            return True, value
+        if isinstance(value, dict):
+            kept = {}
+            for key, item in value.items():
+                ok, item = keep(item, f"{path}.{key}" if path else str(key))
+                if ok:
+                    kept[key] = item
+            return True, collections.OrderedDict(kept) if isinstance(value, collections.OrderedDict) else kept
+        if isinstance(value, (list, tuple)):
+            items = [item for ok, item in (keep(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value))
+                     if ok]  # fmt: skip
+            return True, items if isinstance(value, list) else tuple(items)
+        dropped.append(path or "<root>")
+        return False, None
+
+    ok, result = keep(obj, "")
+    return (result if ok else {}), dropped
+
+
+def _unreadable(error: BaseException, path: str, unsafe: bool) -> str:
+    from fastpersist import formats
+
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    try:
+        zipped = formats.is_torch_zip_file(path)
+    except OSError:
+        zipped = False
+    if not zipped and not isinstance(error, OSError):
+        return ("not a checkpoint: neither a zip archive (what torch.save writes) nor a safetensors file "
+                f"({type(error).__name__}: {first[:200]})")  # fmt: skip
+    hint = ""
+    if isinstance(error, pickle.UnpicklingError) and not unsafe:
+        hint = ("; it holds objects that weights_only loading refuses: if you trust the file, add --unsafe-pickle "
+                "(weights_only=False)")  # fmt: skip
+    return f"cannot be read ({type(error).__name__}: {first[:300]}){hint}"
+
+
+def _save(write) -> None:
+    """Runs the write; an I/O error becomes a one-line message and exit status 1 (the previous file is intact)."""
+    try:
+        write()
+    except OSError as e:
+        raise SystemExit(f"convert: could not write the output: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import fastpersist
     from fastpersist import formats
@@ -132,14 +188,22 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.input):
         print(f"convert: {args.input}: no such file", file=sys.stderr)
         return 2
+    directory = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(directory):
+        print(f"convert: the output's directory {directory} does not exist; create it first", file=sys.stderr)
+        return 2
     started = time.perf_counter()
-    source_is_safetensors = formats.is_safetensors_file(args.input)
-    if source_is_safetensors:
-        with st.safe_open(args.input) as f:
-            header_metadata = f.metadata()
-        obj = fastpersist.load(args.input)
-    else:
-        obj = fastpersist.load(args.input, map_location="cpu", weights_only=not args.unsafe_pickle)
+    try:
+        source_is_safetensors = formats.is_safetensors_file(args.input)
+        if source_is_safetensors:
+            with st.safe_open(args.input) as f:
+                header_metadata = f.metadata()
+            obj = fastpersist.load(args.input)
+        else:
+            obj = fastpersist.load(args.input, map_location="cpu", weights_only=not args.unsafe_pickle)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, OSError) as e:
+        print(f"convert: {args.input}: {_unreadable(e, args.input, args.unsafe_pickle)}", file=sys.stderr)
+        return 1
     obj = _select(obj, args.key)
     extra = {}
     for item in args.metadata:
@@ -152,7 +216,11 @@ def run(args: argparse.Namespace) -> int:
         if extra:
             print("convert: --metadata applies to safetensors outputs only", file=sys.stderr)
             return 2
-        fastpersist.save(obj, args.output, format="torch")
+        if args.drop_non_tensors:
+            obj, dropped = drop_non_tensors(obj)
+            if dropped:
+                print(f"dropped {len(dropped)} non-tensor values: {', '.join(dropped[:10])}")
+        _save(lambda: fastpersist.save(obj, args.output, format="torch"))
         count = len(flatten_tensors(obj)[0])
         if source_is_safetensors and header_metadata:
             print(f"note: the input's __metadata__ is not stored in the torch checkpoint: {header_metadata}")
@@ -176,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"dropped {len(others)} non-tensor values: {', '.join(others[:10])}")
             tensors, aliases = _storable(tensors)
             metadata = {**aliases, **extra} or None
-        st.save_file(tensors, args.output, metadata=metadata)
+        _save(lambda: st.save_file(tensors, args.output, metadata=metadata))
         count = len(tensors)
     elapsed = time.perf_counter() - started
     size = os.path.getsize(args.output)

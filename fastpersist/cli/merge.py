@@ -77,8 +77,16 @@ def merge(manifest_path: str, output: str, parts: list[str] = (), verify: bool =
 
 
 def run(args: argparse.Namespace) -> int:
+    from fastpersist.distributed.manifest import is_manifest
     from fastpersist.errors import CorruptCheckpointError
 
+    if os.path.isfile(args.manifest) and not is_manifest(args.manifest):
+        from fastpersist.formats import is_safetensors_file, is_torch_zip_file
+
+        if is_torch_zip_file(args.manifest) or is_safetensors_file(args.manifest):
+            print(f"ERROR    {args.manifest} is already a single checkpoint, not the manifest of a sharded one "
+                  "(layout='parts'): there is nothing to merge; load or copy it as it is", file=sys.stderr)  # fmt: skip
+            return 2
     try:
         report = merge(args.manifest, args.output, args.part, verify=not args.no_verify)
     except CorruptCheckpointError as e:

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch.serialization import location_tag, normalize_storage_type
 
-from fastpersist.errors import MixedDtypeViewsError, UnsupportedObjectError
+from fastpersist.errors import MixedDtypeViewsError, UnsupportedObjectError, unsupported_object_error
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
 from fastpersist.format.zipformat import PAYLOAD_ALIGNMENT, is_packed_storage, layout_archive, storage_alignment_claim
 
@@ -225,9 +225,10 @@ def _pickle_with_storages(obj: Any, pickle_module: Any, protocol: int,
     except UnsupportedObjectError:
         raise
     except (pickle.PicklingError, TypeError, AttributeError) as e:
-        raise UnsupportedObjectError(
+        raise unsupported_object_error(
+            e,
             f"cannot serialize the object: {e}. fastpersist.save accepts what torch.save accepts: "
-            "tensors, containers and picklable objects (lambdas and local classes are not picklable)"
+            "tensors, containers and picklable objects (lambdas and local classes are not picklable)",
         ) from e
     return buffer.getvalue(), storages
 
