@@ -59,8 +59,8 @@ def test_batched_small_crcs():
 
 def test_pool_is_reused_and_sized():
     assert checksum.threads() >= 1
-    first = checksum._executor()
-    assert checksum._executor() is first  # created once, reused by every save and load
+    first = checksum.executor()
+    assert checksum.executor() is first  # created once, reused by every save and load
 
 
 def test_pool_survives_fork(tmp_path):
