@@ -21,12 +21,12 @@ from fastpersist.errors import (
     FastPersistError,
     UnsupportedObjectError,
 )
-from fastpersist.io.handle import AioHandle
-from fastpersist.futures import pending_saves, release_buffers, wait_all
-from fastpersist.checkpointer import Checkpointer
+from fastpersist.deepnvme.handle import AioHandle
+from fastpersist.api.futures import pending_saves, release_buffers, wait_all
+from fastpersist.api.checkpointer import Checkpointer
 from fastpersist.errors import TensorModifiedError
 from fastpersist.io.memory import free_cpu_locked_tensor, new_cpu_locked_tensor
-from fastpersist.safetensors import load_file, safe_open, save_file
+from fastpersist.api.safetensors import load_file, safe_open, save_file
 from fastpersist.tensors import cast_to_byte_tensor
 
 __all__ = [

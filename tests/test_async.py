@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist import futures
+from fastpersist.api import futures
 from fastpersist.io import staging
 
 SMALL = {"buffer_size": "64K", "block_size": "64K"}

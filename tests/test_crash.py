@@ -37,7 +37,7 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist import commit
+from fastpersist.io import commit
 from fastpersist.io import engine
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from fastpersist.cli import display
+from fastpersist import display
 
 
 def test_columns_align_as_asked():

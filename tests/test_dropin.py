@@ -26,7 +26,8 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist import commit, config
+from fastpersist import config
+from fastpersist.io import commit
 from fastpersist.errors import (
     ChecksumMismatchError,
     MixedDtypeViewsError,
@@ -756,7 +757,7 @@ def test_a_failed_rename_keeps_the_target_and_removes_the_second_name(tmp_path, 
 def test_pending_removals_finish_at_exit(tmp_path):
     script = textwrap.dedent(f"""
         import torch, fastpersist
-        from fastpersist import commit
+        from fastpersist.io import commit
         commit.DEFER_REMOVAL_BYTES = 1
         for seed in range(5):
             fastpersist.save({{"x": torch.full((1 << 20,), float(seed))}}, {str(tmp_path / "c.pt")!r})

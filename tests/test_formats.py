@@ -13,7 +13,7 @@ import torch
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import fastpersist
-from fastpersist import formats
+from fastpersist.api import dispatch
 from fastpersist.errors import CorruptCheckpointError, UnsupportedObjectError
 
 
@@ -107,7 +107,7 @@ def test_map_location_forms(tmp_path):
 
 def test_damaged_structure_metadata_is_reported(tmp_path):
     path = tmp_path / "d.safetensors"
-    fastpersist.safetensors.save_file({"t": torch.ones(1)}, path, metadata={formats.STRUCTURE_KEY: "{broken"})
+    fastpersist.api.safetensors.save_file({"t": torch.ones(1)}, path, metadata={dispatch.STRUCTURE_KEY: "{broken"})
     with pytest.raises(CorruptCheckpointError, match="damaged"):
         fastpersist.load(path)
 

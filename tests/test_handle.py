@@ -11,7 +11,7 @@ import torch
 from fastpersist.tensors import host_memoryview
 
 from fastpersist.io import engine
-from fastpersist.io.handle import AioHandle
+from fastpersist.deepnvme.handle import AioHandle
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.complex64]
 

@@ -17,7 +17,7 @@ import torch
 
 from fastpersist.deepnvme import AsyncIOBuilder, PinMemoryBuilder, UtilsBuilder
 from fastpersist.io import memory
-from fastpersist.io.handle import AioHandle
+from fastpersist.deepnvme.handle import AioHandle
 from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
 
 
@@ -68,10 +68,10 @@ def test_queue_depth_range():
 
 
 def test_block_size_rounding_is_logged_once(caplog, monkeypatch):
-    from fastpersist.io import handle as handle_module
+    from fastpersist.deepnvme import handle as handle_module
 
     monkeypatch.setattr(handle_module, "_logged_block_rounding", False)
-    with caplog.at_level("INFO", logger="fastpersist.io.handle"):
+    with caplog.at_level("INFO", logger="fastpersist.deepnvme.handle"):
         AioHandle(1024)
         AioHandle(1536)
         AioHandle(4096)

@@ -31,7 +31,8 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist import cli, commit
+from fastpersist import cli
+from fastpersist.io import commit
 from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedObjectError
 from fastpersist.format.zipformat import check_structure, read_directory
 

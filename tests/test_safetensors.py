@@ -14,7 +14,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 import safetensors
 
 import fastpersist
-from fastpersist import safetensors as fs
+from fastpersist.api import safetensors as fs
 from fastpersist.errors import InvalidSafetensorsError, UnsupportedObjectError
 from fastpersist.format import safetensors as layout
 from fastpersist.io import engine
@@ -510,7 +510,7 @@ def test_save_file_from_an_atexit_handler_and_a_pending_async_save(tmp_path):
 
     script = f"""
 import atexit, torch
-from fastpersist import safetensors as fs
+from fastpersist.api import safetensors as fs
 path = {str(tmp_path)!r}
 atexit.register(lambda: fs.save_file({{"x": torch.full((1000,), 10.0)}}, path + "/atexit.safetensors"))
 fs.async_save_file({{"x": torch.full((300_000,), 6.0)}}, path + "/pending.safetensors")

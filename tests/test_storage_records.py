@@ -63,7 +63,7 @@ def test_a_load_lets_the_zip_directory_go_as_the_state_comes(tmp_path, monkeypat
     """The directory of 100,000 small tensors is 27 MiB of objects: each storage's record is
     dropped once the storage is loaded, so a load's peak stays near torch.load's."""
     import fastpersist
-    from fastpersist import loading
+    from fastpersist.api import loading
 
     state = {"a": torch.arange(10), "b": torch.arange(10).view(2, 5), "c": torch.ones(3), "empty": torch.empty(0)}
     state["view"] = state["a"][2:]  # shares a's storage: asked for twice, loaded once

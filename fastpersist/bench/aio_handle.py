@@ -30,7 +30,7 @@ import torch
 from fastpersist import config
 from fastpersist.bench.measure import machine_info
 from fastpersist.io import memory
-from fastpersist.io.handle import AioHandle
+from fastpersist.deepnvme.handle import AioHandle
 
 __all__ = ["main", "run"]
 

@@ -36,7 +36,7 @@ from fastpersist.bench.methods import (
     register,
 )
 from fastpersist.bench.runner import MethodResult, run_benchmark, verify_state
-from fastpersist.cli import display
+from fastpersist import display
 
 __all__ = [
     "BenchContext",

@@ -39,7 +39,7 @@ import torch
 
 from fastpersist import config, system
 from fastpersist.bench.methods import ceilings
-from fastpersist.cli import display
+from fastpersist import display
 from fastpersist.io import engine, memory
 
 __all__ = ["main", "build_parser", "run"]

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fastpersist import system
-from fastpersist.commit import fsync_directory
+from fastpersist.io.commit import fsync_directory
 
 __all__ = [
     "summarize",

@@ -26,7 +26,7 @@ import re
 import sys
 from typing import Any, Sequence
 
-from fastpersist.cli import display
+from fastpersist import display
 
 __all__ = [
     "load_result",

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import safetensors.torch as library
 
     import fastpersist
-    from fastpersist import safetensors as ours
+    from fastpersist.api import safetensors as ours
     from fastpersist.io import engine, memory
 
     device = torch.device(args.device)
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     directory = args.dir or tempfile.mkdtemp(prefix="fastpersist-bench-safetensors-", dir=".")
     os.makedirs(directory, exist_ok=True)
-    ours_path = os.path.join(directory, "fastpersist.safetensors")
+    ours_path = os.path.join(directory, "fastpersist.api.safetensors")
     theirs_path = os.path.join(directory, "library.safetensors")
     raw_path = os.path.join(directory, "ceiling.bin")
     torch_path = os.path.join(directory, "fastpersist-torch.pt")
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             handle.submit_write(raw_buffer.data_ptr(), raw_size, f, 0, keepalive=raw_buffer)
             handle.wait()
             f.fsync()
-        from fastpersist.commit import fsync_directory
+        from fastpersist.io.commit import fsync_directory
 
         fsync_directory(directory)
 

@@ -35,7 +35,7 @@ import torch
 from fastpersist import config, system
 from fastpersist.bench import measure, models
 from fastpersist.bench.runner import touch_pages, verify_state
-from fastpersist.cli import display
+from fastpersist import display
 
 __all__ = [
     "Knob",

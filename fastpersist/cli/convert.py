@@ -101,8 +101,8 @@ def _storable(tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """Tensors safetensors accepts: aliases of one tensor kept once (recorded), overlaps and strided views copied."""
     import torch
 
-    from fastpersist.formats import _tensor_identity
-    from fastpersist.safetensors import find_shared_tensors
+    from fastpersist.api.dispatch import _tensor_identity
+    from fastpersist.api.safetensors import find_shared_tensors
 
     result = {name: tensor for name, tensor in tensors.items()}
     aliases: dict[str, str] = {}
@@ -154,11 +154,11 @@ def drop_non_tensors(obj: Any) -> tuple[Any, list[str]]:
 
 
 def _unreadable(error: BaseException, path: str, unsafe: bool) -> str:
-    from fastpersist import formats
+    from fastpersist.api import dispatch
 
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     try:
-        zipped = formats.is_torch_zip_file(path)
+        zipped = dispatch.is_torch_zip_file(path)
     except OSError:
         zipped = False
     if not zipped and not isinstance(error, OSError):
@@ -181,8 +181,8 @@ def _save(write) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import fastpersist
-    from fastpersist import formats
-    from fastpersist import safetensors as st
+    from fastpersist.api import dispatch
+    from fastpersist.api import safetensors as st
 
     target = args.to or ("safetensors" if args.output.lower().endswith(".safetensors") else "torch")
     if not os.path.isfile(args.input):
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
     try:
-        source_is_safetensors = formats.is_safetensors_file(args.input)
+        source_is_safetensors = dispatch.is_safetensors_file(args.input)
         if source_is_safetensors:
             with st.safe_open(args.input) as f:
                 header_metadata = f.metadata()
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: the input's __metadata__ is not stored in the torch checkpoint: {header_metadata}")
     else:
         if args.keep_structure:
-            tensors, metadata = formats.flatten(obj)  # aliases already stored once
+            tensors, metadata = dispatch.flatten(obj)  # aliases already stored once
             tensors, _ = _storable(tensors)
             metadata = {**(metadata or {}), **extra}
         else:

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def merge(manifest_path: str, output: str, parts: list[str] = (), verify: bool = True, chunk_size: int = 16 << 20):
     """Writes the ordinary checkpoint a sharded one stands for; returns the VerifyReport (or None)."""
-    from fastpersist import commit
+    from fastpersist.io import commit
     from fastpersist.distributed.load import PartsSource
     from fastpersist.distributed.manifest import read_manifest
     from fastpersist.distributed.save import _temporary_name
@@ -64,7 +64,7 @@ def merge(manifest_path: str, output: str, parts: list[str] = (), verify: bool =
                 os.close(descriptor)
             report = None
             if verify:  # before the rename: a damaged set never replaces anything at OUT
-                from fastpersist.verification import verify as verify_file
+                from fastpersist.api.verification import verify as verify_file
 
                 report = verify_file(temporary)
             commit.copy_metadata(target, temporary)
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from fastpersist.errors import CorruptCheckpointError
 
     if os.path.isfile(args.manifest) and not is_manifest(args.manifest):
-        from fastpersist.formats import is_safetensors_file, is_torch_zip_file
+        from fastpersist.api.dispatch import is_safetensors_file, is_torch_zip_file
 
         if is_torch_zip_file(args.manifest) or is_safetensors_file(args.manifest):
             print(f"ERROR    {args.manifest} is already a single checkpoint, not the manifest of a sharded one "

@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(path: str, require_checksums: bool) -> tuple[int, dict]:
-    from fastpersist import loading, verification
+    from fastpersist.api import loading
+    from fastpersist.api import verification
     from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError
 
     result: dict = {"path": path}

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from fastpersist import config
-from fastpersist.commit import fsync_directory
+from fastpersist.io.commit import fsync_directory
 from fastpersist.dcp.layout import (
     EXTENSION_ATTRIBUTE,
     EXTENSION_VERSION,

@@ -157,7 +157,7 @@ def check_bytes(buffer: torch.Tensor, path: str) -> None:
 
 
 def _deserialize(buffer: torch.Tensor, path: str, load_kwargs: dict[str, Any]) -> Any:
-    from fastpersist import loading
+    from fastpersist.api import loading
 
     return loading.load(io.BytesIO(host_memoryview(buffer)), **load_kwargs)
 
@@ -211,7 +211,7 @@ def load_collective(path: str, group: Any, load_kwargs: dict[str, Any], verify: 
     holders = [r for r, v in enumerate(views) if v["manifest"] is not None]
     if not holders:
         if all(v["ordinary"] for v in views):
-            from fastpersist import loading
+            from fastpersist.api import loading
 
             return loading.load(path, **load_kwargs)
         raise DistributedCheckpointError(

@@ -54,7 +54,8 @@ from typing import Any
 
 import torch
 
-from fastpersist import commit, config
+from fastpersist import config
+from fastpersist.io import commit
 from fastpersist.distributed import replicas
 from fastpersist.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from fastpersist.distributed.manifest import Manifest, PartInfo, part_name

@@ -20,8 +20,8 @@ __all__ = ["verify_sharded"]
 
 
 def verify_sharded(path: str, chunk_size: int = 16 << 20):
-    """Checks a sharded checkpoint; returns a :class:`fastpersist.verification.VerifyReport`."""
-    from fastpersist.verification import VerifyReport, has_checksums
+    """Checks a sharded checkpoint; returns a :class:`fastpersist.api.verification.VerifyReport`."""
+    from fastpersist.api.verification import VerifyReport, has_checksums
 
     manifest = read_manifest(path)
     with PartsSource(manifest, os.path.dirname(os.path.abspath(path))) as source:

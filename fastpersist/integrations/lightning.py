@@ -30,8 +30,8 @@ import warnings
 from typing import Any
 
 import fastpersist
-from fastpersist import futures
-from fastpersist.checkpointer import Checkpointer
+from fastpersist.api import futures
+from fastpersist.api.checkpointer import Checkpointer
 
 __all__ = [
     "FastPersistCheckpointIO",

@@ -48,7 +48,7 @@ def _patch(alignment: int | None = None) -> None:
     import safetensors
     import safetensors.torch as library
 
-    from fastpersist import safetensors as ours
+    from fastpersist.api import safetensors as ours
 
     library_safe_open = safetensors.safe_open
 

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from fastpersist import commit, system
+from fastpersist import system
+from fastpersist.io import commit
 from fastpersist.bench import measure, models
 from fastpersist.bench.methods.base import SaveMethod, register
 from fastpersist.tensors import host_memoryview

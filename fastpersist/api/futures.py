@@ -40,8 +40,9 @@ import warnings
 from collections import deque
 from typing import Any, Callable
 
-from fastpersist import config, formats
-from fastpersist.commit import check_target, commit_plan, resolve_target
+from fastpersist import config
+from fastpersist.api import dispatch
+from fastpersist.io.commit import check_target, commit_plan, resolve_target
 from fastpersist.errors import TensorModifiedError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io import memory, staging
@@ -347,8 +348,8 @@ def async_save(
         PermissionError, TypeError, ConfigError: at once, as :func:`save`.
         MemoryError: (snapshot) the staging area cannot be allocated.
     """
-    if formats.wants_safetensors(f, settings.pop("format", None)):
-        return formats.async_save_safetensors(obj, f, settings)
+    if dispatch.wants_safetensors(f, settings.pop("format", None)):
+        return dispatch.async_save_safetensors(obj, f, settings)
     if mode is not None:
         settings["async_mode"] = mode
     overrides, _ = config.split_overrides("async_save", settings, allow_other=False)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fastpersist.io import memory
-from fastpersist.io.handle import AioHandle, is_pinned
+from fastpersist.deepnvme.handle import AioHandle, is_pinned
 from fastpersist.tensors import cast_to_byte_tensor
 
 __all__ = [

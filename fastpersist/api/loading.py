@@ -10,7 +10,8 @@ from typing import Any, BinaryIO, Callable
 
 import torch
 
-from fastpersist import config, formats
+from fastpersist import config
+from fastpersist.api import dispatch
 from fastpersist.errors import CorruptCheckpointError, FastPersistError, TruncatedCheckpointError, torch_compatible
 from fastpersist.format.deserializer import archive_prefix, deserialize
 from fastpersist.format.zipformat import (
@@ -23,7 +24,7 @@ from fastpersist.format.zipformat import (
 )
 from fastpersist.io import engine
 from fastpersist.io.reader import FileStorageProvider, MmapStorageProvider
-from fastpersist.verification import has_checksums, verify_file_object
+from fastpersist.api.verification import has_checksums, verify_file_object
 
 __all__ = ["load"]
 
@@ -76,7 +77,7 @@ def load(
 
     Reads any torch.save zip file (any alignment) as well as fastpersist's,
     and safetensors files (recognised by their first bytes; see
-    :mod:`fastpersist.formats`).
+    :mod:`fastpersist.api.dispatch`).
     CPU tensors land in page-aligned memory that becomes their storage; CUDA
     targets are streamed through page-locked buffers straight to the device.
 
@@ -124,7 +125,7 @@ def load(
         torch_kwargs["pickle_module"] = pickle_module
     if not isinstance(f, (str, os.PathLike)):
         if _is_safetensors_stream(f):
-            return formats.load_safetensors_bytes(f.read(), map_location)
+            return dispatch.load_safetensors_bytes(f.read(), map_location)
         if verify and explicit:
             verify_file_object(f)
         return _TORCH_LOAD(f, map_location, **torch_kwargs)
@@ -288,16 +289,16 @@ def _is_safetensors_stream(f) -> bool:
         f.seek(position)
     except (AttributeError, OSError, ValueError):
         return False
-    return isinstance(head, bytes) and formats.looks_like_safetensors(head)
+    return isinstance(head, bytes) and dispatch.looks_like_safetensors(head)
 
 
 def _load_from_path(path, map_location, pickle_module, weights_only, mmap, verify, settings, torch_kwargs,
                     pickle_load_args, warn_unverifiable=True):  # fmt: skip
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "expected a checkpoint file, got a directory", path)
-    if formats.is_safetensors_file(path):
-        return formats.load_safetensors(path, map_location, settings.as_dict())
-    if not formats.is_torch_zip_file(path):  # legacy (pre-1.6) or foreign format: torch.load knows them all
+    if dispatch.is_safetensors_file(path):
+        return dispatch.load_safetensors(path, map_location, settings.as_dict())
+    if not dispatch.is_torch_zip_file(path):  # legacy (pre-1.6) or foreign format: torch.load knows them all
         return _load_with_torch(path, map_location, torch_kwargs)
     file = engine.File(path, "r", direct=settings.direct and not mmap)
     try:

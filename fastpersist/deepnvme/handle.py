@@ -3,7 +3,7 @@
 A drop-in for code written against ``deepspeed.ops.op_builder.AsyncIOBuilder().load().aio_handle``
 (``fastpersist.deepnvme.AsyncIOBuilder`` builds it the same way)::
 
-    from fastpersist.io.handle import AioHandle
+    from fastpersist.deepnvme.handle import AioHandle
     h = AioHandle(block_size=1 << 20, queue_depth=32)
     h.async_pwrite(tensor, "/nvme/x.bin")   # returns 0 at once
     h.wait()                                # 1 completed op; raises the first error
@@ -42,7 +42,7 @@ __all__ = ["AioHandle", "is_pinned"]
 
 PathOrFd = Union[str, "os.PathLike[str]", int]
 
-_logger = logging.getLogger("fastpersist.io.handle")
+_logger = logging.getLogger("fastpersist.deepnvme.handle")
 
 #: DeepNVMe's O_DIRECT alignment unit; get_alignment() is this times intra_op_parallelism.
 O_DIRECT_ALIGNMENT = 4096

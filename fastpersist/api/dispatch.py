@@ -77,7 +77,7 @@ def is_torch_zip_file(path: str) -> bool:
 def _plain_state_dict(obj: Any) -> bool:
     if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
         return False
-    from fastpersist.safetensors import find_shared_tensors
+    from fastpersist.api.safetensors import find_shared_tensors
 
     return all(len(group) < 2 for group in find_shared_tensors(obj))
 
@@ -193,7 +193,7 @@ def _decode(node: dict, tensors: dict[str, torch.Tensor]) -> Any:
 
 def save_safetensors(obj: Any, f: Any, settings: dict[str, Any]) -> None:
     """``fastpersist.save(obj, f, format="safetensors")``: a path goes through save_file; a file object gets the bytes."""
-    from fastpersist import safetensors
+    from fastpersist.api import safetensors
 
     tensors, metadata = flatten(obj)
     if isinstance(f, (str, os.PathLike)):
@@ -208,7 +208,7 @@ def save_safetensors(obj: Any, f: Any, settings: dict[str, Any]) -> None:
 
 def async_save_safetensors(obj: Any, f: Any, settings: dict[str, Any]):
     """``fastpersist.async_save(obj, path, format="safetensors")``."""
-    from fastpersist import safetensors
+    from fastpersist.api import safetensors
 
     if not isinstance(f, (str, os.PathLike)):
         raise TypeError(f"async_save needs a file path, got {type(f).__name__}; use save() for file objects")
@@ -236,7 +236,7 @@ def _map(tensors: dict[str, torch.Tensor], map_location: Any) -> dict[str, torch
 
 def load_safetensors(path: str, map_location: Any, settings: dict[str, Any]) -> Any:
     """``fastpersist.load`` of a safetensors file: tensors on ``map_location``'s device, the saved object rebuilt."""
-    from fastpersist import safetensors
+    from fastpersist.api import safetensors
 
     device: Any = "cpu"
     if isinstance(map_location, (str, int, torch.device)):
@@ -251,7 +251,7 @@ def load_safetensors(path: str, map_location: Any, settings: dict[str, Any]) -> 
 
 def load_safetensors_bytes(data: bytes, map_location: Any) -> Any:
     """``fastpersist.load`` of a file object holding a safetensors file."""
-    from fastpersist import safetensors
+    from fastpersist.api import safetensors
 
     tensors = safetensors.load(data)
     if isinstance(map_location, (str, int, torch.device)):

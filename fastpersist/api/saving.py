@@ -8,8 +8,9 @@ from typing import Any, BinaryIO
 
 import torch
 
-from fastpersist import config, formats
-from fastpersist.commit import check_target, commit_plan, fsync_file_object, resolve_target
+from fastpersist import config
+from fastpersist.api import dispatch
+from fastpersist.io.commit import check_target, commit_plan, fsync_file_object, resolve_target
 from fastpersist.errors import NotWritableError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io.stream import write_plan_to_stream
@@ -73,7 +74,7 @@ def save(
         **settings: per-call overrides of any ``fastpersist.config`` setting
             (``buffer_size``, ``engine``, ``fsync``, ``checksum``, ...), and
             ``format="torch"|"safetensors"`` (default: safetensors for paths
-            ending in ``.safetensors``; see :mod:`fastpersist.formats`).
+            ending in ``.safetensors``; see :mod:`fastpersist.api.dispatch`).
 
     Raises:
         UnsupportedObjectError: ``obj`` cannot be pickled (nothing is written).
@@ -93,8 +94,8 @@ def save(
         TypeError: an unknown keyword argument.
         ConfigError: an invalid setting value.
     """
-    if formats.wants_safetensors(f, settings.pop("format", None)):
-        formats.save_safetensors(obj, f, settings)  # format="safetensors" or a .safetensors path
+    if dispatch.wants_safetensors(f, settings.pop("format", None)):
+        dispatch.save_safetensors(obj, f, settings)  # format="safetensors" or a .safetensors path
         return
     overrides, _ = config.split_overrides("save", settings, allow_other=False)
     resolved = config.resolve(overrides)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from fastpersist import config
-from fastpersist.commit import check_target, commit_plan, resolve_target
+from fastpersist.io.commit import check_target, commit_plan, resolve_target
 from fastpersist.errors import InvalidSafetensorsError
 from fastpersist.format import safetensors as layout
 from fastpersist.format.zipformat import ZipRecordInfo
@@ -117,7 +117,7 @@ def _check_tensors(tensors: Any) -> None:
         raise RuntimeError(
             f"Some tensors share memory, this will lead to duplicate memory on disk and potential differences "
             f"when loading them again: {failing}. A potential way to correctly save your model is to use "
-            "`save_model` (fastpersist.safetensors.save_model), or .clone() the tensors. More information at "
+            "`save_model` (fastpersist.api.safetensors.save_model), or .clone() the tensors. More information at "
             "https://huggingface.co/docs/safetensors/torch_shared_tensors"
         )
     for name, tensor in tensors.items():
@@ -197,7 +197,7 @@ def async_save_file(
     background thread of :func:`fastpersist.async_save`, in call order with
     other background saves. Do not modify the tensors until the future is done.
     """
-    from fastpersist.futures import run_in_order
+    from fastpersist.api.futures import run_in_order
     from fastpersist.io.writer import side_streams
 
     _check_tensors(tensors)
@@ -344,7 +344,7 @@ class safe_open:
 
     ::
 
-        with fastpersist.safetensors.safe_open("model.safetensors", framework="pt", device="cuda") as f:
+        with fastpersist.api.safetensors.safe_open("model.safetensors", framework="pt", device="cuda") as f:
             weight = f.get_tensor("lm_head.weight")          # reads only that tensor
             rows = f.get_slice("embed.weight")[1000:2000]     # reads only those rows
 
@@ -360,7 +360,7 @@ class safe_open:
     def __init__(self, filename, framework: str = "pt", device: Any = "cpu", *, backend: str | None = None,
                  **settings: Any):  # fmt: skip
         if framework not in ("pt", "torch", "pytorch"):
-            raise ValueError(f"fastpersist.safetensors.safe_open supports framework='pt' only, got {framework!r}")
+            raise ValueError(f"fastpersist.api.safetensors.safe_open supports framework='pt' only, got {framework!r}")
         if backend not in _BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected 'mmap' or 'pread' (both read with fastpersist)")
         self._device = _device(device)

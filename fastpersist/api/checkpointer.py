@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 import torch
 
-from fastpersist import futures
+from fastpersist.api import futures
 
 __all__ = ["Checkpointer"]
 
