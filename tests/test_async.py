@@ -16,6 +16,7 @@ import torch
 
 import fastpersist
 from fastpersist.api import futures
+from fastpersist.io import queue
 from fastpersist.io import staging
 
 SMALL = {"buffer_size": "64K", "block_size": "64K"}
@@ -27,7 +28,7 @@ def no_error_left_unchecked():
     yield
     for future in futures.pending_saves():
         future._finished.wait(120)
-    left = [f for f in futures._unchecked if not f._checked]
+    left = [f for f in queue._unchecked if not f._checked]
     for f in left:
         f.exception()  # do not fail the whole pytest run at exit
     assert not left, f"a test left failed saves unchecked: {left}"
@@ -40,9 +41,9 @@ class Gate:
         self.event = threading.Event()
         self.future = futures.SaveFuture("<gate>", "pipelined")
         self.future._work = self.event.wait
-        with futures._lock:
-            futures._in_flight.append(self.future)
-        assert futures._worker.submit(self.future)
+        with queue._lock:
+            queue._in_flight.append(self.future)
+        assert queue._worker.submit(self.future)
 
     def open(self):
         self.event.set()

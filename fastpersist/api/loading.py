@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import os
 import pickle
 import warnings
@@ -14,17 +15,12 @@ from fastpersist import config
 from fastpersist.api import dispatch
 from fastpersist.errors import CorruptCheckpointError, FastPersistError, TruncatedCheckpointError, torch_compatible
 from fastpersist.format.deserializer import archive_prefix, deserialize
-from fastpersist.format.zipformat import (
-    MissingEndRecordError,
-    RecordTable,
-    ZipRecordInfo,
-    check_record_crc,
-    read_directory,
-    read_rows,
-)
+from fastpersist.format.zipformat import MissingEndRecordError, RecordTable, read_directory, read_rows
 from fastpersist.io import engine
 from fastpersist.io.reader import FileStorageProvider, MmapStorageProvider
-from fastpersist.api.verification import has_checksums, verify_file_object
+from fastpersist.tensors import host_memoryview
+from fastpersist.api.verification import verify_file_object
+from fastpersist.io.records import HeaderCache, has_checksums, record_bytes
 
 __all__ = ["load"]
 
@@ -153,59 +149,31 @@ _NOT_SHARDED = object()
 
 def _load_sharded(path: str, group: Any, timeout: float | None, verify: bool, load_kwargs: dict) -> Any:
     """A sharded checkpoint (manifest + parts), or a collective load; else _NOT_SHARDED."""
+    from fastpersist.distributed import load as distributed_load
+    from fastpersist.distributed.manifest import is_manifest
+
     if group is not None and group is not False:
-        from fastpersist.distributed import load as distributed_load
         from fastpersist.distributed import save as distributed_save
 
         if distributed_save.is_collective(group):
-            return distributed_load.load_collective(
-                path, None if group is True else group, load_kwargs, verify=verify,
+            data = distributed_load.read_collective(
+                path, None if group is True else group, verify=verify,
                 timeout=distributed_save.DEFAULT_TIMEOUT if timeout is None else timeout,
             )  # fmt: skip
-    from fastpersist.distributed.manifest import is_manifest
-
+            return _NOT_SHARDED if data is None else load(io.BytesIO(host_memoryview(data)), **load_kwargs)
     if os.path.isfile(path) and is_manifest(path):
-        from fastpersist.distributed.load import load_parts
-
-        return load_parts(path, load_kwargs, verify=verify)
+        data = distributed_load.read_parts(path, verify=verify)
+        return load(io.BytesIO(host_memoryview(data)), **load_kwargs)
     return _NOT_SHARDED
 
 
 def _open_records(file, path: str, verify: bool) -> tuple[RecordTable, Callable[[int, int], bytes]]:
     size = file.size()
 
-    read_at = _HeaderCache(file.fd, size)
+    read_at = HeaderCache(file.fd, size)
     # Verifying also checks the bytes no CRC covers (headers, descriptors, end records).
     # Rows, not named tuples: the garbage collector stops tracking them (see read_rows).
     return RecordTable(read_rows(read_at, size, path, check=verify)), read_at
-
-
-class _HeaderCache:
-    """``read_at`` for the zip parser that serves small reads from one cached 64 KiB window.
-
-    Checking the structure reads every local header and data descriptor: with
-    packed records they sit next to each other, and one pread per header was
-    60,000 system calls for a file of 20,000 small tensors. The window stays
-    small so that the headers of large records do not drag megabytes of
-    payload through the page cache.
-    """
-
-    _WINDOW = 64 << 10
-
-    def __init__(self, fd: int, size: int):
-        self._fd = fd
-        self._size = size
-        self._start = 0
-        self._data = b""
-
-    def __call__(self, offset: int, length: int) -> bytes:
-        if length > self._WINDOW // 4:
-            return os.pread(self._fd, length, offset)
-        if not (self._start <= offset and offset + length <= self._start + len(self._data)):
-            self._start = offset
-            self._data = os.pread(self._fd, min(self._WINDOW, max(length, self._size - offset)), offset)
-        position = offset - self._start
-        return self._data[position : position + length]
 
 
 _LEGACY_MAGIC = b"\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"  # pickled 0x1950a86a20f9469cfc6c, torch's legacy mark
@@ -264,21 +232,6 @@ def _raise_if_damaged_zip(path: str) -> None:
     )  # fmt: skip
 
 
-def _record_bytes(read_at, record: ZipRecordInfo, path: str, verify: bool) -> bytes:
-    data = read_at(record.data_offset, record.size)
-    if len(data) != record.size:
-        raise CorruptCheckpointError(f"{path}: record {record.name!r} is cut short", path=path, record=record.name)
-    if verify:
-        _check_crc(path, record, data)
-    return data
-
-
-def _check_crc(path: str, record: ZipRecordInfo, data) -> None:
-    crc = engine.crc32_of(data)
-    if crc != record.crc:
-        check_record_crc(record, crc, path)
-
-
 def _is_safetensors_stream(f) -> bool:
     """A seekable file object positioned at a safetensors file (its position is kept)."""
     try:
@@ -313,11 +266,11 @@ def _load_from_path(path, map_location, pickle_module, weights_only, mmap, verif
         if verify:  # the small records nothing else reads (version, serialization id, ...)
             for name in records:
                 if not name.startswith(prefix + "data/") and name != prefix + "data.pkl":
-                    _record_bytes(read_at, records[name], path, verify)
-        pickle_bytes = _record_bytes(read_at, records[prefix + "data.pkl"], path, verify)
+                    record_bytes(read_at, records[name], path, verify)
+        pickle_bytes = record_bytes(read_at, records[prefix + "data.pkl"], path, verify)
         byteorder = b"little"
         if prefix + "byteorder" in records:
-            byteorder = _record_bytes(read_at, records[prefix + "byteorder"], path, verify)
+            byteorder = record_bytes(read_at, records[prefix + "byteorder"], path, verify)
             if byteorder not in (b"little", b"big"):
                 raise CorruptCheckpointError(f"{path}: unknown byte order record {byteorder!r}", path=path)
         if mmap:

@@ -34,7 +34,9 @@ from fastpersist.errors import InvalidSafetensorsError
 from fastpersist.format import safetensors as layout
 from fastpersist.format.zipformat import ZipRecordInfo
 from fastpersist.io import engine
+from fastpersist.io.queue import run_in_order
 from fastpersist.io.reader import FileStorageProvider
+from fastpersist.io.writer import side_streams
 from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
 
 __all__ = [
@@ -197,9 +199,6 @@ def async_save_file(
     background thread of :func:`fastpersist.async_save`, in call order with
     other background saves. Do not modify the tensors until the future is done.
     """
-    from fastpersist.api.futures import run_in_order
-    from fastpersist.io.writer import side_streams
-
     _check_tensors(tensors)
     resolved = _settings("async_save_file", settings)
     plan = layout.plan_save_file(_byte_views(tensors), metadata, alignment)

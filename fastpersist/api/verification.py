@@ -10,20 +10,11 @@ from typing import BinaryIO
 from fastpersist.errors import CorruptCheckpointError
 from fastpersist.format.deserializer import archive_prefix
 from fastpersist.format.safetensors import header_length, looks_like_safetensors, parse_header
-from fastpersist.format.zipformat import ZipRecordInfo, check_alignment_claim, check_record_crc, check_structure
+from fastpersist.format.zipformat import ZipRecordInfo, check_alignment_claim
 from fastpersist.io import engine
+from fastpersist.io.records import VerifyReport, verify_records
 
-__all__ = ["verify", "VerifyReport", "has_checksums", "verify_file_object"]
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyReport:
-    """What :func:`verify` checked."""
-
-    path: str
-    records: int
-    bytes: int
-    checksummed: bool
+__all__ = ["verify", "VerifyReport", "verify_file_object"]
 
 
 def verify(path: str | os.PathLike[str], *, chunk_size: int = 16 << 20) -> VerifyReport:
@@ -65,17 +56,11 @@ def verify(path: str | os.PathLike[str], *, chunk_size: int = 16 << 20) -> Verif
             # No checksums in the format: its header, offsets and size are what can be checked.
             header = parse_header(read_at(0, 8 + header_length(read_at(0, 8), size, path)), size, path)
             return VerifyReport(path, len(header.tensors), size - header.data_offset, checksummed=False)
-        records = check_structure(read_at, size, path)
+        buffer = engine.AlignedBuffer(max(min(chunk_size, size), 1), lock=False, huge_pages=False)
+        records, total, checksummed = verify_records(
+            read_at, size, path, crc_of=lambda record: _crc_of_range(descriptor, record, buffer, path)
+        )
         archive_prefix([r.name for r in records], path)
-        checksummed = has_checksums(records)
-        total = 0
-        buffer = engine.AlignedBuffer(max(min(chunk_size, max((r.size for r in records), default=0)), 1),
-                                      lock=False, huge_pages=False)  # fmt: skip
-        for record in sorted(records, key=lambda r: r.data_offset):
-            crc = _crc_of_range(descriptor, record, buffer, path)
-            total += record.size
-            if checksummed and crc != record.crc:
-                check_record_crc(record, crc, path)
         # After the CRCs, so that damaged bytes are reported as such first. A wrong claim
         # leaves every byte intact (archives rewritten by other zip tools have one), but
         # torch.load with calculate_storage_offsets would read wrong bytes: a warning.
@@ -86,11 +71,6 @@ def verify(path: str | os.PathLike[str], *, chunk_size: int = 16 << 20) -> Verif
                           + "; plain torch.load and fastpersist.load read it correctly", RuntimeWarning,
                           stacklevel=2)  # fmt: skip
     return VerifyReport(path, len(records), total, checksummed)
-
-
-def has_checksums(records) -> bool:
-    """False for files written without CRC-32s (every non-empty record's CRC is 0)."""
-    return any(r.crc != 0 for r in records if r.size)
 
 
 def _crc_of_range(descriptor: int, record: ZipRecordInfo, buffer, path: str | None) -> int:
@@ -109,6 +89,7 @@ def _crc_of_range(descriptor: int, record: ZipRecordInfo, buffer, path: str | No
 
 
 def verify_file_object(f: BinaryIO) -> None:
+    """Structure and every CRC-32 of the checkpoint in a seekable file object (its position is kept)."""
     start = f.tell()
     f.seek(0, os.SEEK_END)
     size = f.tell() - start
@@ -118,21 +99,9 @@ def verify_file_object(f: BinaryIO) -> None:
         return f.read(length)
 
     try:
-        records = check_structure(read_at, size, None)
-        if not has_checksums(records):
+        _, _, checksummed = verify_records(read_at, size, None)
+        if not checksummed:
             warnings.warn("the file object holds a checkpoint without CRC-32 checksums; it cannot be verified",
                           stacklevel=4)  # fmt: skip
-            return
-        for record in records:
-            crc = 0
-            for position in range(0, record.size, 16 << 20):
-                piece = read_at(record.data_offset + position, min(16 << 20, record.size - position))
-                if not piece:
-                    raise CorruptCheckpointError(f"<file object>: record {record.name!r} is cut short",
-                                                 record=record.name)  # fmt: skip
-                crc = engine.crc32_of(piece, crc)
-            if crc != record.crc:
-                check_record_crc(record, crc, "<file object>")
     finally:
         f.seek(start)
-

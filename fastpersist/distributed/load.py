@@ -1,24 +1,23 @@
 """Loading a checkpoint saved as parts (``layout="parts"``), alone or collectively.
 
 * All parts visible (one machine, shared filesystem, or copied together):
-  :func:`load_parts` rebuilds the ordinary file's bytes in memory from the
-  parts and the manifest, checks its structure and every record's CRC-32,
-  and unpickles it as ``fastpersist.load`` would.
-* Each rank sees only its own part (node-local storage): :func:`load_collective`,
+  :func:`read_parts` rebuilds the ordinary file's bytes in memory from the
+  parts and the manifest and checks its structure and every record's CRC-32.
+* Each rank sees only its own part (node-local storage): :func:`read_collective`,
   called by every rank of a group. Ranks exchange which parts (and whether
   the manifest) they see; each part is read by the lowest rank that sees it
   and travels to every rank by ``torch.distributed.broadcast``. The group's
   size need not be the saving world size.
 
-Memory: the whole file's bytes are held once in host memory while the
-objects are built (plus the objects themselves). ``fastpersist merge`` turns
+Both return the bytes; ``fastpersist.load`` unpickles them. Memory: the
+whole file's bytes are held once in host memory while the objects are built
+(plus the objects themselves). ``fastpersist merge`` turns
 parts into one ordinary file, which loads without that copy.
 """
 
 from __future__ import annotations
 
 import glob
-import io
 import os
 import re
 from typing import Any
@@ -28,11 +27,11 @@ import torch
 from fastpersist.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from fastpersist.distributed.manifest import Manifest, is_manifest, read_manifest
 from fastpersist.errors import DistributedCheckpointError, TruncatedCheckpointError
-from fastpersist.format.zipformat import check_record_crc, check_structure
 from fastpersist.io import engine
+from fastpersist.io.records import verify_records
 from fastpersist.tensors import host_memoryview
 
-__all__ = ["PartsSource", "assemble", "load_parts", "load_collective", "check_bytes"]
+__all__ = ["PartsSource", "assemble", "read_parts", "read_collective", "check_bytes"]
 
 _PART = re.compile(r"^(?P<name>.+)\.(?P<token>[0-9a-f]+)\.part-(?P<index>\d+)-of-(?P<count>\d+)$")
 
@@ -147,28 +146,25 @@ def check_bytes(buffer: torch.Tensor, path: str) -> None:
     def read_at(offset: int, length: int) -> bytes:
         return bytes(view[offset : offset + length])
 
-    records = check_structure(read_at, len(view), path)
-    if not any(r.crc for r in records if r.size):
-        return  # saved with checksum=False: structure only
-    for record in records:
-        crc = engine.crc32_of(view[record.data_offset : record.data_offset + record.size])
-        if crc != record.crc:
-            check_record_crc(record, crc, path)
+    def crc_of(record) -> int:
+        return engine.crc32_of(view[record.data_offset : record.data_offset + record.size])
+
+    verify_records(read_at, len(view), path, crc_of=crc_of)
 
 
-def _deserialize(buffer: torch.Tensor, path: str, load_kwargs: dict[str, Any]) -> Any:
-    from fastpersist.api import loading
+def read_parts(path: str, verify: bool = True) -> torch.Tensor:
+    """The ordinary file's bytes of a sharded checkpoint whose parts are all visible beside its manifest.
 
-    return loading.load(io.BytesIO(host_memoryview(buffer)), **load_kwargs)
-
-
-def load_parts(path: str, load_kwargs: dict[str, Any], verify: bool = True) -> Any:
-    """Loads a sharded checkpoint whose parts are all visible beside its manifest."""
+    Raises:
+        FileNotFoundError: a part is missing (its index and host named).
+        TruncatedCheckpointError: a part is shorter than the manifest says.
+        CorruptCheckpointError, ChecksumMismatchError: (``verify``) damaged bytes.
+    """
     manifest = read_manifest(path)
     buffer = assemble(manifest, os.path.dirname(os.path.abspath(path)))
     if verify:
         check_bytes(buffer, path)
-    return _deserialize(buffer, path, load_kwargs)
+    return buffer
 
 
 def _local_parts(path: str) -> dict[str, dict[int, str]]:
@@ -182,11 +178,12 @@ def _local_parts(path: str) -> dict[str, dict[int, str]]:
     return found
 
 
-def load_collective(path: str, group: Any, load_kwargs: dict[str, Any], verify: bool = True,
-                    timeout: float = DEFAULT_TIMEOUT) -> Any:  # fmt: skip
-    """Collective load: every rank of ``group`` calls it; parts may be visible on some ranks only.
+def read_collective(path: str, group: Any, verify: bool = True, timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor | None:
+    """Collective read: every rank of ``group`` calls it; parts may be visible on some ranks only.
 
-    A path holding an ordinary checkpoint file is simply loaded by each rank.
+    Returns the ordinary file's bytes, verified, on every rank; or ``None``
+    when every rank sees an ordinary checkpoint at ``path`` (the caller loads
+    it as a plain file).
 
     Raises:
         DistributedCheckpointError: on every rank, when no rank sees the
@@ -211,9 +208,7 @@ def load_collective(path: str, group: Any, load_kwargs: dict[str, Any], verify: 
     holders = [r for r, v in enumerate(views) if v["manifest"] is not None]
     if not holders:
         if all(v["ordinary"] for v in views):
-            from fastpersist.api import loading
-
-            return loading.load(path, **load_kwargs)
+            return None
         raise DistributedCheckpointError(
             f"collective load of {path}: no rank sees a checkpoint or sharded-checkpoint manifest there",
             {r: "no manifest" for r in range(coordinator.size)},
@@ -260,4 +255,4 @@ def load_collective(path: str, group: Any, load_kwargs: dict[str, Any], verify: 
             check_bytes(buffer, path)
 
     coordinator.run("verify", check)
-    return _deserialize(buffer, path, load_kwargs)
+    return buffer
