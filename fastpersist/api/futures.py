@@ -35,7 +35,7 @@ from typing import Any
 
 from fastpersist import config
 from fastpersist.api import dispatch
-from fastpersist.io.commit import check_target, commit_plan, resolve_target
+from fastpersist.io.commit import commit_plan, target
 from fastpersist.errors import TensorModifiedError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io import memory, staging
@@ -144,11 +144,11 @@ def async_save(
     if not isinstance(f, (str, os.PathLike)):
         raise TypeError(f"async_save needs a file path, got {type(f).__name__}; use save() for file objects")
     report_unchecked_as_warnings()
-    path = os.fspath(f)
-    directory = check_target(resolve_target(path))
+    destination = target(f)
+    path = destination.path
     recorder = _RecordingPickler(pickle_module) if resolved.async_mode == "pipelined" else None
-    plan = plan_save(obj, archive_name_for(path), recorder.module if recorder else pickle_module, pickle_protocol)
-    path = resolve_target(path)
+    plan = plan_save(obj, archive_name_for(destination.given), recorder.module if recorder else pickle_module,
+                     pickle_protocol)  # fmt: skip
     future = SaveFuture(path, resolved.async_mode)
     # Wait for a slot before snapshotting, so at most async_max_pending staging areas exist.
     wait_for_slot(resolved.async_max_pending)
@@ -158,7 +158,7 @@ def async_save(
         def work() -> None:
             try:
                 snapshot.wait_copies()
-                commit_plan(snapshot.plan, path, directory, resolved, streams={})
+                commit_plan(snapshot.plan, destination, resolved, streams={})
             finally:
                 snapshot.release()
 
@@ -172,7 +172,7 @@ def async_save(
             def check() -> None:
                 _check_unmodified(path, recorded)
 
-            commit_plan(plan, path, directory, resolved, streams, before_commit=check)
+            commit_plan(plan, destination, resolved, streams, before_commit=check)
 
     future._work = work
     return submit(future)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from fastpersist import config
-from fastpersist.io.commit import check_target, commit_plan, resolve_target
+from fastpersist.io.commit import commit_plan, target
 from fastpersist.errors import InvalidSafetensorsError
 from fastpersist.format import safetensors as layout
 from fastpersist.format.zipformat import ZipRecordInfo
@@ -180,9 +180,7 @@ def save_file(
     _check_tensors(tensors)
     resolved = _settings("save_file", settings)
     plan = layout.plan_save_file(_byte_views(tensors), metadata, alignment)
-    path = resolve_target(os.fspath(filename))
-    directory = check_target(path)
-    commit_plan(plan, path, directory, resolved, streams=None)
+    commit_plan(plan, target(filename), resolved, streams=None)
 
 
 def async_save_file(
@@ -202,10 +200,9 @@ def async_save_file(
     _check_tensors(tensors)
     resolved = _settings("async_save_file", settings)
     plan = layout.plan_save_file(_byte_views(tensors), metadata, alignment)
-    path = resolve_target(os.fspath(filename))
-    directory = check_target(path)
+    destination = target(filename)
     streams = side_streams(plan)  # ordered after the caller's queued work, on the caller's thread
-    return run_in_order(lambda: commit_plan(plan, path, directory, resolved, streams), path)
+    return run_in_order(lambda: commit_plan(plan, destination, resolved, streams), destination.path)
 
 
 def save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:

@@ -10,7 +10,7 @@ import torch
 
 from fastpersist import config
 from fastpersist.api import dispatch
-from fastpersist.io.commit import check_target, commit_plan, fsync_file_object, resolve_target
+from fastpersist.io.commit import commit_plan, fsync_file_object, target
 from fastpersist.errors import NotWritableError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io.stream import write_plan_to_stream
@@ -120,11 +120,10 @@ def save(
                    _disable_byteorder_record)  # fmt: skip
         return
     if isinstance(f, (str, os.PathLike)):
-        path = os.fspath(f)
-        directory = check_target(resolve_target(path))
-        plan = plan_save(obj, archive_name_for(path), pickle_module, pickle_protocol, _disable_byteorder_record)
-        path = resolve_target(path)
-        commit_plan(plan, path, directory, resolved, streams=None)
+        destination = target(f)
+        plan = plan_save(obj, archive_name_for(destination.given), pickle_module, pickle_protocol,
+                         _disable_byteorder_record)  # fmt: skip
+        commit_plan(plan, destination, resolved, streams=None)
     else:
         if not callable(getattr(f, "write", None)):
             raise NotWritableError(

@@ -47,8 +47,8 @@ def merge(manifest_path: str, output: str, parts: list[str] = (), verify: bool =
         if not match:
             raise ValueError(f"{part}: not a part file name (expected ...part-K-of-N)")
         extra[int(match.group(1))] = part
-    target = commit.resolve_target(output)
-    directory = commit.check_target(target)
+    destination = commit.target(output)
+    target, directory = destination.path, destination.directory
     with PartsSource(manifest, os.path.dirname(os.path.abspath(manifest_path)), extra) as source:
         temporary = _temporary_name(target, directory)
         try:

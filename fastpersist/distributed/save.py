@@ -276,15 +276,16 @@ def save(
     state: dict[str, Any] = {}
 
     def prepare() -> dict[str, Any]:
-        target = commit.resolve_target(os.fspath(path))
-        directory = commit.check_target(target)
-        plan = plan_save(obj, archive_name_for(target), pickle_module, pickle_protocol, disable_byteorder_record)
-        state.update(target=target, directory=directory, plan=plan)
+        destination = commit.target(path)
+        plan = plan_save(obj, archive_name_for(destination.path), pickle_module, pickle_protocol,
+                         disable_byteorder_record)  # fmt: skip
+        state.update(target=destination.path, directory=destination.directory, plan=plan)
         payload: dict[str, Any] = {"host": socket.gethostname()}
         if rank == 0:
             payload.update(skeleton=_skeleton(plan), token=secrets.token_hex(6))
             if layout == "file" and not _sink:
-                payload["temporary"] = state["temporary"] = _create_presized(target, directory, plan.size, settings)
+                payload["temporary"] = state["temporary"] = _create_presized(destination.path, destination.directory,
+                                                                             plan.size, settings)
         return payload
 
     try:

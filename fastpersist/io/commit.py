@@ -26,6 +26,7 @@ temporaries of this process, and at most once a minute per directory.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import glob
 import hashlib
@@ -51,6 +52,8 @@ from fastpersist.io.stream import write_plan_to_stream
 from fastpersist.io.writer import write_plan
 
 __all__ = [
+    "Target",
+    "target",
     "resolve_target",
     "check_target",
     "target_kind",
@@ -194,6 +197,34 @@ def resolve_target(path: str) -> str:
     if target_kind(path) != "regular":
         return path
     return os.path.realpath(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a save to a path writes: made by :func:`target`, the one place every save resolves and checks it.
+
+    Attributes:
+        path: the file to write, resolved as the kernel resolves it
+            (:func:`resolve_target`).
+        directory: its directory (checked: it exists and may be written).
+        given: the path as the caller gave it (torch names the archive's
+            top-level folder after its stem).
+    """
+
+    path: str
+    directory: str
+    given: str
+
+
+def target(path: str | os.PathLike[str]) -> Target:
+    """Resolves and checks the target of a save (:func:`resolve_target`, then :func:`check_target`).
+
+    Raises:
+        as :func:`check_target`.
+    """
+    given = os.fspath(path)
+    resolved = resolve_target(given)
+    return Target(resolved, check_target(resolved), given)
 
 
 def check_target(path: str) -> str:
@@ -346,8 +377,8 @@ def _maybe_remove_stale(directory: str) -> None:
 # ----------------------------------------------------------------------------- commit
 
 
-def commit_plan(plan, path: str, directory: str, settings: config.Settings, streams, *, before_commit=None) -> None:
-    """Writes ``plan`` to ``path`` (from :func:`resolve_target`) with the semantics in the module docstring.
+def commit_plan(plan, destination: Target, settings: config.Settings, streams, *, before_commit=None) -> None:
+    """Writes ``plan`` to ``destination`` (from :func:`target`) with the semantics in the module docstring.
 
     ``before_commit``, if given, is called once every byte is written: before the rename of
     an atomic save, whose failure it then aborts (the temporary file is removed, ``path`` is
@@ -360,6 +391,7 @@ def commit_plan(plan, path: str, directory: str, settings: config.Settings, stre
             disk while replacing a file says how much room the atomic replace needed.
         TargetPermissionError, TargetDirectoryMissingError: as :func:`check_target`.
     """
+    path, directory = destination.path, destination.directory
     try:
         _commit_plan(plan, path, directory, settings, streams, before_commit)
     except OSError as error:
