@@ -1,8 +1,8 @@
 """What the operating system says about this process and machine, read in one place (from /proc and /sys).
 
-Linux's /proc is the one source (no psutil): resident and peak memory, the
-memory still available, effective capabilities, transparent huge pages, the
-filesystem holding a path, whether a process is alive. Also the one way to
+Linux's /proc is the one source (no psutil): the memory still available,
+effective capabilities, transparent huge pages, the filesystem holding a
+path, whether a process is alive. Also the one way to
 empty the page cache before a cold read (:class:`CacheDropper`) and to find
 fio. Every reader returns ``None`` (or a documented fallback) where the file
 does not exist, so callers work on other systems too. Imports nothing from
@@ -20,19 +20,17 @@ from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
+    "status_field",
     "CacheDropper",
     "FIO_INSTALL_HINT",
     "available_memory",
     "cpu_model",
-    "current_rss",
     "effective_capability",
     "files_under",
     "filesystem_of",
     "find_fio",
-    "peak_rss",
     "process_alive",
     "release_memory",
-    "reset_peak_rss",
     "transparent_huge_pages",
 ]
 
@@ -47,7 +45,7 @@ FIO_INSTALL_HINT = (
 # --------------------------------------------------------------------- /proc readers
 
 
-def _status_field(name: str) -> str | None:
+def status_field(name: str) -> str | None:
     """The value of ``name:`` in /proc/self/status (e.g. ``VmHWM``, ``CapEff``), or None."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
@@ -57,39 +55,6 @@ def _status_field(name: str) -> str | None:
     except OSError:
         return None
     return None
-
-
-def _kib_field(text: str | None) -> int | None:
-    return int(text.split()[0]) * 1024 if text else None
-
-
-def current_rss() -> int:
-    """Resident set size of this process in bytes (/proc/self/statm; the peak from getrusage elsewhere)."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * PAGE_SIZE
-    except OSError:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def peak_rss() -> int | None:
-    """The kernel's high-water mark of this process's resident memory (VmHWM), in bytes, or None."""
-    return _kib_field(_status_field("VmHWM"))
-
-
-def reset_peak_rss() -> bool:
-    """Resets VmHWM to the current RSS (Linux >= 4.0); False where not allowed.
-
-    Lets :func:`peak_rss` catch peaks shorter than any sampling interval.
-    """
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def available_memory() -> int | None:
@@ -106,7 +71,7 @@ def available_memory() -> int | None:
 
 def effective_capability(bit: int) -> bool | None:
     """Whether this process holds capability ``bit`` (e.g. 14, CAP_IPC_LOCK), or None when unknown."""
-    value = _status_field("CapEff")
+    value = status_field("CapEff")
     return None if value is None else bool(int(value, 16) >> bit & 1)
 
 

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from fastpersist.bench import models, report
+from fastpersist.tuning import workloads
+from fastpersist.bench import report
 from fastpersist.bench.methods import ceilings, torch_baselines
 from fastpersist.bench.runner import run_benchmark
 from fastpersist.system import CacheDropper
@@ -107,7 +108,7 @@ def test_method_order_is_random_per_round_and_seeded(tmp_path):
             self.name = name
 
     saves = [Named(f"m{i}") for i in range(5)]
-    state = models.build_state("toy")
+    state = workloads.build_state("toy")
 
     def schedule_for(seed):
         schedule = []

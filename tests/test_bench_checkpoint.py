@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from fastpersist import config, system
-from fastpersist.bench import checkpoint, measure, models, report
+from fastpersist.bench import checkpoint, measure, report
+from fastpersist.tuning import workloads
 from fastpersist.bench.methods import torch_baselines
 
 _WARM = system.CacheDropper(enabled=False)  # tests that need no cold reads skip the (slow) cache drop
@@ -36,14 +37,14 @@ BASELINE_METHODS = "torch.save,torch.save-fast,safetensors,dcp,torch.load,torch.
     ],
 )
 def test_full_models_have_their_published_parameter_counts(name, parameters):
-    spec = models.get_model(name)
-    assert models.parameter_count(spec, spec.num_layers) == parameters
+    spec = workloads.get_model(name)
+    assert workloads.parameter_count(spec, spec.num_layers) == parameters
     assert spec.published_parameters == parameters
 
 
 def test_gpt2_small_shapes_are_exact_and_the_tied_head_is_stored_once():
-    spec = models.get_model("gpt2")
-    shapes = dict(models.parameter_shapes(spec))
+    spec = workloads.get_model("gpt2")
+    shapes = dict(workloads.parameter_shapes(spec))
     assert shapes["transformer.wte.weight"] == (50257, 768)
     assert shapes["transformer.wpe.weight"] == (1024, 768)
     assert shapes["transformer.h.0.attn.c_attn.weight"] == (768, 2304)  # Conv1D: (in, out)
@@ -56,57 +57,57 @@ def test_gpt2_small_shapes_are_exact_and_the_tied_head_is_stored_once():
 
 
 def test_llama_and_phi3_shapes_are_exact():
-    llama1b = dict(models.parameter_shapes(models.get_model("llama-3.2-1b")))
+    llama1b = dict(workloads.parameter_shapes(workloads.get_model("llama-3.2-1b")))
     assert llama1b["model.embed_tokens.weight"] == (128256, 2048)
     assert llama1b["model.layers.0.self_attn.k_proj.weight"] == (512, 2048)  # 8 kv heads x 64
     assert llama1b["model.layers.15.mlp.down_proj.weight"] == (2048, 8192)
     assert "lm_head.weight" not in llama1b  # tie_word_embeddings=true
 
-    llama8b = dict(models.parameter_shapes(models.get_model("llama-3-8b")))
+    llama8b = dict(workloads.parameter_shapes(workloads.get_model("llama-3-8b")))
     assert llama8b["model.layers.31.self_attn.v_proj.weight"] == (1024, 4096)
     assert llama8b["model.layers.0.mlp.gate_proj.weight"] == (14336, 4096)
     assert llama8b["lm_head.weight"] == (128256, 4096)
 
-    phi3 = dict(models.parameter_shapes(models.get_model("phi-3-mini")))
+    phi3 = dict(workloads.parameter_shapes(workloads.get_model("phi-3-mini")))
     assert phi3["model.layers.0.self_attn.qkv_proj.weight"] == (9216, 3072)
     assert phi3["model.layers.0.mlp.gate_up_proj.weight"] == (16384, 3072)
     assert phi3["lm_head.weight"] == (32064, 3072)
 
 
 def test_default_model_is_a_truncated_tinyllama_of_about_600_mb():
-    spec = models.get_model(models.DEFAULT_MODEL)
-    size = models.state_bytes(spec, torch.bfloat16)
+    spec = workloads.get_model(workloads.DEFAULT_MODEL)
+    size = workloads.state_bytes(spec, torch.bfloat16)
     assert 0.5e9 < size < 1.0e9
-    full = dict(models.parameter_shapes(models.get_model("tinyllama-1.1b")))
-    for name, shape in models.parameter_shapes(spec):
+    full = dict(workloads.parameter_shapes(workloads.get_model("tinyllama-1.1b")))
+    for name, shape in workloads.parameter_shapes(spec):
         assert full[name] == shape
 
 
 def test_layers_and_size_select_a_prefix_of_the_blocks():
-    spec = models.get_model("llama-3-8b")
-    two = models.parameter_shapes(spec, 2)
+    spec = workloads.get_model("llama-3-8b")
+    two = workloads.parameter_shapes(spec, 2)
     assert [n for n, _ in two if ".layers." in n][-1].startswith("model.layers.1.")
-    layers = models.layers_for_size(spec, config.parse_size("2.5G"), torch.bfloat16)
+    layers = workloads.layers_for_size(spec, config.parse_size("2.5G"), torch.bfloat16)
     assert (
-        models.state_bytes(spec, torch.bfloat16, layers) <= 2.5 * 2**30 < models.state_bytes(spec, torch.bfloat16, layers + 1)
+        workloads.state_bytes(spec, torch.bfloat16, layers) <= 2.5 * 2**30 < workloads.state_bytes(spec, torch.bfloat16, layers + 1)
     )
     with pytest.raises(ValueError, match="embeddings alone"):
-        models.layers_for_size(spec, config.parse_size("1G"), torch.bfloat16)
+        workloads.layers_for_size(spec, config.parse_size("1G"), torch.bfloat16)
     with pytest.raises(ValueError):
-        models.parameter_shapes(spec, 33)
+        workloads.parameter_shapes(spec, 33)
 
 
 def test_unknown_model_names_the_known_ones():
     with pytest.raises(KeyError, match="llama-3-8b"):
-        models.get_model("nonexistent")
-    assert models.get_model("GPT2-small").name == "gpt2"
+        workloads.get_model("nonexistent")
+    assert workloads.get_model("GPT2-small").name == "gpt2"
 
 
 def test_synthetic_state_is_random_deterministic_and_owns_its_storage():
-    a = models.build_state("toy", seed=1)
-    b = models.build_state("toy", seed=1)
-    c = models.build_state("toy", seed=2)
-    assert list(a) == [n for n, _ in models.parameter_shapes(models.get_model("toy"))]
+    a = workloads.build_state("toy", seed=1)
+    b = workloads.build_state("toy", seed=1)
+    c = workloads.build_state("toy", seed=2)
+    assert list(a) == [n for n, _ in workloads.parameter_shapes(workloads.get_model("toy"))]
     pointers = set()
     for name, t in a.items():
         assert t.dtype == torch.bfloat16 and t.is_contiguous()
@@ -118,7 +119,7 @@ def test_synthetic_state_is_random_deterministic_and_owns_its_storage():
 
 
 def test_training_state_has_adam_moments_master_weights_step_and_rng():
-    state = models.build_state("toy", training_state=True, dtype="bf16")
+    state = workloads.build_state("toy", training_state=True, dtype="bf16")
     n = len(state["model"])
     assert len(state["optimizer"]["state"]) == n
     first = state["optimizer"]["state"][0]
@@ -127,31 +128,31 @@ def test_training_state_has_adam_moments_master_weights_step_and_rng():
     assert all(t.dtype == torch.float32 for t in state["master_weights"].values())
     assert state["step"] == 1000
     assert state["rng_state"].dtype == torch.uint8
-    tensors, _ = models.flatten_state(state)
-    spec = models.get_model("toy")
+    tensors, _ = workloads.flatten_state(state)
+    spec = workloads.get_model("toy")
     assert sum(
         t.numel() * t.element_size() for k, t in tensors.items() if k != "rng_state" and not k.endswith(".step")
-    ) == (models.state_bytes(spec, torch.bfloat16, training_state=True))
+    ) == (workloads.state_bytes(spec, torch.bfloat16, training_state=True))
 
 
 # ----------------------------------------------------------------------------- verification
 
 
 def test_verify_state_reports_the_first_difference():
-    state = models.build_state("toy")
-    expected = models.flatten_state(state)
-    assert checkpoint.verify_state(expected, models.flatten_state({k: v.clone() for k, v in state.items()})) is None
+    state = workloads.build_state("toy")
+    expected = workloads.flatten_state(state)
+    assert measure.verify_state(expected, workloads.flatten_state({k: v.clone() for k, v in state.items()})) is None
 
     changed = {k: v.clone() for k, v in state.items()}
     changed["transformer.h.1.mlp.c_fc.bias"].view(torch.uint8)[7] ^= 1
-    assert "c_fc.bias: bytes differ" in checkpoint.verify_state(expected, models.flatten_state(changed))
+    assert "c_fc.bias: bytes differ" in measure.verify_state(expected, workloads.flatten_state(changed))
 
     retyped = dict(state, **{"transformer.ln_f.bias": state["transformer.ln_f.bias"].float()})
-    assert "ln_f.bias" in checkpoint.verify_state(expected, models.flatten_state(retyped))
+    assert "ln_f.bias" in measure.verify_state(expected, workloads.flatten_state(retyped))
 
     missing = dict(state)
     del missing["transformer.wpe.weight"]
-    assert "missing" in checkpoint.verify_state(expected, models.flatten_state(missing))
+    assert "missing" in measure.verify_state(expected, workloads.flatten_state(missing))
 
 
 class _CorruptingTorchSave(torch_baselines.TorchSave):
@@ -186,7 +187,7 @@ class _CorruptingLoad(torch_baselines.TorchLoad):
 
 
 def test_a_corrupted_file_or_load_is_reported_failed_not_timed(tmp_path):
-    state = models.build_state("toy")
+    state = workloads.build_state("toy")
 
     class ReadsCorrupted(torch_baselines.TorchLoad):
         name = "reads-corrupted"
@@ -245,7 +246,7 @@ def test_a_method_that_raises_is_failed_and_its_loads_skipped(tmp_path):
         source = "broken"
 
     results = checkpoint.run_benchmark(
-        models.build_state("toy"), [Broken()], [ReadsBroken()], str(tmp_path), repeats=1, warmup=0
+        workloads.build_state("toy"), [Broken()], [ReadsBroken()], str(tmp_path), repeats=1, warmup=0
     )
     assert results[0].status == "FAILED" and "No space left" in results[0].reason
     assert results[1].status == "skipped" and "broken" in results[1].reason
@@ -325,7 +326,7 @@ def test_tiny_end_to_end_run_with_baselines_json_and_markdown(tmp_path, capsys):
 
 
 def test_training_state_round_trips_through_every_baseline(tmp_path):
-    state = models.build_state("toy", training_state=True)
+    state = workloads.build_state("toy", training_state=True)
     saves = [checkpoint.SAVE_METHODS[n] for n in ("torch.save", "safetensors", "dcp")]
     loads = [checkpoint.LOAD_METHODS[n] for n in ("torch.load", "torch.load-mmap", "safetensors.load", "dcp.load")]
     results = checkpoint.run_benchmark(state, saves, loads, str(tmp_path), repeats=1, warmup=0, dropper=_WARM)
@@ -334,7 +335,7 @@ def test_training_state_round_trips_through_every_baseline(tmp_path):
 
 def test_a_load_without_its_save_runs_that_save_untimed(tmp_path):
     results = checkpoint.run_benchmark(
-        models.build_state("toy"), [], [torch_baselines.TorchLoad()], str(tmp_path), repeats=1, warmup=0
+        workloads.build_state("toy"), [], [torch_baselines.TorchLoad()], str(tmp_path), repeats=1, warmup=0
     )
     helper, load = results
     assert helper.name == "torch.save" and not helper.timed and helper.status == "ok"
@@ -398,7 +399,7 @@ def test_peak_memory_sees_an_allocation():
 
 
 def test_fastpersist_methods_run_and_verify(tmp_path):
-    state = models.build_state("toy")
+    state = workloads.build_state("toy")
     saves = [checkpoint.SAVE_METHODS[n] for n in ("torch.save", "fastpersist", "fastpersist-async")]
     loads = [checkpoint.LOAD_METHODS[n] for n in ("fastpersist.load", "fastpersist.load-torchfile")]
     results = checkpoint.run_benchmark(state, saves, loads, str(tmp_path), repeats=1, warmup=0)
@@ -409,7 +410,7 @@ def test_fastpersist_methods_run_and_verify(tmp_path):
 
 
 def test_fastpersist_training_state_round_trips(tmp_path):
-    state = models.build_state("toy", training_state=True)
+    state = workloads.build_state("toy", training_state=True)
     saves = [checkpoint.SAVE_METHODS[n] for n in ("fastpersist", "fastpersist-async")]
     loads = [checkpoint.LOAD_METHODS["fastpersist.load"]]
     results = checkpoint.run_benchmark(state, saves, loads, str(tmp_path), repeats=1, warmup=0)
@@ -418,7 +419,7 @@ def test_fastpersist_training_state_round_trips(tmp_path):
 
 @pytest.mark.gpu
 def test_cuda_state_round_trips_through_every_method(tmp_path):
-    state = models.build_state("toy", device="cuda")
+    state = workloads.build_state("toy", device="cuda")
     ctx = checkpoint.BenchContext(device=torch.device("cuda", 0))
     saves = [m for m in checkpoint.SAVE_METHODS.values() if m.default]
     loads = [m for m in checkpoint.LOAD_METHODS.values() if m.default]
@@ -456,7 +457,7 @@ def test_keyboard_interrupt_removes_the_temporary_directory(tmp_path, monkeypatc
 
 def test_optional_raw_write_ceiling_round_trips(tmp_path):
     results = checkpoint.run_benchmark(
-        models.build_state("toy"),
+        workloads.build_state("toy"),
         [checkpoint.SAVE_METHODS["os.write"]],
         [],
         str(tmp_path),
@@ -464,6 +465,6 @@ def test_optional_raw_write_ceiling_round_trips(tmp_path):
         warmup=0,
         dropper=_WARM,
     )
-    assert results[0].status == "ok" and results[0].file_bytes == models.state_bytes(
-        models.get_model("toy"), torch.bfloat16
+    assert results[0].status == "ok" and results[0].file_bytes == workloads.state_bytes(
+        workloads.get_model("toy"), torch.bfloat16
     )

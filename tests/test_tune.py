@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from fastpersist import config, system
-from fastpersist.bench import measure, models, tune
+from fastpersist.tuning import measure
+from fastpersist.tuning import tuner as tune
+from fastpersist.tuning import workloads
 from fastpersist.errors import EngineUnavailableError
 
 
@@ -111,7 +113,7 @@ def test_the_file_works_through_the_environment_variable(tmp_path):
 
 
 def test_values_that_fail_or_corrupt_are_never_chosen(tmp_path):
-    state = models.build_state("toy")
+    state = workloads.build_state("toy")
     backend = TorchBackend(
         unavailable_engine="io_uring", corrupt_when={"queue_depth": 32}, slow_when={"queue_depth": 16}
     )
@@ -145,7 +147,7 @@ def test_a_clear_winner_is_adopted_and_noise_is_not(tmp_path, monkeypatch):
     knobs = [k for k in tune.QUICK_KNOBS if k.name in ("block_size", "buffer_count")]
     result = tune.sweep(
         BlockSizeMatters(),
-        models.build_state("toy"),
+        workloads.build_state("toy"),
         str(tmp_path),
         knobs=knobs,
         repeats=2,

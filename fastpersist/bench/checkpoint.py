@@ -26,7 +26,9 @@ from typing import Any, Sequence
 import torch
 
 from fastpersist import config, system
-from fastpersist.bench import measure, models, report
+from fastpersist.bench import measure
+from fastpersist.tuning import workloads
+from fastpersist.bench import report
 from fastpersist.bench.methods import (
     LOAD_METHODS,
     SAVE_METHODS,
@@ -35,7 +37,7 @@ from fastpersist.bench.methods import (
     SaveMethod,
     register,
 )
-from fastpersist.bench.runner import MethodResult, run_benchmark, verify_state
+from fastpersist.bench.runner import MethodResult, run_benchmark
 from fastpersist import display
 
 __all__ = [
@@ -73,14 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     what = parser.add_argument_group("what to save")
-    what.add_argument("--model", default=models.DEFAULT_MODEL, help="model whose shapes to use (see --list-models)")
+    what.add_argument("--model", default=workloads.DEFAULT_MODEL, help="model whose shapes to use (see --list-models)")
     what.add_argument("--layers", type=int, default=None, help="keep only the first N transformer blocks")
     what.add_argument(
         "--size",
         default=None,
         help="keep as many blocks as fit in this size (e.g. 2G, 512MiB); overrides --layers",
     )
-    what.add_argument("--dtype", choices=sorted(models.DTYPES), default="bf16", help="parameter dtype")
+    what.add_argument("--dtype", choices=sorted(workloads.DTYPES), default="bf16", help="parameter dtype")
     what.add_argument("--device", default="cpu", help="where the state lives and loads go: cpu, cuda or cuda:N")
     what.add_argument(
         "--training-state",
@@ -149,15 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _print_models() -> None:
     rows = []
-    for name, spec in models.CATALOGUE.items():
+    for name, spec in workloads.CATALOGUE.items():
         layers = spec.default_layers if spec.default_layers is not None else spec.num_layers
-        params = models.parameter_count(spec, layers)
+        params = workloads.parameter_count(spec, layers)
         rows.append(
             (
                 name,
                 f"{layers}/{spec.num_layers}",
                 f"{params / 1e6:,.1f} M",
-                models.format_bytes(params * 2),
+                workloads.format_bytes(params * 2),
                 spec.description,
             )
         )
@@ -293,14 +295,14 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
         parser.error("no methods left to run")
 
     try:
-        spec = models.get_model(args.model)
-        dtype = models.DTYPES[args.dtype]
+        spec = workloads.get_model(args.model)
+        dtype = workloads.DTYPES[args.dtype]
         layers = args.layers
         if args.size:
-            layers = models.layers_for_size(spec, config.parse_size(args.size), dtype, args.training_state)
+            layers = workloads.layers_for_size(spec, config.parse_size(args.size), dtype, args.training_state)
         if layers is None:
             layers = spec.default_layers if spec.default_layers is not None else spec.num_layers
-        expected_bytes = models.state_bytes(spec, dtype, layers, args.training_state)
+        expected_bytes = workloads.state_bytes(spec, dtype, layers, args.training_state)
     except (KeyError, ValueError) as e:
         parser.error(str(e.args[0] if isinstance(e, KeyError) else e))
 
@@ -313,8 +315,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
     need = int(expected_bytes * 1.05) * max(outputs, 1) * dist.world_size
     if fs.get("free_bytes") is not None and fs["free_bytes"] < need:
         print(
-            f"error: {parent} has {models.format_bytes(fs['free_bytes'])} free; this run keeps one copy per "
-            f"save method at a time, about {models.format_bytes(need)}. Use --dir elsewhere, fewer --methods, "
+            f"error: {parent} has {workloads.format_bytes(fs['free_bytes'])} free; this run keeps one copy per "
+            f"save method at a time, about {workloads.format_bytes(need)}. Use --dir elsewhere, fewer --methods, "
             "or a smaller --size.",
             file=sys.stderr,
         )
@@ -322,8 +324,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
     available = system.available_memory()
     if available is not None and device.type == "cpu" and expected_bytes * 3 > available and dist.is_main:
         print(
-            f"warning: the state ({models.format_bytes(expected_bytes)}) plus a loaded copy and a verification "
-            f"copy may not fit in the {models.format_bytes(available)} of memory available",
+            f"warning: the state ({workloads.format_bytes(expected_bytes)}) plus a loaded copy and a verification "
+            f"copy may not fit in the {workloads.format_bytes(available)} of memory available",
             file=sys.stderr,
         )
 
@@ -342,10 +344,10 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
                 file=sys.stderr,
             )
             build_start = time.perf_counter()
-            state = models.build_state(
+            state = workloads.build_state(
                 spec, dtype=dtype, device=device, layers=layers, training_state=args.training_state, seed=args.seed
             )
-            tensors, _objects = models.flatten_state(state)
+            tensors, _objects = workloads.flatten_state(state)
             state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             build_seconds = time.perf_counter() - build_start
             ops = (args.repeats + args.warmup) * (len(saves) + len(loads))
@@ -440,7 +442,7 @@ def _measure_ceiling(
 
 def _document(
     args: argparse.Namespace,
-    spec: models.ModelSpec,
+    spec: workloads.ModelSpec,
     layers: int,
     state_bytes: int,
     tensor_count: int,
@@ -481,7 +483,7 @@ def _document(
         "state": {
             "bytes": state_bytes,
             "tensors": tensor_count,
-            "parameters": models.parameter_count(spec, layers),
+            "parameters": workloads.parameter_count(spec, layers),
             "build_seconds": build_seconds,
         },
         "elapsed_seconds": elapsed,

@@ -42,7 +42,8 @@ from typing import Any
 import torch
 
 from fastpersist import config
-from fastpersist.bench import measure, models
+from fastpersist.bench import measure
+from fastpersist.tuning import workloads
 
 __all__ = ["SCHEMA", "build_parser", "main", "to_markdown"]
 
@@ -235,7 +236,7 @@ def _project(results: list[dict[str, Any]]) -> None:
 
 
 def _print(document: dict[str, Any]) -> None:
-    print(f"size {models.format_bytes(document['size'])}, device {document['device']}, layout {document['layout']}, "
+    print(f"size {workloads.format_bytes(document['size'])}, device {document['device']}, layout {document['layout']}, "
           f"writers {document['writers']}, repeat {document['repeat']}, dirs {document['dirs']}")  # fmt: skip
     print(f"{'N':>3} {'per-rank bytes':>15} {'per-rank write s':>17} {'per-rank GB/s':>14} {'end-to-end s':>13} "
           f"{'GB/s':>6} {'vs N=1':>7} {'projected s':>12} {'proj. x':>8} ok")  # fmt: skip
@@ -243,7 +244,7 @@ def _print(document: dict[str, Any]) -> None:
         bytes_ = max(p["bytes"] for p in r["per_rank"])
         write = max(p["write_seconds"]["median"] for p in r["per_rank"])
         rate = min(p["write_GBps"] or 0 for p in r["per_rank"] if p["bytes"]) if any(p["bytes"] for p in r["per_rank"]) else 0
-        print(f"{r['ranks']:>3} {models.format_bytes(bytes_):>15} {write:>17.3f} {rate:>14.2f} "
+        print(f"{r['ranks']:>3} {workloads.format_bytes(bytes_):>15} {write:>17.3f} {rate:>14.2f} "
               f"{r['end_to_end_seconds']['median']:>13.3f} {r['end_to_end_GBps']:>6.2f} {r['measured_speedup']:>6.2f}x "
               f"{r['projected_independent_seconds']:>12.3f} {r['projected_speedup']:>7.2f}x {r['verified']}")  # fmt: skip
 
@@ -258,7 +259,7 @@ def to_markdown(document: dict[str, Any], title: str | None = None) -> str:
     machine = document["machine"]
     lines = [f"#### {title or 'sharded save against N ranks'}", "",
              f"{machine.get('cpu_count')} cores, {machine.get('device_name')}, torch {machine.get('torch')}, "
-             f"{models.format_bytes(document['size'])} bf16 on {document['device']} per rank, "
+             f"{workloads.format_bytes(document['size'])} bf16 on {document['device']} per rank, "
              f"backend {document.get('backend', 'gloo')}, "
              + ("**sink** (/dev/null, nothing stored), " if document.get("sink") else "")
              + f"layout `{document['layout']}`, "
@@ -269,7 +270,7 @@ def to_markdown(document: dict[str, Any], title: str | None = None) -> str:
     for r in document["results"]:
         writing = [p for p in r["per_rank"] if p["bytes"]]
         lines.append(
-            f"| {r['ranks']} | {models.format_bytes(max(p['bytes'] for p in r['per_rank']))} | "
+            f"| {r['ranks']} | {workloads.format_bytes(max(p['bytes'] for p in r['per_rank']))} | "
             f"{max(p['write_seconds']['median'] for p in writing):.3f} | "
             f"{min(p['write_GBps'] for p in writing):.2f} | {r.get('identity_check_seconds', 0.0):.3f} | "
             f"{r['end_to_end_seconds']['median']:.3f} | "

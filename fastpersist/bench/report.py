@@ -27,6 +27,7 @@ import sys
 from typing import Any, Sequence
 
 from fastpersist import display
+from fastpersist.tuning.measure import write_json
 
 __all__ = [
     "load_result",
@@ -60,16 +61,6 @@ def load_result(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(document, dict) or not str(document.get("schema", "")).startswith(SCHEMA_PREFIX):
         raise ValueError(f"{path}: not a result of 'python -m fastpersist.bench checkpoint --json'")
     return document
-
-
-def write_json(document: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Writes ``document`` (atomically: temp file, then rename)."""
-    path = os.fspath(path)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(document, f, indent=1, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- rows

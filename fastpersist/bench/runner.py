@@ -16,89 +16,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fastpersist import system
-from fastpersist.bench import measure, models
+from fastpersist.bench import measure
+from fastpersist.tuning import workloads
 from fastpersist.bench.methods import SAVE_METHODS, BenchContext, LoadMethod, SaveMethod
 
-__all__ = ["MethodResult", "run_benchmark", "touch_pages", "verify_state"]
-
-
-def touch_pages(loaded: Any) -> None:
-    """Reads one byte of every page of every storage, so lazily mapped data is resident."""
-    from fastpersist.tensors import storage_byte_view
-
-    tensors = (
-        loaded
-        if isinstance(loaded, dict) and all(isinstance(v, torch.Tensor) for v in loaded.values())
-        else models.flatten_state(loaded)[0]
-    )
-    seen: set[int] = set()
-    for t in tensors.values():
-        if t.device.type != "cpu":
-            continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() == 0:
-            continue
-        seen.add(storage.data_ptr())
-        int(storage_byte_view(storage)[::4096].sum())
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
-
-
-def verify_state(
-    expected: tuple[dict[str, torch.Tensor], dict[str, Any]],
-    actual: tuple[dict[str, torch.Tensor], dict[str, Any] | None],
-    device: torch.device | None = None,
-) -> str | None:
-    """Compares a loaded state with the original, byte for byte.
-
-    Args:
-        expected: ``models.flatten_state(original)``.
-        actual: the loaded state, flattened the same way; its second element
-            is None when the format does not carry non-tensor leaves.
-        device: the device loads were asked for; a tensor that lived there
-            originally must come back there.
-
-    Returns:
-        None when every tensor has the same names, dtype, shape and bytes (and
-        the other leaves compare equal), else a description of the first
-        difference.
-    """
-    want_tensors, want_objects = expected
-    got_tensors, got_objects = actual
-    missing = sorted(set(want_tensors) - set(got_tensors))
-    extra = sorted(set(got_tensors) - set(want_tensors))
-    if missing or extra:
-        return f"tensor names differ: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}"
-    for key, want in want_tensors.items():
-        got = got_tensors[key]
-        if not isinstance(got, torch.Tensor):
-            return f"{key}: expected a tensor, got {type(got).__name__}"
-        if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
-            return f"{key}: expected {want.dtype} {tuple(want.shape)}, got {got.dtype} {tuple(got.shape)}"
-        if device is not None and want.device.type == device.type and got.device.type != device.type:
-            return f"{key}: loaded to {got.device}, expected {device}"
-        a = _bytes_of(want)
-        b = _bytes_of(got)
-        if b.device != a.device:
-            b = b.to(a.device)
-        if not torch.equal(a, b):
-            index = int((a != b).nonzero()[0]) if a.numel() else 0
-            return f"{key}: bytes differ (first at byte {index} of {a.numel()})"
-    if got_objects is not None:
-        for key, want in want_objects.items():
-            if key not in got_objects:
-                return f"{key}: missing from the loaded state"
-            if got_objects[key] != want:
-                return f"{key}: expected {want!r}, got {got_objects[key]!r}"
-    return None
-
-
-# ============================================================================ runner
+__all__ = ["MethodResult", "run_benchmark"]
 
 
 @dataclasses.dataclass
@@ -196,8 +118,8 @@ def run_benchmark(
     dropper = dropper or system.CacheDropper()
     progress = progress or (lambda _text: None)
     if state_bytes is None:
-        state_bytes = models.state_nbytes(state)
-    expected = models.flatten_state(state)
+        state_bytes = workloads.state_nbytes(state)
+    expected = workloads.flatten_state(state)
 
     results: dict[tuple[str, str], MethodResult] = {}
     saves = list(save_methods)
@@ -245,7 +167,7 @@ def run_benchmark(
                 result.file_bytes = _path_bytes(path)
                 try:
                     loaded = method.read_back(path, state, ctx)
-                    problem = verify_state(expected, method.flat(loaded), ctx.device)
+                    problem = measure.verify_state(expected, method.flat(loaded), ctx.device)
                     del loaded
                 except Exception as e:
                     problem = f"reading the file back failed: {_short_error(e)}"
@@ -275,7 +197,7 @@ def run_benchmark(
                 if sample is None:
                     continue
                 try:
-                    problem = verify_state(expected, method.flat(loaded), ctx.device)
+                    problem = measure.verify_state(expected, method.flat(loaded), ctx.device)
                 except Exception as e:
                     problem = f"comparing the loaded state failed: {_short_error(e)}"
                 del loaded
@@ -340,7 +262,7 @@ def _measure_load(
             start = time.perf_counter()
             loaded = method.load(path, state, ctx)
             if ctx.device.type == "cpu":
-                touch_pages(method.flat(loaded)[0])
+                measure.touch_pages(method.flat(loaded)[0])
             ctx.synchronize()
             seconds = time.perf_counter() - start
     except KeyboardInterrupt:

@@ -40,7 +40,8 @@ from typing import Any
 import torch
 
 from fastpersist import config, system
-from fastpersist.bench import measure, models
+from fastpersist.bench import measure
+from fastpersist.tuning import workloads
 
 __all__ = ["build_parser", "main", "run"]
 
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fastpersist.bench safetensors", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", help="where the state lives and loads go: cpu or cuda[:N] (default cpu)")
     p.add_argument("--size", default="4G", help="state size, e.g. 4G (decimal) or 2GiB (default 4G)")
-    p.add_argument("--model", default="llama-3.2-1b", choices=models.model_names(), help="layer shapes to use")
+    p.add_argument("--model", default="llama-3.2-1b", choices=workloads.model_names(), help="layer shapes to use")
     p.add_argument("--dir", default=None, help="directory for the files (default: a new one under the cwd)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per method; medians reported (default 3)")
     p.add_argument("--json", default=None, help="write the result document here")
@@ -101,9 +102,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     size = config.parse_size(args.size)
-    spec = models.get_model(args.model)
-    layers = models.layers_for_size(spec, size, torch.bfloat16)
-    state = models.build_state(spec, dtype=torch.bfloat16, device=device, layers=layers)
+    spec = workloads.get_model(args.model)
+    layers = workloads.layers_for_size(spec, size, torch.bfloat16)
+    state = workloads.build_state(spec, dtype=torch.bfloat16, device=device, layers=layers)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     directory = args.dir or tempfile.mkdtemp(prefix="fastpersist-bench-safetensors-", dir=".")
     os.makedirs(directory, exist_ok=True)
@@ -238,14 +239,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def to_markdown(result: dict[str, Any]) -> str:
     """The result as Markdown: one row per method and operation, then the ratios."""
     config = result["config"]
-    lines = [f"{models.format_bytes(config['bytes'])} bf16 in {config['tensors']} tensors on {config['device']}, "
+    lines = [f"{workloads.format_bytes(config['bytes'])} bf16 in {config['tensors']} tensors on {config['device']}, "
              f"{config['repeats']} repeats, engine {config['engine']}; {config['cache']}", "",
              "| operation | method | GB/s (median) | peak extra RSS |", "| --- | --- | ---: | ---: |"]  # fmt: skip
     for kind in ("save", "load"):
         for name, entry in result[kind].items():
             rss = entry.get("peak_extra_rss_bytes")
             lines.append(f"| {kind} | {entry['label']} | {entry['gb_per_s']:.2f} | "
-                         f"{models.format_bytes(rss) if rss is not None else '-'} |")  # fmt: skip
+                         f"{workloads.format_bytes(rss) if rss is not None else '-'} |")  # fmt: skip
     lines.append("")
     lines += [f"- {name}: {ratio:.2f}x" for name, ratio in result["ratios"].items()]
     lines += [f"- PROBLEM: {problem}" for problem in result["problems"]]
@@ -254,13 +255,13 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 def _print(result: dict[str, Any]) -> None:
     config = result["config"]
-    print(f"{models.format_bytes(config['bytes'])} in {config['tensors']} tensors on {config['device']}, "
+    print(f"{workloads.format_bytes(config['bytes'])} in {config['tensors']} tensors on {config['device']}, "
           f"{config['repeats']} repeats, engine {config['engine']}; {config['cache']}")  # fmt: skip
     for kind in ("save", "load"):
         for name, entry in result[kind].items():
             extra = ""
             if "peak_extra_rss_bytes" in entry:
-                extra = f"  peak extra RSS {models.format_bytes(entry['peak_extra_rss_bytes'])}"
+                extra = f"  peak extra RSS {workloads.format_bytes(entry['peak_extra_rss_bytes'])}"
             print(f"  {kind:4} {name:12} {entry['gb_per_s']:6.2f} GB/s  ({entry['label']}){extra}")
     for name, ratio in result["ratios"].items():
         print(f"  {name}: {ratio:.2f}x")

@@ -50,7 +50,7 @@ import torch
 import fastpersist
 from fastpersist import config, system
 from fastpersist.bench import measure
-from fastpersist.bench.models import format_bytes
+from fastpersist.tuning.workloads import format_bytes
 from fastpersist.config import parse_size
 
 __all__ = ["SHAPES", "build_shape", "main", "build_parser", "run"]

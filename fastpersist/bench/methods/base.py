@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from fastpersist.bench import measure, models
+from fastpersist.bench import measure
+from fastpersist.tuning import workloads
 
 __all__ = [
     "BenchContext",
@@ -94,11 +95,11 @@ class SaveMethod:
         raise NotImplementedError
 
     def flat(self, loaded: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-        """Tensors and other leaves of a loaded state, keyed as :func:`models.flatten_state` keys them.
+        """Tensors and other leaves of a loaded state, keyed as :func:`workloads.flatten_state` keys them.
 
         ``None`` for the other leaves means the format does not carry them.
         """
-        return models.flatten_state(loaded)
+        return workloads.flatten_state(loaded)
 
     def cleanup(self, path: str) -> None:
         measure.remove_path(path)
@@ -125,7 +126,7 @@ class LoadMethod:
         raise NotImplementedError
 
     def flat(self, loaded: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-        return models.flatten_state(loaded)
+        return workloads.flatten_state(loaded)
 
 
 SAVE_METHODS: dict[str, SaveMethod] = {}

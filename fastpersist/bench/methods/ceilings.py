@@ -29,7 +29,8 @@ import torch
 
 from fastpersist import system
 from fastpersist.io import commit
-from fastpersist.bench import measure, models
+from fastpersist.bench import measure
+from fastpersist.tuning import workloads
 from fastpersist.bench.methods.base import SaveMethod, register
 from fastpersist.tensors import host_memoryview
 
@@ -45,7 +46,7 @@ class RawWrite(SaveMethod):
     default = False
 
     def save(self, state, path, ctx):
-        tensors, _ = models.flatten_state(state)
+        tensors, _ = workloads.flatten_state(state)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             for t in tensors.values():
@@ -62,7 +63,7 @@ class RawWrite(SaveMethod):
         return {}
 
     def read_back(self, path, state, ctx):
-        tensors, _ = models.flatten_state(state)
+        tensors, _ = workloads.flatten_state(state)
         out: dict[str, torch.Tensor] = {}
         with open(path, "rb") as f:
             for key, t in tensors.items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fastpersist.bench import models
+from fastpersist.tuning import workloads
 from fastpersist.bench.methods.base import LoadMethod, SaveMethod, register
 
 __all__ = ["SafetensorsSave", "SafetensorsLoad"]
@@ -28,7 +28,7 @@ class SafetensorsSave(SaveMethod):
     def save(self, state, path, ctx):
         from safetensors.torch import save_file
 
-        tensors, objects = models.flatten_state(state)
+        tensors, objects = workloads.flatten_state(state)
         metadata = {"objects": json.dumps(objects, default=repr)} if objects else None
         save_file(tensors, path, metadata=metadata)
         return {}

@@ -32,10 +32,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fastpersist import config, system
-from fastpersist.bench import measure, models
-from fastpersist.bench.runner import touch_pages, verify_state
-from fastpersist import display
+from fastpersist import config, display, system
+from fastpersist.tuning import measure, workloads
 
 __all__ = [
     "Knob",
@@ -246,9 +244,9 @@ def _measure_point(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         else:
-            touch_pages(loaded)
+            measure.touch_pages(loaded)
         load_seconds = time.perf_counter() - start
-        problem = verify_state(expected, (models.flatten_state(loaded)[0], None))
+        problem = measure.verify_state(expected, (workloads.flatten_state(loaded)[0], None))
         del loaded
         if problem:
             point.error = f"loaded bytes differ from the saved ones ({problem})"
@@ -295,7 +293,7 @@ def sweep(
     device = torch.device(device)
     dropper = dropper or system.CacheDropper()
     progress = progress or (lambda _text: None)
-    expected = models.flatten_state(state)
+    expected = workloads.flatten_state(state)
     nbytes = sum(t.numel() * t.element_size() for t in expected[0].values())
     defaults = backend.defaults()
     current = {k.name: defaults[k.name] for k in knobs}
@@ -436,12 +434,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default="cpu", help="where the tensors live: cpu (default), or cuda to tune GPU checkpoints"
     )
-    parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bf16", help="tensor dtype (default: bf16)")
+    parser.add_argument("--dtype", choices=sorted(workloads.DTYPES), default="bf16", help="tensor dtype (default: bf16)")
     parser.add_argument(
         "--model",
-        default=models.DEFAULT_MODEL,
+        default=workloads.DEFAULT_MODEL,
         help="whose tensor shapes the test checkpoint has, as many blocks as fit in --size "
-        f"(default: {models.DEFAULT_MODEL})",
+        f"(default: {workloads.DEFAULT_MODEL})",
     )
     parser.add_argument(
         "--settings",
@@ -497,18 +495,18 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
         if device.type not in ("cpu", "cuda"):
             raise ValueError("use cpu or cuda[:N]")
         target = config.parse_size(size_text)
-        spec = models.get_model(getattr(args, "model", models.DEFAULT_MODEL))
-        dtype = models.DTYPES[getattr(args, "dtype", "bf16")]
-        layers = models.layers_for_size(spec, target, dtype)
+        spec = workloads.get_model(getattr(args, "model", workloads.DEFAULT_MODEL))
+        dtype = workloads.DTYPES[getattr(args, "dtype", "bf16")]
+        layers = workloads.layers_for_size(spec, target, dtype)
     except (ValueError, KeyError, RuntimeError) as e:
         print(f"fastpersist tune: {e}", file=sys.stderr)
         return 2
-    nbytes = models.state_bytes(spec, dtype, layers)
+    nbytes = workloads.state_bytes(spec, dtype, layers)
     free = system.filesystem_of(directory).get("free_bytes")
     if free is not None and free < 2 * nbytes:
         print(
-            f"fastpersist tune: {directory} has {models.format_bytes(free)} free; need about "
-            f"{models.format_bytes(2 * nbytes)}",
+            f"fastpersist tune: {directory} has {workloads.format_bytes(free)} free; need about "
+            f"{workloads.format_bytes(2 * nbytes)}",
             file=sys.stderr,
         )
         return 2
@@ -516,7 +514,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
     dropper = system.CacheDropper(enabled=not getattr(args, "no_drop_caches", False))
     points = sum(len(k.values) for k in knobs) * repeats + 2 * repeats
     print(
-        f"tuning fastpersist for {directory} with a {models.format_bytes(nbytes)} {getattr(args, 'dtype', 'bf16')} "
+        f"tuning fastpersist for {directory} with a {workloads.format_bytes(nbytes)} {getattr(args, 'dtype', 'bf16')} "
         f"checkpoint on {device}: {len(knobs)} settings, ~{points} save+load rounds, optimizing {args.optimize}",
         file=sys.stderr,
     )
@@ -527,7 +525,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
     with measure.sigterm_as_interrupt():
         try:
             work = tempfile.mkdtemp(prefix=".fastpersist-tune-", dir=directory)
-            state = models.build_state(spec, dtype=dtype, device=device, layers=layers)
+            state = workloads.build_state(spec, dtype=dtype, device=device, layers=layers)
             result = sweep(
                 backend,
                 state,
@@ -575,9 +573,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
 
     config.save_file(out, result.recommended, measured=measured, machine=machine)
     if getattr(args, "json", None):
-        from fastpersist.bench import report
-
-        report.write_json(
+        measure.write_json(
             {"schema": "fastpersist.tune/1", "settings": result.recommended, "measured": measured, "machine": machine},
             args.json,
         )
@@ -606,7 +602,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fastpersist.bench.tune`` (the same as ``fastpersist tune``)."""
+    """``python -m fastpersist.tuning.tuner`` (the same as ``fastpersist tune``)."""
     parser = argparse.ArgumentParser(
         prog="fastpersist tune",
         description="Find the fastest fastpersist settings for a filesystem and write them to a configuration file.",
