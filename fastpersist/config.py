@@ -1,19 +1,21 @@
 """Every fastpersist setting, in one place.
 
 Each setting has a typed default, an environment variable that overrides the
-default when the module is first imported, a getter, and a setter that also
-works as a context manager restoring the previous values::
+default when the module is first imported, a getter, a process-wide setter
+that returns a restorer, and a context manager for the calling thread::
 
     import fastpersist
     fastpersist.config.get("buffer_size")            # 67108864
-    fastpersist.config.set(engine="threads")         # from now on
-    with fastpersist.config.set(direct=False):       # only inside the block
+    restore = fastpersist.config.set(engine="threads")   # the whole process, from now on
+    restore()                                        # back to what it was
+    with fastpersist.config.override(direct=False):  # this thread only, inside the block
         fastpersist.save(state, "ckpt.pt")
     fastpersist.save(state, "ckpt.pt", buffer_count=2)   # only this call
 
-Precedence, highest first: keyword arguments of a call, ``config.set``,
-the JSON file named by ``FASTPERSIST_CONFIG`` (what ``fastpersist tune``
-writes), the individual environment variables, the defaults below.
+Precedence, highest first: keyword arguments of a call, :func:`override`
+blocks of the calling thread (innermost first), :func:`set`, the JSON file
+named by ``FASTPERSIST_CONFIG`` (what ``fastpersist tune`` writes), the
+individual environment variables, the defaults below.
 
 Sizes accept integers or strings with a binary suffix (``"8M"``, ``"64MiB"``).
 """
@@ -23,14 +25,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fractions
-import dis
-import functools
 import json
 import os
 import re
-import sys
 import threading
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from fastpersist.errors import ConfigError
 
@@ -41,10 +40,13 @@ __all__ = [
     "ENGINES",
     "get",
     "set",
+    "override",
+    "Restorer",
     "settings",
     "resolve",
     "reset",
     "load_file",
+    "read_file",
     "save_file",
     "environment_variable",
     "describe",
@@ -285,8 +287,8 @@ def _from_environment() -> Settings:
 
 
 _lock = threading.Lock()
-_current = _from_environment()  # process-wide: config.set(...) called as a statement, reset(), load_file()
-_local = threading.local()  # per thread: the changes of the ``with config.set(...)`` blocks it is inside
+_current = _from_environment()  # process-wide: set(), reset(), load_file()
+_local = threading.local()  # per thread: the changes of the override() blocks it is inside
 
 
 def _reset_after_fork() -> None:
@@ -329,99 +331,77 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> Settings:
     return current.replace(**{k: v for k, v in overrides.items() if v is not None})
 
 
-class _Restorer(contextlib.AbstractContextManager):
-    """What :func:`set` returns. As a statement the change stays process-wide; in ``with``, the
-    change is taken back from the process and applies to this thread only, until the block ends."""
+class Restorer(contextlib.AbstractContextManager):
+    """What :func:`set` returns: call it (or leave its ``with`` block) to put back the previous values.
+
+    Only the fields :func:`set` changed are restored, and only where nobody
+    changed them since. As a context manager, ``with config.set(...)`` keeps
+    the change process-wide for the block (other threads see it too); use
+    :func:`override` for a change of the calling thread only.
+    """
 
     def __init__(self, previous: Settings, changes: dict[str, Any]):
         self._previous = previous
         self._changes = changes
-        self._entered = False
-        self._thread_only = False
+        self._done = False
 
-    def __enter__(self) -> "_Restorer":
+    def __call__(self) -> None:
         global _current
         with _lock:
-            if self._thread_only:
-                pass
-            else:
-            # Undo the process-wide change made by set(), field by field, unless another
-            # thread changed that field since; then make it this thread's own.
-                undo = {
-                    name: getattr(self._previous, name)
-                    for name, value in self._changes.items()
-                    if getattr(_current, name) == value
-                }
-                if undo:
-                    _current = _current.replace(**undo)
-        _thread_changes().append(self._changes)
-        self._entered = True
-        return self
+            if self._done:
+                return
+            self._done = True
+            undo = {name: getattr(self._previous, name) for name, value in self._changes.items()
+                    if getattr(_current, name) == value}  # fmt: skip
+            if undo:
+                _current = _current.replace(**undo)
+
+    restore = __call__
 
     def __exit__(self, *exc: Any) -> None:
-        global _current
-        if self._entered:
-            stack = _thread_changes()
-            for index in range(len(stack) - 1, -1, -1):
-                if stack[index] is self._changes:
-                    del stack[index]
-                    break
-            return
-        if self._thread_only:
-            return
-        with _lock:  # used as a restorer without ``with``: restore the process-wide settings
-            _current = self._previous
+        self()
 
 
-def set(**changes: Any) -> _Restorer:  # noqa: A001 - mirrors kvikio.defaults.set
-    """Changes settings now; used in a ``with`` statement, only for this thread and only inside the block.
+def set(**changes: Any) -> Restorer:  # noqa: A001 - mirrors kvikio.defaults.set
+    """Changes settings for the whole process, from now on; returns a :class:`Restorer`.
 
-    ``config.set(engine="threads")`` as a statement changes the settings of the
-    whole process from now on. ``with config.set(engine="threads"):`` changes
-    them for the calling thread only, until the block exits: two threads using
-    ``with`` at once never see each other's changes.
+    ``restore = config.set(engine="threads")`` ... ``restore()`` (or ``with
+    config.set(...):``) puts the previous values back. For a change that
+    other threads must not see, use :func:`override`.
 
     Raises:
         ConfigError: unknown name or invalid value; nothing is changed then.
     """
     global _current
     coerced = _coerce_all(changes)
-    _current.replace(**coerced)  # validates the combination; raises before anything changes
-    if _called_as_with_expression(sys._getframe(1)):
-        # ``with config.set(...)``: never visible to other threads, not even for an instant.
-        restorer = _Restorer(_current, coerced)
-        restorer._thread_only = True
-        return restorer
     with _lock:
         previous = _current
-        _current = _current.replace(**coerced)
-    return _Restorer(previous, coerced)
+        _current = _current.replace(**coerced)  # validates the combination; raises before anything changes
+    return Restorer(previous, coerced)
 
 
-@functools.lru_cache(maxsize=1024)
-def _with_call_sites(code) -> frozenset[int]:
-    """Offsets of the calls in ``code`` whose result a ``with`` statement enters right away."""
-    # A list, not ``set()``: in this module ``set`` is config.set (it recursed into this very
-    # detection, ~250 levels deep, 46 ms a call, and at times took a ``with`` for a statement).
-    sites: list[int] = []
-    recent: list = []
-    for instruction in dis.get_instructions(code):
-        if instruction.opname in ("BEFORE_WITH", "SETUP_WITH"):
-            # The call itself, PRECALL before it and the call's inline cache entries up to the
-            # with: 3.11 reports any of them as f_lasti (the last cache entry under pytest).
-            calls = [i.offset for i in recent[-2:] if i.opname.startswith(("CALL", "PRECALL"))]
-            if calls:
-                sites.extend(range(min(calls), instruction.offset, 2))
-        if instruction.opname not in ("CACHE", "EXTENDED_ARG", "NOP"):
-            recent = (recent + [instruction])[-2:]
-    return frozenset(sites)
+@contextlib.contextmanager
+def override(**changes: Any) -> Iterator[Settings]:
+    """Changes settings for the calling thread only, inside the ``with`` block; yields them.
 
+    Other threads never see the change, not even for an instant; blocks nest
+    (the innermost wins). The process-wide settings (:func:`set`) stay as
+    they are.
 
-def _called_as_with_expression(frame) -> bool:
+    Raises:
+        ConfigError: unknown name or invalid value (on entering the block).
+    """
+    coerced = _coerce_all(changes)
+    settings().replace(**coerced)  # validates the combination; raises before anything changes
+    stack = _thread_changes()
+    stack.append(coerced)
     try:
-        return frame.f_lasti in _with_call_sites(frame.f_code)
-    except Exception:  # noqa: BLE001 - unknown bytecode: treat it as a statement
-        return False
+        yield settings()
+    finally:
+        for index in range(len(stack) - 1, -1, -1):
+            if stack[index] is coerced:
+                del stack[index]
+                break
 
 
 def reset() -> None:
@@ -432,12 +412,18 @@ def reset() -> None:
         _current = fresh
 
 
-def load_file(path: str | os.PathLike[str]) -> _Restorer:
-    """Applies a configuration file written by ``fastpersist tune`` (or by hand).
+def load_file(path: str | os.PathLike[str]) -> Restorer:
+    """Applies a configuration file written by ``fastpersist tune`` (or by hand) to the whole process.
 
-    Returns the same restorer as :func:`set`, so it also works in ``with``.
+    Returns the :class:`Restorer` of :func:`set`. ``with
+    config.override(**config.read_file(path)):`` applies one to this thread only.
     """
-    return set(**_read_file(os.fspath(path)))
+    return set(**read_file(path))
+
+
+def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The settings in a configuration file (checked), without applying them."""
+    return _read_file(os.fspath(path))
 
 
 def save_file(path: str | os.PathLike[str], values: Mapping[str, Any], **metadata: Any) -> None:

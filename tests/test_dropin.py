@@ -240,7 +240,7 @@ def test_no_umask_changes_and_new_files_get_0666_minus_umask(tmp_path, monkeypat
     assert stat.S_IMODE(os.stat(tmp_path / "new.pt").st_mode) == 0o640
 
 
-def test_config_set_in_two_threads_does_not_leak():
+def test_config_override_in_two_threads_does_not_leak():
     default = config.get("queue_depth")
     errors = []
     barrier = threading.Barrier(2)
@@ -248,7 +248,7 @@ def test_config_set_in_two_threads_does_not_leak():
     def worker(value):
         barrier.wait()
         for _ in range(300):
-            with config.set(queue_depth=value):
+            with config.override(queue_depth=value):
                 if config.get("queue_depth") != value:
                     errors.append(("inside", value, config.get("queue_depth")))
             if config.get("queue_depth") != default:
@@ -261,14 +261,17 @@ def test_config_set_in_two_threads_does_not_leak():
         t.join()
     assert not errors, errors[:5]
     assert config.get("queue_depth") == default
-    # As a statement, config.set still changes the whole process (and restores).
+    # config.set changes the whole process and returns the restorer.
     restore = config.set(queue_depth=5)
     seen = []
     reader = threading.Thread(target=lambda: seen.append(config.get("queue_depth")))
     reader.start()
     reader.join(60)  # not a fixed sleep: on a loaded machine the thread may start late
-    restore.__exit__(None, None, None)
+    restore()
     assert seen == [5] and config.get("queue_depth") == default
+    with config.set(queue_depth=6):  # a with block restores it at its end (process-wide inside)
+        assert config.get("queue_depth") == 6
+    assert config.get("queue_depth") == default
 
 
 SIGNAL_CHILD = """
@@ -423,7 +426,7 @@ def test_atomic_false_writes_in_place_keeping_hard_links(tmp_path):
     assert os.stat(path).st_ino == inode and same(
         state(2), fastpersist.load(tmp_path / "hard.pt")
     )
-    with config.set(atomic=False):
+    with config.override(atomic=False):
         fastpersist.save(state(3), path)
     assert os.stat(path).st_ino == inode
     fastpersist.save(state(4), path)  # the default: atomic, a new inode
@@ -768,12 +771,11 @@ def test_pending_removals_finish_at_exit(tmp_path):
     assert bool((fastpersist.load(tmp_path / "c.pt")["x"] == 4).all())
 
 
-def test_with_config_set_never_touches_the_process_settings():
-    """Regression: the with-detection called config.set itself (``set()`` in config.py) and, ~250
-    levels deep, replaced the process-wide settings object; at times it took a ``with`` for a statement."""
+def test_override_never_touches_the_process_settings():
+    """An override block is the calling thread's: the process-wide settings object is never replaced."""
     before = config._current
     for value in (3, 7, 3):
-        with config.set(queue_depth=value):
+        with config.override(queue_depth=value):
             assert config.get("queue_depth") == value
-            assert config._current is before, "a with-block must not write the process-wide settings"
+            assert config._current is before, "an override block must not write the process-wide settings"
     assert config._current is before

@@ -59,8 +59,9 @@ def equal(a: dict, b: dict) -> bool:
 
 
 def worker_threads() -> int:
-    """Threads, less async_save's one background worker (it lives for the process, by design)."""
-    return sum(1 for t in threading.enumerate() if not t.name.startswith("fastpersist-save"))
+    """Threads, less the process-wide ones that live for the process by design: async_save's background
+    worker and the CRC-32 pool (made at first use: running this file alone, inside a test's block)."""
+    return sum(1 for t in threading.enumerate() if not t.name.startswith(("fastpersist-save", "fastpersist-crc")))
 
 
 class Leaks:

@@ -43,7 +43,7 @@ def test_refuses_what_is_not_a_whole_size(text):
 
 
 def test_settings_and_environment_use_the_same_parser(monkeypatch):
-    with config.set(buffer_size="2M"):
+    with config.override(buffer_size="2M"):
         assert config.get("buffer_size") == config.parse_size("2M") == 2 << 20
     monkeypatch.setenv("FASTPERSIST_BLOCK_SIZE", "1MiB")
     config.reset()

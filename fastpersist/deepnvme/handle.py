@@ -120,6 +120,11 @@ def _ring_chunk(nbytes: int, limit: int) -> int:
 class AioHandle:
     """Asynchronous tensor reads and writes (DeepNVMe ``aio_handle`` parity).
 
+    The defaults of the first five arguments are DeepNVMe's own
+    (``aio_handle()``'s): scripts written for it get the same handle. They are
+    the API's contract, not fastpersist's I/O defaults (those are
+    :class:`fastpersist.config.Settings`, which saves and loads use).
+
     Args:
         block_size: bytes per I/O request; any multiple of 512 up to 1 GiB (as
             DeepNVMe). Direct (O_DIRECT) chunks are rounded to the file's

@@ -27,7 +27,7 @@ import os
 import threading
 from typing import Any, Iterator
 
-from fastpersist import _native
+from fastpersist import _native, config
 from fastpersist.errors import ConfigError, EngineUnavailableError
 
 __all__ = [
@@ -218,6 +218,9 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 class IoHandle(_native.IoHandle):
     """Asynchronous I/O handle (see the module docstring and docs/io-engine.md).
 
+    Every argument left out (None) takes its value from the settings in force
+    (:func:`fastpersist.config.settings`), the one source of I/O defaults.
+
     Args:
         block_size: bytes per chunk (multiple of 512; direct chunks are rounded to the file alignment).
         queue_depth: chunks each lane keeps in flight.
@@ -236,15 +239,24 @@ class IoHandle(_native.IoHandle):
 
     def __init__(
         self,
-        block_size: int = 1 << 20,
-        queue_depth: int = 32,
-        single_submit: bool = False,
-        overlap_events: bool = True,
-        intra_op_parallelism: int = 1,
-        engine: str = "auto",
-        direct: bool = True,
+        block_size: int | None = None,
+        queue_depth: int | None = None,
+        single_submit: bool | None = None,
+        overlap_events: bool | None = None,
+        intra_op_parallelism: int | None = None,
+        engine: str | None = None,
+        direct: bool | None = None,
         fault: dict[str, Any] | None = None,
     ) -> None:
+        # One source of defaults: what is not given comes from the settings in force (fastpersist.config).
+        current = config.settings()
+        block_size = current.block_size if block_size is None else block_size
+        queue_depth = current.queue_depth if queue_depth is None else queue_depth
+        single_submit = current.single_submit if single_submit is None else single_submit
+        overlap_events = current.overlap_events if overlap_events is None else overlap_events
+        intra_op_parallelism = current.intra_op_parallelism if intra_op_parallelism is None else intra_op_parallelism
+        engine = current.engine if engine is None else engine
+        direct = current.direct if direct is None else direct
         resolve_engine(engine)  # raises for a named engine that cannot start; logs auto's fallback once
         if fault is None:
             fault = _active_fault()
@@ -279,8 +291,6 @@ def make_handle(settings: Any = None, **overrides: Any) -> IoHandle:
         **overrides: handle arguments that win over ``settings`` (e.g. ``direct=False``).
     """
     if settings is None:
-        from fastpersist import config
-
         settings = config.settings()
     arguments = dict(
         block_size=settings.block_size,
