@@ -64,40 +64,58 @@ class Settings:
     """An immutable snapshot of every setting. See docs/configuration.md."""
 
     engine: str = "auto"
-    """I/O engine: ``auto`` (io_uring, else threads), ``io_uring`` or ``threads``."""
+    """I/O engine: ``auto`` (io_uring if it starts, else threads; the reason for a fallback is logged once on the
+    ``fastpersist`` logger), ``io_uring`` or ``threads`` (naming one that cannot start raises
+    ``EngineUnavailableError``)."""
     direct: bool = True
-    """Use O_DIRECT where the filesystem supports it (falls back to buffered I/O + fsync)."""
+    """Use O_DIRECT where the filesystem supports it. Where it refuses (tmpfs, overlayfs, some network filesystems)
+    fastpersist uses buffered I/O + fsync and says why in ``fastpersist info``."""
     block_size: int = 8 * _MiB
-    """Bytes per I/O request submitted to the engine."""
+    """Bytes per I/O request submitted to the engine. A multiple of 4096."""
     queue_depth: int = 16
     """Requests each lane keeps in flight."""
     intra_op_parallelism: int = 1
-    """Lanes (threads, each with its own ring) that split one request."""
+    """Lanes (threads, each with its own io_uring ring) that split one request."""
     single_submit: bool = False
-    """Submit requests one system call each instead of in batches (io_uring)."""
+    """Submit each request with its own system call instead of in batches (io_uring)."""
     overlap_events: bool = True
     """Reap completions while submitting (a sliding window) instead of batch by batch."""
     buffer_size: int = 64 * _MiB
-    """Bytes in each staging buffer of the writer's and reader's ring."""
+    """Bytes in each page-locked staging buffer of the save and CUDA-load rings. A multiple of 4096, and a multiple or
+    divisor of ``block_size``."""
     buffer_count: int = 8
-    """Staging buffers in the save ring (at least 2: one fills while another is written; fewer for small checkpoints)."""
+    """Buffers in the save ring (2 to 64). Host memory for staging a save is at most ``buffer_size * buffer_count``
+    (512 MiB by default: about 448 MiB in flight, as fio keeps at QD 32 x 16 MiB), allocated on first use and
+    reused; a checkpoint smaller than that leases only what it needs (``memory.ring_shape``), and
+    ``fastpersist.release_buffers()`` frees idle buffers."""
     read_buffer_count: int = 8
-    """Staging buffers in the CUDA-load ring: reads in flight while earlier windows are copied to the GPU."""
+    """Buffers in the ring of CUDA loads (2 to 64): a buffer is refilled only after its host-to-device copy and
+    checksum, so loads need more reads in flight than saves. Host memory: ``buffer_size * read_buffer_count``. CPU
+    loads read straight into the tensors and use no ring."""
     fsync: bool = True
     """``save`` returns only once the file and its directory entry are durable."""
     checksum: bool = True
-    """Write CRC-32 for every record (verified by ``zipfile`` and ``fastpersist verify``)."""
+    """Write the CRC-32 of every record (verified by ``zipfile``, ``fastpersist verify``, ``load(verify=True)``)."""
     verify: bool = True
-    """``load`` of a path verifies every record's CRC-32 (overlapped with the reads; see docs/reliability.md)."""
+    """``load`` of a path checks every record's CRC-32, overlapped with the reads (see reliability.md). File objects
+    and ``mmap=True`` loads are verified only with ``load(..., verify=True)``."""
     huge_pages: bool = True
-    """Ask for transparent huge pages for large load destinations (fewer page faults) and for the
-    staging rings of saves and loads (direct requests from them need few scatter-gather segments)."""
+    """Ask for transparent huge pages (best effort) for large load destinations (fewer page faults) and for the pooled
+    staging rings of saves and loads. Direct requests from huge pages need few scatter-gather segments, which
+    decides write speed on disks that accept few segments in flight; the first save of a process then takes longer
+    to lock its ring, which later saves reuse (measured in
+    [performance.md](performance.md#staging-memory-on-huge-pages))."""
     async_mode: str = "pipelined"
-    """``async_save``: ``pipelined`` (write from the live tensors) or ``snapshot`` (copy to pinned staging first)."""
+    """``async_save``: ``pipelined`` writes straight from the live tensors (no extra memory; the state must not change
+    until the save is done), ``snapshot`` copies the state into a reusable pinned staging area first (host memory =
+    checkpoint size). See [async.md](async.md)."""
     async_max_pending: int = 1
-    """``async_save``: saves in flight at most; a new save first waits for the oldest to finish."""
+    """``async_save``: saves in flight at most (1 to 64); a new save first waits for the oldest to finish. In snapshot
+    mode each pending save holds one staging area."""
     atomic: bool = True
-    """Save regular files by temporary file + rename (off: write in place like torch.save, keeping hard links and the inode)."""
+    """Save regular files to a temporary file beside them, fsynced and renamed over the target: the previous file
+    stays intact until the new one is complete. Off: written in place as torch.save does (the inode and hard links
+    stay; an interrupted save leaves a truncated file). See [compatibility.md](compatibility.md)."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -120,11 +138,16 @@ def environment_variable(name: str) -> str:
 
 
 def describe() -> list[tuple[str, str, Any, str]]:
-    """(name, environment variable, default, description) for every setting."""
+    """(name, environment variable, default, description) for every setting, the description on one line."""
+    import ast
     import inspect
 
-    source = inspect.getsource(Settings)
-    docs = dict(re.findall(r"^\s+(\w+): [^\n]+\n\s+\"\"\"(.+?)\"\"\"", source, re.M))
+    tree = ast.parse(inspect.getsource(Settings))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(after.value.value.split())
     return [(n, environment_variable(n), getattr(_DEFAULTS, n), docs.get(n, "")) for n in _FIELDS]
 
 
