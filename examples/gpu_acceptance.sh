@@ -52,12 +52,12 @@ part_tests() {
     python3 examples/lightning_callback.py --dir $scratch/lit --async-mode snapshot --check"
   local deepspeed=${DEEPSPEED_DIR:-.devcarry/deepspeed} st=${SAFETENSORS_DIR:-.devcarry/peer-safetensors}
   if [ -d "$deepspeed" ]; then
-    step peer-deepspeed 240 bash tests/peers/run_deepspeed_aio.sh "$deepspeed" -q -rs
+    step peer-deepspeed 240 bash tests/compat/peers/run_deepspeed_aio.sh "$deepspeed" -q -rs
   else
     echo "!! DeepSpeed tests not found at $deepspeed: skipped"
   fi
   if [ -d "$st" ]; then
-    step peer-safetensors 120 python3 tests/peers/run_safetensors_tests.py "$st" --mode both \
+    step peer-safetensors 120 python3 tests/compat/peers/run_safetensors_tests.py "$st" --mode both \
       --json "$out/$machine-peer-safetensors.json"
   else
     echo "!! safetensors tests not found at $st: skipped"
@@ -116,8 +116,8 @@ need_gpus() {  # need_gpus N: the multi-GPU parts refuse to run (status 1) on fe
 
 part_multigpu() {  # NCCL, one rank per GPU: every distributed path on real devices
   need_gpus 2 || return
-  step multigpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rs -m "multigpu or gpu" tests/test_distributed.py \
-    tests/test_distributed_replicas.py tests/test_dcp.py
+  step multigpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rs -m "multigpu or gpu" tests/distributed/test_distributed.py \
+    tests/distributed/test_distributed_replicas.py tests/dcp/test_dcp.py
   step ddp-example 180 torchrun --nproc-per-node 2 examples/ddp_sharded.py --dir "$scratch/ddp"
   local mode name
   for mode in "--io callback" "--io callback --async-mode snapshot" "--io callback --async-mode pipelined" \

@@ -1,4 +1,4 @@
-"""Shared fixtures and hardware markers.
+"""Shared fixtures and hardware markers, for the tests grouped by layer (format/, io/, api/, distributed/, ...).
 
 Markers (see pyproject.toml): ``gpu`` needs a CUDA device, ``multigpu`` two or
 more, ``root`` needs root (mounting a small tmpfs, dropping caches), ``slow``
@@ -11,9 +11,15 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import pytest
+
+# The helper scripts and modules the tests start in subprocesses or import (one folder for all of them).
+WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_workers")
+if WORKERS not in sys.path:
+    sys.path.insert(0, WORKERS)
 
 try:
     import torch

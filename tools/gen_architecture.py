@@ -219,7 +219,7 @@ def layer_graph(root: str) -> dict[str, set[str]]:
 
 LAYER_ORDER = ["cli", "bench", "tuning", "integrations", "facade", "dcp", "api", "distributed", "deepnvme", "io",
                "format", "io.engine", "base", "_native"]  # fmt: skip
-"""Highest first: a layer may import only layers after it (checked by tests/test_architecture_doc.py)."""
+"""Highest first: a layer may import only layers after it (checked by tests/docs/test_architecture_doc.py)."""
 
 
 def _layer_name(layer: str) -> str:

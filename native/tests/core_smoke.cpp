@@ -1,4 +1,5 @@
-// Builds and runs the native core without Python or torch:
+// The engines, handles and errors end to end, without Python or torch (the other *_test.cpp files test one
+// component each):
 //   g++ -std=c++17 -pthread -Inative/include -Inative/src -DFASTPERSIST_HAVE_IO_URING=1 \
 //       native/src/*.cpp native/tests/core_smoke.cpp -o core_smoke && ./core_smoke DIR
 // Exits 0 when every check passes; prints the first failure otherwise.
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "check.hpp"
 #include "fastpersist/buffer.hpp"
 #include "fastpersist/engine.hpp"
 #include "fastpersist/error.hpp"
@@ -16,14 +18,6 @@
 #include "fastpersist/handle.hpp"
 
 using namespace fastpersist;
-
-#define EXPECT(cond)                                                         \
-  do {                                                                       \
-    if (!(cond)) {                                                           \
-      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      return 1;                                                              \
-    }                                                                        \
-  } while (0)
 
 static int round_trip(const std::string& dir, const std::string& engine, size_t size, uint64_t offset, size_t shift) {
   HandleOptions options;

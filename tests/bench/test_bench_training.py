@@ -1,0 +1,42 @@
+"""The training benchmark runs end to end on a tiny model and its report renders (no speed asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+@pytest.mark.parametrize("methods", ["fastpersist-pipelined,fastpersist-snapshot,torch.save"])
+def test_training_benchmark_json_table_and_chart(methods, tmp_path):
+    out = tmp_path / "training.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "fastpersist.bench", "training", "--device", "cpu", "--dir", str(tmp_path / "ckpt"),
+         "--d-model", "32", "--heads", "2", "--layers", "1", "--vocab", "64", "--batch", "2", "--seq", "8",
+         "--iterations", "2", "--warmup", "1", "--methods", methods, "--json", str(out)],
+        env=ENV, capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    document = json.loads(out.read_text())
+    assert document["schema"] == "fastpersist-training-bench/1"
+    methods_run = [r["method"] for r in document["results"]]
+    assert methods_run == ["none", *methods.split(",")]
+    for result in document["results"]:
+        assert "error" not in result, result
+        assert result["per_iteration_s"] > 0 and len(result["samples"]) == 1
+        if result["method"] != "none":
+            assert result["checkpoint_bytes"] > 0 and result["overhead_pct"] is not None
+    assert os.listdir(tmp_path / "ckpt") == [], "the benchmark removes its checkpoints"
+    svg = tmp_path / "chart.svg"
+    report = subprocess.run(
+        [sys.executable, "-m", "fastpersist.bench", "training", "--report", str(out), "--svg", str(svg)],
+        env=ENV, capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    assert "| fastpersist-pipelined |" in report.stdout and svg.read_text().startswith("<svg")

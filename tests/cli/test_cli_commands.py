@@ -1,0 +1,73 @@
+"""Every command is one module of fastpersist/cli/, registered by one line."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fastpersist import cli
+from fastpersist.cli import main
+
+
+def test_every_command_is_a_cli_module():
+    commands = {name: entry for name, entry in cli.COMMANDS.items() if isinstance(entry, str)}
+    assert {"info", "verify", "tune", "bench"} <= set(commands)
+    for name, module in commands.items():
+        assert module == f"fastpersist.cli.{name}"
+        assert os.path.exists(os.path.join(os.path.dirname(cli.__file__), f"{name}.py"))
+
+
+def test_bench_runs_a_benchmark_with_its_own_options(capsys):
+    assert cli.main(["bench", "checkpoint", "--list-models"]) == 0
+    assert "llama-3-8b" in capsys.readouterr().out
+    assert cli.main(["bench", "report", "--check-docs", "--root", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]) == 0
+
+
+def test_tune_has_its_options(capsys):
+    parser = cli.build_parser()
+    args = parser.parse_args(["tune", "--quick", "--dir", "/tmp", "--optimize", "save"])
+    assert (args.quick, args.optimize) == (True, "save")
+
+
+def test_merge_of_an_ordinary_checkpoint_says_there_is_nothing_to_merge(tmp_path, capsys):
+    import torch
+
+    torch.save({"w": torch.ones(3)}, tmp_path / "ckpt.pt")
+    assert main(["merge", str(tmp_path / "ckpt.pt"), str(tmp_path / "out.pt")]) == 2
+    error = capsys.readouterr().err
+    assert "already a single checkpoint" in error and "damaged" not in error
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_tune_and_bench_with_a_size_too_small_suggest_a_smaller_model(tmp_path, capsys):
+    assert main(["tune", "--dir", str(tmp_path), "--size", "1M"]) == 2
+    assert "pick a smaller --model (toy: from" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "checkpoint", "--size", "1M", "--dir", str(tmp_path)])
+    assert exit_.value.code == 2 and "pick a smaller --model (toy" in capsys.readouterr().err
+
+
+def test_gpu_acceptance_script_says_it_needs_a_gpu(tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    # python3 must be this interpreter (the script calls python3): a shim directory first on PATH.
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python3").symlink_to(sys.executable)
+    env["PATH"] = f"{shim}{os.pathsep}{env['PATH']}"
+    done = subprocess.run(["bash", os.path.join(root, "examples", "gpu_acceptance.sh"), str(tmp_path / "out"), "tests"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr + done.stdout

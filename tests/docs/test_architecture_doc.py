@@ -1,0 +1,130 @@
+"""docs/architecture.md matches the tree: every module listed once, names that exist, the layering rules kept."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import gen_architecture  # noqa: E402
+
+DOC = os.path.join(ROOT, "docs", "architecture.md")
+PACKAGES = {"format", "io", "cli", "bench", "integrations", "distributed", "dcp", "api", "deepnvme", "tuning"}
+
+
+def _doc() -> str:
+    with open(DOC, encoding="utf-8") as f:
+        return f.read()
+
+
+def test_generated_blocks_match_the_tree():
+    assert gen_architecture.render(_doc()) == _doc(), "run: python tools/gen_architecture.py"
+    with open(os.path.join(ROOT, gen_architecture.SETTINGS_DOC), encoding="utf-8") as f:
+        settings_page = f.read()
+    assert gen_architecture.render(settings_page, ROOT, gen_architecture.SETTINGS_DOC) == settings_page
+
+
+def test_the_settings_table_lists_every_setting_once():
+    from fastpersist import config
+
+    rows = gen_architecture.settings_rows(ROOT)
+    assert [name for name, _, _ in rows] == [name for name, *_ in config.describe()]
+    assert dict((name, text) for name, _, text in rows)["atomic"].startswith("Save regular files")
+
+
+def test_the_check_command_fails_when_a_module_is_added(tmp_path):
+    tree = tmp_path / "repo"
+    for name in ("fastpersist", "native", "docs"):
+        shutil.copytree(os.path.join(ROOT, name), tree / name, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    script = os.path.join(ROOT, "tools", "gen_architecture.py")
+    check = [sys.executable, script, "--check", "--root", str(tree)]
+    assert subprocess.run(check, capture_output=True).returncode == 0
+    (tree / "fastpersist" / "newmodule.py").write_text('"""A module added by another branch."""\n')
+    result = subprocess.run(check, capture_output=True, text=True)
+    assert result.returncode == 1 and "differs from the tree" in result.stderr
+    assert subprocess.run([sys.executable, script, "--root", str(tree)], capture_output=True).returncode == 0
+    assert "| `fastpersist/newmodule.py` | A module added by another branch. |" in (tree / "docs" / "architecture.md").read_text()
+    (tree / "fastpersist" / "undocumented.py").write_text("x = 1\n")
+    result = subprocess.run(check, capture_output=True, text=True)
+    assert result.returncode == 2 and "no module docstring" in result.stderr
+
+
+def test_every_module_is_listed_exactly_once():
+    listed = re.findall(r"^\| `([^`]+)` \|", _doc(), flags=re.MULTILINE)
+    modules = [path for path, _ in gen_architecture.python_modules(ROOT) + gen_architecture.native_files(ROOT)]
+    assert sorted(listed) == sorted(modules)
+    assert len(listed) == len(set(listed))
+
+
+def _resolves(name: str) -> bool:
+    parts = name.split(".")
+    module, index = None, 0
+    for index in range(len(parts), 0, -1):
+        try:
+            module = importlib.import_module("fastpersist." + ".".join(parts[:index]))
+            break
+        except ImportError:
+            continue
+    if module is None:
+        return False
+    target = module
+    for attribute in parts[index:]:
+        if not hasattr(target, attribute):
+            return False
+        target = getattr(target, attribute)
+    return True
+
+
+def test_names_in_the_prose_exist():
+    prose = re.sub(r"<!-- fastpersist:\w+ -->.*?<!-- /fastpersist -->", "", _doc(), flags=re.DOTALL)
+    names = set(re.findall(r"`(?:fastpersist\.)?((?:format|io|cli|bench|api|deepnvme|tuning|display|"
+                           r"config|system|tensors|errors|integrations|distributed|dcp)(?:\.\w+)+)", prose))  # fmt: skip
+    names = {n for n in names if not n.endswith(".py")}  # file names are checked below
+    assert names, "the prose names no modules"
+    assert sorted(n for n in names if not _resolves(n)) == []
+    paths = set(re.findall(r"`((?:fastpersist|native|tools|tests)/[\w/.]+\.(?:py|cpp|hpp))`", prose))
+    assert sorted(p for p in paths if not os.path.exists(os.path.join(ROOT, p))) == []
+
+
+@pytest.mark.parametrize(("layer", "forbidden"), [("format", "io"), ("format", "io.engine"), ("io", "_native"),
+                                                  ("base", "_native"), ("cli", "_native"), ("api", "bench"),
+                                                  ("io", "api"), ("distributed", "api")])  # fmt: skip
+def test_dependencies_run_one_way(layer, forbidden):
+    assert forbidden not in gen_architecture.layer_graph(ROOT).get(layer, set())
+
+
+def test_every_layer_imports_only_layers_below_it():
+    rank = {name: index for index, name in enumerate(gen_architecture.LAYER_ORDER)}
+    graph = gen_architecture.layer_graph(ROOT)
+    assert set(graph) <= set(rank), f"layers missing from LAYER_ORDER: {sorted(set(graph) - set(rank))}"
+    upward = {layer: sorted(t for t in targets if rank[t] <= rank[layer]) for layer, targets in graph.items()}
+    assert {layer: t for layer, t in upward.items() if t} == {}
+
+
+def test_no_import_cycles_between_modules():
+    """Function-level imports included: a cycle hidden inside a function is still a cycle."""
+    assert gen_architecture.import_cycles(ROOT) == []
+
+
+def test_the_benchmarks_are_a_leaf():
+    """The product never imports fastpersist.bench; only the `fastpersist bench` command dispatches to it."""
+    importers = {module for module, targets in gen_architecture.module_graph(ROOT).items()
+                 if not module.startswith("fastpersist.bench") and any(t.startswith("fastpersist.bench") for t in targets)}  # fmt: skip
+    assert importers == {"fastpersist.cli.bench"}
+
+
+def test_the_cycle_finder_finds_a_hidden_cycle(tmp_path):
+    tree = tmp_path / "repo"
+    (tree / "fastpersist" / "sub").mkdir(parents=True)
+    (tree / "fastpersist" / "__init__.py").write_text('"""The package."""\n')
+    (tree / "fastpersist" / "sub" / "__init__.py").write_text('"""Sub."""\n')
+    (tree / "fastpersist" / "sub" / "a.py").write_text('"""A."""\nfrom fastpersist.sub import b\n')
+    (tree / "fastpersist" / "sub" / "b.py").write_text('"""B."""\ndef f():\n    from fastpersist.sub import a\n')
+    assert gen_architecture.import_cycles(str(tree)) == [["fastpersist.sub.a", "fastpersist.sub.b"]]
