@@ -87,9 +87,11 @@ def main() -> None:
     dist.all_gather_object(flags, same)
     if rank == 0:
         plain = torch.load(path, map_location="cpu")  # an ordinary checkpoint
-        print(f"ranks={dist.get_world_size()} backend={dist.get_backend()} "
-              f"writers={'every rank (sharded)' if sharded else 'rank 0'} step={plain['step']} "
-              f"resumed weights identical on all ranks={all(flags)}")  # fmt: skip
+        print(
+            f"ranks={dist.get_world_size()} backend={dist.get_backend()} "
+            f"writers={'every rank (sharded)' if sharded else 'rank 0'} step={plain['step']} "
+            f"resumed weights identical on all ranks={all(flags)}"
+        )
     # Leave nothing of the process group to the interpreter's exit: DDP keeps a reference to it, and a group
     # destroyed during finalization can abort the process (gloo's worker threads release tensors and need
     # the GIL then). Drop the wrappers, then destroy the group while the interpreter is fully alive.

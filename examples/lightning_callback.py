@@ -41,9 +41,12 @@ class Classifier(LightningModule):
         self.save_hyperparameters()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(width, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+            torch.nn.Linear(width, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
             torch.nn.Linear(hidden, 4),
-        )  # fmt: skip
+        )
         self.last_saved: dict | None = None
 
     def training_step(self, batch, batch_index):
@@ -82,8 +85,13 @@ def _to_cpu(item):
 def _differences(a, b, path: str = "") -> list[str]:
     """Where two checkpoint dicts differ (tensors by dtype, shape and value)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a, b))  # fmt: skip
+        same = (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
         return [] if same else [path]
     if isinstance(a, dict) and isinstance(b, dict):
         if a.keys() != b.keys():
@@ -100,8 +108,13 @@ def make_trainer(args, epochs: int, checkpoints: bool = True) -> Trainer:
     ddp = args.devices > 1
     plugins, strategy = [], "ddp" if ddp else "auto"
     callbacks = []
-    options = dict(dirpath=os.path.join(args.dir, "checkpoints"), monitor="rank_metric", save_top_k=2,
-                   save_last=True, every_n_train_steps=4)  # fmt: skip
+    options = dict(
+        dirpath=os.path.join(args.dir, "checkpoints"),
+        monitor="rank_metric",
+        save_top_k=2,
+        save_last=True,
+        every_n_train_steps=4,
+    )
     if not checkpoints:
         pass
     elif args.io == "callback":
@@ -113,10 +126,19 @@ def make_trainer(args, epochs: int, checkpoints: bool = True) -> Trainer:
         else:
             plugins.append(FastPersistCheckpointIO())
     return Trainer(
-        accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_epochs=epochs,
-        max_time="00:01:00:00", logger=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=args.dir, callbacks=callbacks, plugins=plugins, enable_checkpointing=checkpoints,
-    )  # fmt: skip
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        max_epochs=epochs,
+        max_time="00:01:00:00",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args.dir,
+        callbacks=callbacks,
+        plugins=plugins,
+        enable_checkpointing=checkpoints,
+    )
 
 
 def main() -> None:
@@ -125,10 +147,15 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--accelerator", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--io", choices=["callback", "strategy", "plugin"], default="callback",
-                        help="FastPersistCheckpoint (default), FastPersistDDPStrategy, or the CheckpointIO plugin")
-    parser.add_argument("--async-mode", choices=["snapshot", "pipelined"], default=None,
-                        help="with --io callback: asynchronous saves")  # fmt: skip
+    parser.add_argument(
+        "--io",
+        choices=["callback", "strategy", "plugin"],
+        default="callback",
+        help="FastPersistCheckpoint (default), FastPersistDDPStrategy, or the CheckpointIO plugin",
+    )
+    parser.add_argument(
+        "--async-mode", choices=["snapshot", "pipelined"], default=None, help="with --io callback: asynchronous saves"
+    )
     parser.add_argument("--check", action="store_true", help="assert the checkpoint and the resume (tests)")
     args = parser.parse_args()
 
@@ -138,8 +165,10 @@ def main() -> None:
     last = os.path.join(args.dir, "checkpoints", "last.ckpt")
     if trainer.is_global_zero:
         state = torch.load(last, weights_only=False, map_location="cpu")  # an ordinary torch checkpoint
-        print(f"saved {sorted(os.listdir(os.path.dirname(last)))}, global_step={state['global_step']}, "
-              f"ranks={trainer.world_size}, io={type(trainer.strategy.checkpoint_io).__name__}")  # fmt: skip
+        print(
+            f"saved {sorted(os.listdir(os.path.dirname(last)))}, global_step={state['global_step']}, "
+            f"ranks={trainer.world_size}, io={type(trainer.strategy.checkpoint_io).__name__}"
+        )
         if args.check:
             fastpersist.verify(last)
             differences = _differences(model.last_saved, state)
@@ -160,8 +189,10 @@ def main() -> None:
         expected = {k: v.cpu() for k, v in reference.state_dict().items()}
         assert all(torch.equal(weights[k], expected[k]) for k in expected), "resumed weights differ"
     if resumed.is_global_zero:
-        print(f"resumed at epoch {args.epochs}, finished epoch {resumed.current_epoch} "
-              f"at global_step={resumed.global_step}" + (", weights equal an uninterrupted run" if args.check else ""))
+        print(
+            f"resumed at epoch {args.epochs}, finished epoch {resumed.current_epoch} "
+            f"at global_step={resumed.global_step}" + (", weights equal an uninterrupted run" if args.check else "")
+        )
         if args.check:
             assert resumed.current_epoch == args.epochs + 1
 

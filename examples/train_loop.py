@@ -66,7 +66,9 @@ def main() -> None:
         train(model, optimizer, 0, args.steps, args.device, lambda state: fastpersist.save(state, path), args.every)
     else:
         with fastpersist.Checkpointer(optimizer, model=model, mode=args.mode) as checkpointer:
-            train(model, optimizer, 0, args.steps, args.device, lambda state: checkpointer.save(state, path), args.every)
+            train(
+                model, optimizer, 0, args.steps, args.device, lambda state: checkpointer.save(state, path), args.every
+            )
         # leaving the block waited for the last save and raised any error
     elapsed = time.perf_counter() - started
     reference = {k: v.clone() for k, v in model.state_dict().items()}
@@ -79,8 +81,10 @@ def main() -> None:
     assert state["step"] == args.steps - args.steps % args.every
     train(model, optimizer, state["step"], args.steps, args.device)
     same = all(torch.equal(model.state_dict()[k], v) for k, v in reference.items())
-    print(f"mode={args.mode} device={args.device} steps={args.steps} saves={args.steps // args.every} "
-          f"train+checkpoint {elapsed:.2f}s; resumed from step {state['step']}: weights identical={same}")  # fmt: skip
+    print(
+        f"mode={args.mode} device={args.device} steps={args.steps} saves={args.steps // args.every} "
+        f"train+checkpoint {elapsed:.2f}s; resumed from step {state['step']}: weights identical={same}"
+    )
     if not same:
         raise SystemExit("the resumed run differs from the uninterrupted one")
 

@@ -12,6 +12,10 @@ See docs/ for the architecture, configuration, file format and reliability.
 from fastpersist import config, errors
 from fastpersist._version import __version__
 from fastpersist.api import SaveFuture, VerifyReport, async_save, load, save, verify
+from fastpersist.api.checkpointer import Checkpointer
+from fastpersist.api.futures import pending_saves, release_buffers, wait_all
+from fastpersist.api.safetensors import load_file, safe_open, save_file
+from fastpersist.deepnvme.handle import AioHandle
 from fastpersist.errors import (
     ChecksumMismatchError,
     ConfigError,
@@ -19,14 +23,10 @@ from fastpersist.errors import (
     DistributedCheckpointError,
     EngineUnavailableError,
     FastPersistError,
+    TensorModifiedError,
     UnsupportedObjectError,
 )
-from fastpersist.deepnvme.handle import AioHandle
-from fastpersist.api.futures import pending_saves, release_buffers, wait_all
-from fastpersist.api.checkpointer import Checkpointer
-from fastpersist.errors import TensorModifiedError
 from fastpersist.io.memory import free_cpu_locked_tensor, new_cpu_locked_tensor
-from fastpersist.api.safetensors import load_file, safe_open, save_file
 from fastpersist.tensors import cast_to_byte_tensor
 
 __all__ = [

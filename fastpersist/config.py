@@ -29,7 +29,8 @@ import json
 import os
 import re
 import threading
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from fastpersist.errors import ConfigError
 
@@ -120,7 +121,7 @@ class Settings:
     def __post_init__(self) -> None:
         _validate(self)
 
-    def replace(self, **changes: Any) -> "Settings":
+    def replace(self, **changes: Any) -> Settings:
         """Returns a copy with ``changes`` applied (validated)."""
         return dataclasses.replace(self, **_coerce_all(changes))
 
@@ -374,8 +375,11 @@ class Restorer(contextlib.AbstractContextManager):
             if self._done:
                 return
             self._done = True
-            undo = {name: getattr(self._previous, name) for name, value in self._changes.items()
-                    if getattr(_current, name) == value}  # fmt: skip
+            undo = {
+                name: getattr(self._previous, name)
+                for name, value in self._changes.items()
+                if getattr(_current, name) == value
+            }
             if undo:
                 _current = _current.replace(**undo)
 
@@ -464,4 +468,3 @@ def save_file(path: str | os.PathLike[str], values: Mapping[str, Any], **metadat
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-

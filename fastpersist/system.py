@@ -239,4 +239,3 @@ class CacheDropper:
                         os.close(descriptor)
             return "fadvise"
         return self.mode
-

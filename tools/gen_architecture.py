@@ -217,8 +217,22 @@ def layer_graph(root: str) -> dict[str, set[str]]:
     return graph
 
 
-LAYER_ORDER = ["cli", "bench", "tuning", "integrations", "facade", "dcp", "api", "distributed", "deepnvme", "io",
-               "format", "io.engine", "base", "_native"]  # fmt: skip
+LAYER_ORDER = [
+    "cli",
+    "bench",
+    "tuning",
+    "integrations",
+    "facade",
+    "dcp",
+    "api",
+    "distributed",
+    "deepnvme",
+    "io",
+    "format",
+    "io.engine",
+    "base",
+    "_native",
+]
 """Highest first: a layer may import only layers after it (checked by tests/docs/test_architecture_doc.py)."""
 
 
@@ -266,7 +280,9 @@ def settings_rows(root: str) -> list[tuple[str, str, str]]:
     for node in tree.body:  # module-level integer constants the defaults use (_MiB)
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             try:
-                constants[node.targets[0].id] = eval(compile(ast.Expression(node.value), "config", "eval"), {}, dict(constants))  # noqa: S307
+                constants[node.targets[0].id] = eval(
+                    compile(ast.Expression(node.value), "config", "eval"), {}, dict(constants)
+                )
             except Exception:  # noqa: BLE001 - not a constant expression
                 pass
     settings = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Settings")
@@ -274,9 +290,15 @@ def settings_rows(root: str) -> list[tuple[str, str, str]]:
     for node, after in zip(settings.body, settings.body[1:]):
         if not isinstance(node, ast.AnnAssign):
             continue
-        value = eval(compile(ast.Expression(node.value), "config", "eval"), {}, dict(constants))  # noqa: S307
+        value = eval(compile(ast.Expression(node.value), "config", "eval"), {}, dict(constants))
         name = node.target.id
-        shown = str(value).lower() if isinstance(value, bool) else _size_text(value) if name.endswith("_size") else str(value)
+        shown = (
+            str(value).lower()
+            if isinstance(value, bool)
+            else _size_text(value)
+            if name.endswith("_size")
+            else str(value)
+        )
         text = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else ""
         if not text:
             raise ValueError(f"config.Settings.{name} has no docstring; its text goes into {SETTINGS_DOC}")
@@ -286,8 +308,10 @@ def settings_rows(root: str) -> list[tuple[str, str, str]]:
 
 def settings_block(root: str) -> str:
     lines = ["| name | environment variable | default | meaning |", "| --- | --- | --- | --- |"]
-    lines += [f"| `{name}` | `FASTPERSIST_{name.upper()}` | `{default}` | {text} |"
-              for name, default, text in settings_rows(root)]  # fmt: skip
+    lines += [
+        f"| `{name}` | `FASTPERSIST_{name.upper()}` | `{default}` | {text} |"
+        for name, default, text in settings_rows(root)
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -300,9 +324,13 @@ def render(text: str, root: str = ROOT, doc: str = DOC) -> str:
     found = {m.group(2) for m in _BLOCK.finditer(text)}
     missing = set(makers) - found
     if missing:
-        raise ValueError(f"{doc} lacks the block(s) {sorted(missing)}: add '<!-- fastpersist:NAME -->' + '<!-- /fastpersist -->'")
+        raise ValueError(
+            f"{doc} lacks the block(s) {sorted(missing)}: add '<!-- fastpersist:NAME -->' + '<!-- /fastpersist -->'"
+        )
     blocks = {name: make(root) for name, make in makers.items()}
-    return _BLOCK.sub(lambda m: m.group(1) + blocks[m.group(2)] + m.group(4) if m.group(2) in blocks else m.group(0), text)
+    return _BLOCK.sub(
+        lambda m: m.group(1) + blocks[m.group(2)] + m.group(4) if m.group(2) in blocks else m.group(0), text
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

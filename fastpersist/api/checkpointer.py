@@ -22,7 +22,8 @@ anyway, the save fails with ``TensorModifiedError`` and commits nothing.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -134,7 +135,7 @@ class Checkpointer:
         self.detach()
         self.wait()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -50,7 +50,7 @@ STRUCTURE_KEY = "fastpersist.structure"
 _EXTENSIONS = (".safetensors",)
 
 
-def wants_safetensors(f: Any, format: str | None) -> bool:
+def wants_safetensors(f: Any, format: str | None) -> bool:  # noqa: A002 (torch-style keyword)
     """Whether a save to ``f`` with ``format`` writes safetensors (explicit choice, else the extension)."""
     if format is not None:
         if format not in FORMATS:
@@ -164,8 +164,9 @@ def unflatten(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None,
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
         raise CorruptCheckpointError(
             f"{path}: the {STRUCTURE_KEY} metadata is damaged ({type(e).__name__}: {e}); "
-            "load the tensors alone with fastpersist.load_file", path=path,
-        ) from None  # fmt: skip
+            "load the tensors alone with fastpersist.load_file",
+            path=path,
+        ) from None
 
 
 def _decode(node: dict, tensors: dict[str, torch.Tensor]) -> Any:

@@ -35,10 +35,10 @@ from typing import Any
 
 from fastpersist import config
 from fastpersist.api import dispatch
-from fastpersist.io.commit import commit_plan, target
 from fastpersist.errors import TensorModifiedError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io import memory, staging
+from fastpersist.io.commit import commit_plan, target
 from fastpersist.io.queue import (
     SaveFuture,
     pending_saves,
@@ -51,6 +51,7 @@ from fastpersist.io.queue import (
 from fastpersist.io.writer import side_streams
 
 __all__ = ["async_save", "SaveFuture", "wait_all", "release_buffers", "pending_saves", "run_in_order"]
+
 
 def release_buffers() -> int:
     """Frees the pinned host memory kept for reuse: idle ring buffers and idle snapshot areas.
@@ -147,8 +148,9 @@ def async_save(
     destination = target(f)
     path = destination.path
     recorder = _RecordingPickler(pickle_module) if resolved.async_mode == "pipelined" else None
-    plan = plan_save(obj, archive_name_for(destination.given), recorder.module if recorder else pickle_module,
-                     pickle_protocol)  # fmt: skip
+    plan = plan_save(
+        obj, archive_name_for(destination.given), recorder.module if recorder else pickle_module, pickle_protocol
+    )
     future = SaveFuture(path, resolved.async_mode)
     # Wait for a slot before snapshotting, so at most async_max_pending staging areas exist.
     wait_for_slot(resolved.async_max_pending)

@@ -7,20 +7,21 @@ import io
 import os
 import pickle
 import warnings
-from typing import Any, BinaryIO, Callable
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 import torch
 
 from fastpersist import config
 from fastpersist.api import dispatch
+from fastpersist.api.verification import verify_file_object
 from fastpersist.errors import CorruptCheckpointError, FastPersistError, TruncatedCheckpointError, torch_compatible
 from fastpersist.format.deserializer import archive_prefix, deserialize
 from fastpersist.format.zipformat import MissingEndRecordError, RecordTable, read_directory, read_rows
 from fastpersist.io import engine
 from fastpersist.io.reader import FileStorageProvider, MmapStorageProvider
-from fastpersist.tensors import host_memoryview
-from fastpersist.api.verification import verify_file_object
 from fastpersist.io.records import HeaderCache, has_checksums, record_bytes
+from fastpersist.tensors import host_memoryview
 
 __all__ = ["load"]
 
@@ -126,8 +127,13 @@ def load(
             verify_file_object(f)
         return _TORCH_LOAD(f, map_location, **torch_kwargs)
     path = os.fspath(f)
-    sharded = _load_sharded(path, group, timeout, verify, dict(map_location=map_location, pickle_module=pickle_module,
-                                                               weights_only=weights_only, **pickle_load_args))
+    sharded = _load_sharded(
+        path,
+        group,
+        timeout,
+        verify,
+        dict(map_location=map_location, pickle_module=pickle_module, weights_only=weights_only, **pickle_load_args),
+    )
     if sharded is not _NOT_SHARDED:
         return sharded
     if torch._guards.detect_fake_mode(None) is not None:
@@ -135,11 +141,21 @@ def load(
         return _TORCH_LOAD(path, map_location, **torch_kwargs)
     if weights_only and pickle_load_args:
         # torch warns, and still hands them (``encoding=``) to the weights-only unpickler.
-        warnings.warn("pickle_load_args only works if `weights_only=False`.")
+        warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
     pickle_load_args = {"encoding": "utf-8", **pickle_load_args}  # torch.load's default
     try:
-        return _load_from_path(path, map_location, pickle_module, weights_only, mmap, verify, resolved, torch_kwargs,
-                               pickle_load_args, warn_unverifiable=explicit)  # fmt: skip
+        return _load_from_path(
+            path,
+            map_location,
+            pickle_module,
+            weights_only,
+            mmap,
+            verify,
+            resolved,
+            torch_kwargs,
+            pickle_load_args,
+            warn_unverifiable=explicit,
+        )
     except OSError as error:  # EIO and the like: torch.load raises RuntimeError for them (open()'s errors stay)
         raise torch_compatible(error, saving=False) from None
 
@@ -157,9 +173,11 @@ def _load_sharded(path: str, group: Any, timeout: float | None, verify: bool, lo
 
         if distributed_save.is_collective(group):
             data = distributed_load.read_collective(
-                path, None if group is True else group, verify=verify,
+                path,
+                None if group is True else group,
+                verify=verify,
                 timeout=distributed_save.DEFAULT_TIMEOUT if timeout is None else timeout,
-            )  # fmt: skip
+            )
             return _NOT_SHARDED if data is None else load(io.BytesIO(host_memoryview(data)), **load_kwargs)
     if os.path.isfile(path) and is_manifest(path):
         data = distributed_load.read_parts(path, verify=verify)
@@ -191,8 +209,9 @@ def _load_with_torch(path: str, map_location, torch_kwargs: dict) -> Any:
     if not head:
         raise TruncatedCheckpointError(
             f"{path} is empty (0 bytes): it is not a checkpoint. An interrupted copy or a save by a tool "
-            "without atomic commit leaves such files; restore it from a good copy", path=path,
-        )  # fmt: skip
+            "without atomic commit leaves such files; restore it from a good copy",
+            path=path,
+        )
     legacy = _is_legacy_torch_file(head)
     if not legacy:
         _raise_if_damaged_zip(path)
@@ -211,8 +230,9 @@ def _load_with_torch(path: str, map_location, torch_kwargs: dict) -> Any:
         what = "a truncated legacy torch file" if legacy else "neither a zip checkpoint nor a legacy torch file"
         raise kind(
             f"{path} is {what} ({type(e).__name__}: {e}); the file is damaged or not a checkpoint: "
-            "restore it from a good copy", path=path,
-        ) from e  # fmt: skip
+            "restore it from a good copy",
+            path=path,
+        ) from e
 
 
 def _raise_if_damaged_zip(path: str) -> None:
@@ -228,8 +248,10 @@ def _raise_if_damaged_zip(path: str) -> None:
     first = min(records, key=lambda r: r.header_offset).name if records else None
     raise CorruptCheckpointError(
         f"{path}: a zip archive whose first bytes are damaged (it does not start with a zip header); "
-        "restore it from a good copy", path=path, record=first,
-    )  # fmt: skip
+        "restore it from a good copy",
+        path=path,
+        record=first,
+    )
 
 
 def _is_safetensors_stream(f) -> bool:
@@ -245,8 +267,18 @@ def _is_safetensors_stream(f) -> bool:
     return isinstance(head, bytes) and dispatch.looks_like_safetensors(head)
 
 
-def _load_from_path(path, map_location, pickle_module, weights_only, mmap, verify, settings, torch_kwargs,
-                    pickle_load_args, warn_unverifiable=True):  # fmt: skip
+def _load_from_path(
+    path,
+    map_location,
+    pickle_module,
+    weights_only,
+    mmap,
+    verify,
+    settings,
+    torch_kwargs,
+    pickle_load_args,
+    warn_unverifiable=True,
+):
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "expected a checkpoint file, got a directory", path)
     if dispatch.is_safetensors_file(path):
@@ -282,10 +314,18 @@ def _load_from_path(path, map_location, pickle_module, weights_only, mmap, verif
         try:
             # The records go as the state comes: the zip directory of 100,000 tensors is 27 MiB of objects.
             return deserialize(
-                pickle_bytes, records, prefix, provider, map_location=map_location, pickle_module=pickle_module,
-                weights_only=weights_only, byteorder=byteorder, path=path, release_records=True,
+                pickle_bytes,
+                records,
+                prefix,
+                provider,
+                map_location=map_location,
+                pickle_module=pickle_module,
+                weights_only=weights_only,
+                byteorder=byteorder,
+                path=path,
+                release_records=True,
                 **pickle_load_args,
-            )  # fmt: skip
+            )
         except pickle.UnpicklingError as e:
             if not weights_only:
                 raise
@@ -299,4 +339,3 @@ def _load_from_path(path, map_location, pickle_module, weights_only, mmap, verif
                 provider.close()
     finally:
         file.close()
-

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from fastpersist import config
-from fastpersist.io.commit import commit_plan, target
 from fastpersist.errors import InvalidSafetensorsError
 from fastpersist.format import safetensors as layout
 from fastpersist.format.zipformat import ZipRecordInfo
 from fastpersist.io import engine
+from fastpersist.io.commit import commit_plan, target
 from fastpersist.io.queue import run_in_order
 from fastpersist.io.reader import FileStorageProvider
 from fastpersist.io.writer import side_streams
@@ -270,8 +270,10 @@ class _Reader:
         """Reads ``(name, start, end)`` absolute file ranges in parallel; one storage each, on ``device``."""
         pieces = list(pieces)
         target = device if device.type in ("cpu", "cuda") else torch.device("cpu")
-        records = [ZipRecordInfo(f"safetensors/data/{i}", start, start, end - start, 0)
-                   for i, (_, start, end) in enumerate(pieces)]  # fmt: skip
+        records = [
+            ZipRecordInfo(f"safetensors/data/{i}", start, start, end - start, 0)
+            for i, (_, start, end) in enumerate(pieces)
+        ]
         provider = FileStorageProvider(self.file, records, self.settings, verify=False, path=self.path)
         storages = [provider.storage(record, target) for record in records]
         provider.flush()
@@ -353,8 +355,9 @@ class safe_open:
         ValueError (framework, device or backend).
     """
 
-    def __init__(self, filename, framework: str = "pt", device: Any = "cpu", *, backend: str | None = None,
-                 **settings: Any):  # fmt: skip
+    def __init__(
+        self, filename, framework: str = "pt", device: Any = "cpu", *, backend: str | None = None, **settings: Any
+    ):
         if framework not in ("pt", "torch", "pytorch"):
             raise ValueError(f"fastpersist.api.safetensors.safe_open supports framework='pt' only, got {framework!r}")
         if backend not in _BACKENDS:
@@ -440,8 +443,9 @@ class SafetensorsSlice:
         if not shape:
             return self._reader.tensors([entry.name], self._device)[entry.name][index]
         row_bytes = entry.size // rows if rows else 0
-        (storage,) = self._reader.read([(entry.name, entry.start + lo * row_bytes, entry.start + hi * row_bytes)],
-                                       self._device)  # fmt: skip
+        (storage,) = self._reader.read(
+            [(entry.name, entry.start + lo * row_bytes, entry.start + hi * row_bytes)], self._device
+        )
         part = _tensor_over(storage, entry, (hi - lo, *shape[1:]))
         return part[rest]
 
@@ -449,8 +453,9 @@ class SafetensorsSlice:
 # ----------------------------------------------------------------------------- models (shared weights)
 
 
-def _remove_duplicate_names(state_dict: Mapping[str, torch.Tensor], *, preferred_names=None,
-                            discard_names=None) -> dict[str, list[str]]:  # fmt: skip
+def _remove_duplicate_names(
+    state_dict: Mapping[str, torch.Tensor], *, preferred_names=None, discard_names=None
+) -> dict[str, list[str]]:
     """For each group of tensors sharing memory, the name kept -> the names dropped (safetensors' rule)."""
     preferred_names = set(preferred_names or [])
     discard_names = set(discard_names or [])
@@ -481,8 +486,13 @@ def _is_complete(tensor: torch.Tensor) -> bool:
     return tensor.data_ptr() == pointer and tensor.nelement() * tensor.element_size() == nbytes
 
 
-def save_model(model: torch.nn.Module, filename: str | os.PathLike[str], metadata: dict[str, str] | None = None,
-               force_contiguous: bool = True, **settings: Any) -> None:  # fmt: skip
+def save_model(
+    model: torch.nn.Module,
+    filename: str | os.PathLike[str],
+    metadata: dict[str, str] | None = None,
+    force_contiguous: bool = True,
+    **settings: Any,
+) -> None:
     """``safetensors.torch.save_model``: drops the duplicate names of shared (tied) weights, then :func:`save_file`."""
     state_dict = model.state_dict()
     removed = _remove_duplicate_names(state_dict)
@@ -497,11 +507,14 @@ def save_model(model: torch.nn.Module, filename: str | os.PathLike[str], metadat
     try:
         save_file(state_dict, filename, metadata=metadata, **settings)
     except ValueError as e:
-        raise ValueError(f"{e}\nOr use save_model(..., force_contiguous=True); read the docs for the trade-offs.") from None
+        raise ValueError(
+            f"{e}\nOr use save_model(..., force_contiguous=True); read the docs for the trade-offs."
+        ) from None
 
 
-def load_model(model: torch.nn.Module, filename: str | os.PathLike[str], strict: bool = True,
-               device: Any = "cpu", **settings: Any) -> tuple[set[str], list[str]]:  # fmt: skip
+def load_model(
+    model: torch.nn.Module, filename: str | os.PathLike[str], strict: bool = True, device: Any = "cpu", **settings: Any
+) -> tuple[set[str], list[str]]:
     """``safetensors.torch.load_model``: loads into ``model``, re-tying shared weights; returns (missing, unexpected)."""
     state_dict = load_file(filename, device=device, **settings)
     model_state = model.state_dict()

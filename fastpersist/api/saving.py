@@ -10,9 +10,9 @@ import torch
 
 from fastpersist import config
 from fastpersist.api import dispatch
-from fastpersist.io.commit import commit_plan, fsync_file_object, target
 from fastpersist.errors import NotWritableError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
+from fastpersist.io.commit import commit_plan, fsync_file_object, target
 from fastpersist.io.stream import write_plan_to_stream
 
 __all__ = ["save"]
@@ -108,21 +108,29 @@ def save(
             if not isinstance(f, (str, os.PathLike)):
                 raise TypeError("a collective save (group=...) needs a path, not a file object")
             distributed_save.save(
-                obj, f, group=None if group is True else group, layout=layout, writers=writers, divergence=divergence,
-                timeout=distributed_save.DEFAULT_TIMEOUT if timeout is None else timeout, pickle_module=pickle_module,
-                pickle_protocol=pickle_protocol, disable_byteorder_record=_disable_byteorder_record, settings=resolved,
-            )  # fmt: skip
+                obj,
+                f,
+                group=None if group is True else group,
+                layout=layout,
+                writers=writers,
+                divergence=divergence,
+                timeout=distributed_save.DEFAULT_TIMEOUT if timeout is None else timeout,
+                pickle_module=pickle_module,
+                pickle_protocol=pickle_protocol,
+                disable_byteorder_record=_disable_byteorder_record,
+                settings=resolved,
+            )
             return
     if not _use_new_zipfile_serialization or _torch_skip_data():
         # The legacy (pre-1.6) format has no aligned records, and skip_data() files are
         # headers around holes (torch's fake-tensor workflow): torch writes both.
-        _TORCH_SAVE(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization,
-                   _disable_byteorder_record)  # fmt: skip
+        _TORCH_SAVE(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization, _disable_byteorder_record)
         return
     if isinstance(f, (str, os.PathLike)):
         destination = target(f)
-        plan = plan_save(obj, archive_name_for(destination.given), pickle_module, pickle_protocol,
-                         _disable_byteorder_record)  # fmt: skip
+        plan = plan_save(
+            obj, archive_name_for(destination.given), pickle_module, pickle_protocol, _disable_byteorder_record
+        )
         commit_plan(plan, destination, resolved, streams=None)
     else:
         if not callable(getattr(f, "write", None)):
@@ -136,7 +144,6 @@ def save(
             f.flush()
         if resolved.fsync:
             fsync_file_object(f)
-
 
 
 def _torch_skip_data() -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from typing import BinaryIO
@@ -67,9 +66,12 @@ def verify(path: str | os.PathLike[str], *, chunk_size: int = 16 << 20) -> Verif
         try:
             check_alignment_claim(records, read_at, path)
         except CorruptCheckpointError as e:
-            warnings.warn(str(e).replace("; the file is truncated, damaged or not a torch checkpoint", "")
-                          + "; plain torch.load and fastpersist.load read it correctly", RuntimeWarning,
-                          stacklevel=2)  # fmt: skip
+            warnings.warn(
+                str(e).replace("; the file is truncated, damaged or not a torch checkpoint", "")
+                + "; plain torch.load and fastpersist.load read it correctly",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     return VerifyReport(path, len(records), total, checksummed)
 
 
@@ -81,8 +83,7 @@ def _crc_of_range(descriptor: int, record: ZipRecordInfo, buffer, path: str | No
     while position < end:
         count = os.preadv(descriptor, [view[: min(len(view), end - position)]], position)
         if count <= 0:
-            raise CorruptCheckpointError(f"{path}: record {record.name!r} is cut short", path=path,
-                                         record=record.name)  # fmt: skip
+            raise CorruptCheckpointError(f"{path}: record {record.name!r} is cut short", path=path, record=record.name)
         crc = engine.crc32(buffer.ptr, count, crc)  # the native CRC-32: zlib's, about twice as fast
         position += count
     return crc
@@ -101,7 +102,8 @@ def verify_file_object(f: BinaryIO) -> None:
     try:
         _, _, checksummed = verify_records(read_at, size, None)
         if not checksummed:
-            warnings.warn("the file object holds a checkpoint without CRC-32 checksums; it cannot be verified",
-                          stacklevel=4)  # fmt: skip
+            warnings.warn(
+                "the file object holds a checkpoint without CRC-32 checksums; it cannot be verified", stacklevel=4
+            )
     finally:
         f.seek(start)

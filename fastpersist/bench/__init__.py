@@ -21,7 +21,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("fastpersist.bench.report", "Markdown of results; --update-docs regenerates the docs' tables"),
     "shapes": ("fastpersist.bench.shapes", "many-small / many-medium / huge / mixed states vs torch, fio and a sink"),
     "safetensors": ("fastpersist.bench.safetensors_bench", "safetensors files: fastpersist vs the safetensors library"),
-    "dcp": ("fastpersist.bench.dcp", "torch.distributed.checkpoint: FileSystemWriter/Reader vs FastPersistWriter/Reader"),
+    "dcp": (
+        "fastpersist.bench.dcp",
+        "torch.distributed.checkpoint: FileSystemWriter/Reader vs FastPersistWriter/Reader",
+    ),
     "ranks": ("fastpersist.bench.ranks", "data-parallel sharded save (group=...) against the number of ranks"),
     "training": ("fastpersist.bench.training", "overhead of checkpointing every iteration of a training loop"),
 }

@@ -29,8 +29,8 @@ import torch
 
 from fastpersist import config
 from fastpersist.bench.measure import machine_info
-from fastpersist.io import memory
 from fastpersist.deepnvme.handle import AioHandle
+from fastpersist.io import memory
 
 __all__ = ["main", "run"]
 
@@ -147,16 +147,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def to_markdown(document: dict[str, Any]) -> str:
     """The result as Markdown: write/read GB/s and pinned bytes per path, then the ring/bounce ratios."""
     results = document["results"]
-    lines = [f"{document['size_bytes'] / 2**20:.0f} MiB per transfer, median of {document['repeat']}, {document['handle']}",
-             "", "| path | write GB/s | read GB/s | pinned MiB | round trip equal |", "| --- | ---: | ---: | ---: | --- |"]  # fmt: skip
+    lines = [
+        f"{document['size_bytes'] / 2**20:.0f} MiB per transfer, median of {document['repeat']}, {document['handle']}",
+        "",
+        "| path | write GB/s | read GB/s | pinned MiB | round trip equal |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
     for name, entry in results.items():
         if "write_GBps" in entry:
-            lines.append(f"| {name} | {entry['write_GBps']:.2f} | {entry['read_GBps']:.2f} | "
-                         f"{entry.get('pinned_bytes', 0) / 2**20:.0f} | {entry.get('round_trip_equal', '-')} |")  # fmt: skip
+            lines.append(
+                f"| {name} | {entry['write_GBps']:.2f} | {entry['read_GBps']:.2f} | "
+                f"{entry.get('pinned_bytes', 0) / 2**20:.0f} | {entry.get('round_trip_equal', '-')} |"
+            )
     ratio = results.get("ring_vs_bounce")
     if ratio:
-        lines += ["", f"- CUDA ring / whole-tensor bounce: write {ratio['write_ratio']:.2f}x, read {ratio['read_ratio']:.2f}x, "
-                      f"pinned memory {ratio['pinned_ratio']:.4f}x"]  # fmt: skip
+        lines += [
+            "",
+            f"- CUDA ring / whole-tensor bounce: write {ratio['write_ratio']:.2f}x, read {ratio['read_ratio']:.2f}x, "
+            f"pinned memory {ratio['pinned_ratio']:.4f}x",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -21,14 +21,13 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from fastpersist import config, system
-from fastpersist.bench import measure
-from fastpersist.tuning import workloads
-from fastpersist.bench import report
+from fastpersist import config, display, system
+from fastpersist.bench import measure, report
 from fastpersist.bench.methods import (
     LOAD_METHODS,
     SAVE_METHODS,
@@ -38,7 +37,7 @@ from fastpersist.bench.methods import (
     register,
 )
 from fastpersist.bench.runner import MethodResult, run_benchmark
-from fastpersist import display
+from fastpersist.tuning import workloads
 
 __all__ = [
     "BenchContext",
@@ -48,7 +47,6 @@ __all__ = [
     "SAVE_METHODS",
     "LOAD_METHODS",
     "register",
-    "verify_state",
     "run_benchmark",
     "build_parser",
     "main",
@@ -203,7 +201,6 @@ def _parse_fp_settings(items: Sequence[str]) -> dict[str, Any]:
         key, value = item.split("=", 1)
         values[key.strip()] = value.strip()
     if values:
-
         config.settings().replace(**values)  # validates names and values (raises ConfigError)
     return values
 
@@ -278,13 +275,12 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
         overrides = _parse_fp_settings(args.fp_setting)
     except SystemExit:
         raise
-    except Exception as e:  # ConfigError
+    except Exception as e:  # noqa: BLE001 - ConfigError, ValueError...: reported as a usage error
         parser.error(str(e))
     if args.config:
-
         try:
             config.load_file(args.config)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any unreadable file is a usage error here
             parser.error(f"--config: {e}")
     ctx = BenchContext(device=device, dist=dist, dcp_threads=args.dcp_threads, fastpersist_overrides=overrides)
     if args.list_methods:
@@ -396,8 +392,10 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
     print(report.format_table(document))
     problems = report.measurement_problems(document)
     if problems:
-        print(f"\nMEASUREMENT PROBLEM: {', '.join(problems)} exceeded the storage ceiling measured in this run; "
-              "the ceiling or the method's timing is wrong, so these ratios are not results.")  # fmt: skip
+        print(
+            f"\nMEASUREMENT PROBLEM: {', '.join(problems)} exceeded the storage ceiling measured in this run; "
+            "the ceiling or the method's timing is wrong, so these ratios are not results."
+        )
     if args.json:
         report.write_json(document, args.json)
         print(f"\nresults written to {args.json}")

@@ -50,26 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m fastpersist.bench dcp",
         description="dcp.save/dcp.load with FileSystemWriter/Reader vs FastPersistWriter/Reader, several ranks",
     )
-    parser.add_argument(
-        "--ranks", type=int, default=2, help="processes (gloo group on this host)"
-    )
+    parser.add_argument("--ranks", type=int, default=2, help="processes (gloo group on this host)")
     parser.add_argument(
         "--size",
         type=_size,
         default=_size("4G"),
         help="total state bytes over all ranks",
     )
-    parser.add_argument(
-        "--tensor-size", type=_size, default=_size("64M"), help="bytes per tensor"
-    )
+    parser.add_argument("--tensor-size", type=_size, default=_size("64M"), help="bytes per tensor")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument(
-        "--threads", default="1,4,8", help="FileSystemWriter thread_count values to try"
-    )
+    parser.add_argument("--threads", default="1,4,8", help="FileSystemWriter thread_count values to try")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--dir", required=True, help="directory on the storage to measure"
-    )
+    parser.add_argument("--dir", required=True, help="directory on the storage to measure")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument(
         "--no-drop-caches",
@@ -105,10 +97,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         WORLD_SIZE=str(args.ranks),
     )
     command = [sys.executable, "-m", "fastpersist.bench.dcp", *argv, "--worker"]
-    processes = [
-        subprocess.Popen(command, env=dict(env, RANK=str(rank)))
-        for rank in range(args.ranks)
-    ]
+    processes = [subprocess.Popen(command, env=dict(env, RANK=str(rank))) for rank in range(args.ranks)]
     codes = [p.wait() for p in processes]
     if any(codes):
         print(f"dcp benchmark: ranks exited with {codes}", file=sys.stderr)
@@ -142,9 +131,7 @@ class _Run:
         self.total = int(totals.item())
         from fastpersist.system import CacheDropper
 
-        self.dropper = (
-            CacheDropper(enabled=not args.no_drop_caches) if self.rank == 0 else None
-        )
+        self.dropper = CacheDropper(enabled=not args.no_drop_caches) if self.rank == 0 else None
 
     def _make_state(self) -> dict:
         torch = self.torch
@@ -297,9 +284,7 @@ def _worker(args: argparse.Namespace) -> int:
             def save_theirs(path=path, count=count) -> None:
                 dcp.save(
                     run.state,
-                    storage_writer=FileSystemWriter(
-                        path, thread_count=count, sync_files=True
-                    ),
+                    storage_writer=FileSystemWriter(path, thread_count=count, sync_files=True),
                 )
                 _durable(path, run.rank)
 
@@ -342,9 +327,7 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _document(
-    args, run: _Run, seconds: dict[str, list[float]], cache_modes: list[str]
-) -> dict[str, Any]:
+def _document(args, run: _Run, seconds: dict[str, list[float]], cache_modes: list[str]) -> dict[str, Any]:
     from fastpersist.bench.measure import machine_info, summarize
 
     results = {}
@@ -358,13 +341,10 @@ def _document(
     writers = [n for n in results if n.startswith("filesystem_writer")]
     best_writer = max(writers, key=median)
     ratios = {
-        "save_vs_best_filesystem_writer": median("fastpersist_writer")
-        / median(best_writer),
+        "save_vs_best_filesystem_writer": median("fastpersist_writer") / median(best_writer),
         "save_vs_ceiling": median("fastpersist_writer") / median("ceiling_write"),
-        "best_filesystem_writer_vs_ceiling": median(best_writer)
-        / median("ceiling_write"),
-        "load_vs_filesystem_reader": median("fastpersist_reader")
-        / median("filesystem_reader"),
+        "best_filesystem_writer_vs_ceiling": median(best_writer) / median("ceiling_write"),
+        "load_vs_filesystem_reader": median("fastpersist_reader") / median("filesystem_reader"),
         "load_vs_ceiling": median("fastpersist_reader") / median("ceiling_read"),
     }
     return {
@@ -389,13 +369,13 @@ def _document(
 
 def _print_table(document: dict[str, Any]) -> None:
     config = document["config"]
-    print(f"\n{config['total_bytes'] / _GB:.2f} GB, {config['ranks']} ranks, {config['device']}, "
-          f"median of {config['repeats']} (min-max), GB/s")  # fmt: skip
+    print(
+        f"\n{config['total_bytes'] / _GB:.2f} GB, {config['ranks']} ranks, {config['device']}, "
+        f"median of {config['repeats']} (min-max), GB/s"
+    )
     for name, result in document["results"].items():
         rates = result["GBps"]
-        print(
-            f"  {name:<26} {rates['median']:7.2f}  ({rates['min']:.2f}-{rates['max']:.2f})"
-        )
+        print(f"  {name:<26} {rates['median']:7.2f}  ({rates['min']:.2f}-{rates['max']:.2f})")
     for name, value in document["ratios"].items():
         print(f"  {name:<40} {value:.2f}x")
 

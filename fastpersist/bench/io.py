@@ -37,9 +37,8 @@ from typing import Any
 
 import torch
 
-from fastpersist import config, system
+from fastpersist import config, display, system
 from fastpersist.bench.methods import ceilings
-from fastpersist import display
 from fastpersist.io import engine, memory
 
 __all__ = ["main", "build_parser", "run"]
@@ -64,9 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--single-submit", action="store_true", help="one io_uring_enter per request")
     p.add_argument("--no-overlap-events", action="store_true", help="submit and reap in batches")
     p.add_argument("--no-fallocate", action="store_true", help="do not preallocate the file (both tools)")
-    p.add_argument(
-        "--no-huge-pages", action="store_true", help="engine buffers on 4 KiB pages (fio's default memory)"
-    )
+    p.add_argument("--no-huge-pages", action="store_true", help="engine buffers on 4 KiB pages (fio's default memory)")
     p.add_argument("--repeats", type=int, default=3, help="repeats; the median is reported (default 3)")
     p.add_argument("--mode", choices=("both", "write", "read"), default="both")
     p.add_argument("--fio", action="store_true", help="also run fio (ioengine=io_uring) with the same settings")
@@ -104,8 +101,17 @@ def _fio(path: str, rw: str, args: argparse.Namespace) -> float:
     """fio bandwidth in GB/s for one sequential job with the engine's settings."""
     if rw == "read" and args.buffered:
         system.CacheDropper().drop([path])
-    command = ceilings.fio_command(path, rw, args.size, args.block_size, args.queue_depth, direct=not args.buffered,
-                                   threads=args.threads, fallocate=not args.no_fallocate, verify=False)  # fmt: skip
+    command = ceilings.fio_command(
+        path,
+        rw,
+        args.size,
+        args.block_size,
+        args.queue_depth,
+        direct=not args.buffered,
+        threads=args.threads,
+        fallocate=not args.no_fallocate,
+        verify=False,
+    )
     return ceilings.run_fio(command, rw) / 1e9
 
 
@@ -170,7 +176,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         samples["engine_read"].append(size / 1e9 / seconds)
                         if not args.no_verify:
                             if not torch.equal(destination, source):
-                                raise RuntimeError("read-back verification failed: bytes read differ from bytes written")
+                                raise RuntimeError(
+                                    "read-back verification failed: bytes read differ from bytes written"
+                                )
                             destination.fill_(0)
                     if do_write and os.path.exists(path):
                         os.unlink(path)

@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 from fastpersist.system import PAGE_SIZE, status_field
-from fastpersist.tuning.measure import (  # noqa: F401 - re-exported for the benchmarks
+from fastpersist.tuning.measure import (
     code_version,
     fsync_paths,
     machine_info,
@@ -81,6 +81,7 @@ def reset_peak_rss() -> bool:
 
 # --------------------------------------------------------------------- memory
 
+
 class PeakMemory:
     """Peak resident memory over a block, sampled by a background thread.
 
@@ -109,7 +110,7 @@ class PeakMemory:
                 peak = rss
             self.peak = peak
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         self.baseline = current_rss()
         self.peak = self.baseline
         self._hwm = reset_peak_rss()

@@ -55,20 +55,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (1 is always added)")
     parser.add_argument("--size", default="2G", help="checkpoint size (e.g. 256M, 2G)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where each rank's state lives")
-    parser.add_argument("--dir", default=None,
-                        help="target directory; a comma list gives rank r the directory r %% len (per-rank targets, "
-                             "with --layout parts)")  # fmt: skip
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="target directory; a comma list gives rank r the directory r %% len (per-rank targets, "
+        "with --layout parts)",
+    )
     parser.add_argument("--layout", default="file", choices=["file", "parts"])
     parser.add_argument("--writers", default="all", choices=["all", "node"])
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
-    parser.add_argument("--sink", action="store_true",
-                        help="write into /dev/null and commit nothing: the pipeline without storage")  # fmt: skip
+    parser.add_argument(
+        "--sink", action="store_true", help="write into /dev/null and commit nothing: the pipeline without storage"
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", default=None, help="write the result document here")
     parser.add_argument("--markdown", default=None, help="write the table and a text chart (Markdown) here")
-    parser.add_argument("--render", nargs="+", default=None, metavar="JSON",
-                        help="do not run: print the Markdown of earlier --json results")  # fmt: skip
+    parser.add_argument(
+        "--render",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="do not run: print the Markdown of earlier --json results",
+    )
     return parser
 
 
@@ -83,7 +92,9 @@ def _state(size: int, device: str, rank: int) -> dict[str, torch.Tensor]:
         count = min(left, 32 << 20)
         if left - count == 0 and count > 1000:
             count -= 1000  # an odd tail, so ranges and records do not line up
-        state[f"t{index}"] = torch.randn(count, dtype=torch.float32, device=device, generator=generator).to(torch.bfloat16)
+        state[f"t{index}"] = torch.randn(count, dtype=torch.float32, device=device, generator=generator).to(
+            torch.bfloat16
+        )
         left -= count
         index += 1
     return state
@@ -119,8 +130,16 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
             write_seconds = time.perf_counter() - began
             steps = {}
         else:
-            dsave.save(state, path, group=dist.group.WORLD, layout=args["layout"], writers=args["writers"],
-                       timeout=args["timeout"], settings=config.settings(), _sink=bool(args.get("sink")))  # fmt: skip
+            dsave.save(
+                state,
+                path,
+                group=dist.group.WORLD,
+                layout=args["layout"],
+                writers=args["writers"],
+                timeout=args["timeout"],
+                settings=config.settings(),
+                _sink=bool(args.get("sink")),
+            )
             stats = dsave.last_stats()
             write_seconds, written = stats.write_seconds, stats.bytes_written
             steps, digest_seconds = stats.steps, stats.digest_seconds
@@ -137,9 +156,19 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
                 check["round_trip"] = all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
             check["file_bytes"] = sum(os.path.getsize(f) for f in _files_of(path))
         dist.barrier()
-        records.append({"rank": rank, "repeat": repeat, "start": start, "end": end, "bytes": written,
-                        "write_seconds": write_seconds, "digest_seconds": digest_seconds, "steps": steps,
-                        **check})  # fmt: skip
+        records.append(
+            {
+                "rank": rank,
+                "repeat": repeat,
+                "start": start,
+                "end": end,
+                "bytes": written,
+                "write_seconds": write_seconds,
+                "digest_seconds": digest_seconds,
+                "steps": steps,
+                **check,
+            }
+        )
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as handle:
         json.dump(records, handle)
     dist.barrier()
@@ -200,9 +229,15 @@ def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, A
     for rank in range(world):
         mine = [r for r in rows if r["rank"] == rank]
         seconds = measure.summarize([r["write_seconds"] for r in mine])
-        per_rank.append({"rank": rank, "bytes": mine[0]["bytes"], "write_seconds": seconds,
-                         "digest_seconds": measure.summarize([r.get("digest_seconds", 0.0) for r in mine]),
-                         "write_GBps": mine[0]["bytes"] / seconds["median"] / 1e9 if seconds["median"] else None})  # fmt: skip
+        per_rank.append(
+            {
+                "rank": rank,
+                "bytes": mine[0]["bytes"],
+                "write_seconds": seconds,
+                "digest_seconds": measure.summarize([r.get("digest_seconds", 0.0) for r in mine]),
+                "write_GBps": mine[0]["bytes"] / seconds["median"] / 1e9 if seconds["median"] else None,
+            }
+        )
     checks = [r for r in rows if r["rank"] == 0]
     e2e = measure.summarize(end_to_end)
     return {
@@ -212,12 +247,16 @@ def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, A
         "slowest_write_seconds": measure.summarize(slowest_write),
         "coordination_seconds": measure.summarize([e - w for e, w in zip(end_to_end, slowest_write)]),
         "per_rank": per_rank,
-        "rank0_steps_seconds": {step: measure.summarize([r["steps"][step] for r in checks if step in r["steps"]])
-                                for step in ("plan", "match", "write", "commit")} if world > 1 else None,  # fmt: skip
+        "rank0_steps_seconds": {
+            step: measure.summarize([r["steps"][step] for r in checks if step in r["steps"]])
+            for step in ("plan", "match", "write", "commit")
+        }
+        if world > 1
+        else None,
         "file_bytes": checks[0].get("file_bytes"),
         "identity_check_seconds": max(p["digest_seconds"]["median"] for p in per_rank),
-        "verified": all(c.get("sink") for c in checks) or (all(c.get("verified_records") for c in checks)
-                                                            and checks[0].get("round_trip", False)),  # fmt: skip
+        "verified": all(c.get("sink") for c in checks)
+        or (all(c.get("verified_records") for c in checks) and checks[0].get("round_trip", False)),
     }
 
 
@@ -236,17 +275,27 @@ def _project(results: list[dict[str, Any]]) -> None:
 
 
 def _print(document: dict[str, Any]) -> None:
-    print(f"size {workloads.format_bytes(document['size'])}, device {document['device']}, layout {document['layout']}, "
-          f"writers {document['writers']}, repeat {document['repeat']}, dirs {document['dirs']}")  # fmt: skip
-    print(f"{'N':>3} {'per-rank bytes':>15} {'per-rank write s':>17} {'per-rank GB/s':>14} {'end-to-end s':>13} "
-          f"{'GB/s':>6} {'vs N=1':>7} {'projected s':>12} {'proj. x':>8} ok")  # fmt: skip
+    print(
+        f"size {workloads.format_bytes(document['size'])}, device {document['device']}, layout {document['layout']}, "
+        f"writers {document['writers']}, repeat {document['repeat']}, dirs {document['dirs']}"
+    )
+    print(
+        f"{'N':>3} {'per-rank bytes':>15} {'per-rank write s':>17} {'per-rank GB/s':>14} {'end-to-end s':>13} "
+        f"{'GB/s':>6} {'vs N=1':>7} {'projected s':>12} {'proj. x':>8} ok"
+    )
     for r in document["results"]:
         bytes_ = max(p["bytes"] for p in r["per_rank"])
         write = max(p["write_seconds"]["median"] for p in r["per_rank"])
-        rate = min(p["write_GBps"] or 0 for p in r["per_rank"] if p["bytes"]) if any(p["bytes"] for p in r["per_rank"]) else 0
-        print(f"{r['ranks']:>3} {workloads.format_bytes(bytes_):>15} {write:>17.3f} {rate:>14.2f} "
-              f"{r['end_to_end_seconds']['median']:>13.3f} {r['end_to_end_GBps']:>6.2f} {r['measured_speedup']:>6.2f}x "
-              f"{r['projected_independent_seconds']:>12.3f} {r['projected_speedup']:>7.2f}x {r['verified']}")  # fmt: skip
+        rate = (
+            min(p["write_GBps"] or 0 for p in r["per_rank"] if p["bytes"])
+            if any(p["bytes"] for p in r["per_rank"])
+            else 0
+        )
+        print(
+            f"{r['ranks']:>3} {workloads.format_bytes(bytes_):>15} {write:>17.3f} {rate:>14.2f} "
+            f"{r['end_to_end_seconds']['median']:>13.3f} {r['end_to_end_GBps']:>6.2f} {r['measured_speedup']:>6.2f}x "
+            f"{r['projected_independent_seconds']:>12.3f} {r['projected_speedup']:>7.2f}x {r['verified']}"
+        )
 
 
 def _bar(value: float, scale: float, width: int = 40) -> str:
@@ -257,16 +306,20 @@ def _bar(value: float, scale: float, width: int = 40) -> str:
 def to_markdown(document: dict[str, Any], title: str | None = None) -> str:
     """A Markdown table of one result document, and a text bar chart of end-to-end GB/s against N."""
     machine = document["machine"]
-    lines = [f"#### {title or 'sharded save against N ranks'}", "",
-             f"{machine.get('cpu_count')} cores, {machine.get('device_name')}, torch {machine.get('torch')}, "
-             f"{workloads.format_bytes(document['size'])} bf16 on {document['device']} per rank, "
-             f"backend {document.get('backend', 'gloo')}, "
-             + ("**sink** (/dev/null, nothing stored), " if document.get("sink") else "")
-             + f"layout `{document['layout']}`, "
-             f"writers `{document['writers']}`, {document['repeat']} repeats (medians), target {document['dirs']}", "",
-             "| N | per-rank bytes | per-rank write (s) | per-rank GB/s | identity check wait (s) | end-to-end (s) | "
-             "end-to-end GB/s | vs single writer | projected, independent targets (s) | projected speed-up |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        f"#### {title or 'sharded save against N ranks'}",
+        "",
+        f"{machine.get('cpu_count')} cores, {machine.get('device_name')}, torch {machine.get('torch')}, "
+        f"{workloads.format_bytes(document['size'])} bf16 on {document['device']} per rank, "
+        f"backend {document.get('backend', 'gloo')}, "
+        + ("**sink** (/dev/null, nothing stored), " if document.get("sink") else "")
+        + f"layout `{document['layout']}`, "
+        f"writers `{document['writers']}`, {document['repeat']} repeats (medians), target {document['dirs']}",
+        "",
+        "| N | per-rank bytes | per-rank write (s) | per-rank GB/s | identity check wait (s) | end-to-end (s) | "
+        "end-to-end GB/s | vs single writer | projected, independent targets (s) | projected speed-up |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in document["results"]:
         writing = [p for p in r["per_rank"] if p["bytes"]]
         lines.append(
@@ -276,9 +329,11 @@ def to_markdown(document: dict[str, Any], title: str | None = None) -> str:
             f"{r['end_to_end_seconds']['median']:.3f} | "
             f"{r['end_to_end_GBps']:.2f} | {r['measured_speedup']:.2f}x | "
             f"{r['projected_independent_seconds']:.3f} | {r['projected_speedup']:.2f}x |"
-        )  # fmt: skip
-    scale = max(max(r["end_to_end_GBps"], document["size"] / r["projected_independent_seconds"] / 1e9)
-                for r in document["results"])  # fmt: skip
+        )
+    scale = max(
+        max(r["end_to_end_GBps"], document["size"] / r["projected_independent_seconds"] / 1e9)
+        for r in document["results"]
+    )
     lines += ["", "```", "end-to-end GB/s (measured M, projected for independent per-rank targets P)"]
     for r in document["results"]:
         projected = document["size"] / r["projected_independent_seconds"] / 1e9
@@ -302,9 +357,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(dir=(args.dir or ".").split(",")[0]) as scratch:
         dirs = [d for d in args.dir.split(",")] if args.dir and "," in args.dir else [scratch]
-        settings = {"size": size, "device": args.device, "layout": args.layout, "writers": args.writers,
-                    "backend": args.backend, "repeat": args.repeat, "timeout": args.timeout, "dirs": dirs,
-                    "sink": args.sink}  # fmt: skip
+        settings = {
+            "size": size,
+            "device": args.device,
+            "layout": args.layout,
+            "writers": args.writers,
+            "backend": args.backend,
+            "repeat": args.repeat,
+            "timeout": args.timeout,
+            "dirs": dirs,
+            "sink": args.sink,
+        }
         results = []
         for world in ranks:
             rows = _run(world, settings)
@@ -314,10 +377,14 @@ def main(argv: list[str] | None = None) -> int:
                     if name.startswith("ranks-bench.pt"):
                         os.unlink(os.path.join(d, name))
     _project(results)
-    document = {"schema": SCHEMA, "machine": measure.machine_info(dirs[0] if os.path.isdir(dirs[0]) else None,
-                                                                 args.device),  # fmt: skip
-                **{k: v for k, v in settings.items() if k != "dirs"}, "dirs": args.dir or "(temporary)",
-                "config": {k: v for k, v in settings.items() if k != "dirs"}, "results": results}  # fmt: skip
+    document = {
+        "schema": SCHEMA,
+        "machine": measure.machine_info(dirs[0] if os.path.isdir(dirs[0]) else None, args.device),
+        **{k: v for k, v in settings.items() if k != "dirs"},
+        "dirs": args.dir or "(temporary)",
+        "config": {k: v for k, v in settings.items() if k != "dirs"},
+        "results": results,
+    }
     _print(document)
     if args.markdown:
         with open(args.markdown, "w") as handle:

@@ -24,7 +24,8 @@ import json
 import os
 import re
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from fastpersist import display
 from fastpersist.tuning.measure import write_json
@@ -114,17 +115,41 @@ def _ceiling_rows(document: dict[str, Any]) -> list[dict[str, str]]:
     out = []
     for op, kind in CEILING_OP.items():
         part = ceiling.get(kind)
-        row = {"op": op, "method": f"ceiling-{kind}", "seconds": "-", "blocked": "-", "rss_delta": "-",
-               "peak_rss": "-", "ratio": "-", "ceiling_ratio": "1.00x"}  # fmt: skip
+        row = {
+            "op": op,
+            "method": f"ceiling-{kind}",
+            "seconds": "-",
+            "blocked": "-",
+            "rss_delta": "-",
+            "peak_rss": "-",
+            "ratio": "-",
+            "ceiling_ratio": "1.00x",
+        }
         if ceiling.get("error") or not part:
             if ceiling.get("error"):
-                out.append(dict(row, label=f"storage {kind} ceiling", gbps="-", range="-", ceiling_ratio="-",
-                                status=f"not measured: {ceiling['error']}"))  # fmt: skip
+                out.append(
+                    dict(
+                        row,
+                        label=f"storage {kind} ceiling",
+                        gbps="-",
+                        range="-",
+                        ceiling_ratio="-",
+                        status=f"not measured: {ceiling['error']}",
+                    )
+                )
             continue
         best = part.get("best")
         if not best:
-            out.append(dict(row, label=f"storage {kind} ceiling", gbps="-", range="-", ceiling_ratio="-",
-                            status="FAILED: no candidate completed and verified"))  # fmt: skip
+            out.append(
+                dict(
+                    row,
+                    label=f"storage {kind} ceiling",
+                    gbps="-",
+                    range="-",
+                    ceiling_ratio="-",
+                    status="FAILED: no candidate completed and verified",
+                )
+            )
             continue
         values = [s["gbps"] for s in part["samples"] if s.get("gbps")]
         tools = "fio and engine" if (ceiling.get("fio") or {}).get("path") else "engine (fio not installed)"
@@ -161,8 +186,9 @@ def rows(document: dict[str, Any]) -> list[dict[str, str]]:
         s = r["summary"]
         row = {"op": r["op"], "method": r["method"], "label": r["label"]}
         if r["status"] != "ok" or not s.get("gbps"):
-            row.update(gbps="-", range="-", seconds="-", blocked="-", rss_delta="-", peak_rss="-", ratio="-",
-                       ceiling_ratio="-")  # fmt: skip
+            row.update(
+                gbps="-", range="-", seconds="-", blocked="-", rss_delta="-", peak_rss="-", ratio="-", ceiling_ratio="-"
+            )
             reason = r.get("reason") or ("no timed samples" if r["status"] == "ok" else "")
             row["status"] = f"{r['status']}: {reason}" if reason else r["status"]
         else:
@@ -294,7 +320,9 @@ def to_markdown(documents: dict[str, Any] | Sequence[dict[str, Any]]) -> str:
         parts.append(f"**{_md_escape(headline[0])}**  ")
         parts.extend(f"{_md_escape(text)}  " for text in headline[1:] if text)
         parts.append("")
-        parts.append("| op | method | GB/s | range | time s | blocked s | RSS delta | vs baseline | of ceiling | result |")
+        parts.append(
+            "| op | method | GB/s | range | time s | blocked s | RSS delta | vs baseline | of ceiling | result |"
+        )
         parts.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
         for r in rows(document):
             parts.append(
@@ -435,9 +463,11 @@ def dcp_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
     parts = []
     for name, document in documents:
         config, results = document["config"], document["results"]
-        parts.append(f"`docs/results/{name}`: {config['total_bytes'] / 2**30:.2f} GiB, {config['ranks']} ranks, "
-                     f"{config['device']}, {config['repeats']} repeats, commit "
-                     f"{document['machine']['code']['commit'][:12]}")  # fmt: skip
+        parts.append(
+            f"`docs/results/{name}`: {config['total_bytes'] / 2**30:.2f} GiB, {config['ranks']} ranks, "
+            f"{config['device']}, {config['repeats']} repeats, commit "
+            f"{document['machine']['code']['commit'][:12]}"
+        )
         parts.append("")
         parts.append("| method | GB/s median (min-max) | of ceiling |")
         parts.append("| --- | ---: | ---: |")
@@ -445,16 +475,23 @@ def dcp_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
             gbps = value.get("GBps") or {}
             if not gbps:
                 continue
-            ceiling = results.get("ceiling_read" if "read" in method else "ceiling_write", {}).get("GBps", {}).get("median")
+            ceiling = (
+                results.get("ceiling_read" if "read" in method else "ceiling_write", {}).get("GBps", {}).get("median")
+            )
             ratio = gbps["median"] / ceiling if ceiling else None
             cell = "-" if ratio is None else f"{ratio:.2f}" + (" MEASUREMENT PROBLEM" if ratio > 1.0 else "")
-            parts.append(f"| {_md_escape(method)} | {gbps['median']:.2f} ({gbps['min']:.2f}-{gbps['max']:.2f}) | {cell} |")
+            parts.append(
+                f"| {_md_escape(method)} | {gbps['median']:.2f} ({gbps['min']:.2f}-{gbps['max']:.2f}) | {cell} |"
+            )
         parts.append("")
     return "\n".join(parts)
 
 
-_BLOCK = re.compile(r"(<!-- fastpersist:(summary|results|dcp|ranks|training|safetensors|shapes|aio_handle) -->\n)(.*?)"
-                    r"(<!-- /fastpersist -->)", re.DOTALL)
+_BLOCK = re.compile(
+    r"(<!-- fastpersist:(summary|results|dcp|ranks|training|safetensors|shapes|aio_handle) -->\n)(.*?)"
+    r"(<!-- /fastpersist -->)",
+    re.DOTALL,
+)
 RESULTS_DIR = os.path.join("docs", "results")
 
 
@@ -547,7 +584,9 @@ def render_docs(text: str, documents: Sequence[tuple[str, dict[str, Any]]]) -> s
 
 def doc_files(root: str) -> list[str]:
     """README.md and every Markdown file under docs/ (sorted)."""
-    return [os.path.join(root, "README.md")] + sorted(glob.glob(os.path.join(root, "docs", "**", "*.md"), recursive=True))
+    return [os.path.join(root, "README.md")] + sorted(
+        glob.glob(os.path.join(root, "docs", "**", "*.md"), recursive=True)
+    )
 
 
 def update_docs(root: str = ".", check: bool = False) -> list[str]:
@@ -582,7 +621,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="python -m fastpersist.bench report", description=main.__doc__)
     parser.add_argument("results", nargs="*", help="result JSON files to print as Markdown")
-    parser.add_argument("--update-docs", action="store_true", help="rewrite the generated tables of README.md and docs/")
+    parser.add_argument(
+        "--update-docs", action="store_true", help="rewrite the generated tables of README.md and docs/"
+    )
     parser.add_argument("--check-docs", action="store_true", help="exit 1 if a generated table is stale")
     parser.add_argument("--root", default=".", help="repository root (default: the current directory)")
     args = parser.parse_args(argv)

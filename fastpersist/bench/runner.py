@@ -11,14 +11,13 @@ import os
 import random
 import time
 import traceback
-from typing import Any, Callable, Sequence
-
-import torch
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from fastpersist import system
 from fastpersist.bench import measure
-from fastpersist.tuning import workloads
 from fastpersist.bench.methods import SAVE_METHODS, BenchContext, LoadMethod, SaveMethod
+from fastpersist.tuning import workloads
 
 __all__ = ["MethodResult", "run_benchmark"]
 
@@ -148,8 +147,14 @@ def run_benchmark(
         save_order = _shuffled(saves, rng)
         load_order = _shuffled(load_methods, rng)
         if schedule is not None:
-            schedule.append({"round": round_index, "warmup": is_warmup,
-                             "save": [m.name for m in save_order], "load": [m.name for m in load_order]})  # fmt: skip
+            schedule.append(
+                {
+                    "round": round_index,
+                    "warmup": is_warmup,
+                    "save": [m.name for m in save_order],
+                    "load": [m.name for m in load_order],
+                }
+            )
         written: dict[str, str] = {}  # save method -> its verified output, for the loads
         created: dict[str, str] = {}  # everything to delete at the end of the round
         try:
@@ -169,7 +174,7 @@ def run_benchmark(
                     loaded = method.read_back(path, state, ctx)
                     problem = measure.verify_state(expected, method.flat(loaded), ctx.device)
                     del loaded
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - a failed read-back marks the method FAILED
                     problem = f"reading the file back failed: {_short_error(e)}"
                 system.release_memory()
                 if problem:
@@ -198,7 +203,7 @@ def run_benchmark(
                     continue
                 try:
                     problem = measure.verify_state(expected, method.flat(loaded), ctx.device)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - a failed comparison marks the method FAILED
                     problem = f"comparing the loaded state failed: {_short_error(e)}"
                 del loaded
                 system.release_memory()
@@ -239,7 +244,7 @@ def _measure_save(
             seconds = time.perf_counter() - start
     except KeyboardInterrupt:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a method's failure is recorded, the run goes on
         _record_failure(result, "save", e)
         return None
     return {
@@ -267,7 +272,7 @@ def _measure_load(
             seconds = time.perf_counter() - start
     except KeyboardInterrupt:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a method's failure is recorded, the run goes on
         _record_failure(result, "load", e)
         return None, None
     sample = {

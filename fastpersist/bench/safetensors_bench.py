@@ -66,8 +66,6 @@ def _sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-
-
 def _equal(loaded: dict[str, torch.Tensor], original: dict[str, torch.Tensor], device: torch.device) -> str | None:
     if set(loaded) != set(original):
         return f"names differ: {sorted(set(loaded) ^ set(original))[:5]}"
@@ -75,7 +73,11 @@ def _equal(loaded: dict[str, torch.Tensor], original: dict[str, torch.Tensor], d
         other = loaded[name]
         if other.device.type != device.type:
             return f"{name} loaded on {other.device}, expected {device}"
-        if other.dtype != tensor.dtype or other.shape != tensor.shape or not torch.equal(other.to(tensor.device), tensor):
+        if (
+            other.dtype != tensor.dtype
+            or other.shape != tensor.shape
+            or not torch.equal(other.to(tensor.device), tensor)
+        ):
             return f"{name} differs"
     return None
 
@@ -141,17 +143,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ceiling": ("O_DIRECT write of the same bytes (engine) + fsync", ceiling_write),
         "fastpersist": ("fastpersist.save_file (durable)", lambda: ours.save_file(state, ours_path)),
         "safetensors": ("safetensors.torch.save_file + fsync", library_save),
-        "fastpersist-torch": ("fastpersist.save of the same dict, torch format, no CRC (context)",
-                              lambda: fastpersist.save(state, torch_path, checksum=False)),  # fmt: skip
+        "fastpersist-torch": (
+            "fastpersist.save of the same dict, torch format, no CRC (context)",
+            lambda: fastpersist.save(state, torch_path, checksum=False),
+        ),
     }
     loads: dict[str, tuple[str, Callable[[], Any], str]] = {
         "ceiling": ("O_DIRECT read of the file (engine)", ceiling_read, raw_path),
-        "fastpersist": (f"fastpersist.load_file(device={str(device)!r}) of the library's file",
-                        lambda: ours.load_file(theirs_path, device=device), theirs_path),  # fmt: skip
-        "fastpersist-own": (f"fastpersist.load_file(device={str(device)!r}) of its own (4 KiB-aligned) file",
-                            lambda: ours.load_file(ours_path, device=device), ours_path),  # fmt: skip
-        "safetensors": (f"safetensors.torch.load_file(device={str(device)!r})",
-                        lambda: library.load_file(ours_path, device=str(device)), ours_path),  # fmt: skip
+        "fastpersist": (
+            f"fastpersist.load_file(device={str(device)!r}) of the library's file",
+            lambda: ours.load_file(theirs_path, device=device),
+            theirs_path,
+        ),
+        "fastpersist-own": (
+            f"fastpersist.load_file(device={str(device)!r}) of its own (4 KiB-aligned) file",
+            lambda: ours.load_file(ours_path, device=device),
+            ours_path,
+        ),
+        "safetensors": (
+            f"safetensors.torch.load_file(device={str(device)!r})",
+            lambda: library.load_file(ours_path, device=str(device)),
+            ours_path,
+        ),
     }
     saves = {k: v for k, v in saves.items() if k not in args.skip}
     loads = {k: v for k, v in loads.items() if k not in args.skip}
@@ -212,9 +225,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "schema": SCHEMA,
         "machine": measure.machine_info(directory if os.path.isdir(directory) else ".", str(device)),
-        "config": {"device": str(device), "bytes": nbytes, "tensors": len(state), "model": args.model,
-                   "layers": layers, "dtype": "bf16", "repeats": args.repeats, "directory": directory,
-                   "cache": dropper.detail, "engine": engine.resolve_engine(settings.engine)},  # fmt: skip
+        "config": {
+            "device": str(device),
+            "bytes": nbytes,
+            "tensors": len(state),
+            "model": args.model,
+            "layers": layers,
+            "dtype": "bf16",
+            "repeats": args.repeats,
+            "directory": directory,
+            "cache": dropper.detail,
+            "engine": engine.resolve_engine(settings.engine),
+        },
         "save": {name: summary("save", name, label) for name, (label, _) in saves.items() if times["save"][name]},
         "load": {name: summary("load", name, label) for name, (label, _, _) in loads.items() if times["load"][name]},
         "problems": problems,
@@ -239,14 +261,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def to_markdown(result: dict[str, Any]) -> str:
     """The result as Markdown: one row per method and operation, then the ratios."""
     config = result["config"]
-    lines = [f"{workloads.format_bytes(config['bytes'])} bf16 in {config['tensors']} tensors on {config['device']}, "
-             f"{config['repeats']} repeats, engine {config['engine']}; {config['cache']}", "",
-             "| operation | method | GB/s (median) | peak extra RSS |", "| --- | --- | ---: | ---: |"]  # fmt: skip
+    lines = [
+        f"{workloads.format_bytes(config['bytes'])} bf16 in {config['tensors']} tensors on {config['device']}, "
+        f"{config['repeats']} repeats, engine {config['engine']}; {config['cache']}",
+        "",
+        "| operation | method | GB/s (median) | peak extra RSS |",
+        "| --- | --- | ---: | ---: |",
+    ]
     for kind in ("save", "load"):
-        for name, entry in result[kind].items():
+        for _name, entry in result[kind].items():
             rss = entry.get("peak_extra_rss_bytes")
-            lines.append(f"| {kind} | {entry['label']} | {entry['gb_per_s']:.2f} | "
-                         f"{workloads.format_bytes(rss) if rss is not None else '-'} |")  # fmt: skip
+            lines.append(
+                f"| {kind} | {entry['label']} | {entry['gb_per_s']:.2f} | "
+                f"{workloads.format_bytes(rss) if rss is not None else '-'} |"
+            )
     lines.append("")
     lines += [f"- {name}: {ratio:.2f}x" for name, ratio in result["ratios"].items()]
     lines += [f"- PROBLEM: {problem}" for problem in result["problems"]]
@@ -255,8 +283,10 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 def _print(result: dict[str, Any]) -> None:
     config = result["config"]
-    print(f"{workloads.format_bytes(config['bytes'])} in {config['tensors']} tensors on {config['device']}, "
-          f"{config['repeats']} repeats, engine {config['engine']}; {config['cache']}")  # fmt: skip
+    print(
+        f"{workloads.format_bytes(config['bytes'])} in {config['tensors']} tensors on {config['device']}, "
+        f"{config['repeats']} repeats, engine {config['engine']}; {config['cache']}"
+    )
     for kind in ("save", "load"):
         for name, entry in result[kind].items():
             extra = ""

@@ -43,15 +43,16 @@ import statistics
 import subprocess
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import fastpersist
 from fastpersist import config, system
 from fastpersist.bench import measure
-from fastpersist.tuning.workloads import format_bytes
 from fastpersist.config import parse_size
+from fastpersist.tuning.workloads import format_bytes
 
 __all__ = ["SHAPES", "build_shape", "main", "build_parser", "run"]
 
@@ -71,8 +72,9 @@ def _tensor_sizes(text: str) -> list[int]:
     return [parse_size(text)]
 
 
-def build_shape(shape: str, tensors: int | None, tensor_bytes: str | None, size: int, device: str,
-                zeros: bool = False) -> Any:  # fmt: skip
+def build_shape(
+    shape: str, tensors: int | None, tensor_bytes: str | None, size: int, device: str, zeros: bool = False
+) -> Any:
     """The state to save for ``shape`` (see the module docstring); ``zeros`` for the sink load."""
     cuda = device.startswith("cuda")
 
@@ -80,8 +82,11 @@ def build_shape(shape: str, tensors: int | None, tensor_bytes: str | None, size:
         numel = max(nbytes // torch.empty(0, dtype=dtype).element_size(), 0)
         if zeros:
             return torch.zeros(numel, dtype=dtype, device=on)
-        return torch.empty(numel, dtype=dtype, device=on).uniform_(-1, 1) if dtype.is_floating_point else \
-            torch.randint(0, 100, (numel,), dtype=dtype, device=on)  # fmt: skip
+        return (
+            torch.empty(numel, dtype=dtype, device=on).uniform_(-1, 1)
+            if dtype.is_floating_point
+            else torch.randint(0, 100, (numel,), dtype=dtype, device=on)
+        )
 
     if shape == "many-small":
         sizes = _tensor_sizes(tensor_bytes or "16-256")
@@ -112,13 +117,25 @@ def build_shape(shape: str, tensors: int | None, tensor_bytes: str | None, size:
                 model[name] = tensor.cpu()
         for index, tensor in enumerate(model.values()):
             if tensor.numel() >= 1024:
-                optimizer_state[index] = {"step": 1000 + index, "exp_avg": torch.zeros_like(tensor),
-                                          "exp_avg_sq": torch.zeros_like(tensor) if zeros else tensor.abs()}  # fmt: skip
+                optimizer_state[index] = {
+                    "step": 1000 + index,
+                    "exp_avg": torch.zeros_like(tensor),
+                    "exp_avg_sq": torch.zeros_like(tensor) if zeros else tensor.abs(),
+                }
         return {
             "model": model,
-            "optimizer": {"state": optimizer_state,
-                          "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
-                                            "params": list(range(len(model)))}]},  # fmt: skip
+            "optimizer": {
+                "state": optimizer_state,
+                "param_groups": [
+                    {
+                        "lr": 3e-4,
+                        "betas": (0.9, 0.95),
+                        "eps": 1e-8,
+                        "weight_decay": 0.1,
+                        "params": list(range(len(model))),
+                    }
+                ],
+            },
             "epoch": 3,
             "global_step": 123_456,
             "loss": 2.25,
@@ -209,8 +226,13 @@ def _sink_load(path: str, settings: config.Settings, device: str, verify: bool) 
         pickle_record = records[prefix + "data.pkl"]
         pickle_bytes = os.pread(data_fd, pickle_record.size, pickle_record.data_offset)
     zero = engine.File("/dev/zero", "r", direct=False)
-    provider = FileStorageProvider(zero, [r for n, r in records.items() if n.startswith(prefix + "data/")], settings,
-                                   verify=verify, path="/dev/zero")  # fmt: skip
+    provider = FileStorageProvider(
+        zero,
+        [r for n, r in records.items() if n.startswith(prefix + "data/")],
+        settings,
+        verify=verify,
+        path="/dev/zero",
+    )
     try:
         loaded = deserialize(pickle_bytes, records, prefix, provider, map_location=device, weights_only=True)
         if device.startswith("cuda"):
@@ -226,8 +248,19 @@ def _fio_write(path: str, nbytes: int) -> float:
     size = max(-(-nbytes // (16 << 20)) * (16 << 20), 16 << 20)
     if os.path.exists(path):
         os.unlink(path)  # a fresh file each time, like a checkpoint (overwriting blocks is faster)
-    command = ["fio", "--name=ceiling", f"--filename={path}", "--rw=write", "--bs=16M", "--iodepth=32",
-               "--ioengine=io_uring", "--direct=1", f"--size={size}", "--end_fsync=1", "--output-format=json"]  # fmt: skip
+    command = [
+        "fio",
+        "--name=ceiling",
+        f"--filename={path}",
+        "--rw=write",
+        "--bs=16M",
+        "--iodepth=32",
+        "--ioengine=io_uring",
+        "--direct=1",
+        f"--size={size}",
+        "--end_fsync=1",
+        "--output-format=json",
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"fio failed: {result.stderr.strip()[-500:]}")
@@ -285,19 +318,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for verify in (True, False):
                 for weights_only in (True, False):
                     name = f"fastpersist {'verified' if verify else 'unverified'} wo={weights_only}"
-                    loads[name] = ("storage", (lambda v=verify, w=weights_only: fastpersist.load(
-                        ours, map_location=where, verify=v, weights_only=w, **overrides)), ours)  # fmt: skip
+                    loads[name] = (
+                        "storage",
+                        (
+                            lambda v=verify, w=weights_only: fastpersist.load(
+                                ours, map_location=where, verify=v, weights_only=w, **overrides
+                            )
+                        ),
+                        ours,
+                    )
             if not args.no_torch:
                 for weights_only in (True, False):
-                    loads[f"torch.load wo={weights_only}"] = ("storage", (lambda w=weights_only: torch.load(
-                        theirs, map_location=where, weights_only=w)), theirs)  # fmt: skip
+                    loads[f"torch.load wo={weights_only}"] = (
+                        "storage",
+                        (lambda w=weights_only: torch.load(theirs, map_location=where, weights_only=w)),
+                        theirs,
+                    )
         if args.sink or args.sink_only:
             zero_path = os.path.join(directory, "zeros.pt")
-            fastpersist.save(build_shape(args.shape, args.tensors, args.tensor_bytes, size, "cpu", zeros=True),
-                             zero_path)  # fmt: skip
+            fastpersist.save(
+                build_shape(args.shape, args.tensors, args.tensor_bytes, size, "cpu", zeros=True), zero_path
+            )
             for verify in (True, False):
                 loads[f"fastpersist-sink-load {'verified' if verify else 'unverified'}"] = (
-                    "sink", (lambda v=verify: _sink_load(zero_path, settings, where, v)), zero_path)  # fmt: skip
+                    "sink",
+                    (lambda v=verify: _sink_load(zero_path, settings, where, v)),
+                    zero_path,
+                )
         if args.loads != "all":
             wanted = [w.strip() for w in args.loads.split(",")]
             loads = {k: v for k, v in loads.items() if any(w in k for w in wanted)}
@@ -308,7 +355,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for round_index in range(args.warmup + args.repeats):
             timed = round_index >= args.warmup
             save_order = list(saves.items())
-            save_order = save_order[round_index % len(save_order):] + save_order[: round_index % len(save_order)]
+            save_order = save_order[round_index % len(save_order) :] + save_order[: round_index % len(save_order)]
             for name, (_, action) in save_order:
                 system.release_memory()
                 previous = {"fastpersist": ours, "torch.save": theirs, "fio-write (ceiling)": ceiling}.get(name)
@@ -334,7 +381,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 del loaded
             # Rotated each round: the first load after a free pays the fresh page faults.
             order = list(loads.items())
-            order = order[round_index % len(order):] + order[: round_index % len(order)] if order else order
+            order = order[round_index % len(order) :] + order[: round_index % len(order)] if order else order
             for name, (_, action, path) in order:
                 loaded = None
                 system.release_memory()
@@ -355,12 +402,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         kind = saves[name][0] if name in saves else loads[name][0]
         median = statistics.median(values)
-        results.append({
-            "method": name, "op": "save" if name in saves else "load", "kind": kind, "seconds": values,
-            "median_s": median, "gbps": nbytes / median / 1e9 if median else None,
-            "peak_rss_delta": peaks.get(name),
-            "cpu_seconds_median": statistics.median(cpu_samples[name]) if cpu_samples[name] else None,
-        })  # fmt: skip
+        results.append(
+            {
+                "method": name,
+                "op": "save" if name in saves else "load",
+                "kind": kind,
+                "seconds": values,
+                "median_s": median,
+                "gbps": nbytes / median / 1e9 if median else None,
+                "peak_rss_delta": peaks.get(name),
+                "cpu_seconds_median": statistics.median(cpu_samples[name]) if cpu_samples[name] else None,
+            }
+        )
     for result in results:
         baseline = {"save": "torch.save", "load": "torch.load wo=True"}[result["op"]]
         if result["op"] == "load" and "wo=False" in result["method"]:
@@ -380,7 +433,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "overrides": overrides,
         "cache": dropper.detail,
         "files": "every timed save (fio's too) writes a fresh file: the previous one is deleted, then 1 s passes "
-                 "before the clock starts",
+        "before the clock starts",
         "loadavg_start": loadavg_start,
         "code": measure.code_version(),
         "machine": measure.machine_info(args.dir or tempfile.gettempdir(), args.device),
@@ -391,14 +444,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print(doc: dict[str, Any]) -> None:
     print(f"shape {doc['shape']}: {doc['tensors']} tensors, {format_bytes(doc['state_bytes'])}, device {doc['device']}")
-    print(f"{'method':40} {'kind':7} {'median s':>9} {'GB/s':>7} {'x torch':>8} {'x fio':>6} {'peak RSS+':>10} "
-          f"{'CPU s':>6}")  # fmt: skip
+    print(
+        f"{'method':40} {'kind':7} {'median s':>9} {'GB/s':>7} {'x torch':>8} {'x fio':>6} {'peak RSS+':>10} "
+        f"{'CPU s':>6}"
+    )
     for r in doc["results"]:
         ratio = f"{r['speedup_vs_torch']:.2f}" if r.get("speedup_vs_torch") else "-"
         fio = f"{r['fraction_of_fio']:.2f}" if r.get("fraction_of_fio") else "-"
         rss = format_bytes(r["peak_rss_delta"]) if r.get("peak_rss_delta") is not None else "-"
-        print(f"{r['op'] + ' ' + r['method']:40} {r['kind']:7} {r['median_s']:9.3f} {r['gbps'] or 0:7.2f} "
-              f"{ratio:>8} {fio:>6} {rss:>10} {r.get('cpu_seconds_median') or 0:6.2f}")  # fmt: skip
+        print(
+            f"{r['op'] + ' ' + r['method']:40} {r['kind']:7} {r['median_s']:9.3f} {r['gbps'] or 0:7.2f} "
+            f"{ratio:>8} {fio:>6} {rss:>10} {r.get('cpu_seconds_median') or 0:6.2f}"
+        )
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -419,8 +476,10 @@ def markdown(doc: dict[str, Any]) -> str:
         rss = format_bytes(r["peak_rss_delta"]) if r.get("peak_rss_delta") is not None else "-"
         cpu = f"{r['cpu_seconds_median']:.2f}" if r.get("cpu_seconds_median") is not None else "-"
         gbps = f"{r['gbps']:.2f}" if (r.get("gbps") or 0) >= 0.01 else "-"
-        lines.append(f"| {r['op']} | {r['method']} | {r['kind']} | {r['median_s']:.3f} | {gbps} | "
-                     f"{ratio} | {fio} | {rss} | {cpu} |")  # fmt: skip
+        lines.append(
+            f"| {r['op']} | {r['method']} | {r['kind']} | {r['median_s']:.3f} | {gbps} | "
+            f"{ratio} | {fio} | {rss} | {cpu} |"
+        )
     return "\n".join(lines)
 
 

@@ -51,8 +51,14 @@ from typing import Any
 
 SCHEMA = "fastpersist-training-bench/1"
 METHODS = ["none", "fastpersist-pipelined", "fastpersist-snapshot", "fastpersist-sync", "torch.save", "lightning-async"]
-RANK_METHODS = ["none", "fastpersist-collective", "fastpersist-pipelined", "fastpersist-snapshot", "fastpersist-sync",
-                "torch.save"]
+RANK_METHODS = [
+    "none",
+    "fastpersist-collective",
+    "fastpersist-pipelined",
+    "fastpersist-snapshot",
+    "fastpersist-sync",
+    "torch.save",
+]
 """The methods with ``--ranks`` > 1 (see the module docstring)."""
 
 
@@ -107,8 +113,9 @@ def _run_one(args) -> dict[str, Any]:
     model, optimizer, tokens = _build(args, device, seed=rank)
     trained = model
     if distributed:
-        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
-                                                            else None)  # fmt: skip
+        trained = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.index is not None else None
+        )
     amp = device.type == "cuda"
     # One path for every rank: with several ranks, per-process names would not be one checkpoint.
     path = os.path.join(args.dir, f"bench-{args.method}-{os.getppid() if distributed else os.getpid()}.pt")
@@ -231,8 +238,20 @@ def _measure_d2h(args) -> float | None:
 
 def _child_argv(args, method: str, out: str) -> list[str]:
     argv = [sys.executable, "-m", "fastpersist.bench", "training", "--child", "--method", method, "--out", out]
-    for name in ("dir", "device", "d_model", "layers", "heads", "vocab", "batch", "seq", "iterations", "warmup", "every",
-                 "ranks"):
+    for name in (
+        "dir",
+        "device",
+        "d_model",
+        "layers",
+        "heads",
+        "vocab",
+        "batch",
+        "seq",
+        "iterations",
+        "warmup",
+        "every",
+        "ranks",
+    ):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return argv
 
@@ -246,9 +265,14 @@ def _run_child(args, method: str, out: str) -> subprocess.CompletedProcess:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    launcher = [sys.executable, "-c", "import os, subprocess, sys; "
-                "procs = [subprocess.Popen(sys.argv[2:], env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r))) "
-                "for r in range(int(sys.argv[1]))]; sys.exit(max(p.wait() for p in procs))", str(args.ranks)]  # fmt: skip
+    launcher = [
+        sys.executable,
+        "-c",
+        "import os, subprocess, sys; "
+        "procs = [subprocess.Popen(sys.argv[2:], env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r))) "
+        "for r in range(int(sys.argv[1]))]; sys.exit(max(p.wait() for p in procs))",
+        str(args.ranks),
+    ]
     env = dict(os.environ, WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     return subprocess.run(launcher + _child_argv(args, method, out), capture_output=True, text=True, env=env)
 
@@ -261,7 +285,9 @@ def _orchestrate(args) -> dict[str, Any]:
     methods = [m for m in (args.methods or ",".join(known)).split(",") if m]
     unknown = set(methods) - set(known)
     if unknown:
-        raise SystemExit(f"unknown methods {sorted(unknown)}; known{' with --ranks' if args.ranks > 1 else ''}: {known}")
+        raise SystemExit(
+            f"unknown methods {sorted(unknown)}; known{' with --ranks' if args.ranks > 1 else ''}: {known}"
+        )
     if "none" not in methods:
         methods.insert(0, "none")
     samples: dict[str, list[dict]] = {m: [] for m in methods}
@@ -280,7 +306,9 @@ def _orchestrate(args) -> dict[str, Any]:
                     samples[method].append(json.load(f))
                 print(f"{method}: {samples[method][-1]['per_iteration_s'] * 1000:.1f} ms/iteration", file=sys.stderr)
     base = statistics.median(s["per_iteration_s"] for s in samples["none"]) if samples["none"] else None
-    base_steady = statistics.median(s["steady_s"] / s["iterations"] for s in samples["none"]) if samples["none"] else None
+    base_steady = (
+        statistics.median(s["steady_s"] / s["iterations"] for s in samples["none"]) if samples["none"] else None
+    )
     base_host = statistics.median(s["peak_host_bytes"] for s in samples["none"]) if samples["none"] else None
     base_gpu = samples["none"][0]["peak_gpu_bytes"] if samples["none"] else None
     results = []
@@ -292,26 +320,44 @@ def _orchestrate(args) -> dict[str, Any]:
         steady = statistics.median(s["steady_s"] / s["iterations"] for s in samples[method])
         host_peak = statistics.median(s["peak_host_bytes"] for s in samples[method])
         gpu_peak = samples[method][0]["peak_gpu_bytes"]
-        results.append({
-            "method": method,
-            "per_iteration_s": per,
-            "steady_per_iteration_s": steady,
-            "overhead_pct": None if not base else 100.0 * (per - base) / base,
-            "steady_overhead_pct": None if not base_steady else 100.0 * (steady - base_steady) / base_steady,
-            "blocked_per_save_s": statistics.median(s["blocked_per_save_s"] for s in samples[method]),
-            "checkpoint_bytes": samples[method][0]["checkpoint_bytes"],
-            "peak_host_bytes": host_peak,
-            "extra_host_bytes": None if base_host is None else host_peak - base_host,
-            "peak_gpu_bytes": gpu_peak,
-            "extra_gpu_bytes": None if gpu_peak is None or base_gpu is None else gpu_peak - base_gpu,
-            "samples": samples[method],
-        })  # fmt: skip
+        results.append(
+            {
+                "method": method,
+                "per_iteration_s": per,
+                "steady_per_iteration_s": steady,
+                "overhead_pct": None if not base else 100.0 * (per - base) / base,
+                "steady_overhead_pct": None if not base_steady else 100.0 * (steady - base_steady) / base_steady,
+                "blocked_per_save_s": statistics.median(s["blocked_per_save_s"] for s in samples[method]),
+                "checkpoint_bytes": samples[method][0]["checkpoint_bytes"],
+                "peak_host_bytes": host_peak,
+                "extra_host_bytes": None if base_host is None else host_peak - base_host,
+                "peak_gpu_bytes": gpu_peak,
+                "extra_gpu_bytes": None if gpu_peak is None or base_gpu is None else gpu_peak - base_gpu,
+                "samples": samples[method],
+            }
+        )
     checkpoint_bytes = max((r.get("checkpoint_bytes") or 0) for r in results)
     return {
         "schema": SCHEMA,
         "machine": machine_info(args.dir, device=args.device),
-        "config": {k: getattr(args, k) for k in ("device", "d_model", "layers", "heads", "vocab", "batch", "seq",
-                                                   "iterations", "warmup", "repeats", "dir", "every", "ranks")},  # fmt: skip
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "device",
+                "d_model",
+                "layers",
+                "heads",
+                "vocab",
+                "batch",
+                "seq",
+                "iterations",
+                "warmup",
+                "repeats",
+                "dir",
+                "every",
+                "ranks",
+            )
+        },
         "checkpoint_bytes": checkpoint_bytes,
         "d2h_seconds": _measure_d2h(args),
         "results": results,
@@ -333,12 +379,16 @@ def to_markdown(document: dict[str, Any]) -> str:
         + (f"{config['ranks']} data-parallel ranks (DDP, rank 0's times), " if config.get("ranks", 1) > 1 else "")
         + f"median of {config['repeats']}; "
         f"iteration without checkpoint {base['per_iteration_s'] * 1000:.1f} ms"
-        + (f", device-to-host copy of the state {document['d2h_seconds'] * 1000:.1f} ms" if document.get("d2h_seconds") else "")
+        + (
+            f", device-to-host copy of the state {document['d2h_seconds'] * 1000:.1f} ms"
+            if document.get("d2h_seconds")
+            else ""
+        )
         + ".",
         "",
         "| method | ms / iteration | overhead | overhead (steady) | blocked per save (ms) | extra peak GPU (MiB) | extra peak host RSS (MiB) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]  # fmt: skip
+    ]
     for r in document["results"]:
         if "error" in r:
             lines.append(f"| {r['method']} | failed | | | | | |")
@@ -365,16 +415,22 @@ def to_svg(documents: list[dict[str, Any]], titles: list[str]) -> str:
             color = "#2a7" if r["method"].startswith("fastpersist-") and r["method"] != "fastpersist-sync" else "#888"
             parts.append(f'<text x="{left - 6}" y="{y + 13}" font-size="12" text-anchor="end">{r["method"]}</text>')
             parts.append(f'<rect x="{left}" y="{y}" width="{length:.1f}" height="{bar}" fill="{color}"/>')
-            parts.append(f'<text x="{left + length + 4:.1f}" y="{y + 13}" font-size="12">{r["overhead_pct"]:+.1f}%</text>')
+            parts.append(
+                f'<text x="{left + length + 4:.1f}" y="{y + 13}" font-size="12">{r["overhead_pct"]:+.1f}%</text>'
+            )
             y += bar + gap
         five = left + width * 5 / top
-        parts.append(f'<line x1="{five:.1f}" y1="{y - (bar + gap) * len(rows)}" x2="{five:.1f}" y2="{y}" '
-                     'stroke="#c33" stroke-dasharray="4,3"/>')  # fmt: skip
+        parts.append(
+            f'<line x1="{five:.1f}" y1="{y - (bar + gap) * len(rows)}" x2="{five:.1f}" y2="{y}" '
+            'stroke="#c33" stroke-dasharray="4,3"/>'
+        )
         parts.append(f'<text x="{five + 3:.1f}" y="{y + 12}" font-size="11" fill="#c33">5%</text>')
         y += 26
     height = y + 10
-    header = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 90}" height="{height}" '
-              'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>')  # fmt: skip
+    header = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 90}" height="{height}" '
+        'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>'
+    )
     return header + "".join(parts) + "</svg>\n"
 
 
@@ -397,8 +453,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=20 if gpu else 8)
     parser.add_argument("--warmup", type=int, default=3 if gpu else 2)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--ranks", type=int, default=1,
-                        help="data-parallel processes (one per GPU, DDP); methods then: " + ",".join(RANK_METHODS))
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="data-parallel processes (one per GPU, DDP); methods then: " + ",".join(RANK_METHODS),
+    )
     parser.add_argument("--methods", default=None, help=f"comma list (default: all of {','.join(METHODS)})")
     parser.add_argument("--json", help="write the result document here")
     parser.add_argument("--report", nargs="+", metavar="JSON", help="print Markdown tables of earlier results")
@@ -423,8 +483,10 @@ def main(argv: list[str] | None = None) -> int:
         for path, document in zip(args.report, documents):
             print(f"`{os.path.basename(path)}`: " + to_markdown(document))
         if args.svg:
-            titles = [f"{d['machine'].get('device_name')} ({d['config']['device']}): overhead per iteration"
-                      for d in documents]  # fmt: skip
+            titles = [
+                f"{d['machine'].get('device_name')} ({d['config']['device']}): overhead per iteration"
+                for d in documents
+            ]
             with open(args.svg, "w") as f:
                 f.write(to_svg(documents, titles))
         return 0

@@ -16,7 +16,8 @@ import argparse
 import importlib
 import re
 import sys
-from typing import Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import NamedTuple
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main", "register_command"]
 
@@ -29,13 +30,13 @@ class Command(NamedTuple):
     help: str = ""
 
 
-COMMANDS: dict[str, Union[Command, tuple, str]] = {}
+COMMANDS: dict[str, Command | tuple | str] = {}
 
 
 def register_command(
     name: str,
-    add_arguments: Union[Callable[[argparse.ArgumentParser], None], str],
-    run: Optional[Callable[[argparse.Namespace], int]] = None,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | str,
+    run: Callable[[argparse.Namespace], int] | None = None,
     help: str = "",  # noqa: A002 - argparse's word
 ) -> None:
     """Adds (or replaces) subcommand ``name``.
@@ -52,7 +53,7 @@ def register_command(
         COMMANDS[name] = Command(add_arguments, run, help)
 
 
-def _resolve(entry: Union[Command, tuple, str]) -> Optional[Command]:
+def _resolve(entry: Command | tuple | str) -> Command | None:
     if isinstance(entry, str):
         try:
             module = importlib.import_module(entry)

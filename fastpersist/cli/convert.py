@@ -43,18 +43,34 @@ HELP = "convert between torch checkpoints and safetensors files"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", help="a torch checkpoint or a safetensors file")
     parser.add_argument("output", help="the file to write (replaced atomically)")
-    parser.add_argument("--to", choices=("safetensors", "torch"), default=None,
-                        help="output format (default: safetensors for a .safetensors output, else torch)")  # fmt: skip
-    parser.add_argument("--key", default=None,
-                        help="convert only this entry of the input (dotted for nested ones, e.g. state_dict)")  # fmt: skip
+    parser.add_argument(
+        "--to",
+        choices=("safetensors", "torch"),
+        default=None,
+        help="output format (default: safetensors for a .safetensors output, else torch)",
+    )
+    parser.add_argument(
+        "--key", default=None, help="convert only this entry of the input (dotted for nested ones, e.g. state_dict)"
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--drop-non-tensors", action="store_true", help="leave out values that are not tensors")
-    group.add_argument("--keep-structure", action="store_true",
-                       help="store the whole object (non-tensor values too) as fastpersist.save(..., format='safetensors')")  # fmt: skip
-    parser.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
-                        help="add to the safetensors header's __metadata__ (repeatable)")  # fmt: skip
-    parser.add_argument("--unsafe-pickle", action="store_true",
-                        help="load the torch checkpoint with weights_only=False (only for files you trust)")  # fmt: skip
+    group.add_argument(
+        "--keep-structure",
+        action="store_true",
+        help="store the whole object (non-tensor values too) as fastpersist.save(..., format='safetensors')",
+    )
+    parser.add_argument(
+        "--metadata",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="add to the safetensors header's __metadata__ (repeatable)",
+    )
+    parser.add_argument(
+        "--unsafe-pickle",
+        action="store_true",
+        help="load the torch checkpoint with weights_only=False (only for files you trust)",
+    )
 
 
 def _select(obj: Any, key: str | None) -> Any:
@@ -143,8 +159,9 @@ def drop_non_tensors(obj: Any) -> tuple[Any, list[str]]:
                     kept[key] = item
             return True, collections.OrderedDict(kept) if isinstance(value, collections.OrderedDict) else kept
         if isinstance(value, (list, tuple)):
-            items = [item for ok, item in (keep(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value))
-                     if ok]  # fmt: skip
+            items = [
+                item for ok, item in (keep(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value)) if ok
+            ]
             return True, items if isinstance(value, list) else tuple(items)
         dropped.append(path or "<root>")
         return False, None
@@ -162,12 +179,16 @@ def _unreadable(error: BaseException, path: str, unsafe: bool) -> str:
     except OSError:
         zipped = False
     if not zipped and not isinstance(error, OSError):
-        return ("not a checkpoint: neither a zip archive (what torch.save writes) nor a safetensors file "
-                f"({type(error).__name__}: {first[:200]})")  # fmt: skip
+        return (
+            "not a checkpoint: neither a zip archive (what torch.save writes) nor a safetensors file "
+            f"({type(error).__name__}: {first[:200]})"
+        )
     hint = ""
     if isinstance(error, pickle.UnpicklingError) and not unsafe:
-        hint = ("; it holds objects that weights_only loading refuses: if you trust the file, add --unsafe-pickle "
-                "(weights_only=False)")  # fmt: skip
+        hint = (
+            "; it holds objects that weights_only loading refuses: if you trust the file, add --unsafe-pickle "
+            "(weights_only=False)"
+        )
     return f"cannot be read ({type(error).__name__}: {first[:300]}){hint}"
 
 
@@ -238,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
                     "tensors. Use --key to pick the state dict (e.g. --key state_dict), --drop-non-tensors to "
                     "leave them out, or --keep-structure to store them as fastpersist does",
                     file=sys.stderr,
-                )  # fmt: skip
+                )
                 return 2
             if others:
                 print(f"dropped {len(others)} non-tensor values: {', '.join(others[:10])}")

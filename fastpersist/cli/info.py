@@ -41,9 +41,7 @@ def _cuda_info() -> dict[str, Any]:
             info["available"] = True
             for index in range(torch.cuda.device_count()):
                 props = torch.cuda.get_device_properties(index)
-                info["devices"].append(
-                    {"index": index, "name": props.name, "memory_bytes": int(props.total_memory)}
-                )
+                info["devices"].append({"index": index, "name": props.name, "memory_bytes": int(props.total_memory)})
     except Exception as e:  # noqa: BLE001 - a broken driver must not break `info`
         info["error"] = str(e)
     return info
@@ -105,7 +103,7 @@ def _limit_text(value: int | None) -> str:
 def _print_info(info: dict[str, Any]) -> None:
     v = info["versions"]
     print(f"fastpersist {v['fastpersist']}   torch {v['torch']}   python {v['python']}   kernel {v['kernel']}")
-    print("\nI/O engines (auto selects: %s)" % info["engines"]["auto_selects"])
+    print(f"\nI/O engines (auto selects: {info['engines']['auto_selects']})")
     for name, s in info["engines"]["status"].items():
         state = "usable" if s["usable"] else ("not usable: " + s["reason"] if s["compiled"] else "not compiled")
         print(f"  {name:<9} {state}")

@@ -28,17 +28,22 @@ _INDEX = re.compile(r"\.part-(\d+)-of-\d+$")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("manifest", metavar="MANIFEST", help="the sharded checkpoint's path (its manifest)")
     parser.add_argument("output", metavar="OUT", help="the ordinary checkpoint file to write")
-    parser.add_argument("--part", action="append", default=[], metavar="FILE",
-                        help="a part file that is not beside the manifest (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--part",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a part file that is not beside the manifest (repeatable)",
+    )
     parser.add_argument("--no-verify", action="store_true", help="skip the CRC-32 check of the merged file")
 
 
 def merge(manifest_path: str, output: str, parts: list[str] = (), verify: bool = True, chunk_size: int = 16 << 20):
     """Writes the ordinary checkpoint a sharded one stands for; returns the VerifyReport (or None)."""
-    from fastpersist.io import commit
     from fastpersist.distributed.load import PartsSource
     from fastpersist.distributed.manifest import read_manifest
     from fastpersist.distributed.save import _temporary_name
+    from fastpersist.io import commit
 
     manifest = read_manifest(manifest_path)
     extra = {}
@@ -84,8 +89,11 @@ def run(args: argparse.Namespace) -> int:
         from fastpersist.api.dispatch import is_safetensors_file, is_torch_zip_file
 
         if is_torch_zip_file(args.manifest) or is_safetensors_file(args.manifest):
-            print(f"ERROR    {args.manifest} is already a single checkpoint, not the manifest of a sharded one "
-                  "(layout='parts'): there is nothing to merge; load or copy it as it is", file=sys.stderr)  # fmt: skip
+            print(
+                f"ERROR    {args.manifest} is already a single checkpoint, not the manifest of a sharded one "
+                "(layout='parts'): there is nothing to merge; load or copy it as it is",
+                file=sys.stderr,
+            )
             return 2
     try:
         report = merge(args.manifest, args.output, args.part, verify=not args.no_verify)

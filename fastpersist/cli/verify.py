@@ -38,8 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(path: str, require_checksums: bool) -> tuple[int, dict]:
-    from fastpersist.api import loading
-    from fastpersist.api import verification
+    from fastpersist.api import loading, verification
     from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError
 
     result: dict = {"path": path}
@@ -59,8 +58,12 @@ def _check(path: str, require_checksums: bool) -> tuple[int, dict]:
         return EXIT_ERROR, result
     result.update(status="ok", records=report.records, bytes=report.bytes, checksummed=report.checksummed)
     if require_checksums and not report.checksummed:
-        result.update(status="corrupt", kind="no-checksums", record=None,
-                      error="written without CRC-32 checksums; its data cannot be verified")  # fmt: skip
+        result.update(
+            status="corrupt",
+            kind="no-checksums",
+            record=None,
+            error="written without CRC-32 checksums; its data cannot be verified",
+        )
         return EXIT_CORRUPT, result
     return EXIT_OK, result
 
@@ -68,8 +71,11 @@ def _check(path: str, require_checksums: bool) -> tuple[int, dict]:
 def _print(result: dict) -> None:
     path, status = result["path"], result["status"]
     if status == "ok":
-        what = "structure and CRC-32 of every record" if result["checksummed"] else (
-            "structure only: written without CRC-32s, its data cannot be verified")  # fmt: skip
+        what = (
+            "structure and CRC-32 of every record"
+            if result["checksummed"]
+            else ("structure only: written without CRC-32s, its data cannot be verified")
+        )
         print(f"OK       {path}: {result['records']} records, {result['bytes']} bytes ({what})")
     elif status == "corrupt":
         message = result["error"]  # names the file, and the record when the damage is in one

@@ -37,9 +37,9 @@ from collections.abc import Sequence
 import torch
 
 from fastpersist.format.plan import SavePlan, SegmentKind
+from fastpersist.format.serializer import plan_save
 from fastpersist.io import engine
 from fastpersist.io.writer import initial_crcs
-from fastpersist.format.serializer import plan_save
 
 __all__ = [
     "DEFAULT_SUFFIX",
@@ -81,13 +81,9 @@ def tensor_with_exact_storage(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     start = tensor.storage_offset() * tensor.element_size()
     exact = storage[start : start + nbytes]
-    if (
-        exact.data_ptr() != tensor.data_ptr() or exact.nbytes() != nbytes
-    ):  # pragma: no cover - defensive
+    if exact.data_ptr() != tensor.data_ptr() or exact.nbytes() != nbytes:  # pragma: no cover - defensive
         return tensor.clone()
-    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
-        exact, 0, tensor.shape, tensor.stride()
-    )
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(exact, 0, tensor.shape, tensor.stride())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -179,9 +175,7 @@ class FileLayout:
         for offset, data in sorted(pieces, key=lambda p: p[0]):
             if not data:
                 continue
-            if (
-                runs and runs[-1][0] + len(runs[-1][1]) == offset
-            ):  # never across a payload
+            if runs and runs[-1][0] + len(runs[-1][1]) == offset:  # never across a payload
                 runs[-1][1].extend(data)
                 continue
             runs.append((offset, bytearray(data)))
@@ -195,9 +189,7 @@ def _residue(tensor: torch.Tensor) -> int:
     return 0
 
 
-def place_items(
-    name: str, entries: Sequence[tuple[object, torch.Tensor | bytes]]
-) -> FileLayout:
+def place_items(name: str, entries: Sequence[tuple[object, torch.Tensor | bytes]]) -> FileLayout:
     """Lays out one file.
 
     Args:
@@ -218,9 +210,7 @@ def place_items(
         else:
             tensor = tensor_with_exact_storage(data)
             plan = plan_save(tensor, "archive")
-            payload = next(
-                r for r in plan.records if hasattr(r, "view")
-            ).entry.data_offset
+            payload = next(r for r in plan.records if hasattr(r, "view")).entry.data_offset
             # payload (page-aligned inside the archive) lands at the wanted residue in the file
             base = cursor + (_residue(tensor) - (cursor + payload)) % PAGE
             item = TensorItem(index, plan, base, tensor)

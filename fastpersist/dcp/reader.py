@@ -92,12 +92,8 @@ class FastPersistReader(StorageReader):
         **settings: Any,
     ) -> None:
         super().__init__()
-        self.extension_registry = (
-            _extension_registry  # DCP's (experimental) stream transforms
-        )
-        overrides, _ = config.split_overrides(
-            "FastPersistReader", settings, allow_other=False
-        )
+        self.extension_registry = _extension_registry  # DCP's (experimental) stream transforms
+        overrides, _ = config.split_overrides("FastPersistReader", settings, allow_other=False)
         self.settings = config.resolve(overrides)
         self.verify = self.settings.verify if verify is None else bool(verify)
         self.path = Path(path)
@@ -116,9 +112,7 @@ class FastPersistReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        path = self.path / (
-            METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-        )
+        path = self.path / (METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
         try:
             with open(path, "rb") as f:
                 metadata = pickle.load(f)
@@ -134,13 +128,9 @@ class FastPersistReader(StorageReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
-    ) -> None:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
-            raise CorruptCheckpointError(
-                f"{self.path}/{METADATA_FILE} has no storage data", path=str(self.path)
-            )
+            raise CorruptCheckpointError(f"{self.path}/{METADATA_FILE} has no storage data", path=str(self.path))
         self.storage_data = metadata.storage_data
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
@@ -174,9 +164,7 @@ def _extension(info) -> dict | None:
 
 
 def _whole_chunk(request: ReadItem, shape: tuple) -> bool:
-    return all(o == 0 for o in request.storage_offsets) and tuple(
-        request.lengths
-    ) == tuple(shape)
+    return all(o == 0 for o in request.storage_offsets) and tuple(request.lengths) == tuple(shape)
 
 
 class _PlanReader:
@@ -205,15 +193,10 @@ class _PlanReader:
                     raw += [(request, info, extension) for request in requests]
                 elif extension is None:
                     foreign.append((requests, info))
-                elif len(requests) == 1 and _whole_chunk(
-                    requests[0], extension["shape"]
-                ):
+                elif len(requests) == 1 and _whole_chunk(requests[0], extension["shape"]):
                     request = requests[0]
                     destination = self.planner.resolve_tensor(request).detach()
-                    if (
-                        destination.dtype != _dtype(extension)
-                        or not destination.is_contiguous()
-                    ):
+                    if destination.dtype != _dtype(extension) or not destination.is_contiguous():
                         staged.append((requests, info, extension))
                     elif destination.device.type == "cpu":
                         in_place.append((request, destination, info, extension))
@@ -262,23 +245,17 @@ class _PlanReader:
                 record=request.storage_index.fqn,
             )
 
-    def _aligned_like(
-        self, offset: int, nbytes: int, element_size: int = 1
-    ) -> torch.Tensor:
+    def _aligned_like(self, offset: int, nbytes: int, element_size: int = 1) -> torch.Tensor:
         """uint8 CPU memory whose address agrees with file ``offset`` within a page (direct reads)."""
         residue = offset % PAGE
         if residue % element_size:
             residue = 0
-        buffer = engine.AlignedBuffer(
-            residue + nbytes, lock=False, huge_pages=self.settings.huge_pages
-        )
+        buffer = engine.AlignedBuffer(residue + nbytes, lock=False, huge_pages=self.settings.huge_pages)
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=residue)
 
-    def _read_exact(
-        self, info, offset: int, nbytes: int, element_size: int = 1
-    ) -> torch.Tensor:
+    def _read_exact(self, info, offset: int, nbytes: int, element_size: int = 1) -> torch.Tensor:
         destination = self._aligned_like(offset, nbytes, element_size)
         if nbytes:
             handle = engine.make_handle(self.settings)
@@ -300,17 +277,14 @@ class _PlanReader:
         handle = engine.make_handle(self.settings)
         requests = []
         checks = []
-        pool = (
-            concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS)
-            if self.verify
-            else None
-        )
+        pool = concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS) if self.verify else None
         try:
             for request, destination, info, extension in entries:
                 nbytes = extension["nbytes"]
                 if nbytes:
-                    native = handle.submit_read(destination.data_ptr(), nbytes, self._file(info.relative_path),
-                                                extension["offset"], destination)  # fmt: skip
+                    native = handle.submit_read(
+                        destination.data_ptr(), nbytes, self._file(info.relative_path), extension["offset"], destination
+                    )
                     requests.append((native, request, destination, info, extension))
             if pool is not None:
                 # Checksum each tensor as soon as its bytes are in, while later reads are in flight.
@@ -319,8 +293,14 @@ class _PlanReader:
                         time.sleep(_POLL_SECONDS)
                     if native.failed:
                         break  # wait() below raises the read error
-                    checks.append((pool.submit(engine.crc32, destination.data_ptr(), extension["nbytes"], 0),
-                                   request, info, extension))  # fmt: skip
+                    checks.append(
+                        (
+                            pool.submit(engine.crc32, destination.data_ptr(), extension["nbytes"], 0),
+                            request,
+                            info,
+                            extension,
+                        )
+                    )
         finally:
             try:
                 handle.wait()
@@ -351,23 +331,15 @@ class _PlanReader:
     def _read_staged(self, requests: list[ReadItem], info, extension: dict) -> None:
         dtype = _dtype(extension)
         element_size = torch.empty(0, dtype=dtype).element_size()
-        data = self._read_exact(
-            info, extension["offset"], extension["nbytes"], element_size
-        )
+        data = self._read_exact(info, extension["offset"], extension["nbytes"], element_size)
         if self.verify:
-            crc = (
-                engine.crc32(data.data_ptr(), extension["nbytes"])
-                if extension["nbytes"]
-                else 0
-            )
+            crc = engine.crc32(data.data_ptr(), extension["nbytes"]) if extension["nbytes"] else 0
             self._check(crc, extension, info, requests[0])
         stored = data.view(dtype).reshape(extension["shape"])
         for request in requests:
             self._copy_into(
                 request,
-                narrow_tensor_by_index(
-                    stored, request.storage_offsets, request.lengths
-                ),
+                narrow_tensor_by_index(stored, request.storage_offsets, request.lengths),
             )
 
     def _read_foreign(self, requests: list[ReadItem], info) -> None:
@@ -381,14 +353,8 @@ class _PlanReader:
 
         records = {r.name: r for r in read_directory(read_at, info.length, where)}
         if self.verify and any(r.crc for r in records.values() if r.size):
-            for (
-                record
-            ) in records.values():  # (no CRC-32s at all: torch's compute_crc32=False)
-                crc = (
-                    engine.crc32(base + record.data_offset, record.size)
-                    if record.size
-                    else 0
-                )
+            for record in records.values():  # (no CRC-32s at all: torch's compute_crc32=False)
+                crc = engine.crc32(base + record.data_offset, record.size) if record.size else 0
                 if crc != record.crc:
                     raise ChecksumMismatchError(
                         f"{where}: item {requests[0].storage_index.fqn!r} (offset {info.offset}) is corrupt: "
@@ -407,9 +373,7 @@ class _PlanReader:
             _SliceProvider(data),
             map_location="cpu",
             weights_only=True,
-            byteorder=read_at(byteorder.data_offset, byteorder.size)
-            if byteorder
-            else None,
+            byteorder=read_at(byteorder.data_offset, byteorder.size) if byteorder else None,
             path=where,
         )
         if not isinstance(stored, torch.Tensor):
@@ -420,9 +384,7 @@ class _PlanReader:
         for request in requests:
             self._copy_into(
                 request,
-                narrow_tensor_by_index(
-                    stored, request.storage_offsets, request.lengths
-                ),
+                narrow_tensor_by_index(stored, request.storage_offsets, request.lengths),
             )
 
     def _copy_into(self, request: ReadItem, source: torch.Tensor) -> None:
@@ -463,9 +425,7 @@ class _PlanReader:
         for request in requests:
             self._copy_into(
                 request,
-                narrow_tensor_by_index(
-                    stored, request.storage_offsets, request.lengths
-                ),
+                narrow_tensor_by_index(stored, request.storage_offsets, request.lengths),
             )
 
 
@@ -476,9 +436,7 @@ class _SliceProvider:
         self._data = data
 
     def storage(self, record, device: torch.device) -> torch.UntypedStorage:
-        offset = (
-            self._data.storage_offset() + record.data_offset
-        )  # the slice keeps the buffer alive
+        offset = self._data.storage_offset() + record.data_offset  # the slice keeps the buffer alive
         return self._data.untyped_storage()[offset : offset + record.size]
 
     def flush(self) -> None:
@@ -488,9 +446,7 @@ class _SliceProvider:
 def _dtype(extension: dict) -> torch.dtype:
     dtype = getattr(torch, extension["dtype"], None)
     if not isinstance(dtype, torch.dtype):
-        raise CorruptCheckpointError(
-            f"unknown dtype {extension['dtype']!r} in checkpoint metadata"
-        )
+        raise CorruptCheckpointError(f"unknown dtype {extension['dtype']!r} in checkpoint metadata")
     return dtype
 
 
@@ -528,9 +484,7 @@ def _stream_to_device(pieces: list, settings, verify: bool) -> list[int]:
 
         def submit(slot: int, number: int) -> None:
             _, file, lo, hi, _ = windows[number]
-            handles[slot].submit_read(
-                buffers[slot].data_ptr(), hi - lo, file, lo, buffers[slot]
-            )
+            handles[slot].submit_read(buffers[slot].data_ptr(), hi - lo, file, lo, buffers[slot])
 
         try:
             for number in range(count):
@@ -541,15 +495,11 @@ def _stream_to_device(pieces: list, settings, verify: bool) -> list[int]:
                 first = max(lo, offset)
                 piece = buffers[slot][first - lo : hi - lo]
                 if verify:
-                    crcs[index] = engine.crc32(
-                        piece.data_ptr(), hi - first, crcs[index]
-                    )
+                    crcs[index] = engine.crc32(piece.data_ptr(), hi - first, crcs[index])
                 destination = pieces[index][3]
                 stream = streams[destination.device]
                 with torch.cuda.stream(stream):
-                    destination[first - offset : hi - offset].copy_(
-                        piece, non_blocking=True
-                    )
+                    destination[first - offset : hi - offset].copy_(piece, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
                 if number + count < len(windows):

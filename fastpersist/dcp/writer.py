@@ -56,7 +56,6 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from fastpersist import config
-from fastpersist.io.commit import fsync_directory
 from fastpersist.dcp.layout import (
     EXTENSION_ATTRIBUTE,
     EXTENSION_VERSION,
@@ -67,13 +66,12 @@ from fastpersist.dcp.layout import (
     place_items,
 )
 from fastpersist.io import engine, memory
+from fastpersist.io.commit import fsync_directory
 
 __all__ = ["METADATA_FILE", "FastPersistWriter", "validate_checkpoint_path"]
 
 METADATA_FILE = ".metadata"
-CURRENT_DCP_VERSION = (
-    "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
-)
+CURRENT_DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
 _CRC_THREADS = 2
 
 
@@ -83,9 +81,7 @@ def validate_checkpoint_path(checkpoint_id: str | os.PathLike) -> bool:
         return True
     if "://" in str(checkpoint_id):
         return False
-    return any(
-        p.exists() and os.access(str(p), os.W_OK) for p in Path(checkpoint_id).parents
-    )
+    return any(p.exists() and os.access(str(p), os.W_OK) for p in Path(checkpoint_id).parents)
 
 
 class FastPersistWriter(StorageWriter):
@@ -124,9 +120,7 @@ class FastPersistWriter(StorageWriter):
         **settings: Any,
     ) -> None:
         super().__init__()
-        overrides, _ = config.split_overrides(
-            "FastPersistWriter", settings, allow_other=False
-        )
+        overrides, _ = config.split_overrides("FastPersistWriter", settings, allow_other=False)
         self.settings = config.resolve(overrides)
         if files_per_rank < 1:
             raise ValueError(f"files_per_rank must be >= 1, got {files_per_rank}")
@@ -146,28 +140,21 @@ class FastPersistWriter(StorageWriter):
             self.path = Path(checkpoint_id)
         self.save_id = str(uuid.uuid4())
 
-    def set_up_storage_writer(
-        self, is_coordinator: bool, *args: Any, **kwargs: Any
-    ) -> None:
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.path.mkdir(parents=True, exist_ok=True)
-        if (
-            self._metadata_path(0 if not self.use_collectives else None).exists()
-            and not self.overwrite
-        ):
+        if self._metadata_path(0 if not self.use_collectives else None).exists() and not self.overwrite:
             raise FileExistsError(
                 f"{self.path} already holds a checkpoint and overwrite=False; save to a new directory "
                 "or pass FastPersistWriter(..., overwrite=True)"
             )
         if self.rank is not None and not self.use_collectives:
             self._retract_metadata(self._metadata_path(self.rank))
-            plan = dataclasses.replace(
-                plan, storage_data=_StoragePrefix(f"__{self.rank}_")
-            )
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -176,15 +163,11 @@ class FastPersistWriter(StorageWriter):
         # that points at half-written files.
         self._retract_metadata(self._metadata_path())
         return [
-            dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_"))
-            if plan.storage_data is None
-            else plan
+            dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) if plan.storage_data is None else plan
             for i, plan in enumerate(plans)
         ]
 
-    def write_data(
-        self, plan: SavePlan, planner: SavePlanner
-    ) -> Future[list[WriteResult]]:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix: _StoragePrefix = plan.storage_data
         buckets = _split_by_size_and_type(self.files_per_rank, list(plan.items))
         results: list[WriteResult] = []
@@ -209,9 +192,7 @@ class FastPersistWriter(StorageWriter):
         metadata.version = CURRENT_DCP_VERSION
         storage_md = {}
         for result_list in results:
-            storage_md.update(
-                {result.index: result.storage_data for result in result_list}
-            )
+            storage_md.update({result.index: result.storage_data for result in result_list})
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
         per_rank = not self.use_collectives and self.rank is not None
@@ -240,17 +221,13 @@ class FastPersistWriter(StorageWriter):
     # -- internals -------------------------------------------------------------
 
     def _metadata_path(self, rank: int | None = None) -> Path:
-        return self.path / (
-            METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-        )
+        return self.path / (METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
 
     def _retract_metadata(self, path: Path) -> None:
         if not path.exists():
             return
         if not self.overwrite:
-            raise FileExistsError(
-                f"{self.path} already holds a checkpoint and overwrite=False"
-            )
+            raise FileExistsError(f"{self.path} already holds a checkpoint and overwrite=False")
         warnings.warn(
             f"Detected an existing checkpoint in {self.path}, overwriting it",
             stacklevel=3,
@@ -266,8 +243,13 @@ class FastPersistWriter(StorageWriter):
         for position, item in enumerate(layout.items):
             info = _StorageInfo(layout.name, item.base, item.length)
             if isinstance(item, BytesItem):
-                extension = {"version": EXTENSION_VERSION, "kind": "bytes", "offset": item.base,
-                             "nbytes": item.length, "crc32": item.crc}  # fmt: skip
+                extension = {
+                    "version": EXTENSION_VERSION,
+                    "kind": "bytes",
+                    "offset": item.base,
+                    "nbytes": item.length,
+                    "crc32": item.crc,
+                }
             else:
                 extension = {
                     "version": EXTENSION_VERSION,
@@ -279,17 +261,11 @@ class FastPersistWriter(StorageWriter):
                     "shape": tuple(item.tensor.shape),
                 }
             setattr(info, EXTENSION_ATTRIBUTE, extension)
-            results.append(
-                WriteResult(
-                    index=item.index, size_in_bytes=item.length, storage_data=info
-                )
-            )
+            results.append(WriteResult(index=item.index, size_in_bytes=item.length, storage_data=info))
         return results
 
 
-def write_layout(
-    layout: FileLayout, path: str, settings: config.Settings, *, fsync: bool = True
-) -> dict[int, int]:
+def write_layout(layout: FileLayout, path: str, settings: config.Settings, *, fsync: bool = True) -> dict[int, int]:
     """Writes every byte of ``layout`` to ``path`` (replacing it); returns payload CRC-32s by item position.
 
     On error nothing is left in flight, the partial file is removed and the
@@ -297,16 +273,12 @@ def write_layout(
     """
     file = engine.File(path, "w", direct=settings.direct, truncate=True)
     handle = engine.make_handle(settings)
-    crc_pool = concurrent.futures.ThreadPoolExecutor(
-        _CRC_THREADS, thread_name_prefix="fastpersist-dcp-crc"
-    )
+    crc_pool = concurrent.futures.ThreadPoolExecutor(_CRC_THREADS, thread_name_prefix="fastpersist-dcp-crc")
     crcs: dict[int, int] = {}
     try:
         try:
             if file.direct and layout.size:
-                file.allocate(
-                    0, layout.size
-                )  # cheaper O_DIRECT writes; a full disk fails here
+                file.allocate(0, layout.size)  # cheaper O_DIRECT writes; a full disk fails here
             device_items = []
             pending: dict[int, concurrent.futures.Future] = {}
             for position, item in enumerate(layout.items):
@@ -326,9 +298,7 @@ def write_layout(
                         tensor,
                     )
                     if settings.checksum:
-                        pending[position] = crc_pool.submit(
-                            engine.crc32, tensor.data_ptr(), item.nbytes, 0
-                        )
+                        pending[position] = crc_pool.submit(engine.crc32, tensor.data_ptr(), item.nbytes, 0)
                     else:
                         crcs[position] = 0
                 else:
@@ -363,9 +333,7 @@ def _submit_bytes(handle, data: bytes, file, offset: int) -> None:
     handle.submit_write(buffer.data_ptr(), len(data), file, offset, buffer)
 
 
-def _write_through_ring(
-    items: list[tuple[int, TensorItem]], file, settings: config.Settings
-) -> dict[int, int]:
+def _write_through_ring(items: list[tuple[int, TensorItem]], file, settings: config.Settings) -> dict[int, int]:
     """Streams device tensors to the file through page-locked buffers; returns their CRC-32s.
 
     The copy of window ``k+1`` (on a side stream) overlaps the checksum and
@@ -383,9 +351,7 @@ def _write_through_ring(
         device = item.tensor.device
         if device not in streams and device.type == "cuda":
             stream = torch.cuda.Stream(device)
-            stream.wait_stream(
-                torch.cuda.current_stream(device)
-            )  # see the producers' writes
+            stream.wait_stream(torch.cuda.current_stream(device))  # see the producers' writes
             streams[device] = stream
     count = max(2, min(settings.buffer_count, len(windows)))
     with memory.lease_buffers(count, window, settings.huge_pages) as buffers:
@@ -399,17 +365,13 @@ def _write_through_ring(
             buffer = buffers[slot]
             if settings.checksum:
                 crcs[position] = engine.crc32(buffer.data_ptr(), length, crcs[position])
-            handles[slot].submit_write(
-                buffer.data_ptr(), length, file, item.payload_offset + start, buffer
-            )
+            handles[slot].submit_write(buffer.data_ptr(), length, file, item.payload_offset + start, buffer)
 
         try:
-            for number, (position, item, start, length) in enumerate(windows):
+            for number, (_position, item, start, length) in enumerate(windows):
                 slot = number % count
                 handles[slot].wait()  # its previous write is done: refill it
-                source = item.plan.records[item.storage_record].view[
-                    start : start + length
-                ]
+                source = item.plan.records[item.storage_record].view[start : start + length]
                 destination = buffers[slot][:length]
                 event = None
                 stream = streams.get(source.device)
@@ -428,7 +390,7 @@ def _write_through_ring(
             for handle in handles:
                 handle.wait()
         finally:
-            for slot, _, event in staged:
+            for _slot, _, event in staged:
                 if event is not None:
                     event.synchronize()
             for handle in handles:

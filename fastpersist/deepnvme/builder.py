@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from fastpersist.io import memory
 from fastpersist.deepnvme.handle import AioHandle, is_pinned
+from fastpersist.io import memory
 from fastpersist.tensors import cast_to_byte_tensor
 
 __all__ = [

@@ -110,8 +110,7 @@ class Coordinator:
         ValueError: ``timeout`` is not positive.
     """
 
-    def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT, what: str = "save",
-                 description: str = ""):  # fmt: skip
+    def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT, what: str = "save", description: str = ""):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "a collective fastpersist call needs torch.distributed initialized "
@@ -190,8 +189,9 @@ class Coordinator:
             if (what, description) == (self.what, self.description):
                 return call
             # Rank 0 is in another call (one this rank does not make): it will abandon it at its timeout.
-            self._wait_for([self._aborted_key(call)], deadline, step, waiting_for_open=True,
-                           other=f"{what} {description}".strip())  # fmt: skip
+            self._wait_for(
+                [self._aborted_key(call)], deadline, step, waiting_for_open=True, other=f"{what} {description}".strip()
+            )
             call += 1
 
     def abort(self, reason: str, failures: dict[int, str] | None = None, step: str | None = None) -> None:
@@ -221,8 +221,9 @@ class Coordinator:
 
     # ------------------------------------------------------------------ waiting
 
-    def _wait_for(self, keys: list[str], deadline: float, step: str, *, waiting_for_open: bool = False,
-                  other: str | None = None) -> None:  # fmt: skip
+    def _wait_for(
+        self, keys: list[str], deadline: float, step: str, *, waiting_for_open: bool = False, other: str | None = None
+    ) -> None:
         """Waits until every key exists; raises at the deadline or when the call was abandoned.
 
         Polls with ``store.check`` (a sleep between looks, from 0.1 ms growing
@@ -297,8 +298,9 @@ class Coordinator:
         except _TimedOut:
             missing = [r for r, k in enumerate(keys) if not self._present(k)]
             failures = {r: f"did not report within {self.timeout:g} s" for r in missing}
-            self.abort(f"gave up at step {step!r}: rank(s) {missing} did not report within {self.timeout:g} s",
-                       failures, step)  # fmt: skip
+            self.abort(
+                f"gave up at step {step!r}: rank(s) {missing} did not report within {self.timeout:g} s", failures, step
+            )
             raise DistributedCheckpointError(
                 f"collective {self.what} failed at step {step!r}: rank(s) {missing} of the group did not "
                 f"report within {self.timeout:g} s (killed, hung, or not calling fastpersist.{self.what} "
@@ -345,8 +347,9 @@ class Coordinator:
         self._keys.append(key)
         if dist.get_rank() == 0:
             try:
-                self._wait_for([f"{prefix}{step}/read/{r}" for r in range(self.size)],
-                               time.monotonic() + self.timeout, step)  # fmt: skip
+                self._wait_for(
+                    [f"{prefix}{step}/read/{r}" for r in range(self.size)], time.monotonic() + self.timeout, step
+                )
             except (_TimedOut, _Abandoned):  # a rank that died after reading changes nothing here
                 pass
 
@@ -364,10 +367,11 @@ class Coordinator:
         """
         try:
             payload = work(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
+        except BaseException as e:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                self.abort(f"was interrupted ({type(e).__name__}) before step {step!r}", {self.rank: "interrupted"},
-                           step)  # fmt: skip
+                self.abort(
+                    f"was interrupted ({type(e).__name__}) before step {step!r}", {self.rank: "interrupted"}, step
+                )
                 raise
             self.exchange(step, error=e)
             raise AssertionError("unreachable") from e  # exchange always raises when given an error

@@ -55,10 +55,12 @@ class PartsSource:
                 size = os.stat(path).st_size
             except FileNotFoundError:
                 raise FileNotFoundError(
-                    2, f"part {part.index} of the sharded checkpoint is missing (written on host "
+                    2,
+                    f"part {part.index} of the sharded checkpoint is missing (written on host "
                     f"{part.host or '?'}); copy it beside the manifest, or load collectively (group=) on ranks "
-                    "that see it", path,
-                ) from None  # fmt: skip
+                    "that see it",
+                    path,
+                ) from None
             if size != part.length:
                 raise TruncatedCheckpointError(
                     f"{path}: part {part.index} has {size} bytes, the manifest says {part.length}; restore it",
@@ -178,7 +180,9 @@ def _local_parts(path: str) -> dict[str, dict[int, str]]:
     return found
 
 
-def read_collective(path: str, group: Any, verify: bool = True, timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor | None:
+def read_collective(
+    path: str, group: Any, verify: bool = True, timeout: float = DEFAULT_TIMEOUT
+) -> torch.Tensor | None:
     """Collective read: every rank of ``group`` calls it; parts may be visible on some ranks only.
 
     Returns the ordinary file's bytes, verified, on every rank; or ``None``
@@ -220,8 +224,9 @@ def read_collective(path: str, group: Any, verify: bool = True, timeout: float =
         if not seen:
             raise DistributedCheckpointError(
                 f"collective load of {path}: part {part.index} ({part.name}, written on host {part.host or '?'}) "
-                "is visible on no rank; the checkpoint cannot be rebuilt", {},
-            )  # fmt: skip
+                "is visible on no rank; the checkpoint cannot be rebuilt",
+                {},
+            )
         sources[part.index] = seen[0]
     mine = views[coordinator.rank]["parts"].get(manifest.token, {})
 
@@ -233,8 +238,9 @@ def read_collective(path: str, group: Any, verify: bool = True, timeout: float =
             if sources[part.index] == coordinator.rank:
                 size = os.stat(mine[part.index]).st_size
                 if size != part.length:
-                    raise TruncatedCheckpointError(f"{mine[part.index]}: {size} bytes, manifest says {part.length}",
-                                                   path=mine[part.index])  # fmt: skip
+                    raise TruncatedCheckpointError(
+                        f"{mine[part.index]}: {size} bytes, manifest says {part.length}", path=mine[part.index]
+                    )
                 _read_file_into(mine[part.index], view[part.start : part.end])
 
     coordinator.run("read", read_mine)

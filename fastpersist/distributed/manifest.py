@@ -112,8 +112,9 @@ class Manifest:
                 raise CorruptCheckpointError(f"{path}: manifest parts do not tile the file at {position}", path=path)
             position = part.end
         if position != self.trailer_offset or self.trailer_offset + len(self.trailer) != self.size:
-            raise CorruptCheckpointError(f"{path}: manifest parts and trailer do not add up to {self.size} bytes",
-                                         path=path)  # fmt: skip
+            raise CorruptCheckpointError(
+                f"{path}: manifest parts and trailer do not add up to {self.size} bytes", path=path
+            )
         for offset, data in self.patches:
             if offset < 0 or offset + len(data) > self.trailer_offset:
                 raise CorruptCheckpointError(f"{path}: manifest patch at {offset} is out of range", path=path)

@@ -33,15 +33,26 @@ digest here, or no scratch memory) never matches, so rank 0 writes those bytes.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
 from fastpersist.format.plan import SavePlan, StorageRecord
 from fastpersist.io import checksum, engine
 
-__all__ = ["HOST", "DEVICE", "NONE", "SMALL_DEVICE_BYTES", "Digest", "storage_digests", "storage_names",
-           "device_digest", "PendingDigests", "mismatches"]  # fmt: skip
+__all__ = [
+    "HOST",
+    "DEVICE",
+    "NONE",
+    "SMALL_DEVICE_BYTES",
+    "Digest",
+    "storage_digests",
+    "storage_names",
+    "device_digest",
+    "PendingDigests",
+    "mismatches",
+]
 
 HOST, DEVICE, NONE = 0, 1, 2
 """Digest kinds: XXH64 of the bytes; the device word hash; no digest (never matches)."""
@@ -151,9 +162,16 @@ class PendingDigests:
         for i in host:
             size, address = records[i].entry.size, records[i].data_ptr()
             if size > _DIGEST_PIECE:
-                self._large.append((i, [pool.submit(engine.hash64, address + o, min(_DIGEST_PIECE, size - o))
-                                        for o in range(0, size, _DIGEST_PIECE)]))  # fmt: skip
-        for device, indices in by_device.items():
+                self._large.append(
+                    (
+                        i,
+                        [
+                            pool.submit(engine.hash64, address + o, min(_DIGEST_PIECE, size - o))
+                            for o in range(0, size, _DIGEST_PIECE)
+                        ],
+                    )
+                )
+        for _device, indices in by_device.items():
             self._launch(indices)
 
     def _hash_batch(self, batch: list[int]) -> None:

@@ -55,7 +55,6 @@ from typing import Any
 import torch
 
 from fastpersist import config
-from fastpersist.io import commit
 from fastpersist.distributed import replicas
 from fastpersist.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from fastpersist.distributed.manifest import Manifest, PartInfo, part_name
@@ -63,7 +62,7 @@ from fastpersist.distributed.sharding import DEFAULT_ALIGNMENT, ByteRange, shard
 from fastpersist.errors import DistributedCheckpointError, ReplicaDivergenceWarning
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
-from fastpersist.io import engine
+from fastpersist.io import commit, engine
 from fastpersist.io.checksum import crc32_combine_all
 from fastpersist.io.writer import side_streams, write_plan
 from fastpersist.tensors import host_memoryview
@@ -195,8 +194,9 @@ def _descriptor_patches(plan: SavePlan, crcs: list[int], ranges, rewritten: set[
         lo, hi = entry.descriptor_offset, entry.descriptor_offset + entry.descriptor_size
         # A writer zeroes the descriptor bytes it holds when the record started before its range
         # (io.writer); a descriptor may straddle two ranges.
-        if index in rewritten or any(r.length and r.start < hi and lo < r.end and entry.data_offset < r.start
-                                     for r in ranges):  # fmt: skip
+        if index in rewritten or any(
+            r.length and r.start < hi and lo < r.end and entry.data_offset < r.start for r in ranges
+        ):
             patches.append((entry.descriptor_offset, entry.data_descriptor(crc)))
     return patches
 
@@ -277,15 +277,17 @@ def save(
 
     def prepare() -> dict[str, Any]:
         destination = commit.target(path)
-        plan = plan_save(obj, archive_name_for(destination.path), pickle_module, pickle_protocol,
-                         disable_byteorder_record)  # fmt: skip
+        plan = plan_save(
+            obj, archive_name_for(destination.path), pickle_module, pickle_protocol, disable_byteorder_record
+        )
         state.update(target=destination.path, directory=destination.directory, plan=plan)
         payload: dict[str, Any] = {"host": socket.gethostname()}
         if rank == 0:
             payload.update(skeleton=_skeleton(plan), token=secrets.token_hex(6))
             if layout == "file" and not _sink:
-                payload["temporary"] = state["temporary"] = _create_presized(destination.path, destination.directory,
-                                                                             plan.size, settings)
+                payload["temporary"] = state["temporary"] = _create_presized(
+                    destination.path, destination.directory, plan.size, settings
+                )
         return payload
 
     try:
@@ -318,8 +320,13 @@ def save(
             written_at = time.perf_counter()
             digests = dict(zip(compared, pending.result())) if pending else {}
             timing.update(write=written_at - start, digest=time.perf_counter() - written_at)
-            return {"slices": slices, "parts": parts, "holes": [dataclasses.astuple(h) for h in holes],
-                    "pieces": [dataclasses.astuple(p) for p in pieces], "digests": digests}  # fmt: skip
+            return {
+                "slices": slices,
+                "parts": parts,
+                "holes": [dataclasses.astuple(h) for h in holes],
+                "pieces": [dataclasses.astuple(p) for p in pieces],
+                "digests": digests,
+            }
 
         written = coordinator.run("write", write)
         marks["write"] = time.perf_counter() - began
@@ -327,8 +334,9 @@ def save(
         def finish() -> dict[str, Any]:
             if rank != 0:
                 return {}
-            return _commit(obj, state, written, writer_list, layout, divergence, token, coordinator.size, settings,
-                           _sink)  # fmt: skip
+            return _commit(
+                obj, state, written, writer_list, layout, divergence, token, coordinator.size, settings, _sink
+            )
 
         state["committing"] = True  # from here a part may be referenced by a committed manifest
         outcome = coordinator.run("commit", finish)[0]
@@ -355,15 +363,25 @@ def save(
     unequal = set(outcome.get("differ", {}).get(rank, ()))
     plan = state.get("write_plan", state["plan"])
     storages = plan.storages
-    shared = (sum(r.entry.size for r in storages) if rank == 0 else
-              sum(storages[o].entry.size for o in report.get("digests", {}) if o not in unequal))  # fmt: skip
+    shared = (
+        sum(r.entry.size for r in storages)
+        if rank == 0
+        else sum(storages[o].entry.size for o in report.get("digests", {}) if o not in unequal)
+    )
     _last["stats"] = SaveStats(
-        rank=rank, world_size=coordinator.size, writers=len(writer_list),
+        rank=rank,
+        world_size=coordinator.size,
+        writers=len(writer_list),
         bytes_written=wrote + (outcome.get("repaired", 0) if rank == 0 else 0),
-        write_seconds=timing.get("write", 0.0), total_seconds=time.perf_counter() - began, file_size=plan.size,
-        steps=marks, digest_seconds=timing.get("digest", 0.0), shared_bytes=shared,
-        repaired_bytes=outcome.get("repaired", 0) if rank == 0 else 0, divergent=tuple(outcome.get("divergent", ())),
-    )  # fmt: skip
+        write_seconds=timing.get("write", 0.0),
+        total_seconds=time.perf_counter() - began,
+        file_size=plan.size,
+        steps=marks,
+        digest_seconds=timing.get("digest", 0.0),
+        shared_bytes=shared,
+        repaired_bytes=outcome.get("repaired", 0) if rank == 0 else 0,
+        divergent=tuple(outcome.get("divergent", ())),
+    )
 
 
 def _payloads(plan: SavePlan, ordinals) -> list[tuple[int, int]]:
@@ -438,9 +456,14 @@ def _commit(obj, state, written, writer_list, layout, divergence, token, world_s
     else:
         parts = tuple(sorted((PartInfo(**p) for w in writer_list for p in written[w]["parts"]), key=lambda p: p.start))
         manifest = Manifest(
-            size=plan.size, token=token, parts=parts, patches=tuple(patches),
-            trailer_offset=plan.layout.central_directory_offset, trailer=plan.trailer(crcs), world_size=world_size,
-        )  # fmt: skip
+            size=plan.size,
+            token=token,
+            parts=parts,
+            patches=tuple(patches),
+            trailer_offset=plan.layout.central_directory_offset,
+            trailer=plan.trailer(crcs),
+            world_size=world_size,
+        )
         _write_atomically(state["target"], state["directory"], manifest.to_json(), settings)
     return {"differ": differ, "divergent": [keys[o] for o in bad], "repaired": repaired}
 
@@ -497,8 +520,9 @@ def _redo_as_patches(plan: SavePlan, redo) -> tuple[list[tuple[int, bytes]], lis
     return patches, slices
 
 
-def _report_divergence(obj: Any, plan: SavePlan, divergent: list[int], keys: list[str],
-                       where: dict[int, list[int]], policy: str) -> None:  # fmt: skip
+def _report_divergence(
+    obj: Any, plan: SavePlan, divergent: list[int], keys: list[str], where: dict[int, list[int]], policy: str
+) -> None:
     """Rank 0: warns, or raises (every rank then raises), about storages whose values differ between ranks."""
     if policy == "ignore":
         return
@@ -554,8 +578,14 @@ def _write_ranges(plan: SavePlan, file_path: str, ranges, settings, streams, sin
     slices = []
     try:
         for byte_range in ranges:
-            crcs = write_plan(plan, file, settings, streams=streams, byte_range=(byte_range.start, byte_range.end),
-                              destination_offset=0 if sink else None)  # fmt: skip
+            crcs = write_plan(
+                plan,
+                file,
+                settings,
+                streams=streams,
+                byte_range=(byte_range.start, byte_range.end),
+                destination_offset=0 if sink else None,
+            )
             slices += _slice_crcs(plan, crcs, byte_range)
         if settings.fsync and not sink:
             file.fsync()
@@ -571,8 +601,14 @@ def _write_part(plan: SavePlan, final: str, directory: str, byte_range: ByteRang
         try:
             if file.direct and byte_range.length:
                 file.allocate(0, byte_range.length)
-            crcs = write_plan(plan, file, settings, streams=streams, byte_range=(byte_range.start, byte_range.end),
-                              destination_offset=0)  # fmt: skip
+            crcs = write_plan(
+                plan,
+                file,
+                settings,
+                streams=streams,
+                byte_range=(byte_range.start, byte_range.end),
+                destination_offset=0,
+            )
             if settings.fsync:
                 file.fsync()
         finally:
@@ -586,8 +622,9 @@ def _write_part(plan: SavePlan, final: str, directory: str, byte_range: ByteRang
     return _slice_crcs(plan, crcs, byte_range)
 
 
-def _commit_file(plan: SavePlan, crcs: list[int], patches, temporary: str, target: str, directory: str,
-                 settings) -> None:  # fmt: skip
+def _commit_file(
+    plan: SavePlan, crcs: list[int], patches, temporary: str, target: str, directory: str, settings
+) -> None:
     """Rank 0, after every range is durable: descriptors and trailer, fsync, rename, directory fsync."""
     descriptor = os.open(temporary, os.O_WRONLY)
     try:

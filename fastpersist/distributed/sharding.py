@@ -20,7 +20,7 @@ rank 0 writes them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["DEFAULT_ALIGNMENT", "ByteRange", "plan_ranges", "shard_ranges", "split_range", "writer_ranks"]
 
@@ -84,8 +84,9 @@ def plan_ranges(plan, writers: int, alignment: int = DEFAULT_ALIGNMENT) -> tuple
     return shard_ranges(plan.layout.central_directory_offset, writers, alignment)
 
 
-def split_range(byte_range: ByteRange, blocked: Iterable[tuple[int, int]],
-                alignment: int = DEFAULT_ALIGNMENT) -> tuple[list[ByteRange], list[ByteRange]]:  # fmt: skip
+def split_range(
+    byte_range: ByteRange, blocked: Iterable[tuple[int, int]], alignment: int = DEFAULT_ALIGNMENT
+) -> tuple[list[ByteRange], list[ByteRange]]:
     """Cuts the intervals a writer may not write out of its range.
 
     Args:

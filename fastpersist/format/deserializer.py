@@ -15,7 +15,8 @@ from __future__ import annotations
 import io
 import pickle
 import sys
-from typing import Any, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 from torch.serialization import StorageType, _get_restore_location
@@ -140,13 +141,15 @@ def deserialize(
         name = f"{prefix}data/{key}"
         record = records.get(name)
         if record is None:
-            raise CorruptCheckpointError(f"{path or 'checkpoint'}: the pickle refers to missing record {name!r}",
-                                         path=path, record=name)  # fmt: skip
+            raise CorruptCheckpointError(
+                f"{path or 'checkpoint'}: the pickle refers to missing record {name!r}", path=path, record=name
+            )
         if record.size != nbytes:
             raise CorruptCheckpointError(
                 f"{path or 'checkpoint'}: record {name!r} holds {record.size} bytes but the pickle expects {nbytes}",
-                path=path, record=name,
-            )  # fmt: skip
+                path=path,
+                record=name,
+            )
         if meta:
             wrap = torch.UntypedStorage(nbytes, device="meta")
         else:
@@ -220,8 +223,9 @@ def deserialize(
             raise CorruptCheckpointError(
                 f"{path or 'checkpoint'}: {prefix}data.pkl is malformed ({type(e).__name__}: {e}); the file is "
                 "damaged: check it with `fastpersist verify` and restore it from a good copy",
-                path=path, record=prefix + "data.pkl",
-            ) from e  # fmt: skip
+                path=path,
+                record=prefix + "data.pkl",
+            ) from e
         provider.flush()
     except BaseException:
         # torch queues sparse tensors for validation while unpickling; a failed load
@@ -237,8 +241,9 @@ def deserialize(
             raise
         raise CorruptCheckpointError(
             f"{path or 'checkpoint'}: a sparse tensor in the file is invalid ({e}); the file is damaged",
-            path=path, record=prefix + "data.pkl",
-        ) from e  # fmt: skip
+            path=path,
+            record=prefix + "data.pkl",
+        ) from e
     return result
 
 
@@ -264,8 +269,10 @@ def _restore(restore_location, storage, location: str, name: str, path: str | No
             # pickle is damaged. A real but unavailable device keeps torch's error.
             raise CorruptCheckpointError(
                 f"{path or 'checkpoint'}: storage {name!r} has location {location!r}, which is not a device; "
-                f"the file is damaged ({e})", path=path, record=name,
-            ) from e  # fmt: skip
+                f"the file is damaged ({e})",
+                path=path,
+                record=name,
+            ) from e
         raise
 
 

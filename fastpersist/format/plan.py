@@ -15,7 +15,7 @@ save) without knowing anything about zip.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -45,8 +45,14 @@ class StorageRecord:
 
     __slots__ = ("entry", "key", "_storage", "_view")
 
-    def __init__(self, entry: ZipEntry, key: str, storage: torch.UntypedStorage | None = None, *,
-                 view: torch.Tensor | None = None):  # fmt: skip
+    def __init__(
+        self,
+        entry: ZipEntry,
+        key: str,
+        storage: torch.UntypedStorage | None = None,
+        *,
+        view: torch.Tensor | None = None,
+    ):
         if (storage is None) == (view is None):
             raise TypeError("a StorageRecord needs either a storage or a view")
         self.entry = entry

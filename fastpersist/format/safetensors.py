@@ -210,7 +210,9 @@ def build_header(
     total = -(-(_PREFIX + len(text)) // alignment) * alignment
     length = total - _PREFIX
     if length > MAX_HEADER_SIZE:
-        raise InvalidSafetensorsError(f"header too large ({length} bytes; the safetensors format allows {MAX_HEADER_SIZE})")
+        raise InvalidSafetensorsError(
+            f"header too large ({length} bytes; the safetensors format allows {MAX_HEADER_SIZE})"
+        )
     return struct.pack("<Q", length) + text + b" " * (length - len(text))
 
 
@@ -226,9 +228,12 @@ def header_length(prefix: bytes, file_size: int, path: str | None = None) -> int
         )
     if _PREFIX + length > file_size:
         raise InvalidSafetensorsError(
-            _where(path, f"invalid header length: {length} bytes of header announced, the file has {file_size}"
-                   " (truncated?)"), path=path,
-        )  # fmt: skip
+            _where(
+                path,
+                f"invalid header length: {length} bytes of header announced, the file has {file_size} (truncated?)",
+            ),
+            path=path,
+        )
     return length
 
 
@@ -275,7 +280,9 @@ def parse_header(data: bytes, file_size: int, path: str | None = None) -> Header
     if metadata is not None and (
         not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
     ):
-        raise InvalidSafetensorsError(_where(path, "invalid JSON in header: __metadata__ must map str to str"), path=path)
+        raise InvalidSafetensorsError(
+            _where(path, "invalid JSON in header: __metadata__ must map str to str"), path=path
+        )
     entries = [_entry(name, info, path) for name, info in document.items()]
     entries.sort(key=lambda e: (e[3], e[4]))
     data_offset = _PREFIX + length
@@ -287,36 +294,55 @@ def parse_header(data: bytes, file_size: int, path: str | None = None) -> Header
             if end < start:
                 what = "ends before it starts"
             raise InvalidSafetensorsError(
-                _where(path, f"invalid offset for tensor `{name}`: data_offsets [{start}, {end}] {what} "
-                       f"(expected a start of {position})"), path=path, record=name,
-            )  # fmt: skip
+                _where(
+                    path,
+                    f"invalid offset for tensor `{name}`: data_offsets [{start}, {end}] {what} "
+                    f"(expected a start of {position})",
+                ),
+                path=path,
+                record=name,
+            )
         bits = math.prod(shape) * DTYPES[dtype].bits
         if bits % 8:
             raise InvalidSafetensorsError(
                 _where(path, f"tensor `{name}`: {dtype} shape {list(shape)} does not end at a byte boundary"),
-                path=path, record=name,
-            )  # fmt: skip
+                path=path,
+                record=name,
+            )
         if end - start != bits // 8:
             raise InvalidSafetensorsError(
-                _where(path, f"invalid shape, data type, or offset for tensor `{name}`: {dtype} {list(shape)} needs "
-                       f"{bits // 8} bytes, data_offsets give {end - start}"), path=path, record=name,
-            )  # fmt: skip
+                _where(
+                    path,
+                    f"invalid shape, data type, or offset for tensor `{name}`: {dtype} {list(shape)} needs "
+                    f"{bits // 8} bytes, data_offsets give {end - start}",
+                ),
+                path=path,
+                record=name,
+            )
         position = end
         tensors[name] = TensorEntry(name, dtype, shape, data_offset + start, data_offset + end)
     if data_offset + position != file_size:
-        problem = "is shorter than its header says (truncated?)" if data_offset + position > file_size else (
-            "has bytes no tensor covers")  # fmt: skip
+        problem = (
+            "is shorter than its header says (truncated?)"
+            if data_offset + position > file_size
+            else ("has bytes no tensor covers")
+        )
         raise InvalidSafetensorsError(
-            _where(path, f"incomplete metadata, file not fully covered: the file ({file_size} bytes) {problem}; "
-                   f"the header describes {data_offset + position}"), path=path,
-        )  # fmt: skip
+            _where(
+                path,
+                f"incomplete metadata, file not fully covered: the file ({file_size} bytes) {problem}; "
+                f"the header describes {data_offset + position}",
+            ),
+            path=path,
+        )
     return Header(tensors, metadata, data_offset, file_size)
 
 
 def _entry(name: str, info: object, path: str | None) -> tuple[str, str, tuple[int, ...], int, int]:
     def fail(message: str) -> InvalidSafetensorsError:
-        return InvalidSafetensorsError(_where(path, f"invalid JSON in header: tensor `{name}`: {message}"), path=path,
-                                       record=name)  # fmt: skip
+        return InvalidSafetensorsError(
+            _where(path, f"invalid JSON in header: tensor `{name}`: {message}"), path=path, record=name
+        )
 
     if not isinstance(info, dict):
         raise fail("expected an object with dtype, shape and data_offsets")
@@ -326,15 +352,12 @@ def _entry(name: str, info: object, path: str | None) -> tuple[str, str, tuple[i
     if dtype not in DTYPES:
         raise InvalidSafetensorsError(
             _where(path, f"unsupported dtype {dtype!r} for tensor `{name}` (the format defines {', '.join(DTYPES)})"),
-            path=path, record=name,
-        )  # fmt: skip
+            path=path,
+            record=name,
+        )
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise fail("shape must be a list of non-negative integers")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(type(o) is int and o >= 0 for o in offsets)
-    ):
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
         raise fail("data_offsets must be two non-negative integers")
     return name, dtype, tuple(shape), offsets[0], offsets[1]
 

@@ -28,7 +28,8 @@ import sys
 import threading
 import types
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.serialization import location_tag, normalize_storage_type
@@ -137,8 +138,9 @@ def _serialization_id() -> bytes:
     return "".join(str(secrets.randbelow(10)) for _ in range(40)).encode()
 
 
-def _pickle_with_storages(obj: Any, pickle_module: Any, protocol: int,
-                          dispatch_table: dict | None) -> tuple[bytes, dict[str, torch.UntypedStorage]]:  # fmt: skip
+def _pickle_with_storages(
+    obj: Any, pickle_module: Any, protocol: int, dispatch_table: dict | None
+) -> tuple[bytes, dict[str, torch.UntypedStorage]]:
     """``obj`` pickled as torch.save pickles it, and its storages by key.
 
     Every storage becomes a persistent id ``("storage", StorageType, key,
@@ -158,13 +160,25 @@ def _pickle_with_storages(obj: Any, pickle_module: Any, protocol: int,
     # Types whose objects are never storages: the common ones leave persistent_id at once.
     # A plain tensor pickles classes (OrderedDict, FloatStorage), a function, the tensor itself
     # and its empty hooks besides containers and numbers: five of its 19 calls.
-    plain_types = _PLAIN_TYPES | {type, types.FunctionType, types.BuiltinFunctionType, torch.Tensor, _NoHooks,
-                                  type(torch.FloatStorage)}  # fmt: skip
+    plain_types = _PLAIN_TYPES | {
+        type,
+        types.FunctionType,
+        types.BuiltinFunctionType,
+        torch.Tensor,
+        _NoHooks,
+        type(torch.FloatStorage),
+    }
     stand_in = _TypedStorageStandIn
     storage_types = _v2_storage_types()
 
-    def storage_id(item: Any, storage: torch.UntypedStorage, storage_dtype: torch.dtype, storage_type: Any,
-                   storage_numel: int, location: str | None = None):  # fmt: skip
+    def storage_id(
+        item: Any,
+        storage: torch.UntypedStorage,
+        storage_dtype: torch.dtype,
+        storage_type: Any,
+        storage_numel: int,
+        location: str | None = None,
+    ):
         if location is None:
             if storage.device.type == "meta":
                 raise UnsupportedObjectError(
@@ -197,11 +211,18 @@ def _pickle_with_storages(obj: Any, pickle_module: Any, protocol: int,
             return None
         if kind is stand_in:  # a plain tensor's storage, from the shortcut: what its TypedStorage gives
             storage, dtype = item.storage, item.dtype
-            return storage_id(None, storage, dtype, storage_types[dtype], storage.nbytes() // dtype.itemsize,
-                              "cpu" if item.cpu and cpu_first else None)  # fmt: skip
+            return storage_id(
+                None,
+                storage,
+                dtype,
+                storage_types[dtype],
+                storage.nbytes() // dtype.itemsize,
+                "cpu" if item.cpu and cpu_first else None,
+            )
         if isinstance(item, typed_storage):
-            return storage_id(item, item._untyped_storage, item.dtype, getattr(torch, item._pickle_storage_type()),
-                              item._size())  # fmt: skip
+            return storage_id(
+                item, item._untyped_storage, item.dtype, getattr(torch, item._pickle_storage_type()), item._size()
+            )
         if is_storage(item):
             return storage_id(item, item, torch.uint8, normalize_storage_type(type(item)), item.nbytes())
         return None
@@ -303,12 +324,25 @@ def _plain_tensor_reducer(protocol: int) -> Callable[[torch.Tensor], tuple]:
             metadata = tensor_metadata(tensor)
             if dtype in v2_dtypes:
                 storage = stand_in(tensor.untyped_storage(), dtype, tensor.is_cpu)
-                args = (storage, tensor.storage_offset(), tuple(tensor.size()), tensor.stride(), tensor.requires_grad,
-                        _NoHooks())  # fmt: skip
+                args = (
+                    storage,
+                    tensor.storage_offset(),
+                    tuple(tensor.size()),
+                    tensor.stride(),
+                    tensor.requires_grad,
+                    _NoHooks(),
+                )
                 return (rebuild_v2, args + (metadata,)) if metadata else (rebuild_v2, args)
             if dtype in v3_dtypes:
-                args = (tensor.untyped_storage(), tensor.storage_offset(), tuple(tensor.size()), tensor.stride(),
-                        tensor.requires_grad, _NoHooks(), dtype)  # fmt: skip
+                args = (
+                    tensor.untyped_storage(),
+                    tensor.storage_offset(),
+                    tuple(tensor.size()),
+                    tensor.stride(),
+                    tensor.requires_grad,
+                    _NoHooks(),
+                    dtype,
+                )
                 return (rebuild_v3, args + (metadata,)) if metadata else (rebuild_v3, args)
         return tensor.__reduce_ex__(protocol)
 
@@ -348,13 +382,22 @@ def _shortcut_samples() -> list:
     """Tensors of every kind the shortcut takes or hands on, as they occur in checkpoints."""
     base = torch.arange(24, dtype=torch.float32)
     samples: list[Any] = [
-        base, base[3:15].view(3, 4).t(), torch.zeros(()), torch.empty(0, dtype=torch.int64),
-        torch.ones(2, 3, dtype=torch.float64, requires_grad=True), torch.ones(3, dtype=torch.bfloat16),
-        torch.ones(3, dtype=torch.float16), torch.zeros(4, dtype=torch.bool), torch.arange(5, dtype=torch.int8),
-        torch.arange(5, dtype=torch.uint8), torch.ones(2, dtype=torch.complex64).conj(),
-        torch.ones(2, dtype=torch.complex64).conj().imag, torch.ones(3)._neg_view(),
-        torch.nn.Parameter(torch.ones(2)), OrderedDict(a=torch.ones(1)),
-    ]  # fmt: skip
+        base,
+        base[3:15].view(3, 4).t(),
+        torch.zeros(()),
+        torch.empty(0, dtype=torch.int64),
+        torch.ones(2, 3, dtype=torch.float64, requires_grad=True),
+        torch.ones(3, dtype=torch.bfloat16),
+        torch.ones(3, dtype=torch.float16),
+        torch.zeros(4, dtype=torch.bool),
+        torch.arange(5, dtype=torch.int8),
+        torch.arange(5, dtype=torch.uint8),
+        torch.ones(2, dtype=torch.complex64).conj(),
+        torch.ones(2, dtype=torch.complex64).conj().imag,
+        torch.ones(3)._neg_view(),
+        torch.nn.Parameter(torch.ones(2)),
+        OrderedDict(a=torch.ones(1)),
+    ]
     for name in ("uint16", "uint32", "uint64", "float8_e4m3fn"):
         dtype = getattr(torch, name, None)
         if dtype is not None:

@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import struct
-from collections.abc import Iterator, Mapping
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError
 
@@ -83,8 +83,9 @@ _PAD_TAG = 0x4246  # "FB", the padding extra field torch's writer uses
 # Extra fields that zip writers put in local headers: zip64, NTFS times, torch's
 # padding, Info-ZIP times and Unix ids, Unicode comment and path, the JAR marker,
 # Android's alignment. Anything else in a local header is taken for damage.
-_KNOWN_EXTRA_TAGS = frozenset({0x0001, 0x000A, _PAD_TAG, 0x5455, 0x5855, 0x7855, 0x7875, 0x6375, 0x7075, 0xCAFE,
-                               0xD935})  # fmt: skip
+_KNOWN_EXTRA_TAGS = frozenset(
+    {0x0001, 0x000A, _PAD_TAG, 0x5455, 0x5855, 0x7855, 0x7875, 0x6375, 0x7075, 0xCAFE, 0xD935}
+)
 _ZIP64_TAG = 0x0001
 _U32_MAX = 0xFFFFFFFF
 _U16_MAX = 0xFFFF
@@ -141,9 +142,17 @@ class ZipEntry(NamedTuple):
         extra = zip64 + struct.pack("<HH", _PAD_TAG, pad) + b"Z" * pad
         size32 = _U32_MAX if self.size >= _U32_MAX else 0
         header = _LOCAL.pack(
-            _SIG_LOCAL, _VERSION if self.zip64 else 20, _FLAGS, 0, *_DOS_TIME_DATE, 0, size32, size32,
-            len(name), len(extra),
-        )  # fmt: skip
+            _SIG_LOCAL,
+            _VERSION if self.zip64 else 20,
+            _FLAGS,
+            0,
+            *_DOS_TIME_DATE,
+            0,
+            size32,
+            size32,
+            len(name),
+            len(extra),
+        )
         return header + name + extra
 
     def data_descriptor(self, crc: int) -> bytes:
@@ -167,9 +176,23 @@ class ZipEntry(NamedTuple):
             extra = struct.pack(f"<HH{len(zip64_fields)}Q", _ZIP64_TAG, 8 * len(zip64_fields), *zip64_fields)
         version = _VERSION if zip64_fields else 20
         header = _CENTRAL.pack(
-            _SIG_CENTRAL, version, version, _FLAGS, 0, *_DOS_TIME_DATE, crc, size32, size32,
-            len(name), len(extra), 0, 0, 0, 0, offset32,
-        )  # fmt: skip
+            _SIG_CENTRAL,
+            version,
+            version,
+            _FLAGS,
+            0,
+            *_DOS_TIME_DATE,
+            crc,
+            size32,
+            size32,
+            len(name),
+            len(extra),
+            0,
+            0,
+            0,
+            0,
+            offset32,
+        )
         return header + name + extra
 
 
@@ -200,9 +223,15 @@ class ZipLayout:
         )
         locator = _EOCD64_LOCATOR.pack(_SIG_EOCD64_LOCATOR, 0, eocd64_offset, 1)
         eocd = _EOCD.pack(
-            _SIG_EOCD, 0, 0, min(count, _U16_MAX), min(count, _U16_MAX),
-            min(len(directory), _U32_MAX), min(start, _U32_MAX), 0,
-        )  # fmt: skip
+            _SIG_EOCD,
+            0,
+            0,
+            min(count, _U16_MAX),
+            min(count, _U16_MAX),
+            min(len(directory), _U32_MAX),
+            min(start, _U32_MAX),
+            0,
+        )
         return directory + eocd64 + locator + eocd
 
     def trailer_size(self) -> int:
@@ -467,9 +496,11 @@ def _checked_rows(read_at: ReadAt, file_size: int, path: str | None) -> list[tup
         if last is None:
             raise
         raise _corrupt(
-            path, f"the file ends at byte {file_size} without its zip end records: it was cut short "
-            f"inside or after record {last!r}", last,
-        ) from None  # fmt: skip
+            path,
+            f"the file ends at byte {file_size} without its zip end records: it was cut short "
+            f"inside or after record {last!r}",
+            last,
+        ) from None
     rows = [_locate(read_at, directory.cd_offset, path, e) for e in directory.entries]
     _check_disjoint(rows, path)
     expected = 0
@@ -477,8 +508,12 @@ def _checked_rows(read_at: ReadAt, file_size: int, path: str | None) -> list[tup
     for index in order:
         entry, record = directory.entries[index], _record(rows[index])
         if record.header_offset != expected:
-            raise _corrupt(path, f"{record.header_offset - expected:+d} unexplained bytes before record "
-                                 f"{record.name!r} at offset {expected}", record.name)  # fmt: skip
+            raise _corrupt(
+                path,
+                f"{record.header_offset - expected:+d} unexplained bytes before record "
+                f"{record.name!r} at offset {expected}",
+                record.name,
+            )
         expected, crc = _check_framing(read_at, entry, record, directory.cd_offset, path)
         if crc != record.crc:  # the central directory's CRC is 0, the local record holds one: verify that
             rows[index] = rows[index][:4] + (crc,)
@@ -537,8 +572,25 @@ def _read_central_directory(read_at: ReadAt, file_size: int, path: str | None) -
         if position + _CENTRAL.size > cd_size:
             raise _corrupt(path, "central directory ends inside a record")
         fields = _CENTRAL.unpack_from(directory, position)
-        (signature, _, version_needed, flags, method, time, date, crc, csize, usize, name_len, extra_len,
-         comment_len, _, _, _, header_offset) = fields  # fmt: skip
+        (
+            signature,
+            _,
+            version_needed,
+            flags,
+            method,
+            time,
+            date,
+            crc,
+            csize,
+            usize,
+            name_len,
+            extra_len,
+            comment_len,
+            _,
+            _,
+            _,
+            header_offset,
+        ) = fields
         if signature != _SIG_CENTRAL:
             raise _corrupt(path, "bad central directory record signature")
         end = position + _CENTRAL.size + name_len + extra_len + comment_len
@@ -549,8 +601,9 @@ def _read_central_directory(read_at: ReadAt, file_size: int, path: str | None) -
         extra = directory[position + _CENTRAL.size + name_len : position + _CENTRAL.size + name_len + extra_len]
         usize, csize, header_offset = _apply_zip64_extra(extra, usize, csize, header_offset, path, name)
         if method != 0 or csize != usize:
-            raise _corrupt(path, f"record {name!r} is compressed (method {method}); torch checkpoints store records",
-                           name)  # fmt: skip
+            raise _corrupt(
+                path, f"record {name!r} is compressed (method {method}); torch checkpoints store records", name
+            )
         if flags & 0x1:
             raise _corrupt(path, f"record {name!r} is encrypted", name)
         # Two entries with one name would let a damaged directory swap data for a
@@ -629,32 +682,49 @@ def _check_framing(
     """
     # Few temporary objects per record: a verified load of 100,000 small tensors runs this for each.
     name = record.name
-    _, raw_name, central_version, central_flags, central_method, central_time, central_date, central_crc, size, _ = entry
+    _, raw_name, central_version, central_flags, central_method, central_time, central_date, central_crc, size, _ = (
+        entry
+    )
     header = read_at(record.header_offset, record.data_offset - record.header_offset)
     # A record framed exactly as fastpersist's writer frames it (below 4 GiB, a checksum in the
     # directory) is checked by comparing its header and descriptor with the bytes the writer
     # would have written: what the checks below would accept, at a third of their cost.
     # Anything else, damage included, takes the field-by-field checks, which say what is wrong.
-    if (central_version == 20 and central_flags == _FLAGS and central_method == 0 and central_crc
-            and (central_time, central_date) == _DOS_TIME_DATE and 0 < size < _U32_MAX
-            and record.header_offset < _U32_MAX):  # fmt: skip
+    if (
+        central_version == 20
+        and central_flags == _FLAGS
+        and central_method == 0
+        and central_crc
+        and (central_time, central_date) == _DOS_TIME_DATE
+        and 0 < size < _U32_MAX
+        and record.header_offset < _U32_MAX
+    ):
         extra_length = len(header) - _LOCAL.size - len(raw_name)
         end = record.data_offset + size
-        if (extra_length >= 4 and header == _local_header32(len(raw_name), extra_length) + raw_name
-                + _padding_field(extra_length - 4)
-                and read_at(end, _DESCRIPTOR32.size) == _DESCRIPTOR32.pack(_SIG_DESCRIPTOR, central_crc, size, size)):  # fmt: skip
+        if (
+            extra_length >= 4
+            and header == _local_header32(len(raw_name), extra_length) + raw_name + _padding_field(extra_length - 4)
+            and read_at(end, _DESCRIPTOR32.size) == _DESCRIPTOR32.pack(_SIG_DESCRIPTOR, central_crc, size, size)
+        ):
             return end + _DESCRIPTOR32.size, central_crc
     if len(header) != record.data_offset - record.header_offset:
         raise _corrupt(path, f"record {name!r} header is cut short", name)
-    (_, version_needed, flags, method, time, date, crc, csize, usize, name_len,
-     extra_len) = _LOCAL.unpack_from(header)  # fmt: skip
+    (_, version_needed, flags, method, time, date, crc, csize, usize, name_len, extra_len) = _LOCAL.unpack_from(header)
     # Writers that need zip64 only for the offset (past 4 GiB) mark just the central
     # entry as version 4.5; the local header keeps 1.0 or 2.0.
     version_ok = version_needed == central_version or (central_version == 45 and version_needed in (10, 20))
-    if (not version_ok or flags != central_flags or method != central_method or time != central_time
-            or date != central_date):  # fmt: skip
-        raise _corrupt(path, f"record {name!r}: its local header disagrees with the central directory "
-                             "(version, flags, method or time)", name)  # fmt: skip
+    if (
+        not version_ok
+        or flags != central_flags
+        or method != central_method
+        or time != central_time
+        or date != central_date
+    ):
+        raise _corrupt(
+            path,
+            f"record {name!r}: its local header disagrees with the central directory (version, flags, method or time)",
+            name,
+        )
     extra = header[_LOCAL.size + name_len :]
     zip64_values: list[int] | None = None
     position = 0
@@ -684,8 +754,9 @@ def _check_framing(
     crc_ok = crc == central_crc or (streamed and crc == 0) or central_crc == 0
     sizes_ok = (size_u == size and size_c == size) or (streamed and size_u == 0 and size_c == 0)
     if not (crc_ok and sizes_ok):
-        raise _corrupt(path, f"record {name!r}: its local header's CRC-32 or size disagrees with the central directory",
-                       name)  # fmt: skip
+        raise _corrupt(
+            path, f"record {name!r}: its local header's CRC-32 or size disagrees with the central directory", name
+        )
     effective = central_crc or crc
     end = record.data_offset + record.size
     if not streamed:
@@ -711,8 +782,12 @@ def _check_framing(
             found = found or values[1 if has_signature else 0 :]
     if found is None:
         raise _corrupt(path, f"record {name!r} has its data descriptor cut short", name)
-    raise _corrupt(path, f"record {name!r}: its data descriptor disagrees with the central directory "
-                         f"(CRC-32 {found[0]:#010x}, size {found[2]})", name)  # fmt: skip
+    raise _corrupt(
+        path,
+        f"record {name!r}: its data descriptor disagrees with the central directory "
+        f"(CRC-32 {found[0]:#010x}, size {found[2]})",
+        name,
+    )
 
 
 _EXTRA_HEADER = struct.Struct("<HH")
@@ -817,8 +892,9 @@ def check_alignment_claim(records: Sequence[ZipRecordInfo], read_at: ReadAt, pat
             disagrees with the declared alignment.
     """
     by_name = {r.name: r for r in records}
-    prefix = next((r.name[: -len("data.pkl")] for r in records if r.name.endswith("/data.pkl")
-                   and r.name.count("/") == 1), None)  # fmt: skip
+    prefix = next(
+        (r.name[: -len("data.pkl")] for r in records if r.name.endswith("/data.pkl") and r.name.count("/") == 1), None
+    )
     if prefix is None or prefix + ".format_version" not in by_name:
         return None
     version_record = by_name[prefix + ".format_version"]
@@ -833,18 +909,20 @@ def check_alignment_claim(records: Sequence[ZipRecordInfo], read_at: ReadAt, pat
         alignment = int(text)
     storage_prefix = prefix + "data/"
     storages = sorted(
-        (r for r in records if r.name.startswith(storage_prefix) and r.name[len(storage_prefix):].isdigit()),
-        key=lambda r: int(r.name[len(storage_prefix):]),
-    )  # fmt: skip
+        (r for r in records if r.name.startswith(storage_prefix) and r.name[len(storage_prefix) :].isdigit()),
+        key=lambda r: int(r.name[len(storage_prefix) :]),
+    )
     cursor = None
     for record in storages:
         header = record.header_offset if cursor is None else cursor
         expected = _padded_data_offset(header, len(record.name.encode("utf-8")), record.size, alignment)
         if record.header_offset != header or record.data_offset != expected:
             raise _corrupt(
-                path, f"record {record.name!r} is not where the declared storage alignment ({alignment}) puts it "
-                "(torch.load with calculate_storage_offsets would read wrong bytes)", record.name,
-            )  # fmt: skip
+                path,
+                f"record {record.name!r} is not where the declared storage alignment ({alignment}) puts it "
+                "(torch.load with calculate_storage_offsets would read wrong bytes)",
+                record.name,
+            )
         cursor = record.data_offset + record.size
         if record.size:
             zip64 = record.size >= _U32_MAX or record.header_offset >= _U32_MAX

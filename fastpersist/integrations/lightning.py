@@ -34,11 +34,11 @@ from fastpersist.api import futures
 from fastpersist.api.checkpointer import Checkpointer
 
 __all__ = [
-    "FastPersistCheckpointIO",
-    "AsyncFastPersistCheckpointIO",
-    "FastPersistCheckpoint",
-    "FastPersistDDPStrategy",
-    "install_sharded_save",
+    "FastPersistCheckpointIO",  # noqa: F822 (built lazily by __getattr__)
+    "AsyncFastPersistCheckpointIO",  # noqa: F822 (built lazily by __getattr__)
+    "FastPersistCheckpoint",  # noqa: F822 (built lazily by __getattr__)
+    "FastPersistDDPStrategy",  # noqa: F822 (built lazily by __getattr__)
+    "install_sharded_save",  # noqa: F822 (built lazily by __getattr__)
     "for_package",
     "save_supports_group",
 ]
@@ -100,7 +100,7 @@ def _bypasses_checkpoint_io(strategy: Any) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def for_package(package: str) -> types.SimpleNamespace:
     """The integration classes built on ``package`` (``"lightning"`` or ``"pytorch_lightning"``).
 
@@ -133,13 +133,18 @@ def _default_package() -> str:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("FastPersistCheckpointIO", "AsyncFastPersistCheckpointIO", "FastPersistCheckpoint",
-                "FastPersistDDPStrategy", "install_sharded_save"):  # fmt: skip
+    if name in (
+        "FastPersistCheckpointIO",
+        "AsyncFastPersistCheckpointIO",
+        "FastPersistCheckpoint",
+        "FastPersistDDPStrategy",
+        "install_sharded_save",
+    ):
         return getattr(for_package(_default_package()), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types.SimpleNamespace:  # noqa: C901
+def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types.SimpleNamespace:
     class FastPersistCheckpointIO(CheckpointIO):
         """Lightning CheckpointIO that saves with ``fastpersist.save`` and loads with ``fastpersist.load``.
 
@@ -158,7 +163,12 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
             self.settings = settings
 
         def save_checkpoint(
-            self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None, *, group: Any = None,
+            self,
+            checkpoint: dict[str, Any],
+            path: Any,
+            storage_options: Any | None = None,
+            *,
+            group: Any = None,
             divergence: str = "warn",
         ) -> None:
             """Saves ``checkpoint`` to ``path``.
@@ -260,7 +270,12 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
             self._checkpointer._surface_errors()
 
         def save_checkpoint(
-            self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None, *, group: Any = None,
+            self,
+            checkpoint: dict[str, Any],
+            path: Any,
+            storage_options: Any | None = None,
+            *,
+            group: Any = None,
             divergence: str = "warn",
         ) -> None:
             self._surface()

@@ -26,8 +26,20 @@ import threading
 
 from fastpersist.io import engine, workers
 
-__all__ = ["executor", "crc32_combine_all", "PendingCrc", "submit_crc32", "submit_crc32_many", "submit_copy_with_crc32", "crc32", "copy_with_crc32", "copy", "threads",
-           "PIECE_SIZE", "shutdown"]  # fmt: skip
+__all__ = [
+    "executor",
+    "crc32_combine_all",
+    "PendingCrc",
+    "submit_crc32",
+    "submit_crc32_many",
+    "submit_copy_with_crc32",
+    "crc32",
+    "copy_with_crc32",
+    "copy",
+    "threads",
+    "PIECE_SIZE",
+    "shutdown",
+]
 
 PIECE_SIZE = 4 << 20
 """Bytes per task: large enough that task overhead (~20 us) is < 1% at 14 GB/s a core."""
@@ -158,14 +170,20 @@ def submit_crc32_many(ranges: list[tuple[int, int]]) -> concurrent.futures.Futur
     return executor().submit(engine.copy_many, [0] * len(addresses), addresses, [n for _, n in ranges], True)
 
 
-def submit_copy_with_crc32(destination: int, source: int, length: int, crc: int = 0, *,
-                           piece_size: int = PIECE_SIZE) -> PendingCrc:  # fmt: skip
+def submit_copy_with_crc32(
+    destination: int, source: int, length: int, crc: int = 0, *, piece_size: int = PIECE_SIZE
+) -> PendingCrc:
     """Queues a copy of ``length`` bytes (non-overlapping) and its CRC-32, pieces on several cores."""
     if length <= 0:
         return PendingCrc(crc, [])
     pool = executor()
-    return PendingCrc(crc, [(pool.submit(engine.copy_with_crc32, destination + o, source + o, n), n)
-                            for o, n in _split(length, piece_size)])  # fmt: skip
+    return PendingCrc(
+        crc,
+        [
+            (pool.submit(engine.copy_with_crc32, destination + o, source + o, n), n)
+            for o, n in _split(length, piece_size)
+        ],
+    )
 
 
 def crc32(address: int, length: int, crc: int = 0, *, piece_size: int = PIECE_SIZE) -> int:
@@ -178,8 +196,7 @@ def crc32(address: int, length: int, crc: int = 0, *, piece_size: int = PIECE_SI
     return submit_crc32(address, length, crc, piece_size=piece_size).result()
 
 
-def copy_with_crc32(destination: int, source: int, length: int, crc: int = 0, *,
-                    piece_size: int = PIECE_SIZE) -> int:  # fmt: skip
+def copy_with_crc32(destination: int, source: int, length: int, crc: int = 0, *, piece_size: int = PIECE_SIZE) -> int:
     """``engine.copy_with_crc32`` spread over the pool for large ranges (the source is read once)."""
     if length <= piece_size:
         return engine.copy_with_crc32(destination, source, length, crc)

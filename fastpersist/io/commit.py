@@ -86,9 +86,7 @@ class NonAtomicSaveWarning(UserWarning):
 
 _lock = threading.Lock()
 _live: set[str] = set()  # temporaries this process is writing now
-_last_scan: dict[
-    str, float
-] = {}  # directory -> monotonic time of its last cleanup scan
+_last_scan: dict[str, float] = {}  # directory -> monotonic time of its last cleanup scan
 _warned_in_place = False
 _remover = None  # the thread that frees replaced files (created on first use, per process)
 
@@ -247,9 +245,7 @@ def check_target(path: str) -> str:
         )
     if kind == "special":
         if not os.access(path, os.W_OK):
-            raise TargetPermissionError(
-                errno.EACCES, "no permission to write this file", path
-            )
+            raise TargetPermissionError(errno.EACCES, "no permission to write this file", path)
         return directory
     if not os.path.isdir(directory):
         raise TargetDirectoryMissingError(
@@ -258,9 +254,7 @@ def check_target(path: str) -> str:
             directory,
         )
     exists = os.path.exists(path)
-    if (
-        os.statvfs(directory).f_flag & os.ST_RDONLY
-    ):  # root gets here too: access() checks the mount
+    if os.statvfs(directory).f_flag & os.ST_RDONLY:  # root gets here too: access() checks the mount
         raise CheckpointIOError(
             errno.EROFS,
             "the filesystem is mounted read-only; save to another filesystem",
@@ -273,9 +267,7 @@ def check_target(path: str) -> str:
             path,
         )
     if not exists and not os.access(directory, os.W_OK | os.X_OK):
-        raise TargetPermissionError(
-            errno.EACCES, "no permission to create files in this directory", directory
-        )
+        raise TargetPermissionError(errno.EACCES, "no permission to create files in this directory", directory)
     return directory
 
 
@@ -289,9 +281,7 @@ def _name_max(directory: str) -> int:
         return 255
 
 
-def temporary_name(
-    name: str, directory: str = ".", pid: int | None = None, token: str | None = None
-) -> str:
+def temporary_name(name: str, directory: str = ".", pid: int | None = None, token: str | None = None) -> str:
     """The temporary file name for a save of ``name`` (a base name) into ``directory``.
 
     ``.<name>.fastpersist-<pid>-<namespace>-<token>.tmp``; when that would not fit
@@ -326,9 +316,7 @@ def _parse_temporary(basename: str) -> tuple[int, str] | None:
         return None
 
 
-def remove_stale_temporaries(
-    path: str, min_age: float = STALE_AGE_SECONDS
-) -> list[str]:
+def remove_stale_temporaries(path: str, min_age: float = STALE_AGE_SECONDS) -> list[str]:
     """Removes temporaries that killed saves left in ``path``'s directory; returns the removed paths.
 
     Only temporaries of this host and PID namespace, of processes that are gone,
@@ -412,10 +400,12 @@ def _explain(error: OSError, plan, path: str, directory: str, settings: config.S
     if not replacing:
         return f"the checkpoint needs {new} ({free})"
     old = f"{os.path.getsize(path) / 1e6:,.1f} MB"
-    return (f"replacing {path!r} ({old}) atomically writes the new checkpoint ({new}) completely beside it and "
-            f"removes the old one only after the rename, so the filesystem needs room for both ({free}); the old "
-            "file is intact. Free space, save to another filesystem, or pass atomic=False to overwrite it in "
-            "place as torch.save does (the old checkpoint is then lost if that save fails)")
+    return (
+        f"replacing {path!r} ({old}) atomically writes the new checkpoint ({new}) completely beside it and "
+        f"removes the old one only after the rename, so the filesystem needs room for both ({free}); the old "
+        "file is intact. Free space, save to another filesystem, or pass atomic=False to overwrite it in "
+        "place as torch.save does (the old checkpoint is then lost if that save fails)"
+    )
 
 
 def _commit_plan(plan, path: str, directory: str, settings: config.Settings, streams, before_commit) -> None:
@@ -435,21 +425,15 @@ def _commit_plan(plan, path: str, directory: str, settings: config.Settings, str
             before_commit()
         return
     _maybe_remove_stale(directory)
-    temporary = os.path.join(
-        directory, temporary_name(os.path.basename(path), directory)
-    )
+    temporary = os.path.join(directory, temporary_name(os.path.basename(path), directory))
     with _lock:
         _live.add(temporary)
     try:
         # O_EXCL: never write into someone else's file. Mode 0666 lets the kernel apply the
         # umask (and the directory's default ACL), exactly as open() does for a new file.
-        descriptor = os.open(
-            temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666
-        )
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
-            file = engine.File(
-                temporary, "w", direct=settings.direct, truncate=False, create=False
-            )
+            file = engine.File(temporary, "w", direct=settings.direct, truncate=False, create=False)
             try:
                 if file.direct:
                     # Reserving the blocks first makes O_DIRECT writes cheaper here and fails a full
@@ -470,9 +454,7 @@ def _commit_plan(plan, path: str, directory: str, settings: config.Settings, str
     except BaseException as e:
         discard_temporary(temporary)  # never masks the error being raised
         if isinstance(e, OSError) and e.filename == temporary:
-            e.add_note(
-                f"while saving {path!r}: the previous file there is untouched and the temporary file is removed"
-            )
+            e.add_note(f"while saving {path!r}: the previous file there is untouched and the temporary file is removed")
         raise
     finally:
         with _lock:
@@ -496,18 +478,12 @@ def _warn_in_place(path: str, directory: str) -> None:
     )
 
 
-def _write_in_place(
-    plan, path: str, directory: str, settings: config.Settings, streams
-) -> None:
+def _write_in_place(plan, path: str, directory: str, settings: config.Settings, streams) -> None:
     """torch.save's way: open (create 0666 & ~umask, or truncate) and write the file itself."""
     created = not os.path.exists(path)
-    descriptor = os.open(
-        path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666
-    )
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     try:
-        file = engine.File(
-            path, "w", direct=settings.direct, truncate=False, create=False
-        )
+        file = engine.File(path, "w", direct=settings.direct, truncate=False, create=False)
         try:
             write_plan(plan, file, settings, streams=streams)
             if settings.fsync:
@@ -523,9 +499,7 @@ def _write_in_place(
 def _write_special(plan, path: str, settings: config.Settings) -> None:
     """Devices, FIFOs, ``/dev/stdout``: one sequential stream, as torch.save writes them."""
     with open(path, "wb", buffering=0) as stream:
-        write_plan_to_stream(
-            plan, stream, checksum=settings.checksum, chunk_size=settings.buffer_size
-        )
+        write_plan_to_stream(plan, stream, checksum=settings.checksum, chunk_size=settings.buffer_size)
         if settings.fsync:
             fsync_file_object(stream)  # block devices only
 
@@ -628,9 +602,7 @@ def _copy_metadata(existing: str, descriptor: int) -> None:
             os.fchown(descriptor, st.st_uid, st.st_gid)
         except OSError:
             try:
-                os.fchown(
-                    descriptor, -1, st.st_gid
-                )  # a member of the group may keep the group
+                os.fchown(descriptor, -1, st.st_gid)  # a member of the group may keep the group
             except OSError:
                 pass
     try:

@@ -25,7 +25,8 @@ import functools
 import logging
 import os
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from fastpersist import _native, config
 from fastpersist.errors import ConfigError, EngineUnavailableError
@@ -91,7 +92,7 @@ def engines_compiled() -> list[str]:
     return list(_native.engines_compiled())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(name: str) -> tuple[bool, str]:
     if name not in engines_compiled():
         return False, f"{name}: not compiled into this build of fastpersist"

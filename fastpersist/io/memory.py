@@ -23,7 +23,7 @@ import contextlib
 import os
 import threading
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -72,7 +72,7 @@ def _warn_unlocked(reason: str) -> None:
     )
 
 
-def _cuda_register(buffer: "engine.AlignedBuffer") -> bool:
+def _cuda_register(buffer: engine.AlignedBuffer) -> bool:
     """Registers ``buffer`` with CUDA (pinned for DMA) and arranges unregistering before unmap.
 
     Only once CUDA is initialized in this process (see the module docstring);
@@ -98,7 +98,7 @@ def _cuda_register(buffer: "engine.AlignedBuffer") -> bool:
     return True
 
 
-def _tensor_over(buffer: "engine.AlignedBuffer", nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+def _tensor_over(buffer: engine.AlignedBuffer, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
     element = torch.empty(0, dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
@@ -130,7 +130,7 @@ def new_cpu_locked_tensor(numel: int, dtype: torch.dtype = torch.uint8) -> torch
 
 def _new_locked(
     nbytes: int, dtype: torch.dtype = torch.uint8, huge_pages: bool = True
-) -> tuple[torch.Tensor, "engine.AlignedBuffer", bool]:
+) -> tuple[torch.Tensor, engine.AlignedBuffer, bool]:
     """:func:`new_cpu_locked_tensor` of ``nbytes``: the tensor, its buffer, and whether CUDA registered it.
 
     With ``huge_pages`` (from 2 MiB up, best effort) the memory is physically

@@ -25,10 +25,18 @@ import threading
 import traceback
 import warnings
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["SaveFuture", "submit", "run_in_order", "wait_all", "pending_saves", "wait_for_slot",
-           "report_unchecked_as_warnings"]
+__all__ = [
+    "SaveFuture",
+    "submit",
+    "run_in_order",
+    "wait_all",
+    "pending_saves",
+    "wait_for_slot",
+    "report_unchecked_as_warnings",
+]
 
 _PENDING, _RUNNING, _FINISHED = "pending", "running", "finished"
 
@@ -49,7 +57,7 @@ class SaveFuture:
         self._finished = threading.Event()
         self._checked = False
         self._warned = False
-        self._callbacks: list[Callable[["SaveFuture"], Any]] = []
+        self._callbacks: list[Callable[[SaveFuture], Any]] = []
         self._work: Callable[[], None] | None = None
 
     def result(self, timeout: float | None = None) -> None:
@@ -87,7 +95,7 @@ class SaveFuture:
                 if self in _unchecked:
                     _unchecked.remove(self)
 
-    def add_done_callback(self, callback: Callable[["SaveFuture"], Any]) -> None:
+    def add_done_callback(self, callback: Callable[[SaveFuture], Any]) -> None:
         """Calls ``callback(future)`` once the save finished (at once if it already has), on the worker thread."""
         with _lock:
             if not self._finished.is_set():

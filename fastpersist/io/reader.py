@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -139,16 +139,20 @@ class FileStorageProvider:
         if slab.address == 0 or slab.request is not None:
             self._slab_ready(slab)
         storage = torch.UntypedStorage(record.size)
-        crc = engine.copy_with_crc32(storage.data_ptr(), slab.address + (record.data_offset - slab.file_start),
-                                     record.size)  # fmt: skip
+        crc = engine.copy_with_crc32(
+            storage.data_ptr(), slab.address + (record.data_offset - slab.file_start), record.size
+        )
         slab.copied += 1
         if slab.copied == slab.records:  # every record is out
             slab.buffer, slab.address = None, 0
         if crc != record.crc and self._verify:
             self._check(record, crc)  # raises, unless the archive stores no CRC
         if device.type == "cuda":
-            return torch.empty(record.size, dtype=torch.uint8, device=device).copy_(
-                storage_byte_view(storage)).untyped_storage()  # fmt: skip
+            return (
+                torch.empty(record.size, dtype=torch.uint8, device=device)
+                .copy_(storage_byte_view(storage))
+                .untyped_storage()
+            )
         return storage
 
     def _slab_ready(self, slab: _Slab) -> None:
@@ -170,8 +174,9 @@ class FileStorageProvider:
         slab.buffer = engine.AlignedBuffer(slab.file_end - slab.file_start, lock=False, huge_pages=False)
         slab.address = slab.buffer.ptr
         # Detached: the flushes' wait() neither waits for a read ahead nor raises its error.
-        slab.request = self._io().submit_read(slab.buffer.ptr, slab.file_end - slab.file_start, self._file,
-                                              slab.file_start, slab.buffer, detached=True)  # fmt: skip
+        slab.request = self._io().submit_read(
+            slab.buffer.ptr, slab.file_end - slab.file_start, self._file, slab.file_start, slab.buffer, detached=True
+        )
 
     # -- CPU ------------------------------------------------------------------
 
@@ -215,8 +220,7 @@ class FileStorageProvider:
             address = storage.data_ptr()
             for offset in range(0, record.size, piece_size):
                 length = min(piece_size, record.size - offset)
-                request = handle.submit_read(address + offset, length, self._file, record.data_offset + offset,
-                                             storage)  # fmt: skip
+                request = handle.submit_read(address + offset, length, self._file, record.data_offset + offset, storage)
                 reads.append((request, [(record, address + offset, offset, length)]))
         pending: dict[str, list] = {}
         queued: list = []
@@ -267,17 +271,24 @@ class FileStorageProvider:
                     if self._verify:
                         address = buffers[slot].data_ptr()
                         checked[slot] = _queue_crcs(
-                            [(record, address + buffer_offset, record_offset, length)
-                             for record, _, record_offset, buffer_offset, length in window.pieces], pending,
-                        )  # fmt: skip
+                            [
+                                (record, address + buffer_offset, record_offset, length)
+                                for record, _, record_offset, buffer_offset, length in window.pieces
+                            ],
+                            pending,
+                        )
                     copies: dict = {}  # stream -> pieces: one stream context per window, not per piece
-                    for record, destination, record_offset, buffer_offset, length in window.pieces:
+                    for _record, destination, record_offset, buffer_offset, length in window.pieces:
                         stream = streams.get(destination.device)
                         if stream is None:
                             stream = streams[destination.device] = torch.cuda.Stream(destination.device)
                             stream.wait_stream(torch.cuda.current_stream(destination.device))
-                        copies.setdefault(stream, []).append((destination[record_offset : record_offset + length],
-                                                              buffers[slot][buffer_offset : buffer_offset + length]))  # fmt: skip
+                        copies.setdefault(stream, []).append(
+                            (
+                                destination[record_offset : record_offset + length],
+                                buffers[slot][buffer_offset : buffer_offset + length],
+                            )
+                        )
                     for stream, pairs in copies.items():
                         with torch.cuda.stream(stream):
                             for target, source in pairs:
@@ -307,7 +318,7 @@ class FileStorageProvider:
             for record, _ in items:
                 self._check(record, _combine(pending.get(record.name, [])))
 
-    def _submit_window(self, handle, buffer: torch.Tensor, window: "_Window") -> None:
+    def _submit_window(self, handle, buffer: torch.Tensor, window: _Window) -> None:
         handle.submit_read(buffer.data_ptr(), window.end - window.start, self._file, window.start, buffer)
 
     def _check(self, record: ZipRecordInfo, crc: int) -> None:
@@ -352,7 +363,7 @@ def _queue_crcs(pieces, pending: dict[str, list]) -> list:
     return queued
 
 
-def _queue_batch(batch: list[tuple[list, int, int, int]]) -> "checksum.PendingCrc":
+def _queue_batch(batch: list[tuple[list, int, int, int]]) -> checksum.PendingCrc:
     future = checksum.submit_crc32_many([(address, length) for _, _, address, length in batch])
     for position, (parts, index, _, length) in enumerate(batch):
         parts[index] = ((future, position), length)

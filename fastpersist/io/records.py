@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from fastpersist.errors import CorruptCheckpointError
 from fastpersist.format.zipformat import ZipRecordInfo, check_record_crc, check_structure
@@ -74,8 +74,9 @@ def _crc_by_reading(read_at: ReadAt, path: str | None, chunk_size: int) -> Calla
         for position in range(0, record.size, chunk_size):
             piece = read_at(record.data_offset + position, min(chunk_size, record.size - position))
             if not piece:
-                raise CorruptCheckpointError(f"{path or '<file object>'}: record {record.name!r} is cut short",
-                                             path=path, record=record.name)  # fmt: skip
+                raise CorruptCheckpointError(
+                    f"{path or '<file object>'}: record {record.name!r} is cut short", path=path, record=record.name
+                )
             crc = engine.crc32_of(piece, crc)
         return crc
 

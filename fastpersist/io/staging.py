@@ -209,8 +209,13 @@ _GATHER_BELOW = 64 << 10
 """GPU storages smaller than this are gathered into one device buffer and copied to the host at once."""
 
 
-def _copy_from_device(device: torch.device, large: list[StorageRecord], small: list[StorageRecord],
-                      copies: dict[int, torch.Tensor], region: torch.Tensor | None) -> "torch.cuda.Event":  # fmt: skip
+def _copy_from_device(
+    device: torch.device,
+    large: list[StorageRecord],
+    small: list[StorageRecord],
+    copies: dict[int, torch.Tensor],
+    region: torch.Tensor | None,
+) -> torch.cuda.Event:
     """Queues the device-to-host copies of one GPU's storages on a side stream; returns its event.
 
     The side stream starts after the work queued so far on the caller's current stream, and the

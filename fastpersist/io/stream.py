@@ -63,4 +63,3 @@ def _write_all(stream: BinaryIO, data) -> None:
         if count is None:  # raw non-blocking streams; buffered ones write everything
             count = len(view)
         view = view[count:]
-

@@ -13,7 +13,8 @@ from __future__ import annotations
 import concurrent.futures
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["executor", "InlineExecutor", "threads_allowed"]
 
@@ -32,9 +33,7 @@ def threads_allowed() -> bool:
 class InlineExecutor(concurrent.futures.Executor):
     """Runs every task at once on the submitting thread; its future is already done."""
 
-    def submit(
-        self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
-    ) -> concurrent.futures.Future:
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
             result = fn(*args, **kwargs)
@@ -60,9 +59,7 @@ class _FallbackPool(concurrent.futures.ThreadPoolExecutor):
             return InlineExecutor().submit(fn, *args, **kwargs)
 
 
-def executor(
-    max_workers: int, thread_name_prefix: str = "fastpersist"
-) -> concurrent.futures.Executor:
+def executor(max_workers: int, thread_name_prefix: str = "fastpersist") -> concurrent.futures.Executor:
     """A pool of ``max_workers`` threads, or an inline executor during interpreter shutdown."""
     if not threads_allowed():
         return InlineExecutor()

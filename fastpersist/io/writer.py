@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -71,8 +71,9 @@ def initial_crcs(plan: SavePlan, checksum: bool) -> list[int]:
     return [engine.crc32_of(record.data) if isinstance(record, BytesRecord) else 0 for record in plan.records]
 
 
-def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None, byte_range=None,
-               destination_offset: int | None = None) -> list[int]:  # fmt: skip
+def write_plan(
+    plan: SavePlan, file, settings: Settings, *, streams=None, byte_range=None, destination_offset: int | None = None
+) -> list[int]:
     """Writes every byte of ``plan`` into ``file`` (a native File opened for writing).
 
     Args:
@@ -125,7 +126,15 @@ def write_plan(plan: SavePlan, file, settings: Settings, *, streams=None, byte_r
                 slot.window = (start, min(start + window_size, size))
                 _fill(plan, slot, fill_cursor, streams, crcs, settings.checksum)
                 slot.finalized = finalizer.submit(
-                    _finalize_and_submit, plan, slot, finalize_cursor, crcs, trailer, settings, file, shift,
+                    _finalize_and_submit,
+                    plan,
+                    slot,
+                    finalize_cursor,
+                    crcs,
+                    trailer,
+                    settings,
+                    file,
+                    shift,
                     first if partial else None,
                 )
             for slot in slots:
@@ -179,7 +188,7 @@ class _Cursor:
                     yield segment, (offset if offset > start else start), end
 
 
-def side_streams(plan: SavePlan) -> dict[torch.device, "torch.cuda.Stream"]:
+def side_streams(plan: SavePlan) -> dict[torch.device, torch.cuda.Stream]:
     """One copy stream per CUDA device of the plan, ordered after the calling thread's current streams."""
     streams = {}
     for device in plan.devices():
@@ -235,11 +244,25 @@ def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams, crcs: list[int]
         slot.events.append(event)
 
 
-_BYTES, _STORAGE, _DESCRIPTOR, _TRAILER = SegmentKind.BYTES, SegmentKind.STORAGE, SegmentKind.DESCRIPTOR, SegmentKind.TRAILER
+_BYTES, _STORAGE, _DESCRIPTOR, _TRAILER = (
+    SegmentKind.BYTES,
+    SegmentKind.STORAGE,
+    SegmentKind.DESCRIPTOR,
+    SegmentKind.TRAILER,
+)
 
 
-def _finalize_and_submit(plan, slot: _Slot, cursor: _Cursor, crcs, trailer: list[bytes], settings, file,
-                         shift: int = 0, range_start: int | None = None) -> None:  # fmt: skip
+def _finalize_and_submit(
+    plan,
+    slot: _Slot,
+    cursor: _Cursor,
+    crcs,
+    trailer: list[bytes],
+    settings,
+    file,
+    shift: int = 0,
+    range_start: int | None = None,
+) -> None:
     start, end = slot.window
     slot.wait_copies()
     pieces = list(cursor.overlapping(start, end))
@@ -253,13 +276,15 @@ def _finalize_and_submit(plan, slot: _Slot, cursor: _Cursor, crcs, trailer: list
     slot.handle.submit_write(slot.buffer.data_ptr(), end - start, file, start + shift, slot.buffer)
 
 
-def _finalize_pieces(plan, slot: _Slot, pieces, queued: dict, crcs, trailer: list[bytes], settings,
-                     range_start: int | None) -> None:  # fmt: skip
+def _finalize_pieces(
+    plan, slot: _Slot, pieces, queued: dict, crcs, trailer: list[bytes], settings, range_start: int | None
+) -> None:
     start = slot.window[0]
     for (kind, offset, _, index, _), lo, hi in pieces:
-        if range_start is not None and (kind == _TRAILER or (
-                kind == _DESCRIPTOR and plan.records[index].entry.data_offset < range_start)):
-            slot.view[lo - start : hi - start] = bytes(hi - lo)  # the committing rank writes these  # fmt: skip
+        if range_start is not None and (
+            kind == _TRAILER or (kind == _DESCRIPTOR and plan.records[index].entry.data_offset < range_start)
+        ):
+            slot.view[lo - start : hi - start] = bytes(hi - lo)  # the committing rank writes these
         elif kind == _STORAGE:
             pending = queued.get(index)
             if pending is not None:

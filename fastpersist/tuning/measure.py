@@ -167,7 +167,7 @@ def _version_of(module: str) -> str | None:
         from importlib import metadata
 
         return metadata.version(module)
-    except Exception:
+    except Exception:  # noqa: BLE001 - not installed as a distribution: ask the module
         mod = sys.modules.get(module)
         return getattr(mod, "__version__", None) if mod else None
 

@@ -28,7 +28,8 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -134,7 +135,7 @@ class FastpersistBackend(Backend):
 
             fastpersist.save, fastpersist.load  # noqa: B018
             self._api = fastpersist
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any reason it cannot run is reported, not raised
             self._reason = f"fastpersist.save is not importable ({type(e).__name__}: {e})"
 
     def unavailable(self) -> str | None:
@@ -255,7 +256,7 @@ def _measure_point(
         point.load_seconds.append(load_seconds)
     except KeyboardInterrupt:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a failing point is recorded and never chosen
         point.error = f"{type(e).__name__}: {e}"
     finally:
         measure.remove_path(path)
@@ -317,7 +318,7 @@ def sweep(
             point = Point(knob.name, value, values)
             try:
                 backend.validate(values)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - an invalid combination is recorded and skipped
                 point.error = f"not a valid combination: {e}"
             points.append(point)
         if not any(p.value == current[knob.name] for p in points):
@@ -434,7 +435,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default="cpu", help="where the tensors live: cpu (default), or cuda to tune GPU checkpoints"
     )
-    parser.add_argument("--dtype", choices=sorted(workloads.DTYPES), default="bf16", help="tensor dtype (default: bf16)")
+    parser.add_argument(
+        "--dtype", choices=sorted(workloads.DTYPES), default="bf16", help="tensor dtype (default: bf16)"
+    )
     parser.add_argument(
         "--model",
         default=workloads.DEFAULT_MODEL,

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -333,10 +334,17 @@ def layers_for_size(spec: ModelSpec, target_bytes: int, dtype: torch.dtype, trai
         best = layers
     if best is None:
         smallest = state_bytes(spec, dtype, 0, training_state)
-        fitting = sorted((state_bytes(other, dtype, 0, training_state), name) for name, other in CATALOGUE.items()
-                         if name != spec.name and state_bytes(other, dtype, 0, training_state) <= target_bytes)  # fmt: skip
-        advice = (f"pick a smaller --model ({', '.join(f'{name}: from {format_bytes(size)}' for size, name in fitting)})"
-                  " or a larger --size" if fitting else "give a larger --size")  # fmt: skip
+        fitting = sorted(
+            (state_bytes(other, dtype, 0, training_state), name)
+            for name, other in CATALOGUE.items()
+            if name != spec.name and state_bytes(other, dtype, 0, training_state) <= target_bytes
+        )
+        advice = (
+            f"pick a smaller --model ({', '.join(f'{name}: from {format_bytes(size)}' for size, name in fitting)})"
+            " or a larger --size"
+            if fitting
+            else "give a larger --size"
+        )
         raise ValueError(
             f"{spec.name} needs at least {format_bytes(smallest)} (its embeddings alone) in this dtype; "
             f"asked for {format_bytes(target_bytes)}: {advice} (--list-models shows them all)"

@@ -70,8 +70,9 @@ def _saver(command: dict) -> None:
 
 
 def main() -> None:
-    import fastpersist  # noqa: F401 - imported once here, shared by every fork
     import torch  # noqa: F401
+
+    import fastpersist  # noqa: F401 - imported once here, shared by every fork
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     print("ready", flush=True)

@@ -40,12 +40,8 @@ def full_state() -> dict:
     generator = torch.Generator().manual_seed(1234)
     return {
         "layer.weight": torch.randn(64, 24, generator=generator),
-        "layer.uneven": torch.randn(30, 7, generator=generator).to(
-            torch.bfloat16
-        ),  # 30 rows over 4 ranks
-        "layer.big": torch.randn(
-            256, 1024, generator=generator
-        ),  # 1 MiB: the zero-copy direct path
+        "layer.uneven": torch.randn(30, 7, generator=generator).to(torch.bfloat16),  # 30 rows over 4 ranks
+        "layer.big": torch.randn(256, 1024, generator=generator),  # 1 MiB: the zero-copy direct path
         "replicated": torch.randn(10, 10, generator=generator),
         "replicated_dtensor": torch.arange(12, dtype=torch.int32),
     }
@@ -74,9 +70,7 @@ def check(state: dict, full: dict) -> None:
         if not torch.equal(value.cpu(), tensor):
             raise AssertionError(f"{name} differs after load")
     if state["step"] != 42 or state["extra"]["lr"] != 0.5:
-        raise AssertionError(
-            f"non-tensor values differ: {state['step']}, {state['extra']}"
-        )
+        raise AssertionError(f"non-tensor values differ: {state['step']}, {state['extra']}")
 
 
 def load_and_check(mesh, path: str, reader) -> None:
@@ -154,9 +148,7 @@ def fsdp2(report: dict, mesh, device: str, rank: int, path) -> None:
 def main() -> int:
     phase, root = sys.argv[1], sys.argv[2]
     device = os.environ.get("DCP_TEST_DEVICE", "cpu")
-    if (
-        device == "cuda"
-    ):  # NCCL for the tensors, gloo for DCP's object collectives and async_save
+    if device == "cuda":  # NCCL for the tensors, gloo for DCP's object collectives and async_save
         torch.cuda.set_device(int(os.environ["RANK"]) % torch.cuda.device_count())
         dist.init_process_group("cpu:gloo,cuda:nccl")
     else:
@@ -165,11 +157,16 @@ def main() -> int:
     mesh = init_device_mesh(device, (world,))
     full = full_state()
     report: dict = {}
-    path = lambda name: os.path.join(root, name)
+
+    def path(name):
+        return os.path.join(root, name)
 
     if phase == "save2":
-        scenario(report, "save_fastpersist",
-                 lambda: dcp.save(sharded(mesh, full), storage_writer=FastPersistWriter(path("fp2"))))  # fmt: skip
+        scenario(
+            report,
+            "save_fastpersist",
+            lambda: dcp.save(sharded(mesh, full), storage_writer=FastPersistWriter(path("fp2"))),
+        )
         scenario(
             report,
             "load_fastpersist",
@@ -181,10 +178,16 @@ def main() -> int:
             lambda: load_and_check(mesh, path("fp2"), FileSystemReader),
         )
     elif phase == "world4":
-        scenario(report, "save_fastpersist",
-                 lambda: dcp.save(sharded(mesh, full), storage_writer=FastPersistWriter(path("fp4"))))  # fmt: skip
-        scenario(report, "save_filesystem_writer",
-                 lambda: dcp.save(sharded(mesh, full), storage_writer=FileSystemWriter(path("fs4"))))  # fmt: skip
+        scenario(
+            report,
+            "save_fastpersist",
+            lambda: dcp.save(sharded(mesh, full), storage_writer=FastPersistWriter(path("fp4"))),
+        )
+        scenario(
+            report,
+            "save_filesystem_writer",
+            lambda: dcp.save(sharded(mesh, full), storage_writer=FileSystemWriter(path("fs4"))),
+        )
         scenario(
             report,
             "load_fastpersist",
@@ -195,8 +198,9 @@ def main() -> int:
             "filesystem_reader_reads_ours",
             lambda: load_and_check(mesh, path("fp4"), FileSystemReader),
         )
-        scenario(report, "fastpersist_reads_filesystem_writer",
-                 lambda: load_and_check(mesh, path("fs4"), FastPersistReader))  # fmt: skip
+        scenario(
+            report, "fastpersist_reads_filesystem_writer", lambda: load_and_check(mesh, path("fs4"), FastPersistReader)
+        )
         scenario(
             report,
             "reshard_2_to_4",
@@ -204,9 +208,7 @@ def main() -> int:
         )
 
         def async_save() -> None:
-            response = dcp.async_save(
-                sharded(mesh, full), storage_writer=FastPersistWriter(path("async4"))
-            )
+            response = dcp.async_save(sharded(mesh, full), storage_writer=FastPersistWriter(path("async4")))
             getattr(response, "upload_completion", response).result()
             load_and_check(mesh, path("async4"), FastPersistReader)
 
@@ -232,8 +234,11 @@ def main() -> int:
         scenario(report, "failing_save_ran", failing_save)
         report["failing_rank"] = failure
     elif phase == "nccl":
-        scenario(report, "save_fastpersist",
-                 lambda: dcp.save(sharded(mesh, full), storage_writer=FastPersistWriter(path("nccl"))))  # fmt: skip
+        scenario(
+            report,
+            "save_fastpersist",
+            lambda: dcp.save(sharded(mesh, full), storage_writer=FastPersistWriter(path("nccl"))),
+        )
         scenario(
             report,
             "load_fastpersist",
@@ -262,8 +267,9 @@ def main() -> int:
             "reshard_4_to_2",
             lambda: load_and_check(mesh, path("fp4"), FastPersistReader),
         )
-        scenario(report, "reshard_4_to_2_filesystem_writer",
-                 lambda: load_and_check(mesh, path("fs4"), FastPersistReader))  # fmt: skip
+        scenario(
+            report, "reshard_4_to_2_filesystem_writer", lambda: load_and_check(mesh, path("fs4"), FastPersistReader)
+        )
     else:
         raise SystemExit(f"unknown phase {phase!r}")
 

@@ -79,12 +79,20 @@ def _do(rank: int, world: int, directory: str, step: dict):
         return {"skipped": True}  # a call made on one rank only (inside `if rank == ...:`)
     if step.get("device") == "cuda":  # every rank's tensors on its GPU (ranks share GPUs when there are fewer)
         torch.cuda.set_device(rank % torch.cuda.device_count())
-        state = {k: v.cuda() if isinstance(v, torch.Tensor) else [t.cuda() for t in v] if isinstance(v, list) else v
-                 for k, v in state.items()}  # fmt: skip
+        state = {
+            k: v.cuda() if isinstance(v, torch.Tensor) else [t.cuda() for t in v] if isinstance(v, list) else v
+            for k, v in state.items()
+        }
         if "base" in state:
             state["view"] = state["base"][10:20]  # still a view of "base" (one storage), as on the CPU
-    options = dict(group=dist.group.WORLD, layout=step.get("layout", "file"), writers=step.get("writers", "all"),
-                   timeout=step.get("timeout", 20), buffer_size=256 << 10, block_size=64 << 10)  # fmt: skip
+    options = dict(
+        group=dist.group.WORLD,
+        layout=step.get("layout", "file"),
+        writers=step.get("writers", "all"),
+        timeout=step.get("timeout", 20),
+        buffer_size=256 << 10,
+        block_size=64 << 10,
+    )
     if "divergence" in step:
         options["divergence"] = step["divergence"]
     if kind == "save":
@@ -92,11 +100,13 @@ def _do(rank: int, world: int, directory: str, step: dict):
         if bad == rank and step.get("fault") == "exception":
             state["bad"] = lambda: None  # not picklable: UnsupportedObjectError on this rank only
         if bad == rank and step.get("fault") == "kill":
+
             def die(*args, **kwargs):
                 os._exit(17)
 
             dsave.write_plan = die
         if bad == rank and step.get("fault") == "interrupt":
+
             def interrupt(*args, **kwargs):
                 raise KeyboardInterrupt
 
@@ -112,18 +122,29 @@ def _do(rank: int, world: int, directory: str, step: dict):
         if stats is None:
             return {"plain": True}
         dsave._last.clear()
-        return {"bytes": stats.bytes_written, "size": stats.file_size, "writers": stats.writers,
-                "shared": stats.shared_bytes, "divergent": list(stats.divergent), "repaired": stats.repaired_bytes,
-                "warnings": [f"{w.category.__name__}: {w.message}" for w in caught
-                             if issubclass(w.category, fastpersist.errors.ReplicaDivergenceWarning)]}  # fmt: skip
+        return {
+            "bytes": stats.bytes_written,
+            "size": stats.file_size,
+            "writers": stats.writers,
+            "shared": stats.shared_bytes,
+            "divergent": list(stats.divergent),
+            "repaired": stats.repaired_bytes,
+            "warnings": [
+                f"{w.category.__name__}: {w.message}"
+                for w in caught
+                if issubclass(w.category, fastpersist.errors.ReplicaDivergenceWarning)
+            ],
+        }
     if kind == "load":
         where = step.get("map_location", "cpu")
         if where == "own":  # this rank's GPU, whatever device the file names (as torch.load(map_location=...))
             where = f"cuda:{rank % torch.cuda.device_count()}"
         loaded = fastpersist.load(path, group=dist.group.WORLD, timeout=step.get("timeout", 20), map_location=where)
         devices = sorted({str(t.device) for t in _tensors(loaded)})
-        return {"same": same(_to_cpu(loaded), make_state(step.get("seed", 0), 0, step.get("variant"))),
-                "devices": devices}
+        return {
+            "same": same(_to_cpu(loaded), make_state(step.get("seed", 0), 0, step.get("variant"))),
+            "devices": devices,
+        }
     raise ValueError(kind)
 
 
@@ -149,12 +170,14 @@ def _to_cpu(item):
 
 def tag_as_cuda(rank: int) -> None:
     """Pickle this rank's CPU storages with the location tag ``cuda:<rank>``, as one GPU per rank does."""
-    torch.serialization.register_package(1, lambda s: f"cuda:{rank}" if s.device.type == "cpu" else None,
-                                         lambda s, location: None)  # fmt: skip
+    torch.serialization.register_package(
+        1, lambda s: f"cuda:{rank}" if s.device.type == "cpu" else None, lambda s, location: None
+    )
 
 
-def run(rank: int, world: int, port: int, directory: str, steps: list, backend: str = "gloo",
-        tag_cuda: bool = False) -> None:  # fmt: skip
+def run(
+    rank: int, world: int, port: int, directory: str, steps: list, backend: str = "gloo", tag_cuda: bool = False
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     results = []
     try:
@@ -167,9 +190,14 @@ def run(rank: int, world: int, port: int, directory: str, steps: list, backend: 
             try:
                 results.append({"ok": _do(rank, world, directory, step)})
             except BaseException as e:  # noqa: BLE001 - reported to the test (KeyboardInterrupt too)
-                results.append({"error": type(e).__name__, "message": str(e),
-                                "failures": {str(k): v for k, v in getattr(e, "failures", {}).items()},
-                                "traceback": traceback.format_exc()})  # fmt: skip
+                results.append(
+                    {
+                        "error": type(e).__name__,
+                        "message": str(e),
+                        "failures": {str(k): v for k, v in getattr(e, "failures", {}).items()},
+                        "traceback": traceback.format_exc(),
+                    }
+                )
                 if step.get("stop_on_error"):
                     break
     finally:

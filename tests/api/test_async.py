@@ -16,8 +16,7 @@ import torch
 
 import fastpersist
 from fastpersist.api import futures
-from fastpersist.io import queue
-from fastpersist.io import staging
+from fastpersist.io import queue, staging
 
 SMALL = {"buffer_size": "64K", "block_size": "64K"}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -102,7 +101,7 @@ def test_pipelined_mutation_through_a_view_is_detected(tmp_path):
 def test_pipelined_mutation_while_reading(tmp_path):
     """A mutation that races with the reads (no gate): either detected or not torn, never a mixed file."""
     path = tmp_path / "ckpt.pt"
-    for attempt in range(3):
+    for _attempt in range(3):
         obj = {"w": torch.zeros(4_000_000)}
         future = fastpersist.async_save(obj, path, **SMALL)
         obj["w"].add_(1)
@@ -184,7 +183,7 @@ def test_saves_in_flight_are_bounded(tmp_path):
         assert len(futures.pending_saves()) == bound + 1  # the gate and ours
         finished = threading.Event()
 
-        def one_more():
+        def one_more(started=started, finished=finished, bound=bound):
             started.append(fastpersist.async_save(state(9), tmp_path / "more.pt", async_max_pending=bound + 1))
             finished.set()
 
@@ -325,7 +324,7 @@ def test_cuda_checkpointer_training_loop(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)).cuda()
     optimizer = torch.optim.AdamW(model.parameters())
     checkpointer = fastpersist.Checkpointer(optimizer, model=model)
-    for step in range(5):
+    for _step in range(5):
         model(torch.randn(64, 512, device="cuda")).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()

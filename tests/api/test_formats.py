@@ -26,9 +26,13 @@ def _checkpoint() -> dict:
         "flags": (True, False, None),
         "inf": float("inf"),
         "nan": float("nan"),
-        "state_dict": collections.OrderedDict([("enc.weight", weight), ("dec.weight", weight), ("bias", torch.zeros(4))]),
-        "optimizer": {"state": {0: {"exp_avg": torch.ones(4), "step": torch.tensor(7.0)}},
-                      "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 1]}]},  # fmt: skip
+        "state_dict": collections.OrderedDict(
+            [("enc.weight", weight), ("dec.weight", weight), ("bias", torch.zeros(4))]
+        ),
+        "optimizer": {
+            "state": {0: {"exp_avg": torch.ones(4), "step": torch.tensor(7.0)}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 1]}],
+        },
         "empty": [],
         "a.b": torch.arange(3),
         "a": {"b": torch.arange(4)},  # the same dotted name as the key above
@@ -143,8 +147,13 @@ def test_a_lightning_checkpoint_io_inherits_the_format(tmp_path):
             data = torch.utils.data.TensorDataset(torch.randn(8, 4))
             return torch.utils.data.DataLoader(data, batch_size=4)
 
-    options = dict(default_root_dir=tmp_path, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   plugins=[SafetensorsIO()])  # fmt: skip
+    options = dict(
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[SafetensorsIO()],
+    )
     trainer = lightning.Trainer(max_epochs=1, **options)
     trainer.fit(Model())
     path = trainer.checkpoint_callback.best_model_path

@@ -16,17 +16,31 @@ from fastpersist.format.zipformat import PAYLOAD_ALIGNMENT
 from fastpersist.tensors import storage_byte_view
 
 ALL_DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint16, torch.uint32, torch.uint64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    torch.complex64, torch.complex128,
-    torch.float8_e4m3fn, torch.float8_e5m2,
-]  # fmt: skip
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 
 
 def random_tensor(shape, dtype, generator=None):
     generator = generator or torch.Generator().manual_seed(0)
-    raw = torch.randint(0, 256, (int(torch.Size(shape).numel()) * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+    raw = torch.randint(
+        0, 256, (int(torch.Size(shape).numel()) * dtype.itemsize,), dtype=torch.uint8, generator=generator
+    )
     if dtype == torch.bool:
         return (raw[: torch.Size(shape).numel()] & 1).bool().reshape(shape)
     return raw.view(dtype).reshape(shape)
@@ -92,7 +106,11 @@ def check_round_trip(obj, directory, **load_kwargs):
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_every_dtype(dtype, any_dir):
-    obj = {"t": random_tensor((3, 5), dtype), "scalar": random_tensor((), dtype), "empty": torch.empty(0, 4, dtype=dtype)}
+    obj = {
+        "t": random_tensor((3, 5), dtype),
+        "scalar": random_tensor((), dtype),
+        "empty": torch.empty(0, 4, dtype=dtype),
+    }
     check_round_trip(obj, any_dir)
 
 
@@ -126,7 +144,11 @@ def test_views_non_contiguous_and_shared_storages(tmp_path):
 
 def test_parameters_requires_grad_and_modules(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
-    obj = {"params": list(model.parameters()), "frozen": torch.randn(3, requires_grad=True), "state": model.state_dict()}
+    obj = {
+        "params": list(model.parameters()),
+        "frozen": torch.randn(3, requires_grad=True),
+        "state": model.state_dict(),
+    }
     loaded = check_round_trip(obj, tmp_path)
     assert isinstance(loaded["params"][0], torch.nn.Parameter)
     assert loaded["frozen"].requires_grad
@@ -147,8 +169,10 @@ def test_model_and_optimizer_state(tmp_path):
 
 def test_thousands_of_small_tensors(tmp_path):
     generator = torch.Generator().manual_seed(1)
-    obj = {f"layer{i}.bias": torch.randn(int(torch.randint(1, 300, (1,), generator=generator)), generator=generator)
-           for i in range(3000)}  # fmt: skip
+    obj = {
+        f"layer{i}.bias": torch.randn(int(torch.randint(1, 300, (1,), generator=generator)), generator=generator)
+        for i in range(3000)
+    }
     check_round_trip(obj, tmp_path)
 
 
@@ -297,7 +321,9 @@ def test_tensor_over_4_gib_uses_zip64(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.float8_e4m3fn], ids=str
+)
 def test_cuda_round_trip(dtype, any_dir):
     obj = {
         "w": random_tensor((1000, 257), dtype).cuda(),

@@ -6,11 +6,11 @@ import os
 
 import pytest
 
-from fastpersist.tuning import workloads
 from fastpersist.bench import report
 from fastpersist.bench.methods import ceilings, torch_baselines
 from fastpersist.bench.runner import run_benchmark
 from fastpersist.system import CacheDropper
+from fastpersist.tuning import workloads
 
 
 def test_pattern_blocks_are_unique():
@@ -80,16 +80,30 @@ def test_faster_than_the_ceiling_is_flagged_not_reported_as_a_win():
         "baselines": {"save": "torch.save", "load": "torch.load"},
         "ceiling": {
             "fio": {"path": None},
-            "write": {"gbps": 2.0, "best": {"tool": "engine", "block_size": 16 << 20, "queue_depth": 32},
-                      "samples": [{"gbps": 2.0}]},  # fmt: skip
+            "write": {
+                "gbps": 2.0,
+                "best": {"tool": "engine", "block_size": 16 << 20, "queue_depth": 32},
+                "samples": [{"gbps": 2.0}],
+            },
             "read": {"gbps": None, "best": None, "samples": []},
         },
         "results": [
-            {"op": "save", "method": m, "label": m, "status": "ok", "timed": True,
-             "summary": {"gbps": {"median": g, "min": g, "max": g, "n": 1}, "seconds": {"median": 1.0},
-                         "blocked_seconds": None, "rss_delta_bytes": {"median": 0}, "peak_rss_bytes": {"median": 0}}}
+            {
+                "op": "save",
+                "method": m,
+                "label": m,
+                "status": "ok",
+                "timed": True,
+                "summary": {
+                    "gbps": {"median": g, "min": g, "max": g, "n": 1},
+                    "seconds": {"median": 1.0},
+                    "blocked_seconds": None,
+                    "rss_delta_bytes": {"median": 0},
+                    "peak_rss_bytes": {"median": 0},
+                },
+            }
             for m, g in (("torch.save", 1.0), ("fastpersist", 2.5))
-        ],  # fmt: skip
+        ],
     }
     report.annotate_ceiling(document)
     by_name = {r["method"]: r for r in document["results"]}
@@ -112,8 +126,17 @@ def test_method_order_is_random_per_round_and_seeded(tmp_path):
 
     def schedule_for(seed):
         schedule = []
-        run_benchmark(state, saves, [], str(tmp_path), repeats=4, warmup=0, order_seed=seed, schedule=schedule,
-                      dropper=CacheDropper(enabled=False))  # fmt: skip
+        run_benchmark(
+            state,
+            saves,
+            [],
+            str(tmp_path),
+            repeats=4,
+            warmup=0,
+            order_seed=seed,
+            schedule=schedule,
+            dropper=CacheDropper(enabled=False),
+        )
         return [tuple(r["save"]) for r in schedule]
 
     first = schedule_for(11)

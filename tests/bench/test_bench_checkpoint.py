@@ -15,8 +15,8 @@ import torch
 
 from fastpersist import config, system
 from fastpersist.bench import checkpoint, measure, report
-from fastpersist.tuning import workloads
 from fastpersist.bench.methods import torch_baselines
+from fastpersist.tuning import workloads
 
 _WARM = system.CacheDropper(enabled=False)  # tests that need no cold reads skip the (slow) cache drop
 BASELINE_METHODS = "torch.save,torch.save-fast,safetensors,dcp,torch.load,torch.load-mmap,safetensors.load,dcp.load"
@@ -89,7 +89,9 @@ def test_layers_and_size_select_a_prefix_of_the_blocks():
     assert [n for n, _ in two if ".layers." in n][-1].startswith("model.layers.1.")
     layers = workloads.layers_for_size(spec, config.parse_size("2.5G"), torch.bfloat16)
     assert (
-        workloads.state_bytes(spec, torch.bfloat16, layers) <= 2.5 * 2**30 < workloads.state_bytes(spec, torch.bfloat16, layers + 1)
+        workloads.state_bytes(spec, torch.bfloat16, layers)
+        <= 2.5 * 2**30
+        < workloads.state_bytes(spec, torch.bfloat16, layers + 1)
     )
     with pytest.raises(ValueError, match="embeddings alone"):
         workloads.layers_for_size(spec, config.parse_size("1G"), torch.bfloat16)

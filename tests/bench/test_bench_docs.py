@@ -62,18 +62,44 @@ def repo(tmp_path):
     shutil.copy(os.path.join(ROOT, "README.md"), tmp_path / "README.md")
     shutil.copy(os.path.join(ROOT, "docs", "benchmarks.md"), tmp_path / "docs" / "benchmarks.md")
     g = {"median": 2.5, "min": 2.0, "max": 3.0, "n": 3}
-    summary = {"gbps": g, "seconds": {"median": 1.0}, "blocked_seconds": None,
-               "rss_delta_bytes": {"median": 0}, "peak_rss_bytes": {"median": 0}}  # fmt: skip
+    summary = {
+        "gbps": g,
+        "seconds": {"median": 1.0},
+        "blocked_seconds": None,
+        "rss_delta_bytes": {"median": 0},
+        "peak_rss_bytes": {"median": 0},
+    }
     document = {
         "schema": "fastpersist.bench.checkpoint/1",
-        "machine": {"hostname": "box", "cpu_count": 2, "ram_bytes": 1 << 30, "torch": "2.13", "date": "today",
-                    "filesystem": {"type": "ext4"}, "code": {"fastpersist": "0.1.0", "commit": "a" * 40}},  # fmt: skip
-        "settings": {"model": "toy", "layers": 2, "model_layers": 2, "dtype": "bf16", "device": "cpu",
-                     "repeats": 3, "warmup": 1, "dir": "/x"},  # fmt: skip
+        "machine": {
+            "hostname": "box",
+            "cpu_count": 2,
+            "ram_bytes": 1 << 30,
+            "torch": "2.13",
+            "date": "today",
+            "filesystem": {"type": "ext4"},
+            "code": {"fastpersist": "0.1.0", "commit": "a" * 40},
+        },
+        "settings": {
+            "model": "toy",
+            "layers": 2,
+            "model_layers": 2,
+            "dtype": "bf16",
+            "device": "cpu",
+            "repeats": 3,
+            "warmup": 1,
+            "dir": "/x",
+        },
         "state": {"bytes": 10**9, "tensors": 3},
         "order": {"seed": 0, "rounds": []},
-        "ceiling": {"write": {"gbps": 2.0, "best": {"tool": "engine", "block_size": 1 << 24, "queue_depth": 8},
-                              "samples": [{"gbps": 2.0}]}, "read": {"gbps": None, "best": None, "samples": []}},  # fmt: skip
+        "ceiling": {
+            "write": {
+                "gbps": 2.0,
+                "best": {"tool": "engine", "block_size": 1 << 24, "queue_depth": 8},
+                "samples": [{"gbps": 2.0}],
+            },
+            "read": {"gbps": None, "best": None, "samples": []},
+        },
         "baselines": {"save": "torch.save", "load": "torch.load"},
         "results": [
             {"op": "save", "method": "torch.save", "label": "torch.save + fsync", "status": "ok", "summary": summary},

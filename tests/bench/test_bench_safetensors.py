@@ -16,8 +16,10 @@ from fastpersist.bench.safetensors_bench import main
 def test_small_run_reports_every_method_and_no_problem(tmp_path):
     assert "safetensors" in SUBCOMMANDS
     out = tmp_path / "result.json"
-    assert main(["--size", "4M", "--model", "toy", "--repeats", "1", "--dir", str(tmp_path / "files"),
-                 "--json", str(out)]) == 0  # fmt: skip
+    assert (
+        main(["--size", "4M", "--model", "toy", "--repeats", "1", "--dir", str(tmp_path / "files"), "--json", str(out)])
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["problems"] == []
     assert set(result["save"]) == {"ceiling", "fastpersist", "safetensors", "fastpersist-torch"}

@@ -17,11 +17,42 @@ ENV = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS
 def test_training_benchmark_json_table_and_chart(methods, tmp_path):
     out = tmp_path / "training.json"
     run = subprocess.run(
-        [sys.executable, "-m", "fastpersist.bench", "training", "--device", "cpu", "--dir", str(tmp_path / "ckpt"),
-         "--d-model", "32", "--heads", "2", "--layers", "1", "--vocab", "64", "--batch", "2", "--seq", "8",
-         "--iterations", "2", "--warmup", "1", "--methods", methods, "--json", str(out)],
-        env=ENV, capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fastpersist.bench",
+            "training",
+            "--device",
+            "cpu",
+            "--dir",
+            str(tmp_path / "ckpt"),
+            "--d-model",
+            "32",
+            "--heads",
+            "2",
+            "--layers",
+            "1",
+            "--vocab",
+            "64",
+            "--batch",
+            "2",
+            "--seq",
+            "8",
+            "--iterations",
+            "2",
+            "--warmup",
+            "1",
+            "--methods",
+            methods,
+            "--json",
+            str(out),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     document = json.loads(out.read_text())
     assert document["schema"] == "fastpersist-training-bench/1"
@@ -36,7 +67,11 @@ def test_training_benchmark_json_table_and_chart(methods, tmp_path):
     svg = tmp_path / "chart.svg"
     report = subprocess.run(
         [sys.executable, "-m", "fastpersist.bench", "training", "--report", str(out), "--svg", str(svg)],
-        env=ENV, capture_output=True, text=True, timeout=120, cwd=REPO,
-    )  # fmt: skip
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert report.returncode == 0, report.stderr
     assert "| fastpersist-pipelined |" in report.stdout and svg.read_text().startswith("<svg")

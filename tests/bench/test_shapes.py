@@ -80,8 +80,24 @@ def test_shape_builders(shape):
 
 def test_shapes_benchmark_with_sink_writes_labelled_json(tmp_path, capsys):
     out = tmp_path / "r.json"
-    code = shapes.main(["--shape", "many-small", "--tensors", "300", "--repeats", "1", "--warmup", "0", "--sink",
-                        "--dir", str(tmp_path), "--json", str(out), "--no-drop-caches"])  # fmt: skip
+    code = shapes.main(
+        [
+            "--shape",
+            "many-small",
+            "--tensors",
+            "300",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--sink",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+            "--no-drop-caches",
+        ]
+    )
     assert code == 0
     doc = json.loads(out.read_text())
     kinds = {r["method"]: r["kind"] for r in doc["results"]}
@@ -96,6 +112,24 @@ def test_checkpoint_benchmark_forwards_shape(tmp_path):
     from fastpersist.bench import checkpoint
 
     out = tmp_path / "r.json"
-    assert checkpoint.main(["--shape", "many-small", "--tensors", "50", "--repeats", "1", "--warmup", "0",
-                            "--no-loads", "--dir", str(tmp_path), "--json", str(out)]) == 0  # fmt: skip
+    assert (
+        checkpoint.main(
+            [
+                "--shape",
+                "many-small",
+                "--tensors",
+                "50",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--no-loads",
+                "--dir",
+                str(tmp_path),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert json.loads(out.read_text())["shape"] == "many-small"

@@ -21,7 +21,18 @@ def test_every_command_is_a_cli_module():
 def test_bench_runs_a_benchmark_with_its_own_options(capsys):
     assert cli.main(["bench", "checkpoint", "--list-models"]) == 0
     assert "llama-3-8b" in capsys.readouterr().out
-    assert cli.main(["bench", "report", "--check-docs", "--root", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "report",
+                "--check-docs",
+                "--root",
+                os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+            ]
+        )
+        == 0
+    )
 
 
 def test_tune_has_its_options(capsys):
@@ -67,7 +78,13 @@ def test_gpu_acceptance_script_says_it_needs_a_gpu(tmp_path):
     shim.mkdir()
     (shim / "python3").symlink_to(sys.executable)
     env["PATH"] = f"{shim}{os.pathsep}{env['PATH']}"
-    done = subprocess.run(["bash", os.path.join(root, "examples", "gpu_acceptance.sh"), str(tmp_path / "out"), "tests"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        ["bash", os.path.join(root, "examples", "gpu_acceptance.sh"), str(tmp_path / "out"), "tests"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr + done.stdout

@@ -15,8 +15,12 @@ def _lightning_like() -> dict:
     weight = torch.randn(8, 8)
     return {
         "epoch": 2,
-        "state_dict": {"enc.weight": weight, "dec.weight": weight, "enc.bias": torch.zeros(8),
-                       "t": torch.randn(4, 6).t()},  # fmt: skip
+        "state_dict": {
+            "enc.weight": weight,
+            "dec.weight": weight,
+            "enc.bias": torch.zeros(8),
+            "t": torch.randn(4, 6).t(),
+        },
         "optimizer_states": [{"state": {0: {"exp_avg": torch.ones(8, 8)}}, "param_groups": [{"lr": 0.1}]}],
     }
 
@@ -24,8 +28,20 @@ def _lightning_like() -> dict:
 def test_torch_to_safetensors_state_dict_with_tied_and_strided_tensors(tmp_path, capsys):
     checkpoint = _lightning_like()
     torch.save(checkpoint, tmp_path / "ckpt.pt")
-    assert main(["convert", str(tmp_path / "ckpt.pt"), str(tmp_path / "model.safetensors"), "--key", "state_dict",
-                 "--metadata", "format=pt"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "ckpt.pt"),
+                str(tmp_path / "model.safetensors"),
+                "--key",
+                "state_dict",
+                "--metadata",
+                "format=pt",
+            ]
+        )
+        == 0
+    )
     loaded = safetensors_torch.load_file(tmp_path / "model.safetensors")
     assert set(loaded) == {"dec.weight", "enc.bias", "t"}  # the tied weight once
     assert torch.equal(loaded["dec.weight"], checkpoint["state_dict"]["enc.weight"])

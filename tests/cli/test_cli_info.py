@@ -17,7 +17,7 @@ def test_info_json_in_process(tmp_path, capsys):
     assert set(info) >= {"versions", "engines", "directory", "memory", "cuda"}
     assert set(info["versions"]) == {"fastpersist", "torch", "python", "kernel"}
     assert "threads" in info["engines"]["compiled"]
-    for name, status in info["engines"]["status"].items():
+    for _name, status in info["engines"]["status"].items():
         assert set(status) == {"compiled", "usable", "reason"}
         assert status["usable"] or status["reason"]
     assert info["engines"]["auto_selects"] in ("io_uring", "threads")
@@ -42,7 +42,9 @@ def test_info_says_where_fio_is_or_how_to_install_it(tmp_path, capsys, monkeypat
 
 
 def test_info_text_via_module(shm_dir):
-    result = subprocess.run([sys.executable, "-m", "fastpersist", "info", "--dir", shm_dir], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "fastpersist", "info", "--dir", shm_dir], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for word in ("fastpersist", "torch", "I/O engines", "threads", "tmpfs", "O_DIRECT", "memlock", "CUDA"):

@@ -28,7 +28,6 @@ import torch
 
 import fastpersist
 from fastpersist import config
-from fastpersist.io import commit
 from fastpersist.errors import (
     ChecksumMismatchError,
     MixedDtypeViewsError,
@@ -36,6 +35,7 @@ from fastpersist.errors import (
     TargetDirectoryMissingError,
     TargetPermissionError,
 )
+from fastpersist.io import commit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOBODY = 65534
@@ -44,8 +44,16 @@ NOBODY = 65534
 def _nobody_can_run_python() -> bool:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         return False
-    command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c",
-               "import torch, sys; sys.path.insert(0, sys.argv[1]); import fastpersist", ROOT]  # fmt: skip
+    command = [
+        "setpriv",
+        f"--reuid={NOBODY}",
+        f"--regid={NOBODY}",
+        "--clear-groups",
+        sys.executable,
+        "-c",
+        "import torch, sys; sys.path.insert(0, sys.argv[1]); import fastpersist",
+        ROOT,
+    ]
     try:
         return subprocess.run(command, capture_output=True, timeout=120).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
@@ -79,17 +87,12 @@ def state(seed: int = 0, n: int = 1000) -> dict:
 
 def same(a, b) -> bool:
     return a.keys() == b.keys() and all(
-        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
-        for k in a
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
     )
 
 
-def run_child(
-    code: str, *args: str, user: int | None = None, timeout: float = 120, **kwargs
-):
-    env = dict(
-        os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-    )
+def run_child(code: str, *args: str, user: int | None = None, timeout: float = 120, **kwargs):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     command = [sys.executable, "-c", textwrap.dedent(code), *args]
     if user is not None:
         command = [
@@ -99,9 +102,7 @@ def run_child(
             "--clear-groups",
             *command,
         ]
-    return subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=timeout, **kwargs
-    )
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
 def temporaries(directory) -> list[str]:
@@ -129,16 +130,12 @@ def test_save_and_load_in_atexit_and_in_threads_outliving_main(tmp_path):
         str(tmp_path),
     )
     assert result.returncode == 0, result.stderr
-    assert "atexit 10" in result.stdout and "thread 6" in result.stdout, (
-        result.stdout + result.stderr
-    )
+    assert "atexit 10" in result.stdout and "thread 6" in result.stdout, result.stdout + result.stderr
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_fork_child_saves_and_loads_parent_unaffected(tmp_path):
-    fastpersist.save(
-        state(1), tmp_path / "parent.pt"
-    )  # the parent's pool and locks exist
+    fastpersist.save(state(1), tmp_path / "parent.pt")  # the parent's pool and locks exist
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
         pid = os.fork()
@@ -187,12 +184,8 @@ def test_stale_cleanup_spares_live_and_foreign_and_undeletable(tmp_path, monkeyp
     dead.wait()
     old = time.time() - 3600
     stale = tmp_path / commit.temporary_name("a.pt", str(tmp_path), pid=dead.pid)
-    foreign = (
-        tmp_path / f".a.pt.fastpersist-{dead.pid}-ffffffff-00000000.tmp"
-    )  # another host/container
-    fresh = tmp_path / commit.temporary_name(
-        "b.pt", str(tmp_path), pid=dead.pid
-    )  # inside the grace period
+    foreign = tmp_path / f".a.pt.fastpersist-{dead.pid}-ffffffff-00000000.tmp"  # another host/container
+    fresh = tmp_path / commit.temporary_name("b.pt", str(tmp_path), pid=dead.pid)  # inside the grace period
     for leftover in (stale, foreign, fresh):
         leftover.write_bytes(b"partial")
     for leftover in (stale, foreign):
@@ -238,9 +231,7 @@ def test_no_umask_changes_and_new_files_get_0666_minus_umask(tmp_path, monkeypat
     try:
 
         def forbidden(*args):
-            raise AssertionError(
-                "fastpersist must not call os.umask (process-wide state)"
-            )
+            raise AssertionError("fastpersist must not call os.umask (process-wide state)")
 
         monkeypatch.setattr(os, "umask", forbidden)
         fastpersist.save(state(), tmp_path / "new.pt")
@@ -316,12 +307,8 @@ def test_interrupted_save_keeps_old_file_and_library_usable(tmp_path, how):
     path = tmp_path / "ckpt.pt"
     fastpersist.save(state(5), path)
     result = run_child(SIGNAL_CHILD, str(path), how)
-    assert same(state(5), fastpersist.load(path, verify=True)), (
-        "the old checkpoint must stay intact"
-    )
-    if (
-        how == "term"
-    ):  # default action: the process dies; its temporary is stale and cleaned up
+    assert same(state(5), fastpersist.load(path, verify=True)), "the old checkpoint must stay intact"
+    if how == "term":  # default action: the process dies; its temporary is stale and cleaned up
         assert result.returncode == -signal.SIGTERM
         commit.remove_stale_temporaries(str(path), min_age=0)
         assert temporaries(tmp_path) == []
@@ -338,11 +325,7 @@ def test_dev_null_and_character_devices_are_written_in_place():
     before = os.stat("/dev/null")
     fastpersist.save(state(), "/dev/null")
     after = os.stat("/dev/null")
-    assert (
-        stat.S_ISCHR(after.st_mode)
-        and after.st_rdev == before.st_rdev
-        and after.st_ino == before.st_ino
-    )
+    assert stat.S_ISCHR(after.st_mode) and after.st_rdev == before.st_rdev and after.st_ino == before.st_ino
 
 
 def test_fifo_is_written_in_place(tmp_path):
@@ -360,9 +343,7 @@ def test_fifo_is_written_in_place(tmp_path):
 def test_pipe_file_object_and_dev_stdout():
     read_end, write_end = os.pipe()
     received = []
-    reader = threading.Thread(
-        target=lambda: received.append(os.fdopen(read_end, "rb").read())
-    )
+    reader = threading.Thread(target=lambda: received.append(os.fdopen(read_end, "rb").read()))
     reader.start()
     with os.fdopen(write_end, "wb") as sink:
         fastpersist.save(state(3), sink)  # fsync on a pipe would be EINVAL: skipped
@@ -370,8 +351,10 @@ def test_pipe_file_object_and_dev_stdout():
     assert same(state(3), torch.load(io.BytesIO(received[0])))
     child = subprocess.run(
         [sys.executable, "-c", "import torch, fastpersist; fastpersist.save({'x': torch.arange(7)}, '/dev/stdout')"],
-        capture_output=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=120,
+    )
     assert child.returncode == 0, child.stderr
     assert torch.equal(torch.load(io.BytesIO(child.stdout))["x"], torch.arange(7))
 
@@ -410,9 +393,7 @@ def test_symlinked_directory_with_dotdot_resolves_like_the_kernel(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b" / "c").mkdir(parents=True)
     (tmp_path / "a" / "link").symlink_to(tmp_path / "b" / "c")
-    path = os.path.join(
-        str(tmp_path), "a", "link", "..", "x.pt"
-    )  # the kernel: b/x.pt, not a/x.pt
+    path = os.path.join(str(tmp_path), "a", "link", "..", "x.pt")  # the kernel: b/x.pt, not a/x.pt
     fastpersist.save(state(4), path)
     assert (tmp_path / "b" / "x.pt").exists() and not (tmp_path / "a" / "x.pt").exists()
     assert same(state(4), fastpersist.load(path))
@@ -433,17 +414,20 @@ def test_atomic_false_writes_in_place_keeping_hard_links(tmp_path):
     os.link(path, tmp_path / "hard.pt")
     inode = os.stat(path).st_ino
     fastpersist.save(state(2), path, atomic=False)
-    assert os.stat(path).st_ino == inode and same(
-        state(2), fastpersist.load(tmp_path / "hard.pt")
-    )
+    assert os.stat(path).st_ino == inode and same(state(2), fastpersist.load(tmp_path / "hard.pt"))
     with config.override(atomic=False):
         fastpersist.save(state(3), path)
     assert os.stat(path).st_ino == inode
     fastpersist.save(state(4), path)  # the default: atomic, a new inode
     assert os.stat(path).st_ino != inode
     env = dict(os.environ, FASTPERSIST_ATOMIC="0", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", "import fastpersist; print(fastpersist.config.get('atomic'))"],
-                         env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", "import fastpersist; print(fastpersist.config.get('atomic'))"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -473,9 +457,7 @@ def test_unwritable_file_is_refused_like_torch(shared_dir):
         str(path),
         user=NOBODY,
     )
-    assert "torch refused" in result.stdout and "refused True True" in result.stdout, (
-        result.stdout + result.stderr
-    )
+    assert "torch refused" in result.stdout and "refused True True" in result.stdout, result.stdout + result.stderr
     assert path.read_bytes() == before and temporaries(directory) == []
 
 
@@ -502,9 +484,7 @@ def test_writable_file_in_unwritable_directory_saves_in_place_with_one_warning(
         str(path),
         user=NOBODY,
     )
-    assert "warnings 1" in result.stdout and "step 2" in result.stdout, (
-        result.stdout + result.stderr
-    )
+    assert "warnings 1" in result.stdout and "step 2" in result.stdout, result.stdout + result.stderr
 
 
 @needs_other_user
@@ -533,9 +513,7 @@ def test_files_written_under_skip_data_load(tmp_path):
     loaded = fastpersist.load(path)  # zero CRCs for data records: not a checksum error
     assert loaded["w"].shape == state()["w"].shape
     with torch.serialization.skip_data():
-        fastpersist.save(
-            state(), tmp_path / "ours.pt"
-        )  # honoured: torch's skip_data file
+        fastpersist.save(state(), tmp_path / "ours.pt")  # honoured: torch's skip_data file
     assert fastpersist.load(tmp_path / "ours.pt")["w"].shape == (1000,)
 
 
@@ -568,29 +546,21 @@ def test_trailing_bytes_and_zeroed_central_crc(tmp_path):
     fastpersist.save(state(), path)
     with open(path, "ab") as handle:
         handle.write(b"appended by a copy tool" * 100)
-    assert same(state(), fastpersist.load(path, verify=True)) and same(
-        state(), torch.load(path)
-    )
+    assert same(state(), fastpersist.load(path, verify=True)) and same(state(), torch.load(path))
     # Zero the central directory's CRC of a data record and damage its bytes: the data
     # descriptor still holds the CRC, so verification must catch it.
     data = bytearray(path.read_bytes())
     info = zipfile.ZipFile(path).getinfo("ckpt/data/0")
     eocd = data.rfind(b"PK\x05\x06")
     cd_offset = struct.unpack_from("<I", data, eocd + 16)[0]
-    position = data.find(
-        b"PK\x01\x02" + data[cd_offset + 4 : cd_offset + 16], cd_offset
-    )
+    position = data.find(b"PK\x01\x02" + data[cd_offset + 4 : cd_offset + 16], cd_offset)
     while True:
-        name_len, extra_len, comment_len = struct.unpack_from(
-            "<HHH", data, position + 28
-        )
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", data, position + 28)
         if data[position + 46 : position + 46 + name_len] == b"ckpt/data/0":
             break
         position += 46 + name_len + extra_len + comment_len
     struct.pack_into("<I", data, position + 16, 0)
-    local_name_len, local_extra_len = struct.unpack_from(
-        "<HH", data, info.header_offset + 26
-    )
+    local_name_len, local_extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
     data[info.header_offset + 30 + local_name_len + local_extra_len + 1] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(ChecksumMismatchError):
@@ -611,9 +581,7 @@ def test_errors_are_catchable_as_torchs(tmp_path):
         fastpersist.save(state(), object())
     with pytest.raises(NotWritableError):
         fastpersist.save(state(), 42)
-    assert issubclass(TargetPermissionError, PermissionError) and issubclass(
-        TargetPermissionError, RuntimeError
-    )
+    assert issubclass(TargetPermissionError, PermissionError) and issubclass(TargetPermissionError, RuntimeError)
 
 
 def test_encoding_and_unpickler_arguments(tmp_path):
@@ -636,36 +604,21 @@ def test_encoding_and_unpickler_arguments(tmp_path):
     for weights_only in (False, True):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            assert (
-                fastpersist.load(path, weights_only=weights_only, encoding="bytes")[0]
-                == utf8
-            )
-            assert (
-                fastpersist.load(path, weights_only=weights_only, encoding="utf-8")[0]
-                == utf8.decode()
-            )
+            assert fastpersist.load(path, weights_only=weights_only, encoding="bytes")[0] == utf8
+            assert fastpersist.load(path, weights_only=weights_only, encoding="utf-8")[0] == utf8.decode()
     # Zip files: encoding reaches the (weights-only) unpickler too, with torch's warning.
     fastpersist.save({"s": "zażółć"}, tmp_path / "z.pt")
     with pytest.warns(UserWarning, match="pickle_load_args only works"):
-        assert (
-            fastpersist.load(tmp_path / "z.pt", weights_only=True, encoding="utf-8")[
-                "s"
-            ]
-            == "zażółć"
-        )
+        assert fastpersist.load(tmp_path / "z.pt", weights_only=True, encoding="utf-8")["s"] == "zażółć"
 
 
 def test_force_no_weights_only_warns_like_torch(tmp_path, monkeypatch):
     path = tmp_path / "x.pt"
     fastpersist.save({"a": torch.ones(1)}, path)
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
-    with pytest.warns(
-        UserWarning, match="TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected"
-    ) as ours:
+    with pytest.warns(UserWarning, match="TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected") as ours:
         fastpersist.load(path)
-    with pytest.warns(
-        UserWarning, match="TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected"
-    ) as theirs:
+    with pytest.warns(UserWarning, match="TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected") as theirs:
         torch.load(path)
     assert [str(w.message) for w in ours if "FORCE" in str(w.message)] == [
         str(w.message) for w in theirs if "FORCE" in str(w.message)
@@ -690,18 +643,13 @@ def test_weights_only_setstate_sees_data(tmp_path):
     with torch.serialization.safe_globals([ScaledTensor]):
         loaded = fastpersist.load(path, weights_only=True)["t"]
         reference = torch.load(path, weights_only=True)["t"]
-    assert (
-        isinstance(loaded, ScaledTensor)
-        and loaded.seen_sum == reference.seen_sum == 15.0
-    )
+    assert isinstance(loaded, ScaledTensor) and loaded.seen_sum == reference.seen_sum == 15.0
 
 
 def test_torch_loads_ours_and_ours_loads_torchs(tmp_path):
     fastpersist.save(state(7), tmp_path / "ours.pt")
     torch.save(state(8), tmp_path / "theirs.pt")
-    assert same(state(7), torch.load(tmp_path / "ours.pt")) and same(
-        state(8), fastpersist.load(tmp_path / "theirs.pt")
-    )
+    assert same(state(7), torch.load(tmp_path / "ours.pt")) and same(state(8), fastpersist.load(tmp_path / "theirs.pt"))
     with tempfile.TemporaryFile() as handle:
         fastpersist.save(state(9), handle)
         handle.seek(0)

@@ -103,10 +103,7 @@ def test_layout_is_filesystem_writers(tmp_path):
     assert metadata.version == "1.0.0"
     size = os.path.getsize(tmp_path / "__0_0.distcp")
     for index, info in metadata.storage_data.items():
-        assert (
-            type(info).__name__ == "_StorageInfo"
-            and info.relative_path == "__0_0.distcp"
-        )
+        assert type(info).__name__ == "_StorageInfo" and info.relative_path == "__0_0.distcp"
         assert 0 <= info.offset and info.offset + info.length <= size
         extension = info.fastpersist
         assert extension["crc32"] >= 0
@@ -118,9 +115,7 @@ def test_layout_is_filesystem_writers(tmp_path):
 def test_files_per_rank(tmp_path):
     state = _state()
     _save(state, tmp_path, files_per_rank=3)
-    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp")) == [
-        f"__0_{i}.distcp" for i in range(3)
-    ]
+    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp")) == [f"__0_{i}.distcp" for i in range(3)]
     _load(tmp_path, state, FileSystemReader)
     _load(tmp_path, state)
 
@@ -174,17 +169,12 @@ def test_checkpoint_id_and_reuse(tmp_path):
 def test_overwrite(tmp_path):
     old = _state()
     _save(old, tmp_path)
-    new = {
-        k: (v + 1 if isinstance(v, torch.Tensor) and v.dtype != torch.bool else v)
-        for k, v in old.items()
-    }
+    new = {k: (v + 1 if isinstance(v, torch.Tensor) and v.dtype != torch.bool else v) for k, v in old.items()}
     _save(new, tmp_path)
     _load(tmp_path, new)
     with pytest.raises(BaseException) as caught:
         _save(new, tmp_path, overwrite=False)
-    assert "FileExistsError" in _describe(
-        caught.value
-    ) and "overwrite=False" in _describe(caught.value)
+    assert "FileExistsError" in _describe(caught.value) and "overwrite=False" in _describe(caught.value)
 
 
 def test_failed_save_leaves_no_checkpoint(tmp_path):
@@ -212,9 +202,7 @@ def _flip_byte(path, offset):
 def _info(path, fqn):
     with open(path / ".metadata", "rb") as f:
         metadata = pickle.load(f)
-    return next(
-        info for index, info in metadata.storage_data.items() if index.fqn == fqn
-    )
+    return next(info for index, info in metadata.storage_data.items() if index.fqn == fqn)
 
 
 @pytest.mark.parametrize("fqn", ["big", "weight", "ints", "step"])
@@ -232,9 +220,7 @@ def test_corruption_is_detected(tmp_path, fqn):
     assert repr(fqn) in _describe(caught.value)
     # verify=False loads the damaged bytes (the user asked for it)
     out = _blank(state)
-    dcp.load(
-        out, storage_reader=FastPersistReader(str(tmp_path), verify=False), no_dist=True
-    )
+    dcp.load(out, storage_reader=FastPersistReader(str(tmp_path), verify=False), no_dist=True)
 
 
 def test_corruption_in_filesystem_writer_checkpoint_is_detected(tmp_path):
@@ -244,9 +230,7 @@ def test_corruption_in_filesystem_writer_checkpoint_is_detected(tmp_path):
     _flip_byte(tmp_path / info.relative_path, info.offset + info.length // 2)
     with pytest.raises(BaseException) as caught:
         _load(tmp_path, state)
-    assert "ChecksumMismatchError" in _describe(caught.value) and "'big'" in _describe(
-        caught.value
-    )
+    assert "ChecksumMismatchError" in _describe(caught.value) and "'big'" in _describe(caught.value)
 
 
 def test_load_into_other_dtype_and_layout(tmp_path):
@@ -261,9 +245,7 @@ def test_load_into_other_dtype_and_layout(tmp_path):
 
 def test_async_save_single_process(tmp_path):
     state = _state()
-    future = dcp.async_save(
-        state, storage_writer=FastPersistWriter(str(tmp_path)), no_dist=True
-    )
+    future = dcp.async_save(state, storage_writer=FastPersistWriter(str(tmp_path)), no_dist=True)
     getattr(future, "upload_completion", future).result()
     _load(tmp_path, state)
 
@@ -296,14 +278,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_world(
-    world: int, phase: str, root, timeout: int = 240, device: str = "cpu"
-) -> list[dict]:
+def _run_world(world: int, phase: str, root, timeout: int = 240, device: str = "cpu") -> list[dict]:
     port = _free_port()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DCP_TEST_DEVICE=device)  # fmt: skip
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
-                                        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))  # fmt: skip
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        DCP_TEST_DEVICE=device,
+    )
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
+        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
     processes = [
         subprocess.Popen(
             [sys.executable, WORKER, phase, str(root)],
@@ -353,12 +342,19 @@ def test_two_ranks_save_sharded_and_replicated(worlds):
     _check_all(worlds["save2"], "load_fastpersist")
     _check_all(worlds["save2"], "load_filesystem_reader")
     assert sorted(n for n in os.listdir(worlds["root"] / "fp2") if n.endswith(".distcp")) == [
-        "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
 
 
 def test_four_ranks_round_trip_and_cross_reading(worlds):
-    for key in ("save_fastpersist", "save_filesystem_writer", "load_fastpersist", "filesystem_reader_reads_ours",
-                "fastpersist_reads_filesystem_writer"):  # fmt: skip
+    for key in (
+        "save_fastpersist",
+        "save_filesystem_writer",
+        "load_fastpersist",
+        "filesystem_reader_reads_ours",
+        "fastpersist_reads_filesystem_writer",
+    ):
         _check_all(worlds["world4"], key)
 
 
@@ -380,9 +376,7 @@ def test_failing_rank_fails_every_rank(worlds):
         failure = report["failing_rank"]
         assert failure["raised"], f"rank {rank} did not raise"
         assert "CheckpointException" in failure["type"], failure
-        assert "dict_keys([2])" in failure["message"], (
-            failure
-        )  # rank 2's failure, on every rank
+        assert "dict_keys([2])" in failure["message"], failure  # rank 2's failure, on every rank
     assert not (worlds["root"] / "fail4" / ".metadata").exists()
 
 
@@ -392,9 +386,7 @@ def test_failing_rank_fails_every_rank(worlds):
 def _cuda_state() -> dict:
     torch.manual_seed(1)
     return {
-        "w": torch.randn(1024, 1024, device="cuda").to(
-            torch.bfloat16
-        ),  # 2 MiB: several 1 MiB windows
+        "w": torch.randn(1024, 1024, device="cuda").to(torch.bfloat16),  # 2 MiB: several 1 MiB windows
         "odd": torch.randn(12345, device="cuda"),  # not a whole number of pages
         "view": torch.randn(4096, device="cuda")[7:3000],
         "transposed": torch.randn(33, 65, device="cuda").t(),
@@ -405,10 +397,7 @@ def _cuda_state() -> dict:
 
 
 def _to(state, device):
-    return {
-        k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-        for k, v in state.items()
-    }
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
 
 
 @pytest.mark.gpu
@@ -432,9 +421,7 @@ def test_cuda_reads_filesystem_writer_and_corruption(tmp_path):
     _load(tmp_path / "theirs", state)
     _save(state, tmp_path / "ours")
     info = _info(tmp_path / "ours", "w")
-    _flip_byte(
-        tmp_path / "ours" / info.relative_path, info.fastpersist["offset"] + 12345
-    )
+    _flip_byte(tmp_path / "ours" / info.relative_path, info.fastpersist["offset"] + 12345)
     with pytest.raises(BaseException) as caught:
         _load(tmp_path / "ours", state)
     assert "ChecksumMismatchError" in _describe(caught.value)
@@ -443,9 +430,7 @@ def test_cuda_reads_filesystem_writer_and_corruption(tmp_path):
 @pytest.mark.gpu
 def test_cuda_async_save(tmp_path):
     state = _cuda_state()
-    future = dcp.async_save(
-        state, storage_writer=FastPersistWriter(str(tmp_path)), no_dist=True
-    )
+    future = dcp.async_save(state, storage_writer=FastPersistWriter(str(tmp_path)), no_dist=True)
     getattr(future, "upload_completion", future).result()
     _load(tmp_path, state)
 
@@ -463,8 +448,13 @@ def test_nccl_two_gpus_dtensor(tmp_path):
         _check_all(reports, key)
 
 
-FSDP2_SCENARIOS = ("fsdp2_save_fastpersist", "fsdp2_save_filesystem_writer", "fsdp2_load_fastpersist",
-                   "fsdp2_filesystem_reader_reads_ours", "fsdp2_fastpersist_reads_filesystem_writer")  # fmt: skip
+FSDP2_SCENARIOS = (
+    "fsdp2_save_fastpersist",
+    "fsdp2_save_filesystem_writer",
+    "fsdp2_load_fastpersist",
+    "fsdp2_filesystem_reader_reads_ours",
+    "fsdp2_fastpersist_reads_filesystem_writer",
+)
 
 
 def test_fsdp2_gloo_two_ranks(tmp_path):
@@ -491,9 +481,7 @@ def test_without_collectives_per_rank_metadata(tmp_path):
         no_dist=True,
         use_collectives=False,
     )
-    assert (tmp_path / "__0.metadata").exists() and not (
-        tmp_path / ".metadata"
-    ).exists()
+    assert (tmp_path / "__0.metadata").exists() and not (tmp_path / ".metadata").exists()
     ours = FastPersistReader(str(tmp_path)).read_metadata(rank=0)
     theirs = FileSystemReader(str(tmp_path)).read_metadata(rank=0)
     assert ours.storage_data.keys() == theirs.storage_data.keys()
@@ -522,14 +510,8 @@ def test_ring_writer_windows(tmp_path):
     settings = config.settings().replace(buffer_size=1 << 20, buffer_count=2)
     path = str(tmp_path / "x.distcp")
     file = engine.File(path, "w", direct=True, truncate=True)
-    items = [
-        (i, it)
-        for i, it in enumerate(placed.items)
-        if isinstance(it, layout.TensorItem)
-    ]
-    crcs = writer._write_through_ring(
-        [(i, it) for i, it in items if it.nbytes], file, settings
-    )
+    items = [(i, it) for i, it in enumerate(placed.items) if isinstance(it, layout.TensorItem)]
+    crcs = writer._write_through_ring([(i, it) for i, it in items if it.nbytes], file, settings)
     crcs.update({i: 0 for i, it in items if not it.nbytes})
     handle = engine.make_handle(settings)
     for offset, data in placed.static_regions(crcs):
@@ -541,22 +523,16 @@ def test_ring_writer_windows(tmp_path):
     assert len(raw) == placed.size
     for i, item in items:
         archive = raw[item.base : item.base + item.length]
-        assert (
-            zipfile.ZipFile(io.BytesIO(archive)).testzip() is None
-        )  # every zip CRC-32 right
+        assert zipfile.ZipFile(io.BytesIO(archive)).testzip() is None  # every zip CRC-32 right
         assert torch.equal(torch.load(io.BytesIO(archive)), tensors[i])
     assert raw[placed.items[-1].base :][:5] == b"hello"
 
 
 def test_reads_filesystem_writer_stream_transforms(tmp_path):
     """FileSystemWriter items written through DCP's (experimental) stream transforms are decoded as DCP does."""
-    checkpoint_utils = pytest.importorskip(
-        "torch.testing._internal.distributed.checkpoint_utils"
-    )
+    checkpoint_utils = pytest.importorskip("torch.testing._internal.distributed.checkpoint_utils")
     state = _state()
-    _save(
-        state, tmp_path, FileSystemWriter, _extensions=[checkpoint_utils.Rot13Example()]
-    )
+    _save(state, tmp_path, FileSystemWriter, _extensions=[checkpoint_utils.Rot13Example()])
     _load(
         tmp_path,
         state,

@@ -8,17 +8,30 @@ import os
 import pytest
 import torch
 
+from fastpersist.deepnvme.handle import AioHandle
+from fastpersist.io import engine
 from fastpersist.tensors import host_memoryview
 
-from fastpersist.io import engine
-from fastpersist.deepnvme.handle import AioHandle
-
-DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.complex64]
+DTYPES = [
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.bool,
+    torch.complex64,
+]
 
 
 def _random(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (numel * torch.empty(0, dtype=dtype).element_size(),), dtype=torch.uint8, generator=generator)
+    raw = torch.randint(
+        0, 256, (numel * torch.empty(0, dtype=dtype).element_size(),), dtype=torch.uint8, generator=generator
+    )
     if dtype == torch.bool:
         return raw.bool()
     return raw.view(dtype)
@@ -29,7 +42,15 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 
 def test_getters():
-    h = AioHandle(block_size=2 << 20, queue_depth=7, single_submit=True, overlap_events=True, intra_op_parallelism=2, engine="threads", direct=False)
+    h = AioHandle(
+        block_size=2 << 20,
+        queue_depth=7,
+        single_submit=True,
+        overlap_events=True,
+        intra_op_parallelism=2,
+        engine="threads",
+        direct=False,
+    )
     assert h.get_block_size() == 2 << 20
     assert h.get_queue_depth() == 7
     assert h.get_single_submit() is True
@@ -38,7 +59,12 @@ def test_getters():
     assert h.get_engine() == "threads"
     assert h.get_direct() is False
     d = AioHandle()
-    assert (d.get_block_size(), d.get_queue_depth(), d.get_single_submit(), d.get_overlap_events()) == (1 << 20, 128, False, False)
+    assert (d.get_block_size(), d.get_queue_depth(), d.get_single_submit(), d.get_overlap_events()) == (
+        1 << 20,
+        128,
+        False,
+        False,
+    )
     assert d.get_engine() == engine.resolve_engine("auto") and d.get_direct() is True
     assert "AioHandle(" in repr(d)
 
@@ -120,8 +146,8 @@ def test_views_and_non_contiguous(disk_dir):
     path = os.path.join(disk_dir, "v")
     h.sync_pwrite(view, path)
     out = torch.zeros(10_000, dtype=torch.float32)
-    h.sync_pread(out[200:200 + view.numel()], path)
-    assert _bytes(out[200:200 + view.numel()]) == _bytes(view)
+    h.sync_pread(out[200 : 200 + view.numel()], path)
+    assert _bytes(out[200 : 200 + view.numel()]) == _bytes(view)
     with pytest.raises(ValueError, match="contiguous"):
         h.sync_pwrite(base.view(100, 100).t(), path)
 
@@ -168,7 +194,9 @@ def test_locked_tensor_helpers():
 def test_named_engine_unavailable(monkeypatch):
     from fastpersist.errors import EngineUnavailableError
 
-    monkeypatch.setattr(engine, "_probe", lambda name: (False, "disabled for the test") if name == "io_uring" else (True, ""))
+    monkeypatch.setattr(
+        engine, "_probe", lambda name: (False, "disabled for the test") if name == "io_uring" else (True, "")
+    )
     with pytest.raises(EngineUnavailableError):
         AioHandle(engine="io_uring")
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from fastpersist.deepnvme import AsyncIOBuilder, PinMemoryBuilder, UtilsBuilder
-from fastpersist.io import memory
 from fastpersist.deepnvme.handle import AioHandle
+from fastpersist.io import memory
 from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
 
 

@@ -19,10 +19,10 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
+from _distributed_worker import make_state, same
 
 import fastpersist
 import fastpersist.cli
-from _distributed_worker import make_state, same  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -33,8 +33,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(world: int, directory, steps: list, deadline: float = 120, backend: str = "gloo",
-          tag_cuda: bool = False) -> list[list[dict]]:  # fmt: skip
+def spawn(
+    world: int, directory, steps: list, deadline: float = 120, backend: str = "gloo", tag_cuda: bool = False
+) -> list[list[dict]]:
     """Runs ``steps`` on ``world`` ranks; returns each rank's per-step results. Fails on a hang.
 
     ``tag_cuda``: each rank pickles its CPU storages as ``cuda:<rank>`` (what one GPU per rank gives).
@@ -43,9 +44,10 @@ def spawn(world: int, directory, steps: list, deadline: float = 120, backend: st
 
     context = mp.get_context("spawn")
     port = free_port()
-    processes = [context.Process(target=_distributed_worker.run,
-                                 args=(r, world, port, str(directory), steps, backend, tag_cuda))
-                 for r in range(world)]  # fmt: skip
+    processes = [
+        context.Process(target=_distributed_worker.run, args=(r, world, port, str(directory), steps, backend, tag_cuda))
+        for r in range(world)
+    ]
     for p in processes:
         p.start()
     for p in processes:
@@ -138,20 +140,32 @@ def test_node_local_parts_loaded_by_fewer_ranks(tmp_path):
     for name in os.listdir(dirs[1]):
         shutil.move(os.path.join(dirs[1], name), os.path.join(dirs[0], name))
     merged = tmp_path / "merged.pt"
-    done = subprocess.run([sys.executable, "-m", "fastpersist", "merge", os.path.join(dirs[0], "ckpt.pt"), str(merged)],
-                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(fastpersist.__file__)))  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "fastpersist", "merge", os.path.join(dirs[0], "ckpt.pt"), str(merged)],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(fastpersist.__file__)),
+    )
     assert done.returncode == 0, done.stderr
     assert same(torch.load(merged), make_state())
-    verify = subprocess.run([sys.executable, "-m", "fastpersist", "verify", os.path.join(dirs[0], "ckpt.pt")],
-                            capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(fastpersist.__file__)))  # fmt: skip
+    verify = subprocess.run(
+        [sys.executable, "-m", "fastpersist", "verify", os.path.join(dirs[0], "ckpt.pt")],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(fastpersist.__file__)),
+    )
     assert verify.returncode == 0 and verify.stdout.startswith("OK"), verify.stdout + verify.stderr
     # A part kept elsewhere is named with --part; a damaged part is caught by verify, load and merge.
     from fastpersist.distributed.manifest import read_manifest
 
     part = os.path.join(dirs[0], read_manifest(os.path.join(dirs[0], "ckpt.pt")).parts[-1].name)  # the last part
     elsewhere = shutil.move(part, tmp_path / os.path.basename(part))
-    assert fastpersist.cli.main(["merge", os.path.join(dirs[0], "ckpt.pt"), str(tmp_path / "again.pt"),
-                                 "--part", str(elsewhere)]) == 0  # fmt: skip
+    assert (
+        fastpersist.cli.main(
+            ["merge", os.path.join(dirs[0], "ckpt.pt"), str(tmp_path / "again.pt"), "--part", str(elsewhere)]
+        )
+        == 0
+    )
     assert same(torch.load(tmp_path / "again.pt"), make_state())
     shutil.move(elsewhere, part)
     with open(part, "r+b") as handle:
@@ -159,8 +173,12 @@ def test_node_local_parts_loaded_by_fewer_ranks(tmp_path):
         byte = handle.read(1)
         handle.seek(-1, os.SEEK_CUR)
         handle.write(bytes([byte[0] ^ 0xFF]))
-    verify = subprocess.run([sys.executable, "-m", "fastpersist", "verify", os.path.join(dirs[0], "ckpt.pt")],
-                            capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(fastpersist.__file__)))  # fmt: skip
+    verify = subprocess.run(
+        [sys.executable, "-m", "fastpersist", "verify", os.path.join(dirs[0], "ckpt.pt")],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(fastpersist.__file__)),
+    )
     assert verify.returncode == 1 and verify.stdout.startswith("CORRUPT"), verify.stdout + verify.stderr
     with pytest.raises(fastpersist.ChecksumMismatchError):
         fastpersist.load(os.path.join(dirs[0], "ckpt.pt"))
@@ -206,8 +224,7 @@ def test_killed_rank_is_detected_by_timeout(tmp_path):
 @pytest.mark.parametrize("layout", ["file", "parts"])
 def test_save_from_cuda_tensors(layout, tmp_path):
     """Each rank writes its slice from its own GPU copy (ranks share the GPUs when there are fewer)."""
-    results = spawn(2, tmp_path, [{"op": "save", "layout": layout, "device": "cuda"},
-                                  {"op": "load", "device": "cuda"}])  # fmt: skip
+    results = spawn(2, tmp_path, [{"op": "save", "layout": layout, "device": "cuda"}, {"op": "load", "device": "cuda"}])
     ok(results, 0)
     assert all(r["same"] for r in ok(results, 1))
     assert same(fastpersist.load(tmp_path / "ckpt.pt", map_location="cpu"), make_state())
@@ -222,9 +239,11 @@ def test_nccl_group_one_rank_per_gpu(tmp_path):
     dirs = [str(tmp_path / f"node{r}") for r in range(world)]
     for d in dirs:
         os.makedirs(d)
-    steps = [{"op": "save", "layout": "file", "device": "cuda", "name": "file.pt"},
-             {"op": "save", "layout": "parts", "device": "cuda", "dirs": dirs},
-             {"op": "load", "device": "cuda", "dirs": dirs}]  # fmt: skip
+    steps = [
+        {"op": "save", "layout": "file", "device": "cuda", "name": "file.pt"},
+        {"op": "save", "layout": "parts", "device": "cuda", "dirs": dirs},
+        {"op": "load", "device": "cuda", "dirs": dirs},
+    ]
     results = spawn(world, tmp_path, steps, backend="nccl")
     ok(results, 0)
     ok(results, 1)
@@ -236,8 +255,22 @@ def test_ranks_benchmark_runs_and_verifies(tmp_path):
     from fastpersist.bench import ranks
 
     out = tmp_path / "ranks.json"
-    code = ranks.main(["--ranks", "2", "--size", "3M", "--repeat", "1", "--dir", str(tmp_path), "--json", str(out),
-                       "--markdown", str(tmp_path / "ranks.md")])  # fmt: skip
+    code = ranks.main(
+        [
+            "--ranks",
+            "2",
+            "--size",
+            "3M",
+            "--repeat",
+            "1",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+            "--markdown",
+            str(tmp_path / "ranks.md"),
+        ]
+    )
     assert code == 0
     document = json.loads(out.read_text())
     assert [r["ranks"] for r in document["results"]] == [1, 2]  # the single writer is always measured

@@ -11,18 +11,16 @@ in ``test_nccl_*`` (multigpu).
 
 from __future__ import annotations
 
-import glob
-import io
 import os
 import time
 import zipfile
 
 import pytest
 import torch
+from _distributed_worker import make_state, same
+from test_distributed import ok, spawn, temporaries
 
 import fastpersist
-from _distributed_worker import make_state, same  # noqa: E402
-from test_distributed import ok, spawn, temporaries
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -39,8 +37,7 @@ def load_cpu(path):
 @pytest.mark.parametrize("layout", ["file", "parts"])
 def test_device_tags_and_per_rank_state_are_rank_zeros(layout, tmp_path):
     """Pickles differ in device tags and per-rank values: the file is rank 0's object, bytes shared where equal."""
-    steps = [{"op": "save", "layout": layout, "variant": "per_rank"},
-             {"op": "load", "variant": "per_rank"}]  # fmt: skip
+    steps = [{"op": "save", "layout": layout, "variant": "per_rank"}, {"op": "load", "variant": "per_rank"}]
     results = spawn(2, tmp_path, steps, tag_cuda=True)
     saved = ok(results, 0)
     expected = make_state(0, 0, "per_rank")
@@ -65,9 +62,11 @@ def test_device_tags_and_per_rank_state_are_rank_zeros(layout, tmp_path):
 
 def test_drifted_replica_policies(tmp_path):
     """A drifted weight: warn (default) writes rank 0's; 'error' refuses, naming it; 'ignore' is silent."""
-    steps = [{"op": "save", "variant": "drift", "name": "warn.pt"},
-             {"op": "save", "variant": "drift", "name": "error.pt", "divergence": "error"},
-             {"op": "save", "variant": "drift", "name": "ignore.pt", "divergence": "ignore"}]  # fmt: skip
+    steps = [
+        {"op": "save", "variant": "drift", "name": "warn.pt"},
+        {"op": "save", "variant": "drift", "name": "error.pt", "divergence": "error"},
+        {"op": "save", "variant": "drift", "name": "ignore.pt", "divergence": "ignore"},
+    ]
     results = spawn(2, tmp_path, steps, tag_cuda=True)
     warned = ok(results, 0)
     assert "weights[2]" in warned[0]["warnings"][0] and "rank 1" in warned[0]["warnings"][0]
@@ -102,11 +101,13 @@ def test_writers_node_with_per_rank_state(tmp_path):
 
 def test_unmatched_call_fails_once_then_saves_work(tmp_path):
     """A save on rank 0 only fails after its timeout; the next collective save works; no temporaries stay."""
-    steps = [{"op": "save", "only": 0, "timeout": 3, "name": "stray.pt"},
-             {"op": "save", "name": "good.pt"},
-             {"op": "save", "only": 1, "timeout": 3, "name": "stray.pt"},
-             {"op": "save", "name": "again.pt", "seed": 1},
-             {"op": "load", "name": "again.pt", "seed": 1}]  # fmt: skip
+    steps = [
+        {"op": "save", "only": 0, "timeout": 3, "name": "stray.pt"},
+        {"op": "save", "name": "good.pt"},
+        {"op": "save", "only": 1, "timeout": 3, "name": "stray.pt"},
+        {"op": "save", "name": "again.pt", "seed": 1},
+        {"op": "load", "name": "again.pt", "seed": 1},
+    ]
     results = spawn(2, tmp_path, steps, deadline=90)
     stray = results[0][0]
     assert stray.get("error") == "DistributedCheckpointError" and "did not report" in stray["message"], stray
@@ -124,8 +125,7 @@ def test_unmatched_call_fails_once_then_saves_work(tmp_path):
 
 def test_interrupted_rank_releases_the_others_at_once(tmp_path):
     """Ctrl-C on one rank: the others raise within seconds (not after their timeout); nothing committed."""
-    steps = [{"op": "save", "seed": 1},
-             {"op": "save", "seed": 2, "bad": 1, "fault": "interrupt", "timeout": 60}]  # fmt: skip
+    steps = [{"op": "save", "seed": 1}, {"op": "save", "seed": 2, "bad": 1, "fault": "interrupt", "timeout": 60}]
     began = time.monotonic()
     results = spawn(2, tmp_path, steps, deadline=90)
     assert time.monotonic() - began < 45
@@ -138,8 +138,9 @@ def test_interrupted_rank_releases_the_others_at_once(tmp_path):
 def test_lightning_default_map_location_reads_a_cuda1_checkpoint(tmp_path):
     """Lightning's CheckpointIO loads to the CPU by default; ours must too (a rank-1 file names cuda:1)."""
     pytest.importorskip("lightning")
-    from fastpersist.integrations.lightning import FastPersistCheckpointIO
     from _distributed_worker import tag_as_cuda
+
+    from fastpersist.integrations.lightning import FastPersistCheckpointIO
 
     registry = list(torch.serialization._package_registry)
     try:
@@ -157,14 +158,22 @@ def test_lightning_default_map_location_reads_a_cuda1_checkpoint(tmp_path):
 def test_nccl_one_gpu_per_rank(layout, tmp_path):
     """NCCL, each rank's state on its own GPU: rank 0's object (device tags cuda:0), per-rank tensors, drift,
     one writer per node, the collective load onto each rank's own device, an unmatched call then good saves."""
-    steps = [{"op": "save", "layout": layout, "variant": "per_rank", "device": "cuda"},
-             {"op": "load", "variant": "per_rank", "map_location": "own"},
-             {"op": "save", "layout": layout, "variant": "drift", "device": "cuda", "name": "drift.pt",
-              "divergence": "error"},
-             {"op": "save", "layout": layout, "device": "cuda", "writers": "node", "name": "node.pt"},
-             {"op": "save", "layout": layout, "device": "cuda", "only": 0, "timeout": 5, "name": "stray.pt"},
-             {"op": "save", "layout": layout, "device": "cuda", "seed": 1, "name": "after.pt"},
-             {"op": "load", "seed": 1, "name": "after.pt", "map_location": "own"}]  # fmt: skip
+    steps = [
+        {"op": "save", "layout": layout, "variant": "per_rank", "device": "cuda"},
+        {"op": "load", "variant": "per_rank", "map_location": "own"},
+        {
+            "op": "save",
+            "layout": layout,
+            "variant": "drift",
+            "device": "cuda",
+            "name": "drift.pt",
+            "divergence": "error",
+        },
+        {"op": "save", "layout": layout, "device": "cuda", "writers": "node", "name": "node.pt"},
+        {"op": "save", "layout": layout, "device": "cuda", "only": 0, "timeout": 5, "name": "stray.pt"},
+        {"op": "save", "layout": layout, "device": "cuda", "seed": 1, "name": "after.pt"},
+        {"op": "load", "seed": 1, "name": "after.pt", "map_location": "own"},
+    ]
     results = spawn(2, tmp_path, steps, backend="nccl", deadline=240)
     saved = ok(results, 0)
     assert saved[1]["bytes"] > 0 and saved[1]["shared"] > 0  # rank 1 wrote its identical storages
@@ -176,7 +185,10 @@ def test_nccl_one_gpu_per_rank(layout, tmp_path):
     loads = ok(results, 1)
     assert all(r["same"] for r in loads) and [r["devices"] for r in loads] == [["cuda:0"], ["cuda:1"]]
     for rank in range(2):
-        assert results[rank][2].get("error") == "DistributedCheckpointError" and "weights[2]" in results[rank][2]["message"]
+        assert (
+            results[rank][2].get("error") == "DistributedCheckpointError"
+            and "weights[2]" in results[rank][2]["message"]
+        )
     assert ok(results, 3)[1]["bytes"] == 0  # one machine: rank 0 writes it all
     assert results[0][4].get("error") == "DistributedCheckpointError" and results[1][4] == {"ok": {"skipped": True}}
     ok(results, 5)

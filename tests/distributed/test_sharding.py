@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastpersist.distributed.sharding import ByteRange, shard_ranges, writer_ranks
 from fastpersist.io.checksum import crc32_combine_all
 from fastpersist.io.engine import crc32_combine
-from fastpersist.distributed.sharding import ByteRange, shard_ranges, writer_ranks
 
 
 def check(length: int, writers: int, alignment: int) -> tuple[ByteRange, ...]:
@@ -124,14 +124,17 @@ def test_descriptor_patches_include_records_rank_zero_rewrote():
     assert patches == [(plan.records[index].entry.descriptor_offset, plan.records[index].entry.data_descriptor(7))]
 
 
-@pytest.mark.parametrize("blocked, pieces, holes", [
-    ([], [(4, 9.5)], []),
-    ([(5.01, 5.02)], [(4, 5), (6, 9.5)], [(5, 6)]),
-    ([(5.01, 5.02), (5.5, 7.2), (100, 101)], [(4, 5), (8, 9.5)], [(5, 8)]),
-    ([(0, 4.5)], [(5, 9.5)], [(4, 5)]),
-    ([(9.2, 9.3)], [(4, 9)], [(9, 9.5)]),
-    ([(0, 100)], [], [(4, 9.5)]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "blocked, pieces, holes",
+    [
+        ([], [(4, 9.5)], []),
+        ([(5.01, 5.02)], [(4, 5), (6, 9.5)], [(5, 6)]),
+        ([(5.01, 5.02), (5.5, 7.2), (100, 101)], [(4, 5), (8, 9.5)], [(5, 8)]),
+        ([(0, 4.5)], [(5, 9.5)], [(4, 5)]),
+        ([(9.2, 9.3)], [(4, 9)], [(9, 9.5)]),
+        ([(0, 100)], [], [(4, 9.5)]),
+    ],
+)
 def test_split_range_leaves_out_whole_units(blocked, pieces, holes):
     """Blocked intervals widen to whole units inside the range; pieces and holes tile it; index = first unit."""
     from fastpersist.distributed.sharding import split_range

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
-import gen_architecture  # noqa: E402
+import gen_architecture
 
 DOC = os.path.join(ROOT, "docs", "architecture.md")
 PACKAGES = {"format", "io", "cli", "bench", "integrations", "distributed", "dcp", "api", "deepnvme", "tuning"}
@@ -50,7 +50,10 @@ def test_the_check_command_fails_when_a_module_is_added(tmp_path):
     result = subprocess.run(check, capture_output=True, text=True)
     assert result.returncode == 1 and "differs from the tree" in result.stderr
     assert subprocess.run([sys.executable, script, "--root", str(tree)], capture_output=True).returncode == 0
-    assert "| `fastpersist/newmodule.py` | A module added by another branch. |" in (tree / "docs" / "architecture.md").read_text()
+    assert (
+        "| `fastpersist/newmodule.py` | A module added by another branch. |"
+        in (tree / "docs" / "architecture.md").read_text()
+    )
     (tree / "fastpersist" / "undocumented.py").write_text("x = 1\n")
     result = subprocess.run(check, capture_output=True, text=True)
     assert result.returncode == 2 and "no module docstring" in result.stderr
@@ -84,8 +87,13 @@ def _resolves(name: str) -> bool:
 
 def test_names_in_the_prose_exist():
     prose = re.sub(r"<!-- fastpersist:\w+ -->.*?<!-- /fastpersist -->", "", _doc(), flags=re.DOTALL)
-    names = set(re.findall(r"`(?:fastpersist\.)?((?:format|io|cli|bench|api|deepnvme|tuning|display|"
-                           r"config|system|tensors|errors|integrations|distributed|dcp)(?:\.\w+)+)", prose))  # fmt: skip
+    names = set(
+        re.findall(
+            r"`(?:fastpersist\.)?((?:format|io|cli|bench|api|deepnvme|tuning|display|"
+            r"config|system|tensors|errors|integrations|distributed|dcp)(?:\.\w+)+)",
+            prose,
+        )
+    )
     names = {n for n in names if not n.endswith(".py")}  # file names are checked below
     assert names, "the prose names no modules"
     assert sorted(n for n in names if not _resolves(n)) == []
@@ -93,9 +101,19 @@ def test_names_in_the_prose_exist():
     assert sorted(p for p in paths if not os.path.exists(os.path.join(ROOT, p))) == []
 
 
-@pytest.mark.parametrize(("layer", "forbidden"), [("format", "io"), ("format", "io.engine"), ("io", "_native"),
-                                                  ("base", "_native"), ("cli", "_native"), ("api", "bench"),
-                                                  ("io", "api"), ("distributed", "api")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("layer", "forbidden"),
+    [
+        ("format", "io"),
+        ("format", "io.engine"),
+        ("io", "_native"),
+        ("base", "_native"),
+        ("cli", "_native"),
+        ("api", "bench"),
+        ("io", "api"),
+        ("distributed", "api"),
+    ],
+)
 def test_dependencies_run_one_way(layer, forbidden):
     assert forbidden not in gen_architecture.layer_graph(ROOT).get(layer, set())
 
@@ -115,8 +133,11 @@ def test_no_import_cycles_between_modules():
 
 def test_the_benchmarks_are_a_leaf():
     """The product never imports fastpersist.bench; only the `fastpersist bench` command dispatches to it."""
-    importers = {module for module, targets in gen_architecture.module_graph(ROOT).items()
-                 if not module.startswith("fastpersist.bench") and any(t.startswith("fastpersist.bench") for t in targets)}  # fmt: skip
+    importers = {
+        module
+        for module, targets in gen_architecture.module_graph(ROOT).items()
+        if not module.startswith("fastpersist.bench") and any(t.startswith("fastpersist.bench") for t in targets)
+    }
     assert importers == {"fastpersist.cli.bench"}
 
 

@@ -22,20 +22,46 @@ def run(args, timeout=300):
 
 @pytest.mark.parametrize("mode", ["sync", "pipelined", "snapshot"])
 def test_train_loop(mode, tmp_path):
-    out = run([sys.executable, "examples/train_loop.py", "--dir", str(tmp_path), "--mode", mode, "--steps", "12",
-               "--every", "4", "--device", "cpu"])  # fmt: skip
+    out = run(
+        [
+            sys.executable,
+            "examples/train_loop.py",
+            "--dir",
+            str(tmp_path),
+            "--mode",
+            mode,
+            "--steps",
+            "12",
+            "--every",
+            "4",
+            "--device",
+            "cpu",
+        ]
+    )
     assert f"mode={mode}" in out and "weights identical=True" in out
 
 
 def test_ddp_sharded_with_torchrun(tmp_path):
     torchrun = shutil.which("torchrun") or pytest.skip("torchrun not on PATH")
-    out = run([torchrun, "--nproc-per-node", "2", "--standalone", "examples/ddp_sharded.py",
-               "--dir", str(tmp_path)])  # fmt: skip
+    out = run([torchrun, "--nproc-per-node", "2", "--standalone", "examples/ddp_sharded.py", "--dir", str(tmp_path)])
     assert "ranks=2" in out and "identical on all ranks=True" in out
 
 
 def test_lightning_callback(tmp_path):
     pytest.importorskip("lightning")
-    out = run([sys.executable, "examples/lightning_callback.py", "--dir", str(tmp_path), "--epochs", "1", "--check",
-               "--accelerator", "cpu", "--async-mode", "snapshot"])  # fmt: skip
+    out = run(
+        [
+            sys.executable,
+            "examples/lightning_callback.py",
+            "--dir",
+            str(tmp_path),
+            "--epochs",
+            "1",
+            "--check",
+            "--accelerator",
+            "cpu",
+            "--async-mode",
+            "snapshot",
+        ]
+    )
     assert "resumed at epoch 1" in out

@@ -46,13 +46,13 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-import fastpersist  # noqa: E402
-from fastpersist.errors import CorruptCheckpointError  # noqa: E402
-from fastpersist.format.zipformat import read_directory  # noqa: E402
-from fastpersist.io import engine  # noqa: E402
+import fastpersist
+from fastpersist.errors import CorruptCheckpointError
+from fastpersist.format.zipformat import read_directory
+from fastpersist.io import engine
 
 LONG_RUN = int(os.environ.get("FASTPERSIST_FUZZ_EXAMPLES", "0"))
 WATCHDOG_SECONDS = float(os.environ.get("FASTPERSIST_FUZZ_SECONDS", "120"))
@@ -148,8 +148,10 @@ def _fields(data: bytes) -> list[tuple[int, int]]:
     records = read_directory(lambda o, n: data[o : o + n], len(data))
     for r in records:
         h = r.header_offset
-        fields += [(h + o, w) for o, w in ((0, 4), (4, 2), (6, 2), (8, 2), (10, 2), (12, 2), (14, 4), (18, 4),
-                                            (22, 4), (26, 2), (28, 2))]  # fmt: skip
+        fields += [
+            (h + o, w)
+            for o, w in ((0, 4), (4, 2), (6, 2), (8, 2), (10, 2), (12, 2), (14, 4), (18, 4), (22, 4), (26, 2), (28, 2))
+        ]
         name_len, extra_len = struct.unpack_from("<HH", data, h + 26)
         position = h + 30 + name_len
         while position + 4 <= h + 30 + name_len + extra_len:
@@ -164,9 +166,28 @@ def _fields(data: bytes) -> list[tuple[int, int]]:
         cd_size, cd_offset = struct.unpack_from("<QQ", data, struct.unpack_from("<Q", data, eocd - 12)[0] + 40)
     position = cd_offset
     while position < cd_offset + cd_size:
-        fields += [(position + o, w) for o, w in ((0, 4), (4, 2), (6, 2), (8, 2), (10, 2), (12, 2), (14, 2), (16, 4),
-                                                   (20, 4), (24, 4), (28, 2), (30, 2), (32, 2), (34, 2), (36, 2),
-                                                   (38, 4), (42, 4))]  # fmt: skip
+        fields += [
+            (position + o, w)
+            for o, w in (
+                (0, 4),
+                (4, 2),
+                (6, 2),
+                (8, 2),
+                (10, 2),
+                (12, 2),
+                (14, 2),
+                (16, 4),
+                (20, 4),
+                (24, 4),
+                (28, 2),
+                (30, 2),
+                (32, 2),
+                (34, 2),
+                (36, 2),
+                (38, 4),
+                (42, 4),
+            )
+        ]
         name_len, extra_len, comment_len = struct.unpack_from("<HHH", data, position + 28)
         extra = position + 46 + name_len
         while extra + 4 <= position + 46 + name_len + extra_len:  # zip64 extras: tag, length, 8-byte values
@@ -178,8 +199,10 @@ def _fields(data: bytes) -> list[tuple[int, int]]:
         locator = eocd - 20
         fields += [(locator + o, w) for o, w in ((0, 4), (4, 4), (8, 8), (16, 4))]
         eocd64 = struct.unpack_from("<Q", data, locator + 8)[0]
-        fields += [(eocd64 + o, w) for o, w in ((0, 4), (4, 8), (12, 2), (14, 2), (16, 4), (20, 4), (24, 8), (32, 8),
-                                                 (40, 8), (48, 8))]  # fmt: skip
+        fields += [
+            (eocd64 + o, w)
+            for o, w in ((0, 4), (4, 8), (12, 2), (14, 2), (16, 4), (20, 4), (24, 8), (32, 8), (40, 8), (48, 8))
+        ]
     fields += [(eocd + o, w) for o, w in ((0, 4), (4, 2), (6, 2), (8, 2), (10, 2), (12, 4), (16, 4), (20, 2))]
     return fields
 
@@ -192,8 +215,9 @@ FIELDS = {name: _fields(data) for name, data in SEEDS.items()}
 
 @st.composite
 def mutation(draw, size: int, fields: list[tuple[int, int]]):
-    kind = draw(st.sampled_from(["flip", "byte", "truncate", "field", "field", "field", "insert", "delete", "copy",
-                                 "zip64"]))  # fmt: skip
+    kind = draw(
+        st.sampled_from(["flip", "byte", "truncate", "field", "field", "field", "insert", "delete", "copy", "zip64"])
+    )
     position = draw(st.integers(0, max(size - 1, 0)))
     if kind == "flip":
         return ("flip", position, 1 << draw(st.integers(0, 7)))
@@ -202,20 +226,43 @@ def mutation(draw, size: int, fields: list[tuple[int, int]]):
     if kind == "truncate":
         return ("truncate", draw(st.integers(0, size)))
     if kind in ("insert", "delete"):
-        return (kind, position, draw(st.binary(min_size=1, max_size=64)) if kind == "insert" else
-                draw(st.integers(1, 4096)))  # fmt: skip
+        return (
+            kind,
+            position,
+            draw(st.binary(min_size=1, max_size=64)) if kind == "insert" else draw(st.integers(1, 4096)),
+        )
     if kind == "copy":  # a piece of the file elsewhere: duplicated headers, swapped entries
         return ("copy", draw(st.integers(0, size)), position, draw(st.integers(1, 128)))
     if kind == "zip64":  # saturate the end record, so that the zip64 records are used
         return ("zip64", draw(st.sampled_from([(8, 2), (10, 2), (12, 4), (16, 4)])))
     offset, width = draw(st.sampled_from(fields))
     top = (1 << (8 * width)) - 1
-    value = draw(st.one_of(
-        st.sampled_from([0, 1, 2, top, top - 1, top >> 1, (top >> 1) + 1, size, size - 1, size + 1, 4096, 0xFFFF,
-                         0xFFFFFFFF, 22, 46, 56]),
-        st.integers(0, top),
-        st.integers(0, size + 64),
-    ))  # fmt: skip
+    value = draw(
+        st.one_of(
+            st.sampled_from(
+                [
+                    0,
+                    1,
+                    2,
+                    top,
+                    top - 1,
+                    top >> 1,
+                    (top >> 1) + 1,
+                    size,
+                    size - 1,
+                    size + 1,
+                    4096,
+                    0xFFFF,
+                    0xFFFFFFFF,
+                    22,
+                    46,
+                    56,
+                ]
+            ),
+            st.integers(0, top),
+            st.integers(0, size + 64),
+        )
+    )
     return ("field", offset, width, value & top)
 
 
@@ -316,7 +363,8 @@ def unavailable_device(error: BaseException) -> bool:
     while frame.tb_next is not None:
         frame = frame.tb_next
     return frame.tb_frame.f_code.co_filename.endswith(os.path.join("torch", "serialization.py")) and (
-        "device" in str(error) or "location" in str(error))  # fmt: skip
+        "device" in str(error) or "location" in str(error)
+    )
 
 
 def outcome(call):
@@ -426,26 +474,47 @@ class _Pickler(pickle.Pickler):
 
 STORAGE_TYPES = [torch.FloatStorage, torch.UntypedStorage, torch.HalfStorage, torch.ByteStorage, torch.LongStorage]
 atoms = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=8),
-    st.binary(max_size=8), st.sampled_from(STORAGE_TYPES), st.sampled_from(["storage", "cpu", "0", "1", "cuda:0"]),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+    st.sampled_from(STORAGE_TYPES),
+    st.sampled_from(["storage", "cpu", "0", "1", "cuda:0"]),
+)
 persistent_ids = st.one_of(
-    st.tuples(st.just("storage"), st.sampled_from(STORAGE_TYPES), st.sampled_from(["0", "1", "2", "3", "99"]),
-              st.sampled_from(["cpu", "meta", "cuda", "nowhere", 7]), st.integers(-3, 2**62)),
+    st.tuples(
+        st.just("storage"),
+        st.sampled_from(STORAGE_TYPES),
+        st.sampled_from(["0", "1", "2", "3", "99"]),
+        st.sampled_from(["cpu", "meta", "cuda", "nowhere", 7]),
+        st.integers(-3, 2**62),
+    ),
     st.lists(atoms, max_size=6).map(tuple),
     atoms,
-)  # fmt: skip
+)
 hostile = st.recursive(
-    st.one_of(atoms, persistent_ids.map(PersistentId),
-              st.sampled_from([must_never_run, os.system, eval, print, torch.load, pickle.loads, Call]).map(
-                  lambda f: Call(f, ("echo pwned",))),
-              st.builds(lambda s, o, size: Call(torch._utils._rebuild_tensor_v2,
-                                                (PersistentId(s), o, size, (1,) * len(size), False, {})),
-                        persistent_ids, st.integers(-5, 2**40), st.lists(st.integers(-1, 2**40), max_size=3).map(tuple))),
-    lambda children: st.one_of(st.lists(children, max_size=4), st.dictionaries(st.text(max_size=4), children,
-                                                                                 max_size=4)),
+    st.one_of(
+        atoms,
+        persistent_ids.map(PersistentId),
+        st.sampled_from([must_never_run, os.system, eval, print, torch.load, pickle.loads, Call]).map(
+            lambda f: Call(f, ("echo pwned",))
+        ),
+        st.builds(
+            lambda s, o, size: Call(
+                torch._utils._rebuild_tensor_v2, (PersistentId(s), o, size, (1,) * len(size), False, {})
+            ),
+            persistent_ids,
+            st.integers(-5, 2**40),
+            st.lists(st.integers(-1, 2**40), max_size=3).map(tuple),
+        ),
+    ),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=4), children, max_size=4)
+    ),
     max_leaves=12,
-)  # fmt: skip
+)
 
 
 def _rebuild_with_pickle(seed: bytes, pickle_bytes: bytes) -> bytes:
@@ -479,7 +548,7 @@ def check_pickle(path: str, seed: bytes, pickle_bytes: bytes) -> None:
         warnings.simplefilter("ignore")
         assert fastpersist.verify(path).checksummed
         for verify in (True, False):
-            outcome(lambda: fastpersist.load(path, weights_only=True, verify=verify))
+            outcome(lambda verify=verify: fastpersist.load(path, weights_only=True, verify=verify))
     assert CALLED == [], f"weights_only called {CALLED}"
 
 
@@ -495,8 +564,13 @@ def test_hostile_pickles(obj, protocol, fuzz_dir):
 
 
 @fuzz_settings(ci_examples=1500)
-@given(edits=st.lists(st.tuples(st.integers(0, 1 << 16), st.sampled_from(["set", "insert", "delete"]),
-                                st.integers(0, 255)), min_size=1, max_size=6))  # fmt: skip
+@given(
+    edits=st.lists(
+        st.tuples(st.integers(0, 1 << 16), st.sampled_from(["set", "insert", "delete"]), st.integers(0, 255)),
+        min_size=1,
+        max_size=6,
+    )
+)
 def test_mutated_pickles(edits, fuzz_dir):
     with zipfile.ZipFile(io.BytesIO(SEEDS["ckpt.pt"])) as archive:
         original = archive.read("ckpt/data.pkl")

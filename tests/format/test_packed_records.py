@@ -124,7 +124,9 @@ def test_alignment_claim_follows_the_records(tmp_path):
         else:
             record = by_name[".storage_alignment"]
             assert data[record.data_offset : record.data_offset + record.size] == claim
-        assert check_alignment_claim(records, lambda o, n: data[o : o + n]) == (int(claim) if claim else None)
+        assert check_alignment_claim(records, lambda o, n, data=data: data[o : o + n]) == (
+            int(claim) if claim else None
+        )
 
 
 def test_verify_checks_packed_files_and_their_alignment_claim(tmp_path, recwarn):
@@ -196,8 +198,11 @@ def test_byte_ranges_of_a_packed_plan_rebuild_the_file(tmp_path):
         else:
             crcs.append(zlib.crc32(record.data))
     # Cut points that fall inside packed records, headers and the big record.
-    cuts = sorted({0, plan.size} | {min(plan.size, 97 * k + 13) for k in range(1, 40, 7)}
-                  | {plan.size // 3, plan.size // 2, plan.size - 5})  # fmt: skip
+    cuts = sorted(
+        {0, plan.size}
+        | {min(plan.size, 97 * k + 13) for k in range(1, 40, 7)}
+        | {plan.size // 3, plan.size // 2, plan.size - 5}
+    )
     pieces = [_produce_range(plan, crcs, a, b) for a, b in zip(cuts, cuts[1:])]
     path = tmp_path / "ckpt.pt"
     path.write_bytes(b"".join(pieces))
@@ -242,10 +247,14 @@ def test_small_records_are_read_once_per_slab(tmp_path, monkeypatch, weights_onl
     fastpersist.save(state, path)
     slab_reads, record_reads = [], []
     submit_slab, read_cpu = reader.FileStorageProvider._submit_slab, reader.FileStorageProvider._read_cpu
-    monkeypatch.setattr(reader.FileStorageProvider, "_submit_slab", lambda self, slab: slab_reads.append(slab.index)
-                        or submit_slab(self, slab))  # fmt: skip
-    monkeypatch.setattr(reader.FileStorageProvider, "_read_cpu", lambda self, items: record_reads.extend(items)
-                        or read_cpu(self, items))  # fmt: skip
+    monkeypatch.setattr(
+        reader.FileStorageProvider,
+        "_submit_slab",
+        lambda self, slab: slab_reads.append(slab.index) or submit_slab(self, slab),
+    )
+    monkeypatch.setattr(
+        reader.FileStorageProvider, "_read_cpu", lambda self, items: record_reads.extend(items) or read_cpu(self, items)
+    )
     import torch.nested  # noqa: F401 - registers torch's own safe globals
 
     _assert_same(state, fastpersist.load(path, weights_only=weights_only))

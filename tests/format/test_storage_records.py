@@ -109,7 +109,9 @@ def test_the_zip_directory_of_a_load_is_rows_the_collector_does_not_track(tmp_pa
             table = RecordTable(rows)
             name = rows[-1][0]
             assert len(table) == len(rows) and name in table and list(table)[-1] == name
-            assert type(table[name]) is ZipRecordInfo and table[name] == rows[-1] and table.get(name).size == rows[-1][3]
+            assert (
+                type(table[name]) is ZipRecordInfo and table[name] == rows[-1] and table.get(name).size == rows[-1][3]
+            )
             del table[name]
             assert name not in table and table.get(name) is None and len(table) == len(rows) - 1
 

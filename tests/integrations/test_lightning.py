@@ -13,10 +13,10 @@ import torch
 import fastpersist
 
 lightning = pytest.importorskip("lightning")
-from lightning.pytorch import LightningModule, Trainer  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from fastpersist.integrations.lightning import (  # noqa: E402
+from fastpersist.integrations.lightning import (
     AsyncFastPersistCheckpointIO,
     FastPersistCheckpoint,
     FastPersistCheckpointIO,
@@ -78,8 +78,12 @@ def check_resume(tmp_path, make_trainer, checkpoint):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_plugin_fit_and_resume(tmp_path):
     def make(**kw):
-        return trainer(tmp_path, plugins=[FastPersistCheckpointIO()],
-                       callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)], **kw)  # fmt: skip
+        return trainer(
+            tmp_path,
+            plugins=[FastPersistCheckpointIO()],
+            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+            **kw,
+        )
 
     first = make()
     model = TinyModel()
@@ -98,8 +102,14 @@ def test_callback_top_k_save_last_and_resume(tmp_path, async_mode):
     directory = tmp_path / "ckpt"
 
     def make(**kw):
-        callback = FastPersistCheckpoint(dirpath=directory, monitor="train_loss", save_top_k=2, save_last=True,
-                                         every_n_train_steps=1, async_mode=async_mode)  # fmt: skip
+        callback = FastPersistCheckpoint(
+            dirpath=directory,
+            monitor="train_loss",
+            save_top_k=2,
+            save_last=True,
+            every_n_train_steps=1,
+            async_mode=async_mode,
+        )
         return trainer(tmp_path, callbacks=[callback], **kw), callback
 
     first, callback = make()
@@ -234,9 +244,15 @@ def test_pytorch_lightning_flavour(tmp_path):
     from fastpersist.integrations.lightning import for_package
 
     classes = for_package("pytorch_lightning")
-    t = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, default_root_dir=str(tmp_path),
-                   callbacks=[classes.FastPersistCheckpoint(dirpath=tmp_path / "c", save_last=True)])  # fmt: skip
+    t = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[classes.FastPersistCheckpoint(dirpath=tmp_path / "c", save_last=True)],
+    )
 
     class Model(pl.LightningModule):
         def __init__(self):
@@ -259,19 +275,42 @@ def test_pytorch_lightning_flavour(tmp_path):
     assert torch.load(tmp_path / "c" / "last.ckpt", weights_only=False)["global_step"] == 2
 
 
-@pytest.mark.parametrize("variant", [["--io", "callback"], ["--io", "callback", "--async-mode", "snapshot"],
-                                     ["--io", "callback", "--async-mode", "pipelined"], ["--io", "strategy"],
-                                     ["--io", "plugin"]], ids=lambda v: "-".join(v[1::2]))  # fmt: skip
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ["--io", "callback"],
+        ["--io", "callback", "--async-mode", "snapshot"],
+        ["--io", "callback", "--async-mode", "pipelined"],
+        ["--io", "strategy"],
+        ["--io", "plugin"],
+    ],
+    ids=lambda v: "-".join(v[1::2]),
+)
 def test_ddp_gloo_two_ranks(tmp_path, variant):
     """Trainer(strategy='ddp', devices=2) on CPU (gloo): fit with a Timer and an unsynchronized monitored metric,
     top-k + last, resume; last.ckpt is rank 0's checkpoint dict, the resumed weights equal an uninterrupted run."""
     env = {**os.environ, "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore"}
     script = os.path.join(REPO, "examples", "lightning_callback.py")
     run = subprocess.run(
-        [sys.executable, script, "--dir", str(tmp_path), "--devices", "2", "--epochs", "2", "--accelerator", "cpu",
-         "--check", *variant],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            script,
+            "--dir",
+            str(tmp_path),
+            "--devices",
+            "2",
+            "--epochs",
+            "2",
+            "--accelerator",
+            "cpu",
+            "--check",
+            *variant,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "resumed at epoch 2" in run.stdout and "ranks=2" in run.stdout
     assert "last.ckpt holds rank 0's checkpoint" in run.stdout and "weights equal an uninterrupted run" in run.stdout

@@ -37,11 +37,10 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist.io import commit
-from fastpersist.io import engine
+from fastpersist.io import commit, engine
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_workers"))
-from _crash_child import make_state  # noqa: E402
+from _crash_child import make_state
 
 ELEMENTS = 400_000  # A: 1.6 MB, B: 1.7 MB; several ring windows with the settings below
 SETTINGS = [
@@ -57,9 +56,16 @@ def zygote():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     process = subprocess.Popen(
-        [sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_workers", "_crash_child.py")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_workers", "_crash_child.py"),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        env=env,
+    )
     try:
         assert process.stdout.readline().strip() == "ready"
         yield process
@@ -69,8 +75,14 @@ def zygote():
 
 
 def spawn(zygote, path: str, fifo: str, scratch: str, settings: dict, use_async: bool) -> int:
-    command = {"path": path, "fifo": fifo, "scratch": scratch, "elements": ELEMENTS, "settings": settings,
-               "use_async": use_async}  # fmt: skip
+    command = {
+        "path": path,
+        "fifo": fifo,
+        "scratch": scratch,
+        "elements": ELEMENTS,
+        "settings": settings,
+        "use_async": use_async,
+    }
     zygote.stdin.write(json.dumps(command) + "\n")
     return int(zygote.stdout.readline())
 

@@ -28,8 +28,12 @@ from fastpersist.format.serializer import plan_save
 from fastpersist.io import engine, memory
 
 ENGINES = [
-    pytest.param(name, marks=pytest.mark.skipif(not engine.engine_status()[name]["usable"],
-                                                reason=engine.engine_status()[name]["reason"]))  # fmt: skip
+    pytest.param(
+        name,
+        marks=pytest.mark.skipif(
+            not engine.engine_status()[name]["usable"], reason=engine.engine_status()[name]["reason"]
+        ),
+    )
     for name in engine.ENGINE_NAMES
 ]
 # Small windows and blocks: a ~2.4 MB checkpoint becomes ~40 submissions, so a fault

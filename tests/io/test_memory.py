@@ -269,6 +269,7 @@ print("ok")
 @pytest.mark.gpu
 def test_cpu_saves_do_not_initialize_cuda_and_pooled_buffers_register_later(tmp_path):
     """A CPU-only save must not create a CUDA context (~250 MB of host memory); its ring registers once CUDA is up."""
-    result = subprocess.run([sys.executable, "-c", _CPU_SAVE_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _CPU_SAVE_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr

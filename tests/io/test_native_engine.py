@@ -18,11 +18,10 @@ import time
 import pytest
 import torch
 
-from fastpersist.tensors import host_memoryview
-
 from fastpersist.errors import ConfigError, EngineUnavailableError
 from fastpersist.io import engine
 from fastpersist.io.memory import aligned_empty
+from fastpersist.tensors import host_memoryview
 
 BLOCK = 64 << 10
 SIZES = [0, 1, 511, 4095, 4096, 4097, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 777]
@@ -135,7 +134,9 @@ def test_many_requests_outstanding(any_dir, engine_name, lanes, overlap, single_
         position += source.numel()
     requests = []
     for i, source in enumerate(sources):  # 8 into separate files, 8 into one file at increasing offsets
-        requests.append(handle.submit_write(source.data_ptr(), source.numel(), os.path.join(any_dir, f"m{i}"), 0, keepalive=source))
+        requests.append(
+            handle.submit_write(source.data_ptr(), source.numel(), os.path.join(any_dir, f"m{i}"), 0, keepalive=source)
+        )
     with engine.File(shared, "w") as f:
         for source, offset in zip(sources, offsets):
             requests.append(handle.submit_write(source.data_ptr(), source.numel(), f, offset, keepalive=source))
@@ -392,7 +393,9 @@ def test_write_only_fd_read_fails_at_wait(disk_dir, engine_name):
 @pytest.mark.root
 def test_read_only_filesystem_raises_erofs(engine_name):
     mountpoint = tempfile.mkdtemp(prefix="fastpersist-ro-")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", mountpoint], capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", mountpoint], capture_output=True, text=True
+    )
     if result.returncode != 0:
         os.rmdir(mountpoint)
         pytest.skip(f"cannot mount a read-only tmpfs: {result.stderr.strip()}")
@@ -456,7 +459,9 @@ def test_read_past_end_of_file(disk_dir, engine_name):
     assert error.filename == path
     assert "unexpected end of file" in str(error) and "10000" in str(error)
     assert handle.pending() == 0
-    request = handle.submit_read(destination.data_ptr(), destination.numel(), path, 0, keepalive=destination, allow_short=True)
+    request = handle.submit_read(
+        destination.data_ptr(), destination.numel(), path, 0, keepalive=destination, allow_short=True
+    )
     handle.wait()
     assert request.bytes_transferred == 10000
     assert bytes(host_memoryview(destination[:10000])) == payload
@@ -492,7 +497,10 @@ def test_first_error_wins_and_everything_is_reaped(disk_dir, engine_name):
     _, source = _random_aligned(size)
     with engine.inject_fault(nth=2, errno=errno.ENOSPC, count=0):  # every write from the 2nd on fails
         handle = engine.IoHandle(block_size=BLOCK, queue_depth=4, engine=engine_name)
-    requests = [handle.submit_write(source.data_ptr(), size, os.path.join(disk_dir, f"e{i}"), 0, keepalive=source) for i in range(4)]
+    requests = [
+        handle.submit_write(source.data_ptr(), size, os.path.join(disk_dir, f"e{i}"), 0, keepalive=source)
+        for i in range(4)
+    ]
     with pytest.raises(OSError) as info:
         handle.wait()
     assert info.value.errno == errno.ENOSPC

@@ -21,9 +21,9 @@ import pickle
 import shutil
 import struct
 import subprocess
-import time
 import sys
 import tempfile
+import time
 import warnings
 import zipfile
 
@@ -32,10 +32,9 @@ import torch
 
 import fastpersist
 from fastpersist import cli
-from fastpersist.io import commit
 from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedObjectError
 from fastpersist.format.zipformat import check_structure, read_directory
-
+from fastpersist.io import commit
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -50,8 +49,11 @@ def same(a, b) -> bool:
         if a.shape != b.shape:
             return False
         if a.is_quantized:
-            return a.qscheme() == b.qscheme() and torch.equal(a.int_repr(), b.int_repr()) and torch.equal(
-                a.dequantize(), b.dequantize())  # fmt: skip
+            return (
+                a.qscheme() == b.qscheme()
+                and torch.equal(a.int_repr(), b.int_repr())
+                and torch.equal(a.dequantize(), b.dequantize())
+            )
         if a.layout != torch.strided:
             return torch.equal(a.to_dense(), b.to_dense())
         return torch.equal(a, b)
@@ -68,8 +70,12 @@ def temporaries(directory) -> list[str]:
 
 def small_checkpoint(path, seed: int = 0) -> dict:
     generator = torch.Generator().manual_seed(seed)
-    obj = {"weight": torch.randn(40, 30, generator=generator), "bias": torch.randn(7, generator=generator),
-           "empty": torch.empty(0), "step": seed}  # fmt: skip
+    obj = {
+        "weight": torch.randn(40, 30, generator=generator),
+        "bias": torch.randn(7, generator=generator),
+        "empty": torch.empty(0),
+        "step": seed,
+    }
     fastpersist.save(obj, path)
     return obj
 
@@ -89,16 +95,18 @@ def _special_tensors() -> dict:
         warnings.simplefilter("ignore")  # "sparse CSR support is in beta", "nested tensors are a prototype"
         return {
             "coo": dense.to_sparse(),
-            "coo_uncoalesced": torch.sparse_coo_tensor(torch.tensor([[0, 0, 1], [1, 1, 2]]), torch.tensor([1.0, 2, 3]),
-                                                       (2, 3)),  # fmt: skip
+            "coo_uncoalesced": torch.sparse_coo_tensor(
+                torch.tensor([[0, 0, 1], [1, 1, 2]]), torch.tensor([1.0, 2, 3]), (2, 3)
+            ),
             "csr": dense.to_sparse_csr(),
             "csc": dense.to_sparse_csc(),
             "bsr": dense.to_sparse_bsr((2, 2)),
             "nested": torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)]),
             "nested_jagged": torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(5, 3)], layout=torch.jagged),
             "qint8": torch.quantize_per_tensor(torch.randn(10), 0.1, 3, torch.qint8),
-            "quint8_per_channel": torch.quantize_per_channel(torch.randn(3, 4), torch.tensor([0.1, 0.2, 0.3]),
-                                                             torch.tensor([0, 1, 2]), 0, torch.quint8),  # fmt: skip
+            "quint8_per_channel": torch.quantize_per_channel(
+                torch.randn(3, 4), torch.tensor([0.1, 0.2, 0.3]), torch.tensor([0, 1, 2]), 0, torch.quint8
+            ),
             "parameter": torch.nn.Parameter(torch.randn(3)),
             "subclass": torch.randn(5).as_subclass(MyTensor),
             "complex_view": torch.randn(4, dtype=torch.complex64)[1:],
@@ -251,7 +259,7 @@ def test_file_objects_without_fileno(tmp_path):
     assert same(obj, fastpersist.load(io.BytesIO(buffer.getvalue()), verify=True))
     sink = NoFileno()
     fastpersist.save(obj, sink)
-    assert bytes(sink.data) [:4] == b"PK\x03\x04" and same(obj, torch.load(io.BytesIO(bytes(sink.data))))
+    assert bytes(sink.data)[:4] == b"PK\x03\x04" and same(obj, torch.load(io.BytesIO(bytes(sink.data))))
     damaged = bytearray(buffer.getvalue())
     damaged[read_directory(lambda o, n: bytes(damaged[o : o + n]), len(damaged))[-3].data_offset + 5] ^= 1
     with pytest.raises(ChecksumMismatchError, match="archive/data/"):
@@ -484,8 +492,9 @@ def test_load_with_verify_catches_flipped_bytes_and_names_the_record(tmp_path):
     records = read_directory(lambda o, n: good[o : o + n], len(good))
     damaged = tmp_path / "damaged.pt"
     for record in records:
-        for offset in sorted({record.data_offset, record.data_offset + record.size // 2,
-                              record.data_offset + record.size - 1}):  # fmt: skip
+        for offset in sorted(
+            {record.data_offset, record.data_offset + record.size // 2, record.data_offset + record.size - 1}
+        ):
             if record.size == 0:
                 continue
             data = bytearray(good)
@@ -594,8 +603,9 @@ def test_structure_of_a_sparse_zip64_archive(tmp_path):
     from fastpersist.format.zipformat import layout_archive
 
     big = (4 << 30) + 123
-    layout = layout_archive([("z/data.pkl", 10, False), ("z/data/0", big, True), ("z/data/1", 4096, True),
-                             ("z/version", 2, False)])  # fmt: skip
+    layout = layout_archive(
+        [("z/data.pkl", 10, False), ("z/data/0", big, True), ("z/data/1", 4096, True), ("z/version", 2, False)]
+    )
     crcs = [0x1234, 0x5678, 0x9ABC, 0xDEF0]  # not checked here: no payload is read
     path = tmp_path / "zip64.pt"
     with open(path, "wb") as handle:
@@ -612,7 +622,8 @@ def test_structure_of_a_sparse_zip64_archive(tmp_path):
         read_at = lambda offset, length: os.pread(handle.fileno(), length, offset)  # noqa: E731
         records = check_structure(read_at, layout.size, str(path))
         assert [(r.name, r.size, r.data_offset) for r in records] == [
-            (e.name, e.size, e.data_offset) for e in layout.entries]  # fmt: skip
+            (e.name, e.size, e.data_offset) for e in layout.entries
+        ]
         assert read_directory(read_at, layout.size) == records
     data = bytearray(open(path, "rb").read(layout.entries[1].data_offset))  # the head: data/0's local header
     zip64_field = data.rfind(struct.pack("<Q", big))  # in data/0's local zip64 extra
@@ -655,8 +666,13 @@ def test_malformed_persistent_ids_are_pickle_errors(tmp_path):
         def persistent_id(self, obj):
             return obj.saved_id if isinstance(obj, Id) else None
 
-    cases = [("storage",), ("storage", torch.FloatStorage, ["key"], "cpu", 4), ("disk", torch.FloatStorage, "0", "cpu", 1),
-             ("storage", torch.FloatStorage, "0", "cpu", -1), ("storage", torch.FloatStorage, "9", "cpu", 1)]  # fmt: skip
+    cases = [
+        ("storage",),
+        ("storage", torch.FloatStorage, ["key"], "cpu", 4),
+        ("disk", torch.FloatStorage, "0", "cpu", 1),
+        ("storage", torch.FloatStorage, "0", "cpu", -1),
+        ("storage", torch.FloatStorage, "9", "cpu", 1),
+    ]
     for saved_id in cases:
         buffer = io.BytesIO()
         Pickler(buffer, protocol=2).dump([Id(saved_id)])
@@ -724,8 +740,12 @@ def test_verify_command_exit_codes(tmp_path, capsys):
     torch.save({"a": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
     assert run(legacy)[0] == 2
     # As a program: the exit status reaches the shell.
-    result = subprocess.run([sys.executable, "-m", "fastpersist.cli.verify", str(good), str(bad)],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "fastpersist.cli.verify", str(good), str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1 and "CORRUPT" in result.stdout and "OK" in result.stdout
 
 
@@ -733,8 +753,9 @@ def test_verify_subcommand_of_the_main_command(tmp_path):
     assert "verify" in cli.COMMANDS
     good = tmp_path / "good.pt"
     small_checkpoint(good)
-    result = subprocess.run([sys.executable, "-m", "fastpersist", "verify", str(good)], capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "fastpersist", "verify", str(good)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0 and "OK" in result.stdout
     good.write_bytes(good.read_bytes()[:-10])
     assert cli.main(["verify", str(good)]) == 1

@@ -44,11 +44,25 @@ def test_native_component(source, compiler, tmp_path):
     binary = str(tmp_path / "test")
     have_uring = "1" if os.path.exists("/usr/include/linux/io_uring.h") else "0"
     build = subprocess.run(
-        [compiler, "-std=c++17", "-O0", "-pthread", f"-DFASTPERSIST_HAVE_IO_URING={have_uring}",
-         "-I", os.path.join(ROOT, "native", "include"), "-I", os.path.join(ROOT, "native", "src"),
-         *sources, source, "-o", binary],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            compiler,
+            "-std=c++17",
+            "-O0",
+            "-pthread",
+            f"-DFASTPERSIST_HAVE_IO_URING={have_uring}",
+            "-I",
+            os.path.join(ROOT, "native", "include"),
+            "-I",
+            os.path.join(ROOT, "native", "src"),
+            *sources,
+            source,
+            "-o",
+            binary,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([binary, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr

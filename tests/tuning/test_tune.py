@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from fastpersist import config, system
-from fastpersist.tuning import measure
-from fastpersist.tuning import tuner as tune
-from fastpersist.tuning import workloads
 from fastpersist.errors import EngineUnavailableError
+from fastpersist.tuning import measure, workloads
+from fastpersist.tuning import tuner as tune
 
 
 class TorchBackend(tune.Backend):

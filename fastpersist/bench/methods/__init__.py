@@ -11,6 +11,12 @@ A new family is a new module here plus one import line below.
 
 from __future__ import annotations
 
+from fastpersist.bench.methods import (
+    ceilings,  # noqa: F401
+    fastpersist_methods,  # noqa: F401
+    safetensors_baseline,  # noqa: F401
+    torch_baselines,  # noqa: F401 - registers its methods
+)
 from fastpersist.bench.methods.base import (
     LOAD_METHODS,
     SAVE_METHODS,
@@ -19,9 +25,5 @@ from fastpersist.bench.methods.base import (
     SaveMethod,
     register,
 )
-from fastpersist.bench.methods import torch_baselines  # noqa: F401 - registers its methods
-from fastpersist.bench.methods import safetensors_baseline  # noqa: F401
-from fastpersist.bench.methods import fastpersist_methods  # noqa: F401
-from fastpersist.bench.methods import ceilings  # noqa: F401
 
 __all__ = ["BenchContext", "SaveMethod", "LoadMethod", "SAVE_METHODS", "LOAD_METHODS", "register"]

@@ -167,5 +167,5 @@ def fastpersist_api() -> tuple[Any, str | None]:
 
         fastpersist.save, fastpersist.load  # noqa: B018 - probe the public API
         return fastpersist, None
-    except Exception as e:  # ImportError, AttributeError, or an error building the native module
+    except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, or an error building the native module
         return None, f"fastpersist.save is not importable yet ({type(e).__name__}: {e})"

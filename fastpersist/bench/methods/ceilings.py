@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from fastpersist import system
-from fastpersist.io import commit
 from fastpersist.bench import measure
-from fastpersist.tuning import workloads
 from fastpersist.bench.methods.base import SaveMethod, register
+from fastpersist.io import commit
 from fastpersist.tensors import host_memoryview
+from fastpersist.tuning import workloads
 
 __all__ = ["Candidate", "CeilingProbe", "CeilingVerificationError", "RawWrite", "fio_command", "measure_ceiling"]
 
@@ -78,7 +78,6 @@ class RawWrite(SaveMethod):
         return dict(loaded), None
 
 
-
 register(RawWrite())
 
 
@@ -109,8 +108,18 @@ class Candidate:
         return {"tool": self.tool, "block_size": self.block_size, "queue_depth": self.queue_depth}
 
 
-def fio_command(path: str, rw: str, size: int, block_size: int, queue_depth: int, *, direct: bool,
-                threads: int = 1, fallocate: bool = True, verify: bool = True) -> list[str]:  # fmt: skip
+def fio_command(
+    path: str,
+    rw: str,
+    size: int,
+    block_size: int,
+    queue_depth: int,
+    *,
+    direct: bool,
+    threads: int = 1,
+    fallocate: bool = True,
+    verify: bool = True,
+) -> list[str]:
     """The fio command line for one sequential job over ``path`` (io_uring; ``end_fsync`` for writes).
 
     With ``verify`` fio stamps every block with a CRC32C header when writing
@@ -150,7 +159,9 @@ def run_fio(command: list[str], rw: str) -> float:
     """
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        raise RuntimeError(f"fio failed ({result.returncode}): {(result.stderr.strip() or result.stdout[-2000:])[:2000]}")
+        raise RuntimeError(
+            f"fio failed ({result.returncode}): {(result.stderr.strip() or result.stdout[-2000:])[:2000]}"
+        )
     document = json.loads(result.stdout[result.stdout.index("{") :])
     return float(document["jobs"][0][rw]["bw_bytes"])
 
@@ -232,8 +243,12 @@ class CeilingProbe:
             commit.fsync_directory(self.workdir)
             return seconds + time.perf_counter() - start
         engine = self._engine
-        handle = engine.IoHandle(block_size=candidate.block_size, queue_depth=candidate.queue_depth,
-                                 engine=self.engine_name, direct=self.direct)  # fmt: skip
+        handle = engine.IoHandle(
+            block_size=candidate.block_size,
+            queue_depth=candidate.queue_depth,
+            engine=self.engine_name,
+            direct=self.direct,
+        )
         with engine.File(path, "w", direct=self.direct, truncate=True) as file:
             start = time.perf_counter()
             if file.direct:
@@ -263,8 +278,12 @@ class CeilingProbe:
             except RuntimeError as e:
                 raise CeilingVerificationError(f"fio's verified read failed: {e}") from e
         engine = self._engine
-        handle = engine.IoHandle(block_size=candidate.block_size, queue_depth=candidate.queue_depth,
-                                 engine=self.engine_name, direct=self.direct)  # fmt: skip
+        handle = engine.IoHandle(
+            block_size=candidate.block_size,
+            queue_depth=candidate.queue_depth,
+            engine=self.engine_name,
+            direct=self.direct,
+        )
         destination = self.destination[:n]
         with engine.File(path, "r", direct=self.direct) as file:
             start = time.perf_counter()

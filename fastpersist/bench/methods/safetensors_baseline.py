@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from fastpersist.tuning import workloads
 from fastpersist.bench.methods.base import LoadMethod, SaveMethod, register
+from fastpersist.tuning import workloads
 
 __all__ = ["SafetensorsSave", "SafetensorsLoad"]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ __all__ = ["TorchSave", "TorchSaveFast", "TorchLoad", "TorchLoadMmap", "DcpSave"
 
 @contextlib.contextmanager
 def _torch_serialization_settings(**values: Any) -> Iterator[None]:
-    import torch.utils.serialization  # noqa: F401 - makes torch.utils.serialization.config importable
+    import torch.utils.serialization
 
     config = torch.utils.serialization.config.save
     old = {k: getattr(config, k) for k in values}
@@ -89,6 +90,7 @@ class TorchLoadMmap(LoadMethod):
     def load(self, path, state, ctx):
         return torch_load(path, ctx, mmap=True)  # the runner touches every page
 
+
 def _dcp_kwargs(ctx: BenchContext) -> dict[str, Any]:
     # Every rank saves its whole state to its own directory (like the other methods), so DCP runs
     # without collectives even under torchrun; sharded DCP saves would be a separate method.
@@ -116,7 +118,7 @@ class DcpSave(SaveMethod):
         try:
             import torch.distributed.checkpoint as dcp  # noqa: F401
             from torch.distributed.checkpoint import FileSystemWriter  # noqa: F401
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any reason it cannot run is reported, not raised
             return f"torch.distributed.checkpoint is not usable here ({type(e).__name__}: {e})"
         return None
 

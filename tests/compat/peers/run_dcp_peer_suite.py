@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-_PATCH = '''
+_PATCH = """
 import torch.distributed.checkpoint as _dcp
 import torch.distributed.checkpoint.filesystem as _filesystem
 from fastpersist.dcp import FastPersistReader, FastPersistWriter
@@ -46,7 +46,7 @@ _dcp.FileSystemWriter = FileSystemWriter
 _dcp.FileSystemReader = FileSystemReader
 _filesystem.FileSystemWriter = FileSystemWriter
 _filesystem.FileSystemReader = FileSystemReader
-'''
+"""
 
 
 def main() -> int:

@@ -71,8 +71,11 @@ def main() -> int:
     def count(result):
         return {state: sum(1 for s in result.values() if s == state) for state in ("passed", "failed", "skipped")}
 
-    differ = {name: (plain.get(name), ours.get(name)) for name in sorted(set(plain) | set(ours))
-              if plain.get(name) != ours.get(name)}  # fmt: skip
+    differ = {
+        name: (plain.get(name), ours.get(name))
+        for name in sorted(set(plain) | set(ours))
+        if plain.get(name) != ours.get(name)
+    }
     document = {"files": files, "plain": count(plain), "fastpersist": count(ours), "differences": differ}
     print(f"plain:       {document['plain']}")
     print(f"fastpersist: {document['fastpersist']}")

@@ -108,8 +108,10 @@ def _run(mode: str, test_file: str) -> dict:
     try:
         completed = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--child", mode, test_file, result_file],
-            capture_output=True, text=True, timeout=900,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         try:
             with open(result_file) as f:
                 return json.load(f)
@@ -133,8 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", help="the safetensors repository's bindings/python/tests directory")
     parser.add_argument("--files", nargs="*", default=DEFAULT_FILES, help="test files to run (default: the torch ones)")
-    parser.add_argument("--mode", choices=("both", "all", "plain", "ours", "ours-align8"), default="all",
-                        help="both: plain and ours; all: also ours with alignment=8 (the library's exact bytes)")
+    parser.add_argument(
+        "--mode",
+        choices=("both", "all", "plain", "ours", "ours-align8"),
+        default="all",
+        help="both: plain and ours; all: also ours with alignment=8 (the library's exact bytes)",
+    )
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
     modes = {"both": ["plain", "ours"], "all": ["plain", "ours", "ours-align8"]}.get(args.mode, [args.mode])
@@ -155,8 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         if "plain" in modes and len(modes) > 1:
             results = {mode: entry[mode]["results"] for mode in modes}
             tests = sorted(set().union(*results.values()))
-            entry["differences"] = {test: {mode: results[mode].get(test) for mode in modes} for test in tests
-                                    if len({results[mode].get(test) for mode in modes}) > 1}  # fmt: skip
+            entry["differences"] = {
+                test: {mode: results[mode].get(test) for mode in modes}
+                for test in tests
+                if len({results[mode].get(test) for mode in modes}) > 1
+            }
             for test, outcome in entry["differences"].items():
                 print(f"    {test}: " + ", ".join(f"{mode} {outcome[mode]}" for mode in modes))
         for mode in modes:

@@ -49,9 +49,7 @@ def run(test_file: str, swapped: bool, extra: list[str]) -> dict[str, str]:
         os.makedirs(plugin_dir)
         env = dict(
             os.environ,
-            PYTHONPATH=os.pathsep.join(
-                [ROOT, plugin_dir, os.environ.get("PYTHONPATH", "")]
-            ),
+            PYTHONPATH=os.pathsep.join([ROOT, plugin_dir, os.environ.get("PYTHONPATH", "")]),
         )
         command = [
             sys.executable,
@@ -67,20 +65,12 @@ def run(test_file: str, swapped: bool, extra: list[str]) -> dict[str, str]:
             with open(os.path.join(plugin_dir, "fastpersist_swap.py"), "w") as f:
                 f.write(CONFTEST.format(here=HERE))
             command += ["-p", "fastpersist_swap"]
-        subprocess.run(
-            command + extra, env=env, cwd=os.path.dirname(os.path.abspath(test_file))
-        )
+        subprocess.run(command + extra, env=env, cwd=os.path.dirname(os.path.abspath(test_file)))
         outcomes = {}
         for case in ElementTree.parse(report).getroot().iter("testcase"):
             name = f"{case.get('classname')}::{case.get('name')}"
             tags = {child.tag for child in case}
-            outcomes[name] = (
-                "failed"
-                if tags & {"failure", "error"}
-                else "skipped"
-                if "skipped" in tags
-                else "passed"
-            )
+            outcomes[name] = "failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed"
         return outcomes
 
 
@@ -93,14 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = ["-k", args.k] if args.k else []
     plain = run(args.test_file, False, extra)
     swapped = run(args.test_file, True, extra)
-    regressions = sorted(
-        n for n, o in plain.items() if o == "passed" and swapped.get(n) != "passed"
-    )
-    unexpected = [
-        n
-        for n in regressions
-        if n.rsplit("::", 1)[1].split("_cpu")[0] not in EXPECTED_DIFFERENCES
-    ]
+    regressions = sorted(n for n, o in plain.items() if o == "passed" and swapped.get(n) != "passed")
+    unexpected = [n for n in regressions if n.rsplit("::", 1)[1].split("_cpu")[0] not in EXPECTED_DIFFERENCES]
     result = {
         "plain_passed": sum(o == "passed" for o in plain.values()),
         "swapped_passed": sum(o == "passed" for o in swapped.values()),
