@@ -236,22 +236,26 @@ def _measure_d2h(args) -> float | None:
     return min(times)
 
 
+# The options a method's process runs with: passed on to each child, and recorded in the report's config.
+_RUN_OPTIONS = (
+    "dir",
+    "device",
+    "d_model",
+    "layers",
+    "heads",
+    "vocab",
+    "batch",
+    "seq",
+    "iterations",
+    "warmup",
+    "every",
+    "ranks",
+)
+
+
 def _child_argv(args, method: str, out: str) -> list[str]:
     argv = [sys.executable, "-m", "fastpersist.bench", "training", "--child", "--method", method, "--out", out]
-    for name in (
-        "dir",
-        "device",
-        "d_model",
-        "layers",
-        "heads",
-        "vocab",
-        "batch",
-        "seq",
-        "iterations",
-        "warmup",
-        "every",
-        "ranks",
-    ):
+    for name in _RUN_OPTIONS:
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return argv
 
@@ -340,24 +344,7 @@ def _orchestrate(args) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "machine": machine_info(args.dir, device=args.device),
-        "config": {
-            k: getattr(args, k)
-            for k in (
-                "device",
-                "d_model",
-                "layers",
-                "heads",
-                "vocab",
-                "batch",
-                "seq",
-                "iterations",
-                "warmup",
-                "repeats",
-                "dir",
-                "every",
-                "ranks",
-            )
-        },
+        "config": {k: getattr(args, k) for k in (*_RUN_OPTIONS, "repeats")},
         "checkpoint_bytes": checkpoint_bytes,
         "d2h_seconds": _measure_d2h(args),
         "results": results,
