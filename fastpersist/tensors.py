@@ -60,12 +60,15 @@ def cast_to_byte_tensor(tensor: torch.Tensor | list[torch.Tensor]) -> torch.Tens
 def host_memoryview(tensor: torch.Tensor) -> memoryview:
     """A writable memoryview over the bytes of a contiguous CPU tensor (no numpy needed).
 
-    The memoryview does not keep ``tensor`` alive: keep a reference to the
-    tensor for as long as the view is used.
+    The memoryview (and every slice of it) keeps ``tensor`` alive, so a view of
+    a temporary (``host_memoryview(t.cpu())``) is safe: the ctypes array it
+    exports holds the tensor.
     """
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("host_memoryview needs a contiguous CPU tensor")
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(bytearray())
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+    array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
+    array.tensor = tensor  # from_address does not own the memory: the exporter keeps its owner
+    return memoryview(array).cast("B")

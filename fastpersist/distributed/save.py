@@ -204,17 +204,15 @@ def _descriptor_patches(plan: SavePlan, crcs: list[int], ranges, rewritten: set[
 def _storage_bytes(record: StorageRecord, lo: int, hi: int, chunk: int = 64 << 20):
     """``(file offset, bytes)`` pieces of a storage record's payload ``[lo, hi)`` (file offsets), copied to the host.
 
-    Always copies (``bytes``), also from CPU storages: a memoryview over a
-    temporary host tensor would outlive it (``host_memoryview`` does not keep
-    its tensor), and one code path for every device is the one the CPU tests
-    check.
+    Always owned ``bytes``, from every device: the pieces outlive the loop
+    (manifest patches), and one code path for every device is the one the CPU
+    tests check.
     """
     offset = record.entry.data_offset
     view = record.view
     for start in range(lo, hi, chunk):
         end = min(start + chunk, hi)
-        host = view[start - offset : end - offset].to("cpu", copy=True)
-        yield start, bytes(host_memoryview(host))  # ``host`` is alive until the copy is made
+        yield start, bytes(host_memoryview(view[start - offset : end - offset].cpu()))
 
 
 def save(
