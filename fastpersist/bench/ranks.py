@@ -119,7 +119,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
     for repeat in range(args["repeat"]):
         dist.barrier()
         start = time.time()
-        digest_seconds = 0.0
+        digest_seconds = prepare_seconds = launch_seconds = 0.0
         if world == 1:
             began = time.perf_counter()
             if args.get("sink"):
@@ -143,6 +143,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
             stats = dsave.last_stats()
             write_seconds, written = stats.write_seconds, stats.bytes_written
             steps, digest_seconds = stats.steps, stats.digest_seconds
+            prepare_seconds, launch_seconds = stats.prepare_seconds, stats.launch_seconds
         end = time.time()
         dist.barrier()
         check = {}
@@ -165,6 +166,8 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
                 "bytes": written,
                 "write_seconds": write_seconds,
                 "digest_seconds": digest_seconds,
+                "prepare_seconds": prepare_seconds,
+                "launch_seconds": launch_seconds,
                 "steps": steps,
                 **check,
             }
@@ -235,6 +238,8 @@ def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, A
                 "bytes": mine[0]["bytes"],
                 "write_seconds": seconds,
                 "digest_seconds": measure.summarize([r.get("digest_seconds", 0.0) for r in mine]),
+                "prepare_seconds": measure.summarize([r.get("prepare_seconds", 0.0) for r in mine]),
+                "launch_seconds": measure.summarize([r.get("launch_seconds", 0.0) for r in mine]),
                 "write_GBps": mine[0]["bytes"] / seconds["median"] / 1e9 if seconds["median"] else None,
             }
         )
@@ -296,6 +301,17 @@ def _print(document: dict[str, Any]) -> None:
             f"{r['end_to_end_seconds']['median']:>13.3f} {r['end_to_end_GBps']:>6.2f} {r['measured_speedup']:>6.2f}x "
             f"{r['projected_independent_seconds']:>12.3f} {r['projected_speedup']:>7.2f}x {r['verified']}"
         )
+        if r["ranks"] > 1:
+            for p in r["per_rank"]:
+                ms = {
+                    k: p.get(k, {}).get("median", 0.0) * 1e3
+                    for k in ("prepare_seconds", "launch_seconds", "digest_seconds")
+                }
+                print(
+                    f"      rank {p['rank']}: write {p['write_seconds']['median'] * 1e3:.1f} ms (prepare "
+                    f"{ms['prepare_seconds']:.1f}, digest launch {ms['launch_seconds']:.1f}), digest wait "
+                    f"{ms['digest_seconds']:.1f} ms"
+                )
 
 
 def _bar(value: float, scale: float, width: int = 40) -> str:
@@ -316,16 +332,20 @@ def to_markdown(document: dict[str, Any], title: str | None = None) -> str:
         + f"layout `{document['layout']}`, "
         f"writers `{document['writers']}`, {document['repeat']} repeats (medians), target {document['dirs']}",
         "",
-        "| N | per-rank bytes | per-rank write (s) | per-rank GB/s | identity check wait (s) | end-to-end (s) | "
+        "| N | per-rank bytes | per-rank write (s) | per-rank GB/s | identity check: launch, in the write (ms) | "
+        "identity check wait (s) | end-to-end (s) | "
         "end-to-end GB/s | vs single writer | projected, independent targets (s) | projected speed-up |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in document["results"]:
         writing = [p for p in r["per_rank"] if p["bytes"]]
+        launch = [p["launch_seconds"]["median"] * 1e3 for p in writing if "launch_seconds" in p]
         lines.append(
             f"| {r['ranks']} | {workloads.format_bytes(max(p['bytes'] for p in r['per_rank']))} | "
             f"{max(p['write_seconds']['median'] for p in writing):.3f} | "
-            f"{min(p['write_GBps'] for p in writing):.2f} | {r.get('identity_check_seconds', 0.0):.3f} | "
+            f"{min(p['write_GBps'] for p in writing):.2f} | "
+            f"{f'{max(launch):.1f}' if launch and r['ranks'] > 1 else 'n/a'} | "
+            f"{r.get('identity_check_seconds', 0.0):.3f} | "
             f"{r['end_to_end_seconds']['median']:.3f} | "
             f"{r['end_to_end_GBps']:.2f} | {r['measured_speedup']:.2f}x | "
             f"{r['projected_independent_seconds']:.3f} | {r['projected_speedup']:.2f}x |"

@@ -21,7 +21,8 @@ writes (the work runs beside the write and mostly hides behind it):
   numbers (row length ``R`` = 2**20 words) and ``mix(y) = y ^ (y >> 31)``
   (arithmetic shift): a difference anywhere, in any bit, changes the sum
   unless a 64-bit coincidence cancels it. It reads the storage once, at
-  device-memory speed, with at most 64 MiB of scratch memory.
+  device-memory speed, with at most 128 MiB of scratch memory, in a few
+  kernels per 32 MiB whatever the number of storages.
 
 64 bits make an accidental match of different bytes practically impossible
 (a CRC-32 would match different bytes once in 2**32 comparisons: too often
@@ -50,6 +51,7 @@ __all__ = [
     "storage_digests",
     "storage_names",
     "device_digest",
+    "device_digests",
     "PendingDigests",
     "mismatches",
 ]
@@ -63,12 +65,13 @@ SMALL_DEVICE_BYTES = 64 << 10
 Digest = tuple  # (nbytes, kind, value)
 
 _ROW = 1 << 20
-_ROWS_PER_STEP = 4  # 16 MiB of input, 32 MiB of int64 per step
+_ROWS_PER_STEP = 8  # 32 MiB of input, 64 MiB of int64 per step (and as much for the mix's temporary)
 _SEED = 0x5EED5
 _OFFSET_STEP = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed 64-bit number
 _OFFSET_BASE = 0x2545F4914F6CDD1D
 _TAIL_OFFSET = 0x6A09E667F3BCC909
 _weights: dict[torch.device, torch.Tensor] = {}
+_offsets: dict[torch.device, torch.Tensor] = {}
 
 
 def _signed(value: int) -> int:
@@ -86,6 +89,16 @@ def _row_weights(device: torch.device) -> torch.Tensor:
     return weights
 
 
+def _row_offsets(device: torch.device, rows: int) -> torch.Tensor:
+    """``r[i] = i * _OFFSET_STEP + _OFFSET_BASE`` (mod 2**64) for at least ``rows`` rows, made once per device."""
+    offsets = _offsets.get(device)
+    if offsets is None or offsets.numel() < rows:
+        count = max(rows, 1024, 2 * (offsets.numel() if offsets is not None else 0))
+        offsets = torch.arange(count, dtype=torch.int64, device=device).mul_(_OFFSET_STEP).add_(_OFFSET_BASE)
+        _offsets[device] = offsets  # two threads racing make equal tensors
+    return offsets
+
+
 def _mix_(values: torch.Tensor) -> None:
     # Folds the high bits of each product into its low bits: without it, differences in high bits only
     # (sign flips) could cancel in a plain weighted sum. (A constant factor after it would change nothing:
@@ -93,38 +106,67 @@ def _mix_(values: torch.Tensor) -> None:
     values ^= values >> 31
 
 
-def device_digest(view: torch.Tensor) -> torch.Tensor:
-    """The :data:`DEVICE` digest of a 1-D uint8 tensor (a 0-d int64 tensor on its device; no synchronization).
+def _steps(nbytes: int) -> int:
+    """How many partial sums :func:`_digest_into` writes for a storage of ``nbytes``."""
+    words, tail = divmod(nbytes, 4)
+    rows, rest = divmod(words, _ROW)
+    return -(-rows // _ROWS_PER_STEP) + (1 if rest else 0) + (1 if tail else 0)
 
-    Defined on any device (the tests run it on the CPU); used for CUDA storages.
+
+def _digest_into(view: torch.Tensor, partials: torch.Tensor) -> None:
+    """Writes the partial sums of ``view``'s :data:`DEVICE` digest into ``partials`` (int64, ``_steps`` long).
+
+    Four kernels per 32 MiB of input (multiply-add, shift, xor, sum into its
+    slot), so a large state costs few launches; the digest is ``partials.sum()``.
     """
-    weights = _row_weights(view.device)
-    total = torch.zeros((), dtype=torch.int64, device=view.device)
+    device = view.device
+    weights = _row_weights(device)
     words = view.numel() // 4
+    slot = 0
     if words:
         x = view[: words * 4].view(torch.int32)
         rows = words // _ROW
         if rows:
-            offsets = torch.arange(rows, dtype=torch.int64, device=view.device).mul_(_OFFSET_STEP).add_(_OFFSET_BASE)
+            offsets = _row_offsets(device, rows)
             for first in range(0, rows, _ROWS_PER_STEP):
                 last = min(rows, first + _ROWS_PER_STEP)
-                values = x[first * _ROW : last * _ROW].view(last - first, _ROW) * weights
-                values += offsets[first:last, None]
+                block = x[first * _ROW : last * _ROW].view(last - first, _ROW)
+                values = torch.addcmul(offsets[first:last, None], block, weights)
                 _mix_(values)
-                total += values.sum()
+                torch.sum(values.view(-1), 0, out=partials[slot])
+                slot += 1
         rest = words - rows * _ROW
         if rest:
             values = x[rows * _ROW :] * weights[:rest]
             values += _signed(rows * _OFFSET_STEP + _OFFSET_BASE)
             _mix_(values)
-            total += values.sum()
+            torch.sum(values, 0, out=partials[slot])
+            slot += 1
     tail = view.numel() - words * 4
     if tail:
         values = view[words * 4 :].to(torch.int64) * weights[:tail]
         values += _TAIL_OFFSET  # < 2**63
         _mix_(values)
-        total += values.sum()
-    return total
+        torch.sum(values, 0, out=partials[slot])
+
+
+def device_digests(views: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The :data:`DEVICE` digests of 1-D uint8 tensors on one device: an int64 tensor there (no synchronization).
+
+    Defined on any device (the tests run it on the CPU); used for CUDA
+    storages. The kernels are queued on the current stream: a few per 32 MiB
+    of input, whatever the number of storages, plus one final reduction.
+    """
+    device = views[0].device
+    partials = torch.zeros(len(views), max(_steps(v.numel()) for v in views), dtype=torch.int64, device=device)
+    for row, view in zip(partials, views):
+        _digest_into(view, row)
+    return partials.sum(dim=1)
+
+
+def device_digest(view: torch.Tensor) -> torch.Tensor:
+    """The :data:`DEVICE` digest of one 1-D uint8 tensor (a 0-d int64 tensor on its device; no synchronization)."""
+    return device_digests([view])[0]
 
 
 _DIGEST_PIECE = 4 << 20
@@ -185,7 +227,7 @@ class PendingDigests:
         large = [i for i in indices if records[i].entry.size > SMALL_DEVICE_BYTES]
         small = [i for i in indices if records[i].entry.size <= SMALL_DEVICE_BYTES]
         try:
-            sums = torch.stack([device_digest(records[i].view) for i in large]) if large else None
+            sums = device_digests([records[i].view for i in large]) if large else None
             gathered, done = None, None
             if small:
                 joined = torch.cat([records[i].view for i in small])

@@ -91,6 +91,10 @@ class SaveStats:
     """Seconds from the start of the save to the end of each step's exchange (plan, write, commit)."""
     digest_seconds: float = 0.0
     """Seconds the identity check added to this rank's write step (its digests' wait after the write)."""
+    prepare_seconds: float = 0.0
+    """Part of ``write_seconds``: this rank's plan of rank 0's layout and its pieces, before any byte moved."""
+    launch_seconds: float = 0.0
+    """Part of ``write_seconds``: queuing the digests (kernel launches, host tasks) before the write began."""
     shared_bytes: int = 0
     """Storage bytes this rank wrote from its own memory that rank 0 found identical (rank 0: all it wrote)."""
     repaired_bytes: int = 0
@@ -313,11 +317,18 @@ def save(
             pieces, holes = split_range(mine, _payloads(plan, missing), alignment)
             streams = side_streams(plan)  # before the digests are queued: the copies must not wait for them
             compared = sorted(present) if len(writer_list) > 1 else []
+            prepared_at = time.perf_counter()
             pending = replicas.PendingDigests([present[o] for o in compared]) if compared else None
+            launched_at = time.perf_counter()
             slices, parts = _write_pieces(plan, pieces, streams, state, layout, token, reports, settings, _sink)
             written_at = time.perf_counter()
             digests = dict(zip(compared, pending.result())) if pending else {}
-            timing.update(write=written_at - start, digest=time.perf_counter() - written_at)
+            timing.update(
+                write=written_at - start,
+                prepare=prepared_at - start,
+                launch=launched_at - prepared_at,
+                digest=time.perf_counter() - written_at,
+            )
             return {
                 "slices": slices,
                 "parts": parts,
@@ -376,6 +387,8 @@ def save(
         file_size=plan.size,
         steps=marks,
         digest_seconds=timing.get("digest", 0.0),
+        prepare_seconds=timing.get("prepare", 0.0),
+        launch_seconds=timing.get("launch", 0.0),
         shared_bytes=shared,
         repaired_bytes=outcome.get("repaired", 0) if rank == 0 else 0,
         divergent=tuple(outcome.get("divergent", ())),
