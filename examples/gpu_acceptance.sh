@@ -7,15 +7,19 @@
 #   bash examples/gpu_acceptance.sh OUTDIR shapes       # shapes + sink, AioHandle ring, DP ranks (~6 min)
 #   bash examples/gpu_acceptance.sh OUTDIR features     # safetensors, DCP, training overhead (~8 min)
 #   bash examples/gpu_acceptance.sh OUTDIR multigpu     # 2+ GPUs: multigpu tests, DDP + Lightning examples (~8 min)
+#                                                       # (= multigpu-tests, then multigpu-examples)
 #   bash examples/gpu_acceptance.sh OUTDIR multigpu-bench  # 2+ GPUs: collective save (disk, sink), DDP training (~8 min)
+#   bash examples/gpu_acceptance.sh OUTDIR scaling      # 4+ GPUs: collective save at 1, 2, 4(, 8) ranks, DDP training
+#   bash examples/gpu_acceptance.sh OUTDIR scaling-dcp  # 4+ GPUs: DCP writer/reader at 1, 2, 4(, 8) ranks (NCCL)
 #   bash examples/gpu_acceptance.sh OUTDIR all          # everything for one GPU, one after the other
 #   cp OUTDIR/*.json docs/results/ && python -m fastpersist.bench report --update-docs
 #
 # Peer suites come from paths outside the repository: DEEPSPEED_DIR (default .devcarry/deepspeed)
 # and SAFETENSORS_DIR (default .devcarry/peer-safetensors); a missing one is reported and skipped.
 # JSON names start with the GPU (h100-, h200-) so runs on both machines sit side by side.
+# FASTPERSIST_NO_BUILD=1 skips the build (when parts run side by side on one machine after one build).
 set -uo pipefail
-out=${1:?usage: examples/gpu_acceptance.sh OUTDIR [tests|checkpoint|shapes|features|all]}
+out=${1:?usage: examples/gpu_acceptance.sh OUTDIR PART (see the comment at the top)}
 part=${2:-all}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -29,8 +33,11 @@ if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
 fi
 python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0))" \
   || exit 1
-python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+if [ "${FASTPERSIST_NO_BUILD:-0}" != 1 ]; then
+  python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+fi
 machine=$(python3 -c "import re, torch; m = re.search(r'[HAB]\d{2,3}', torch.cuda.get_device_name(0)); print(m.group(0).lower() if m else 'gpu')")
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 scratch=${FASTPERSIST_SCRATCH:-$PWD/.benchmarks}
 mkdir -p "$scratch"
 
@@ -109,15 +116,17 @@ part_features() {
 }
 
 need_gpus() {  # need_gpus N: the multi-GPU parts refuse to run (status 1) on fewer GPUs
-  local have
-  have=$(python3 -c "import torch; print(torch.cuda.device_count())")
-  if [ "$have" -lt "$1" ]; then echo "!! this part needs $1 GPUs, found $have"; status=1; return 1; fi
+  if [ "$gpus" -lt "$1" ]; then echo "!! this part needs $1 GPUs, found $gpus"; status=1; return 1; fi
 }
 
-part_multigpu() {  # NCCL, one rank per GPU: every distributed path on real devices
+part_multigpu_tests() {  # NCCL, one rank per GPU: every distributed test on real devices
   need_gpus 2 || return
   step multigpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rs -m "multigpu or gpu" tests/distributed/test_distributed.py \
     tests/distributed/test_distributed_replicas.py tests/dcp/test_dcp.py
+}
+
+part_multigpu_examples() {  # the DDP example and the Lightning example in every mode, on 2 GPUs
+  need_gpus 2 || return
   step ddp-example 180 torchrun --nproc-per-node 2 examples/ddp_sharded.py --dir "$scratch/ddp"
   local mode name
   for mode in "--io callback" "--io callback --async-mode snapshot" "--io callback --async-mode pipelined" \
@@ -125,6 +134,38 @@ part_multigpu() {  # NCCL, one rank per GPU: every distributed path on real devi
     name=lightning-ddp$(echo "$mode" | tr -d ' ' | sed 's/--io//; s/--async-mode/-/')
     rm -rf "$scratch/$name"
     step "$name" 180 python3 examples/lightning_callback.py --dir "$scratch/$name" --devices 2 --check $mode
+  done
+}
+
+rank_counts() {  # 2,4,8 up to the number of GPUs (1 is always added by the benchmark)
+  local n=2 list=""
+  while [ "$n" -le "$gpus" ]; do list="$list${list:+,}$n"; n=$((n * 2)); done
+  echo "$list"
+}
+
+part_scaling() {  # the collective save and DDP training at every power-of-two rank count
+  need_gpus 4 || return
+  local counts n
+  counts=$(rank_counts)
+  step "$machine-x$gpus-examples" 200 bash -c "torchrun --nproc-per-node $gpus examples/ddp_sharded.py --dir $scratch/ddp$gpus && \
+    python3 examples/lightning_callback.py --dir $scratch/lit$gpus --devices $gpus --check --io callback"
+  step "$machine-x$gpus-ranks-nccl-disk" 300 python3 -m fastpersist.bench ranks --ranks "$counts" --size 4G --device cuda \
+    --backend nccl --dir "$scratch" --repeat 3 --json "$out/$machine-x$gpus-ranks-nccl-disk.json"
+  step "$machine-x$gpus-ranks-nccl-sink" 240 python3 -m fastpersist.bench ranks --ranks "$counts" --size 4G --device cuda \
+    --backend nccl --sink --repeat 5 --json "$out/$machine-x$gpus-ranks-nccl-sink.json"
+  for n in ${counts//,/ }; do
+    step "$machine-x$gpus-training-ddp$n-shm" 240 python3 -m fastpersist.bench training --ranks "$n" --dir /dev/shm/fp-train \
+      --repeats 1 --iterations 12 --json "$out/$machine-x$gpus-training-ddp$n-shm.json"
+  done
+}
+
+part_scaling_dcp() {  # DCP's FileSystemWriter against FastPersistWriter, 4 GB over 1, 2, 4(, 8) ranks, NCCL
+  need_gpus 4 || return
+  local counts n
+  counts=$(rank_counts)
+  for n in 1 ${counts//,/ }; do
+    step "$machine-x$gpus-dcp-nccl-$n" 200 python3 -m fastpersist.bench dcp --ranks "$n" --backend nccl --device cuda \
+      --size 4G --threads 1,8 --repeats 2 --dir "$scratch/dcp" --json "$out/$machine-x$gpus-dcp-nccl-$n.json"
   done
 }
 
@@ -143,7 +184,11 @@ case "$part" in
   checkpoint) part_checkpoint ;;
   shapes) part_shapes ;;
   features) part_features ;;
-  multigpu) part_multigpu ;;
+  multigpu) part_multigpu_tests; part_multigpu_examples ;;
+  multigpu-tests) part_multigpu_tests ;;
+  multigpu-examples) part_multigpu_examples ;;
+  scaling) part_scaling ;;
+  scaling-dcp) part_scaling_dcp ;;
   multigpu-bench) part_multigpu_bench ;;
   all) part_tests; part_checkpoint; part_shapes; part_features ;;
   *) echo "unknown part $part" >&2; exit 2 ;;

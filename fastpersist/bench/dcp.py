@@ -1,8 +1,9 @@
 """``python -m fastpersist.bench dcp``: torch.distributed.checkpoint with FileSystemWriter vs FastPersistWriter.
 
-Starts ``--ranks`` processes (a gloo process group on this host); each rank
-holds its own share of a ``--size`` state (bf16 tensors of ``--tensor-size``
-on ``--device``; with CUDA, rank r uses GPU ``r % device_count``) and every
+Starts ``--ranks`` processes (a process group on this host: gloo, or NCCL
+with ``--backend nccl``, one GPU per rank); each rank holds its own share of
+a ``--size`` state (bf16 tensors of ``--tensor-size`` on ``--device``; with
+CUDA, rank r uses GPU ``r % device_count``) and every
 repeat times, in this order, barrier to barrier on rank 0:
 
 * ``ceiling_write``: each rank writes its share of bytes from page-aligned
@@ -50,7 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m fastpersist.bench dcp",
         description="dcp.save/dcp.load with FileSystemWriter/Reader vs FastPersistWriter/Reader, several ranks",
     )
-    parser.add_argument("--ranks", type=int, default=2, help="processes (gloo group on this host)")
+    parser.add_argument("--ranks", type=int, default=2, help="processes (one process group on this host)")
+    parser.add_argument(
+        "--backend",
+        default="gloo",
+        choices=["gloo", "nccl"],
+        help="process group backend (nccl needs --device cuda and a GPU per rank)",
+    )
     parser.add_argument(
         "--size",
         type=_size,
@@ -73,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.backend == "nccl" and args.device != "cuda":
+        parser.error("--backend nccl needs --device cuda (NCCL moves CUDA tensors only)")
     if args.worker:
         return _worker(args)
     return _launch(args, argv if argv is not None else sys.argv[1:])
@@ -116,17 +126,19 @@ class _Run:
         self.args = args
         self.torch = torch
         self.dist = dist
-        dist.init_process_group("gloo")
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
-        if args.device == "cuda":
-            self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
+        if args.device == "cuda":  # before the group: NCCL binds each rank to its current device
+            self.device = torch.device("cuda", int(os.environ["RANK"]) % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+        dist.init_process_group(args.backend)
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
         self.state = self._make_state()
         self.payload = sum(t.numel() * t.element_size() for t in self.state.values())
-        totals = torch.tensor([self.payload], dtype=torch.int64)
+        totals = torch.tensor(
+            [self.payload], dtype=torch.int64, device=self.device if args.backend == "nccl" else "cpu"
+        )
         dist.all_reduce(totals)
         self.total = int(totals.item())
         from fastpersist.system import CacheDropper
@@ -352,6 +364,7 @@ def _document(args, run: _Run, seconds: dict[str, list[float]], cache_modes: lis
         "machine": machine_info(args.dir, str(run.device)),
         "config": {
             "ranks": run.world,
+            "backend": args.backend,
             "device": args.device,
             "total_bytes": run.total,
             "tensor_size": args.tensor_size,
@@ -370,7 +383,8 @@ def _document(args, run: _Run, seconds: dict[str, list[float]], cache_modes: lis
 def _print_table(document: dict[str, Any]) -> None:
     config = document["config"]
     print(
-        f"\n{config['total_bytes'] / _GB:.2f} GB, {config['ranks']} ranks, {config['device']}, "
+        f"\n{config['total_bytes'] / _GB:.2f} GB, {config['ranks']} ranks ({config.get('backend', 'gloo')}), "
+        f"{config['device']}, "
         f"median of {config['repeats']} (min-max), GB/s"
     )
     for name, result in document["results"].items():
