@@ -117,6 +117,13 @@ class Settings:
     """Save regular files to a temporary file beside them, fsynced and renamed over the target: the previous file
     stays intact until the new one is complete. Off: written in place as torch.save does (the inode and hard links
     stay; an interrupted save leaves a truncated file). See [compatibility.md](compatibility.md)."""
+    s3_part_size: int = 64 * _MiB
+    """Object stores (``s3://``): bytes per multipart-upload part and per ranged GET of a load. 5 MiB (the S3
+    minimum) to 5 GiB, a multiple of 4096; raised automatically where a checkpoint would need more than 10,000
+    parts. See [object-storage.md](object-storage.md)."""
+    s3_concurrency: int = 8
+    """Object stores (``s3://``): parts uploaded, or ranges downloaded, at once (1 to 64). A save's host memory is
+    at most ``max(2, s3_concurrency) * s3_part_size``; a load holds the whole object in host memory."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -271,6 +278,12 @@ def _validate(s: Settings) -> None:
         raise ConfigError(f"async_mode must be one of {ASYNC_MODES}, got {s.async_mode!r}")
     if not 1 <= s.async_max_pending <= 64:
         raise ConfigError(f"async_max_pending must be between 1 and 64, got {s.async_max_pending}")
+    if s.s3_part_size < 5 * _MiB or s.s3_part_size > 5 << 30 or s.s3_part_size % 4096:
+        raise ConfigError(
+            f"s3_part_size must be a multiple of 4096 bytes between 5 MiB and 5 GiB (S3's limits), got {s.s3_part_size}"
+        )
+    if not 1 <= s.s3_concurrency <= 64:
+        raise ConfigError(f"s3_concurrency must be between 1 and 64, got {s.s3_concurrency}")
     for name in ("buffer_count", "read_buffer_count"):
         if not 2 <= getattr(s, name) <= 64:
             raise ConfigError(f"{name} must be between 2 and 64, got {getattr(s, name)}")

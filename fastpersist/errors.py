@@ -29,6 +29,11 @@ __all__ = [
     "MixedDtypeViewsError",
     "NotWritableError",
     "CheckpointIOError",
+    "ObjectStoreError",
+    "ObjectStoreCredentialsError",
+    "BucketNotFoundError",
+    "ObjectNotFoundError",
+    "ObjectStoreUnavailableError",
     "ReplicaDivergenceWarning",
     "torch_compatible",
     "unsupported_object_error",
@@ -193,6 +198,37 @@ class CheckpointIOError(FastPersistError, OSError, RuntimeError):
     ``RuntimeError``, which is what torch.save and torch.load raise for the
     same failures: ``except RuntimeError`` and ``except OSError`` both catch it.
     """
+
+
+class ObjectStoreError(CheckpointIOError):
+    """A save to or load from an object store (``s3://bucket/key``) failed: a network error, a refused request.
+
+    A :class:`CheckpointIOError` (``OSError`` and ``RuntimeError``) whose
+    ``filename`` is the URL; ``code`` is the store's error code (``"NoSuchBucket"``,
+    ``"SlowDown"``, ...) or the botocore exception's name for network errors. A
+    failed save has aborted its multipart upload: the previous object at the key
+    is intact.
+    """
+
+    def __init__(self, *args, code: str | None = None):
+        super().__init__(*args)
+        self.code = code
+
+
+class ObjectStoreCredentialsError(ObjectStoreError, PermissionError):
+    """The object store refused the credentials (missing, unknown, expired or not permitted)."""
+
+
+class BucketNotFoundError(ObjectStoreError, FileNotFoundError):
+    """The bucket of an ``s3://`` URL does not exist (for this endpoint and region)."""
+
+
+class ObjectNotFoundError(ObjectStoreError, FileNotFoundError):
+    """No object at the key of an ``s3://`` URL (torch.load raises ``FileNotFoundError`` for a missing path)."""
+
+
+class ObjectStoreUnavailableError(FastPersistError, ImportError):
+    """An ``s3://`` URL was given but boto3 is not installed (``pip install fastpersist[s3]``)."""
 
 
 _KEPT_ON_LOAD = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)

@@ -37,7 +37,7 @@ from fastpersist import config
 from fastpersist.api import dispatch
 from fastpersist.errors import TensorModifiedError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
-from fastpersist.io import memory, staging
+from fastpersist.io import memory, objectstore, staging
 from fastpersist.io.commit import commit_plan, target
 from fastpersist.io.queue import (
     SaveFuture,
@@ -127,7 +127,7 @@ def async_save(
 
     Args:
         obj, f, pickle_module, pickle_protocol: as :func:`fastpersist.save`
-            (``f`` must be a path).
+            (``f`` must be a path or an ``s3://bucket/key`` URL).
         mode: ``"pipelined"`` or ``"snapshot"`` (default: setting ``async_mode``).
         **settings: per-call overrides of ``fastpersist.config`` settings.
 
@@ -135,8 +135,15 @@ def async_save(
         UnsupportedObjectError, IsADirectoryError, FileNotFoundError,
         PermissionError, TypeError, ConfigError: at once, as :func:`save`.
         MemoryError: (snapshot) the staging area cannot be allocated.
+        ValueError: (``s3://``) at once: a malformed URL, safetensors.
+        ObjectStoreError and its subclasses: (``s3://``) at ``result()``, as
+            :func:`fastpersist.save` raises them; ObjectStoreUnavailableError
+            (boto3 missing) at ``result()`` too.
     """
+    remote = objectstore.is_object_url(f)  # s3://bucket/key: a multipart upload (docs/object-storage.md)
     if dispatch.wants_safetensors(f, settings.pop("format", None)):
+        if remote:
+            raise ValueError(f"saving safetensors files to an object store is not supported yet ({f})")
         return dispatch.async_save_safetensors(obj, f, settings)
     if mode is not None:
         settings["async_mode"] = mode
@@ -145,7 +152,8 @@ def async_save(
     if not isinstance(f, (str, os.PathLike)):
         raise TypeError(f"async_save needs a file path, got {type(f).__name__}; use save() for file objects")
     report_unchecked_as_warnings()
-    destination = target(f)
+    destination = objectstore.target(f) if remote else target(f)
+    commit = objectstore.commit_plan if remote else commit_plan
     path = destination.path
     recorder = _RecordingPickler(pickle_module) if resolved.async_mode == "pipelined" else None
     plan = plan_save(
@@ -160,7 +168,7 @@ def async_save(
         def work() -> None:
             try:
                 snapshot.wait_copies()
-                commit_plan(snapshot.plan, destination, resolved, streams={})
+                commit(snapshot.plan, destination, resolved, streams={})
             finally:
                 snapshot.release()
 
@@ -174,7 +182,7 @@ def async_save(
             def check() -> None:
                 _check_unmodified(path, recorded)
 
-            commit_plan(plan, destination, resolved, streams, before_commit=check)
+            commit(plan, destination, resolved, streams, before_commit=check)
 
     future._work = work
     return submit(future)

@@ -13,7 +13,7 @@ from typing import Any, BinaryIO
 import torch
 
 from fastpersist import config
-from fastpersist.api import dispatch
+from fastpersist.api import dispatch, objectstore
 from fastpersist.api.verification import verify_file_object
 from fastpersist.errors import CorruptCheckpointError, FastPersistError, TruncatedCheckpointError, torch_compatible
 from fastpersist.format.deserializer import archive_prefix, deserialize
@@ -79,7 +79,9 @@ def load(
     targets are streamed through page-locked buffers straight to the device.
 
     Args:
-        f: a path, or a readable binary file object (handled by torch.load).
+        f: a path, or a readable binary file object (handled by torch.load),
+            or ``s3://bucket/key`` (an S3 or S3-compatible object store,
+            downloaded whole into memory; docs/object-storage.md).
         map_location: as torch.load (str, torch.device, dict or callable).
         pickle_module: as torch.load (only with ``weights_only=False``).
         weights_only: as torch.load (default True: torch's safe unpickler).
@@ -104,6 +106,9 @@ def load(
         CorruptCheckpointError: truncated, damaged or non-checkpoint file.
         ChecksumMismatchError: (verify) a record's bytes do not match its CRC-32.
         pickle.UnpicklingError: weights_only refused an object (torch's message).
+        ObjectNotFoundError, BucketNotFoundError, ObjectStoreCredentialsError,
+            ObjectStoreError, ObjectStoreUnavailableError: (``s3://``) see
+            :func:`fastpersist.api.objectstore.load`.
     """
     overrides, pickle_load_args = config.split_overrides("load", kwargs, allow_other=True)
     resolved = config.resolve(overrides)
@@ -126,6 +131,18 @@ def load(
         if verify and explicit:
             verify_file_object(f)
         return _TORCH_LOAD(f, map_location, **torch_kwargs)
+    if objectstore.is_object_url(f):  # s3://bucket/key: ranged GETs into memory (docs/object-storage.md)
+        return objectstore.load(
+            f,
+            map_location,
+            pickle_module,
+            weights_only,
+            verify,
+            resolved,
+            torch_kwargs,
+            pickle_load_args,
+            warn_unverifiable=explicit,
+        )
     path = os.fspath(f)
     sharded = _load_sharded(
         path,

@@ -9,7 +9,7 @@ from typing import Any, BinaryIO
 import torch
 
 from fastpersist import config
-from fastpersist.api import dispatch
+from fastpersist.api import dispatch, objectstore
 from fastpersist.errors import NotWritableError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io.commit import commit_plan, fsync_file_object, target
@@ -50,7 +50,8 @@ def save(
     Args:
         obj: what to save (anything ``torch.save`` accepts).
         f: a path, or a writable binary file object (slower path: the bytes
-            are streamed through its ``write`` method).
+            are streamed through its ``write`` method), or ``s3://bucket/key``
+            (an S3 or S3-compatible object store; docs/object-storage.md).
         pickle_module, pickle_protocol, _use_new_zipfile_serialization,
             _disable_byteorder_record: as ``torch.save``.
         group: a ``torch.distributed`` process group (or ``True`` for the
@@ -93,7 +94,24 @@ def save(
             no temporary file is left behind.
         TypeError: an unknown keyword argument.
         ConfigError: an invalid setting value.
+        ObjectStoreError: (``s3://``, a CheckpointIOError) the upload failed;
+            it was aborted and the previous object is intact. Its subclasses
+            ObjectStoreCredentialsError and BucketNotFoundError name the cause;
+            ObjectStoreUnavailableError (an ImportError) means boto3 is missing.
     """
+    if objectstore.is_object_url(f):  # s3://bucket/key: a multipart upload (docs/object-storage.md)
+        objectstore.save(
+            obj,
+            f,
+            pickle_module,
+            pickle_protocol,
+            _use_new_zipfile_serialization,
+            _disable_byteorder_record,
+            group=group,
+            torch_crc32=_torch_compute_crc32(),
+            settings=settings,
+        )
+        return
     if dispatch.wants_safetensors(f, settings.pop("format", None)):
         dispatch.save_safetensors(obj, f, settings)  # format="safetensors" or a .safetensors path
         return

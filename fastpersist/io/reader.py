@@ -33,7 +33,7 @@ from fastpersist.format.zipformat import ZipRecordInfo, check_record_crc
 from fastpersist.io import checksum, engine, memory
 from fastpersist.tensors import storage_byte_view
 
-__all__ = ["FileStorageProvider", "MmapStorageProvider"]
+__all__ = ["FileStorageProvider", "MemoryStorageProvider", "MmapStorageProvider"]
 
 _PAGE = 4096
 _SMALL_RECORD = 1 << 20  # records below this share allocations and reads
@@ -388,18 +388,17 @@ def _combine(parts: list) -> int:
     return crc or 0
 
 
-class MmapStorageProvider:
-    """Storages that map the file (``load(..., mmap=True)``), as torch.load's mmap mode does.
+class MemoryStorageProvider:
+    """Storages that are slices of one storage holding the whole checkpoint file's bytes.
 
-    CPU storages are slices of one mapping of the whole file; pages are read
-    on first touch. CUDA targets are copied from the mapping.
+    CPU storages are views of ``whole`` (no copy; each keeps all of it alive,
+    as an mmap load's storages keep the mapping); CUDA targets are copied
+    from it. With ``verify``, each record's CRC-32 is checked as it is asked for.
+    Used for checkpoints downloaded into memory (object stores).
     """
 
-    def __init__(self, path: str, size: int, *, verify: bool):
-        from torch.serialization import MAP_SHARED, get_default_mmap_options
-
-        shared = get_default_mmap_options() == MAP_SHARED
-        self._mapping = torch.UntypedStorage.from_file(path, shared, size)
+    def __init__(self, whole: torch.UntypedStorage, *, verify: bool, path: str):
+        self._mapping = whole
         self._verify = verify
         self._path = path
 
@@ -413,6 +412,20 @@ class MmapStorageProvider:
 
     def flush(self) -> None:
         pass
+
+
+class MmapStorageProvider(MemoryStorageProvider):
+    """Storages that map the file (``load(..., mmap=True)``), as torch.load's mmap mode does.
+
+    CPU storages are slices of one mapping of the whole file; pages are read
+    on first touch. CUDA targets are copied from the mapping.
+    """
+
+    def __init__(self, path: str, size: int, *, verify: bool):
+        from torch.serialization import MAP_SHARED, get_default_mmap_options
+
+        shared = get_default_mmap_options() == MAP_SHARED
+        super().__init__(torch.UntypedStorage.from_file(path, shared, size), verify=verify, path=path)
 
 
 @dataclasses.dataclass

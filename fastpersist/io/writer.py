@@ -72,13 +72,21 @@ def initial_crcs(plan: SavePlan, checksum: bool) -> list[int]:
 
 
 def write_plan(
-    plan: SavePlan, file, settings: Settings, *, streams=None, byte_range=None, destination_offset: int | None = None
+    plan: SavePlan,
+    file,
+    settings: Settings,
+    *,
+    streams=None,
+    byte_range=None,
+    destination_offset: int | None = None,
+    make_handle=None,
 ) -> list[int]:
     """Writes every byte of ``plan`` into ``file`` (a native File opened for writing).
 
     Args:
         plan: what to write.
-        file: the destination, from ``engine.File(path, "w", ...)``.
+        file: the destination, from ``engine.File(path, "w", ...)``, or
+            whatever the handles of ``make_handle`` write to.
         settings: buffer size and count, engine settings, checksum.
         streams: side CUDA streams from :func:`side_streams`, made on the
             thread that queued the tensors' producers (default: made here).
@@ -89,6 +97,13 @@ def write_plan(
             committing rank writes them).
         destination_offset: file offset of the range's first byte (default:
             ``start``, i.e. where it lies in the whole file).
+        make_handle: makes each ring slot's handle (default: a native handle
+            from ``settings``). A handle has ``submit_write(address, nbytes,
+            file, offset, keepalive)``, called once per window in file order
+            from one worker thread, and ``wait()``, which returns once every
+            write submitted to it is done and raises the first error as an
+            ``OSError`` (an object store's multipart upload is such a handle:
+            :mod:`fastpersist.io.objectstore`).
 
     Returns:
         The CRC-32 of every record, in plan order (zeros when checksums are off).
@@ -112,7 +127,9 @@ def write_plan(
     if streams is None:
         streams = side_streams(plan)
     with memory.lease_buffers(count, window_size, settings.huge_pages) as buffers:
-        slots = [_Slot(buffer, engine.make_handle(settings)) for buffer in buffers]
+        if make_handle is None:
+            make_handle = lambda: engine.make_handle(settings)  # noqa: E731
+        slots = [_Slot(buffer, make_handle()) for buffer in buffers]
         fill_cursor = _Cursor(segments)
         finalize_cursor = _Cursor(segments)
         if partial:  # skip the segments that end before the range

@@ -1,0 +1,171 @@
+"""``save`` and ``load`` of ``s3://bucket/key``: checkpoints in S3 and S3-compatible object stores.
+
+``fastpersist.save``, ``fastpersist.load`` and ``fastpersist.async_save`` hand
+``s3://`` URLs here (``async_save`` commits through
+:func:`fastpersist.io.objectstore.commit_plan` directly). The object holds
+exactly the bytes a save to a local file of the key's name holds, so
+``torch.load`` reads a downloaded copy. How the bytes travel (a multipart
+upload fed by the writer's ring, committed by its completion; concurrent
+ranged GETs) is :mod:`fastpersist.io.objectstore`; usage, settings and limits
+are in docs/object-storage.md.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from typing import Any
+
+import torch
+
+from fastpersist import config
+from fastpersist.api import dispatch
+from fastpersist.errors import CorruptCheckpointError, TruncatedCheckpointError
+from fastpersist.format.deserializer import archive_prefix, deserialize
+from fastpersist.format.safetensors import looks_like_safetensors
+from fastpersist.format.serializer import archive_name_for, plan_save
+from fastpersist.format.zipformat import RecordTable, read_rows
+from fastpersist.io import objectstore
+from fastpersist.io.reader import MemoryStorageProvider
+from fastpersist.io.records import has_checksums, record_bytes
+
+__all__ = ["is_object_url", "save", "load"]
+
+is_object_url = objectstore.is_object_url
+
+_TORCH_LOAD = torch.serialization.load  # torch's own, even where torch.load is patched to ours
+
+
+def save(
+    obj: object,
+    url: str,
+    pickle_module: Any,
+    pickle_protocol: int,
+    use_new_zipfile_serialization: bool,
+    disable_byteorder_record: bool,
+    *,
+    group: Any,
+    torch_crc32: bool,
+    settings: dict[str, Any],
+) -> None:
+    """``fastpersist.save(obj, "s3://bucket/key", ...)``: the arguments as :func:`fastpersist.save` takes them.
+
+    ``torch_crc32`` is torch's ``compute_crc32`` option (off: no checksums, as
+    for local saves); ``settings`` the call's keyword arguments.
+
+    Raises:
+        ValueError: what object stores do not support yet: safetensors
+            (``format="safetensors"`` or a ``.safetensors`` key), collective
+            saves (``group=``), the legacy format; or a malformed URL.
+        TypeError, ConfigError: an unknown keyword, an invalid setting.
+        UnsupportedObjectError: ``obj`` cannot be pickled (nothing is sent).
+        ObjectStoreUnavailableError, ObjectStoreCredentialsError,
+            BucketNotFoundError, ObjectStoreError: as
+            :func:`fastpersist.io.objectstore.commit_plan` (the previous
+            object is intact).
+    """
+    settings = dict(settings)
+    if dispatch.wants_safetensors(url, settings.pop("format", None)):
+        raise ValueError(
+            f"saving safetensors files to an object store is not supported yet ({url}); save with "
+            "format='torch', or save to a local file and upload it"
+        )
+    if group is not None and group is not False:
+        raise ValueError(f"collective saves (group=...) to an object store are not supported yet ({url})")
+    if not use_new_zipfile_serialization:
+        raise ValueError(f"the legacy format (_use_new_zipfile_serialization=False) cannot be saved to {url}")
+    overrides, _ = config.split_overrides("save", settings, allow_other=False)
+    resolved = config.resolve(overrides)
+    if resolved.checksum and not torch_crc32:
+        resolved = resolved.replace(checksum=False)
+    destination = objectstore.target(url)
+    plan = plan_save(obj, archive_name_for(destination.given), pickle_module, pickle_protocol, disable_byteorder_record)
+    objectstore.commit_plan(plan, destination, resolved, streams=None)
+
+
+def load(
+    url: str,
+    map_location: Any,
+    pickle_module: Any,
+    weights_only: bool,
+    verify: bool,
+    settings: config.Settings,
+    torch_kwargs: dict[str, Any],
+    pickle_load_args: dict[str, Any],
+    *,
+    warn_unverifiable: bool,
+) -> Any:
+    """``fastpersist.load("s3://bucket/key", ...)``, with the arguments as ``fastpersist.load`` resolved them.
+
+    The object is downloaded whole into one page-aligned buffer (host memory:
+    the object's size), parsed and verified as a local file is; CPU storages
+    are views of that buffer (as an mmap load's are of the mapping), CUDA
+    storages copies. Safetensors objects and legacy torch files are
+    recognised by their first bytes, as for paths.
+
+    Raises:
+        ObjectNotFoundError, BucketNotFoundError: (``FileNotFoundError``).
+        ObjectStoreCredentialsError: (``PermissionError``) the credentials were refused.
+        ObjectStoreError: a network error; the object was replaced during the load.
+        ObjectStoreUnavailableError: boto3 is missing.
+        CorruptCheckpointError, ChecksumMismatchError: as for a local file.
+        pickle.UnpicklingError: weights_only refused an object.
+    """
+    source = objectstore.target(url)
+    path = source.path
+    buffer, size = objectstore.download(source, settings)
+    view = memoryview(buffer).cast("B")[:size]
+    if size == 0:
+        raise TruncatedCheckpointError(f"{path} is empty (0 bytes): it is not a checkpoint", path=path)
+    head = bytes(view[:16])
+    if looks_like_safetensors(head):
+        return dispatch.load_safetensors_bytes(bytes(view), map_location)
+    if head[:4] != b"PK\x03\x04":  # legacy (pre-1.6) or foreign format: torch.load knows them
+        return _TORCH_LOAD(io.BytesIO(view), map_location, **torch_kwargs)
+
+    def read_at(offset: int, length: int) -> bytes:
+        return bytes(view[offset : offset + length])
+
+    records = RecordTable(read_rows(read_at, size, path, check=verify))
+    prefix = archive_prefix(list(records), path)
+    if prefix + "constants.pkl" in records:  # a TorchScript archive
+        return _TORCH_LOAD(io.BytesIO(view), map_location, **torch_kwargs)
+    if verify and not has_checksums(records.values()):
+        if warn_unverifiable:
+            warnings.warn(f"{path} was written without CRC-32 checksums; it cannot be verified", stacklevel=3)
+        verify = False
+    if verify:  # the small records nothing else reads (version, serialization id, ...)
+        for name in records:
+            if not name.startswith(prefix + "data/") and name != prefix + "data.pkl":
+                record_bytes(read_at, records[name], path, verify)
+    pickle_bytes = record_bytes(read_at, records[prefix + "data.pkl"], path, verify)
+    byteorder = b"little"
+    if prefix + "byteorder" in records:
+        byteorder = record_bytes(read_at, records[prefix + "byteorder"], path, verify)
+        if byteorder not in (b"little", b"big"):
+            raise CorruptCheckpointError(f"{path}: unknown byte order record {byteorder!r}", path=path)
+    whole = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+    provider = MemoryStorageProvider(whole, verify=verify, path=path)
+    try:
+        return deserialize(
+            pickle_bytes,
+            records,
+            prefix,
+            provider,
+            map_location=map_location,
+            pickle_module=pickle_module,
+            weights_only=weights_only,
+            byteorder=byteorder,
+            path=path,
+            release_records=True,
+            **{"encoding": "utf-8", **pickle_load_args},
+        )
+    except pickle.UnpicklingError as e:
+        if not weights_only:
+            raise
+        from torch.serialization import UNSAFE_MESSAGE
+
+        raise pickle.UnpicklingError(
+            f"Weights only load failed. {UNSAFE_MESSAGE}\nWeightsUnpickler error: {e}"
+        ) from None

@@ -1,0 +1,553 @@
+"""Checkpoints in S3 and S3-compatible object stores (``s3://bucket/key``): multipart uploads and ranged GETs.
+
+A save produces exactly the bytes a save to a local file produces, through the
+same writer (:func:`fastpersist.io.writer.write_plan`), whose ring of
+page-locked buffers becomes the upload's parts:
+
+1. ``CreateMultipartUpload`` on the key. Nothing is visible under the key yet.
+2. ``write_plan`` runs with a ring of ``max(2, s3_concurrency)`` buffers of
+   ``s3_part_size`` bytes (the part size is raised where the checkpoint would
+   need more than S3's 10,000 parts). The writer fills the file's windows in
+   order and finalizes each one (CRC-32s, data descriptors, central
+   directory) before it submits it; here the submission is an
+   ``UploadPart`` of that window on a pool of ``s3_concurrency`` threads,
+   straight from the page-locked buffer (no copy). Window ``k`` is part
+   ``k + 1``: every window but the last has the full part size (S3's 5 MiB
+   minimum holds), and the last may be short. The writer never goes back to
+   patch bytes it has submitted (the zip trailer is written last, in file
+   order, once every CRC is known), so no part is uploaded twice. A slot is
+   refilled only once its part is uploaded: host memory is the ring, at most
+   ``max(2, s3_concurrency) * s3_part_size``, whatever the checkpoint's size.
+3. ``CompleteMultipartUpload`` with every part's ETag: that is the commit.
+   The object appears whole, atomically replacing the previous one.
+4. On any failure before that -- a part's error, an interrupt
+   (``KeyboardInterrupt``), a failed ``before_commit`` check -- the writer
+   drains what is in flight, parts not yet started are skipped, and
+   ``AbortMultipartUpload`` discards the parts: the previous object at the
+   key is intact and no upload is left in progress. If the abort fails too,
+   the error raised says so and how to abort by hand.
+
+A load asks for the object's size and ETag (``HeadObject``), then fetches it
+with ``s3_concurrency`` concurrent ranged GETs of ``s3_part_size`` bytes, each
+conditional on that ETag (an object replaced mid-load fails the load instead
+of mixing two versions), into one page-aligned buffer of the object's size.
+The caller parses the zip from that buffer; CPU storages are views of it.
+
+Endpoint, region and credentials come from boto3's standard chain (the
+``AWS_*`` environment variables, ``~/.aws/config`` and ``~/.aws/credentials``,
+instance roles), so MinIO and Ceph work with ``AWS_ENDPOINT_URL``. boto3 is
+imported on first use only (``pip install fastpersist[s3]``). A client is made
+per save or load (boto3 clients are thread-safe, sessions are not), so
+changes to the environment apply to the next call.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import errno
+import io
+import math
+import threading
+from typing import Any
+
+from fastpersist.config import Settings
+from fastpersist.errors import (
+    BucketNotFoundError,
+    ObjectNotFoundError,
+    ObjectStoreCredentialsError,
+    ObjectStoreError,
+    ObjectStoreUnavailableError,
+)
+from fastpersist.io import engine
+from fastpersist.io.writer import write_plan
+
+__all__ = [
+    "SCHEME",
+    "MAX_PARTS",
+    "ObjectURL",
+    "is_object_url",
+    "target",
+    "make_client",
+    "part_size_for",
+    "commit_plan",
+    "download",
+]
+
+SCHEME = "s3://"
+MAX_PARTS = 10_000
+"""S3's limit on the parts of one multipart upload."""
+_MiB = 1 << 20
+_CHUNK = 1 * _MiB  # bytes copied at a time from a GET's response into the destination
+_ATTEMPTS = 3  # tries of one ranged GET whose response broke off (botocore retries the requests themselves)
+
+_CREDENTIAL_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "ExpiredToken",
+        "InvalidAccessKeyId",
+        "InvalidToken",
+        "SignatureDoesNotMatch",
+        "TokenRefreshRequired",
+        "403",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectURL:
+    """A parsed ``s3://bucket/key``: what :func:`commit_plan` and :func:`download` take.
+
+    ``path`` is the URL (errors and futures name it), ``given`` the key (its stem
+    names the archive's top folder, as a local file's name does).
+    """
+
+    bucket: str
+    key: str
+
+    @property
+    def path(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.key}"
+
+    @property
+    def given(self) -> str:
+        return self.key
+
+    def __str__(self) -> str:
+        return self.path
+
+
+def is_object_url(f: Any) -> bool:
+    """Whether ``f`` names an object in an object store (a string starting with ``s3://``)."""
+    return isinstance(f, str) and f.startswith(SCHEME)
+
+
+def target(url: str) -> ObjectURL:
+    """Parses ``s3://bucket/key``.
+
+    Raises:
+        ValueError: no bucket or no key, or a key ending in ``/`` (a "folder").
+    """
+    bucket, _, key = url[len(SCHEME) :].partition("/")
+    if not bucket or not key or key.endswith("/"):
+        raise ValueError(f"expected an object URL like 's3://bucket/path/to/ckpt.pt', got {url!r}")
+    return ObjectURL(bucket, key)
+
+
+def make_client(concurrency: int):
+    """A boto3 S3 client configured from the standard AWS chain, with a connection per concurrent request.
+
+    Raises:
+        ObjectStoreUnavailableError: (an ``ImportError``) boto3 is not installed.
+    """
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError as e:
+        raise ObjectStoreUnavailableError(
+            f"s3:// paths need boto3, which is not installed ({e}); install it with: pip install fastpersist[s3]"
+        ) from e
+    config = Config(
+        max_pool_connections=max(10, concurrency + 2),
+        retries={"mode": "standard"},
+        user_agent_extra="fastpersist",
+    )
+    return boto3.session.Session().client("s3", config=config)
+
+
+def part_size_for(total: int, configured: int) -> int:
+    """The part size for an object of ``total`` bytes: ``configured``, or more where that would need too many parts.
+
+    Raised sizes are whole MiB, so the ring's buffers stay page multiples.
+    """
+    if math.ceil(total / configured) <= MAX_PARTS:
+        return configured
+    return math.ceil(total / MAX_PARTS / _MiB) * _MiB
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _describe_store(client) -> str:
+    endpoint = getattr(client.meta, "endpoint_url", None)
+    region = getattr(client.meta, "region_name", None)
+    return f"endpoint {endpoint}, region {region}"
+
+
+def _translate(
+    error: BaseException, url: ObjectURL, client, action: str, *, code: str | None = None
+) -> ObjectStoreError:
+    """``error`` (from botocore, or anything a request raised) as the fastpersist error that says what to do.
+
+    ``code`` replaces the error's own code (a HEAD's bare ``404`` known to mean ``NoSuchBucket``).
+    """
+    if isinstance(error, ObjectStoreError):
+        return error
+    own_code, status, message = _error_fields(error)
+    code = code or own_code
+    store = _describe_store(client)
+    if type(error).__name__ in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+        code = type(error).__name__
+    if code in _CREDENTIAL_CODES or code in (
+        "NoCredentialsError",
+        "PartialCredentialsError",
+        "CredentialRetrievalError",
+    ):
+        return ObjectStoreCredentialsError(
+            errno.EACCES,
+            f"{action} was refused: the credentials were not accepted ({code}: {message}) by the store "
+            f"({store}). Check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or AWS_PROFILE, "
+            f"and that they may read and write s3://{url.bucket}",
+            url.path,
+            code=code,
+        )
+    if code == "NoSuchBucket":
+        return BucketNotFoundError(
+            errno.ENOENT,
+            f"{action} failed: bucket {url.bucket!r} does not exist ({store}). Create it, or check the URL, "
+            "AWS_ENDPOINT_URL and AWS_DEFAULT_REGION",
+            url.path,
+            code=code,
+        )
+    if code in ("NoSuchKey", "404"):
+        return ObjectNotFoundError(
+            errno.ENOENT,
+            f"{action} failed: there is no object at this key in bucket {url.bucket!r} ({store}). Check the key "
+            f"(aws s3 ls s3://{url.bucket}/{url.key.rpartition('/')[0]})",
+            url.path,
+            code=code,
+        )
+    if code in ("PreconditionFailed", "412"):
+        return ObjectStoreError(
+            errno.EIO,
+            f"{action} failed: the object was replaced while it was being read; load it again",
+            url.path,
+            code=code,
+        )
+    if code is None and status is None:  # no answer from the store: the network, the endpoint, a timeout
+        code = type(error).__name__
+        return ObjectStoreError(
+            errno.EIO,
+            f"{action} failed: {code}: {error} ({store}). Check AWS_ENDPOINT_URL and the network, then retry",
+            url.path,
+            code=code,
+        )
+    return ObjectStoreError(
+        errno.EIO, f"{action} failed: the store answered {code} ({message}) ({store})", url.path, code=code
+    )
+
+
+def _error_fields(error: BaseException) -> tuple[str | None, int | None, str]:
+    """(code, HTTP status, message) of a botocore ``ClientError``; (None, None, str) for anything else."""
+    response = getattr(error, "response", None)
+    if not isinstance(response, dict) or "Error" not in response:
+        return None, None, str(error)
+    details = response.get("Error", {})
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return details.get("Code") or (str(status) if status else None), status, details.get("Message", "")
+
+
+def _with_translation(url: ObjectURL, client, action: str, call, **arguments):
+    try:
+        return call(**arguments)
+    except Exception as error:
+        raise _translate(error, url, client, action) from error
+
+
+# ----------------------------------------------------------------------------- saves
+
+
+class _MemoryBody(io.RawIOBase):
+    """A read-only, seekable file over a memoryview: an UploadPart body straight from a ring buffer (no copy)."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self._view = view
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        count = max(0, min(len(buffer), len(self._view) - self._position))
+        memoryview(buffer).cast("B")[:count] = self._view[self._position : self._position + count]
+        self._position += count
+        return count
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+
+class _PartSkipped(ObjectStoreError):
+    """A part not uploaded because another part had already failed (never the error a save raises)."""
+
+
+class _MultipartUpload:
+    """One multipart upload: the ``file`` of :func:`write_plan`, whose handles upload windows as parts.
+
+    Call order: :meth:`begin`; the writer's ``submit_write`` calls, in file
+    order; then :meth:`complete` or :meth:`abort` (either may follow a
+    failure of the other); :meth:`close` always.
+    """
+
+    def __init__(self, client, url: ObjectURL, concurrency: int):
+        self.client = client
+        self.url = url
+        self.upload_id: str | None = None
+        self.first_error: BaseException | None = None
+        self._parts: dict[int, dict] = {}
+        self._submitted = 0  # bytes handed to parts so far: the next part must start there
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="fastpersist-s3-put")
+
+    def begin(self) -> None:
+        response = _with_translation(
+            self.url,
+            self.client,
+            f"starting the upload of {self.url}",
+            self.client.create_multipart_upload,
+            Bucket=self.url.bucket,
+            Key=self.url.key,
+        )
+        self.upload_id = response["UploadId"]
+
+    def handle(self) -> _PartHandle:
+        return _PartHandle()
+
+    def submit_part(self, address: int, nbytes: int, offset: int, keepalive) -> concurrent.futures.Future:
+        """Queues the upload of ``nbytes`` at ``address`` as the part that starts at ``offset`` of the object."""
+        if offset != self._submitted:
+            raise AssertionError(f"parts must come in order: expected offset {self._submitted}, got {offset}")
+        self._submitted += nbytes
+        number = len(self._parts) + 1
+        self._parts[number] = {}
+        return self._pool.submit(self._upload_part, number, address, nbytes, keepalive)
+
+    def _upload_part(self, number: int, address: int, nbytes: int, keepalive) -> None:
+        if self.first_error is not None:
+            raise _PartSkipped(errno.ECANCELED, f"part {number} skipped after an earlier failure", self.url.path)
+        view = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+        try:
+            response = self.client.upload_part(
+                Bucket=self.url.bucket,
+                Key=self.url.key,
+                UploadId=self.upload_id,
+                PartNumber=number,
+                Body=_MemoryBody(view),
+                ContentLength=nbytes,
+            )
+        except Exception as error:
+            translated = _translate(error, self.url, self.client, f"uploading part {number} of {self.url}")
+            with self._lock:
+                if self.first_error is None:
+                    self.first_error = translated
+            raise translated from error
+        finally:
+            del view, keepalive  # the ring slot may be refilled once its handle's wait returns
+        part = {"ETag": response["ETag"], "PartNumber": number}
+        for name in ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumCRC64NVME", "ChecksumSHA1", "ChecksumSHA256"):
+            if name in response:  # botocore sends one per part by default; some stores want them back
+                part[name] = response[name]
+        self._parts[number] = part
+
+    def complete(self) -> None:
+        if not self._parts:
+            raise AssertionError("a checkpoint has at least one part")
+        parts = [self._parts[number] for number in sorted(self._parts)]
+        _with_translation(
+            self.url,
+            self.client,
+            f"completing the upload of {self.url}",
+            self.client.complete_multipart_upload,
+            Bucket=self.url.bucket,
+            Key=self.url.key,
+            UploadId=self.upload_id,
+            MultipartUpload={"Parts": parts},
+        )
+
+    def abort(self, cause: BaseException) -> None:
+        """Discards the parts; a failure to do so is added to ``cause`` as a note (``cause`` is what is raised)."""
+        if self.upload_id is None:
+            return
+        try:
+            self.client.abort_multipart_upload(Bucket=self.url.bucket, Key=self.url.key, UploadId=self.upload_id)
+        except Exception as error:  # noqa: BLE001 - the save's own error is the one to raise
+            if _error_fields(error)[0] == "NoSuchUpload":
+                return  # already gone (a complete that went through before an interrupt, or a lifecycle rule)
+            cause.add_note(
+                f"AbortMultipartUpload failed as well ({type(error).__name__}: {error}): the parts uploaded so far "
+                f"stay stored (and billed) until a lifecycle rule removes them, or: aws s3api "
+                f"abort-multipart-upload --bucket {self.url.bucket} --key {self.url.key} --upload-id {self.upload_id}"
+            )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _PartHandle:
+    """The handle of one ring slot (see :func:`write_plan`'s ``make_handle``): its window goes up as one part."""
+
+    def __init__(self):
+        self._pending: list[concurrent.futures.Future] = []
+
+    def submit_write(self, address: int, nbytes: int, upload: _MultipartUpload, offset: int, keepalive) -> None:
+        self._pending.append(upload.submit_part(address, nbytes, offset, keepalive))
+
+    def wait(self) -> int:
+        """Until this slot's parts are uploaded; raises the first error (an ``ObjectStoreError``)."""
+        concurrent.futures.wait(self._pending)  # interruptible; the writer then drains by calling wait again
+        pending, self._pending = self._pending, []
+        for future in pending:
+            if future.exception() is not None:
+                raise future.exception()
+        return len(pending)
+
+
+def commit_plan(plan, destination: ObjectURL, settings: Settings, streams, *, before_commit=None, client=None) -> None:
+    """Uploads ``plan`` to ``destination`` as a multipart upload, committed by its completion.
+
+    The counterpart of :func:`fastpersist.io.commit.commit_plan` for object
+    stores (see the module docstring). ``before_commit``, if given, is called
+    once every part is uploaded and before the completion; its failure aborts
+    the upload.
+
+    Raises:
+        ObjectStoreUnavailableError: boto3 is missing (before any request).
+        ObjectStoreCredentialsError, BucketNotFoundError, ObjectStoreError:
+            the store refused a request, or the network failed. The upload is
+            then aborted and the previous object at the key is intact (a note
+            on the error says so if the abort failed as well).
+        Whatever ``before_commit`` raises, after the abort.
+    """
+    if client is None:
+        client = make_client(settings.s3_concurrency)
+    part_size = part_size_for(plan.size, settings.s3_part_size)
+    ring = settings.replace(
+        buffer_size=part_size, block_size=part_size, buffer_count=max(2, min(64, settings.s3_concurrency))
+    )
+    upload = _MultipartUpload(client, destination, settings.s3_concurrency)
+    try:
+        upload.begin()
+        write_plan(plan, upload, ring, streams=streams, make_handle=upload.handle)
+        if before_commit is not None:
+            before_commit()
+        upload.complete()
+    except BaseException as error:
+        raised = error
+        if isinstance(error, _PartSkipped) and upload.first_error is not None:
+            raised = upload.first_error  # the writer met a skipped part first: raise the failure itself
+        upload.abort(raised)
+        if raised is error:
+            raise
+        raise raised from None
+    finally:
+        upload.close()
+
+
+# ----------------------------------------------------------------------------- loads
+
+
+def download(url: ObjectURL, settings: Settings, *, client=None) -> tuple[Any, int]:
+    """Fetches the whole object into one page-aligned buffer, with concurrent ranged GETs.
+
+    Returns:
+        ``(buffer, size)``: an ``engine.AlignedBuffer`` (a Python buffer) of
+        the object's ``size`` bytes (at least one byte is allocated).
+
+    Raises:
+        ObjectStoreUnavailableError: boto3 is missing.
+        ObjectNotFoundError, BucketNotFoundError: (``FileNotFoundError``) no such object or bucket.
+        ObjectStoreCredentialsError: (``PermissionError``) the credentials were refused.
+        ObjectStoreError: a network error, or the object was replaced during the load.
+        KeyboardInterrupt: after every GET in flight has stopped.
+    """
+    if client is None:
+        client = make_client(settings.s3_concurrency)
+    action = f"loading {url}"
+    try:
+        head = client.head_object(Bucket=url.bucket, Key=url.key)
+    except Exception as error:
+        translated = _translate(error, url, client, action)
+        if isinstance(translated, ObjectNotFoundError):  # HEAD's 404 does not say whether the bucket exists
+            try:
+                client.head_bucket(Bucket=url.bucket)
+            except Exception as bucket_error:  # noqa: BLE001 - only "no such bucket" changes the answer
+                if _error_fields(bucket_error)[0] in ("404", "NoSuchBucket"):
+                    translated = _translate(bucket_error, url, client, action, code="NoSuchBucket")
+        raise translated from error
+    size = int(head["ContentLength"])
+    etag = head.get("ETag")
+    buffer = engine.AlignedBuffer(max(size, 1), lock=False)
+    destination = memoryview(buffer).cast("B")
+    range_size = settings.s3_part_size
+    stop = threading.Event()
+
+    def fetch(start: int) -> None:
+        end = min(start + range_size, size)
+        for attempt in range(_ATTEMPTS):
+            try:
+                _fetch_range(client, url, etag, start, end, destination, stop)
+                return
+            except Exception as error:
+                if stop.is_set() or attempt + 1 == _ATTEMPTS or not _broken_response(error):
+                    raise _translate(error, url, client, action) from error
+
+    with concurrent.futures.ThreadPoolExecutor(settings.s3_concurrency, "fastpersist-s3-get") as pool:
+        futures = [pool.submit(fetch, start) for start in range(0, size, range_size)]
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                future.result()
+        except BaseException:
+            stop.set()
+            for future in futures:
+                future.cancel()
+            raise
+    return buffer, size
+
+
+def _fetch_range(client, url: ObjectURL, etag, start: int, end: int, destination: memoryview, stop) -> None:
+    arguments = dict(Bucket=url.bucket, Key=url.key, Range=f"bytes={start}-{end - 1}")
+    if etag:
+        arguments["IfMatch"] = etag
+    body = client.get_object(**arguments)["Body"]
+    try:
+        position = start
+        for chunk in body.iter_chunks(_CHUNK):
+            if stop.is_set():
+                return
+            if position + len(chunk) > end:
+                raise ObjectStoreError(errno.EIO, f"the store sent more than bytes {start}-{end - 1}", url.path)
+            destination[position : position + len(chunk)] = chunk
+            position += len(chunk)
+        if position != end:
+            raise _ShortResponse(f"bytes {start}-{end - 1}: the response ended after {position - start} bytes")
+    finally:
+        body.close()
+
+
+class _ShortResponse(Exception):
+    """A ranged GET's response ended early (retried)."""
+
+
+def _broken_response(error: BaseException) -> bool:
+    """A response that broke off mid-body (retried): botocore retries failed requests, not failed reads."""
+    return isinstance(error, _ShortResponse) or type(error).__name__ in (
+        "ResponseStreamingError",
+        "IncompleteReadError",
+        "ReadTimeoutError",
+        "ProtocolError",
+        "ConnectionClosedError",
+    )
