@@ -224,6 +224,7 @@ LAYER_ORDER = [
     "integrations",
     "facade",
     "dcp",
+    "offload",
     "api",
     "distributed",
     "deepnvme",

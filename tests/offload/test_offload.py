@@ -1,0 +1,413 @@
+"""Offloaded inference on the CPU: every checkpoint format, budgets from all-resident to one slot, and bad input.
+
+The model is a small transformer-like network (embedding tied to the output
+head, blocks of LayerNorm + MLP, a persistent and a non-persistent buffer);
+its outputs after ``dispatch`` must equal the fully loaded model's, bit for
+bit, under ``no_grad`` and ``inference_mode``, over several passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist.errors import UnsupportedObjectError
+from fastpersist.offload import CheckpointChangedError, OffloadPlanError, dispatch
+
+WIDTH, BLOCKS, VOCAB = 64, 6, 100
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width: int = WIDTH, blocks: int = BLOCKS, reuse: bool = False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(blocks))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("offsets", torch.arange(width, dtype=torch.float32) / width, persistent=False)
+        self.reuse = reuse
+
+    def forward(self, ids):
+        x = self.embed(ids) * self.scale + self.offsets
+        for block in self.blocks:
+            x = block(x)
+        if self.reuse:
+            x = self.blocks[0](x)  # a module called twice in one forward
+        return self.head(self.norm(x))
+
+
+def reference(dtype=torch.float32, reuse=False) -> Net:
+    torch.manual_seed(0)
+    model = Net(reuse=reuse).to(dtype).eval()
+    with torch.no_grad():
+        model.scale.fill_(0.75)
+    return model
+
+
+def empty(dtype=torch.float32, reuse=False) -> Net:
+    """The same network with no weights: parameters on the meta device, the non-persistent buffer real."""
+    with torch.device("meta"):
+        model = Net(reuse=reuse).to(dtype)
+    model.offsets = (torch.arange(WIDTH, dtype=torch.float32) / WIDTH).to(dtype)
+    return model
+
+
+IDS = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(1))
+
+
+def expected(model: Net) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS)
+
+
+def save(model: Net, tmp_path, kind: str) -> str:
+    state = model.state_dict()
+    if kind == "torch":
+        path = str(tmp_path / "model.pt")
+        torch.save(state, path)
+    elif kind == "fastpersist":
+        path = str(tmp_path / "model.fp")
+        fastpersist.save(state, path)
+    elif kind == "safetensors":
+        path = str(tmp_path / "model.safetensors")
+        fastpersist.save_file(_untied(state), path)
+    elif kind == "sharded":
+        names = sorted(_untied(state))
+        weight_map = {}
+        for shard, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+            file = f"model-{shard + 1:05d}-of-00002.safetensors"
+            fastpersist.save_file({k: state[k] for k in part}, str(tmp_path / file))
+            weight_map.update(dict.fromkeys(part, file))
+        with open(tmp_path / "model.safetensors.index.json", "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+        path = str(tmp_path)
+    else:
+        raise AssertionError(kind)
+    return path
+
+
+def _untied(state: dict) -> dict:
+    """safetensors refuses shared storages: keep the first name of tied tensors (as Hugging Face does)."""
+    seen, result = set(), {}
+    for key, value in state.items():
+        if value.data_ptr() not in seen:
+            seen.add(value.data_ptr())
+            result[key] = value.contiguous()
+    return result
+
+
+@pytest.fixture(autouse=True)
+def _close_models():
+    models = []
+    yield models
+    for model in models:
+        model.fastpersist_offload.close()
+
+
+def run(model, passes: int = 3, mode=torch.no_grad):
+    outputs = []
+    with mode():
+        for _ in range(passes):
+            outputs.append(model(IDS))
+    return outputs
+
+
+@pytest.mark.parametrize("kind", ["torch", "fastpersist", "safetensors", "sharded"])
+@pytest.mark.parametrize("budget", [None, 500_000, 200_000])
+def test_outputs_equal_the_loaded_model(kind, budget, tmp_path, _close_models):
+    original = reference()
+    path = save(original, tmp_path, kind)
+    model = dispatch(empty(), path, device="cpu", max_host_memory=budget)
+    _close_models.append(model)
+    want = expected(original)
+    for output in run(model):
+        assert torch.equal(output, want)
+    placed = model.fastpersist_offload.describe()
+    if budget is None:
+        assert not placed["streamed"]
+    else:
+        assert placed["streamed"] and placed["slots"] >= 1
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_slots_prefetch_and_inference_mode(slots, tmp_path, _close_models):
+    original = reference(torch.bfloat16)
+    path = save(original, tmp_path, "safetensors")
+    model = dispatch(empty(torch.bfloat16), path, device="cpu", max_host_memory=450_000, slots=slots, unit_bytes=80_000)
+    _close_models.append(model)
+    offloaded = model.fastpersist_offload
+    assert offloaded.describe()["slots"] == slots
+    want = expected(original)
+    for output in run(model, mode=torch.inference_mode):
+        assert output.dtype == torch.bfloat16 and torch.equal(output, want)
+    stats = offloaded.stats()
+    assert stats.units_loaded >= len(offloaded.streamed) and stats.bytes_read > 0
+
+
+def test_module_called_twice_per_forward(tmp_path, _close_models):
+    original = reference(reuse=True)
+    path = save(original, tmp_path, "torch")
+    model = dispatch(empty(reuse=True), path, device="cpu", max_host_memory=250_000, slots=2)
+    _close_models.append(model)
+    for output in run(model):
+        assert torch.equal(output, expected(original))
+
+
+def test_weights_are_restored_to_placeholders_between_passes(tmp_path, _close_models):
+    path = save(reference(), tmp_path, "torch")
+    model = dispatch(empty(), path, device="cpu", max_host_memory=250_000, slots=2)
+    _close_models.append(model)
+    run(model, passes=1)
+    streamed = model.fastpersist_offload.streamed
+    assert streamed and all(
+        b.module._parameters[b.name].is_meta for u in streamed for b in u.bindings if b.is_parameter
+    )
+    assert model.embed.weight.device.type == "cpu" and model.head.weight is model.embed.weight  # tied: resident
+
+
+def test_threads_share_one_model(tmp_path, _close_models):
+    original = reference()
+    path = save(original, tmp_path, "fastpersist")
+    model = dispatch(empty(), path, device="cpu", max_host_memory=250_000, slots=2)
+    _close_models.append(model)
+    want, results, errors = expected(original), [], []
+
+    def work():
+        try:
+            results.extend(run(model, passes=4))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(results) == 16 and all(torch.equal(r, want) for r in results)
+
+
+def test_close_stops_the_loader_and_refuses_forwards(tmp_path):
+    path = save(reference(), tmp_path, "torch")
+    model = dispatch(empty(), path, device="cpu", max_host_memory=250_000)
+    run(model, passes=1)
+    thread = model.fastpersist_offload._thread
+    assert thread is not None and thread.is_alive()
+    model.fastpersist_offload.close()
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        run(model, passes=1)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_missing_extra_and_mismatched_keys_are_named_at_once(tmp_path):
+    state = reference().state_dict()
+    state.pop("blocks.1.up.weight")
+    state["blocks.9.up.weight"] = torch.zeros(3)
+    state["norm.weight"] = torch.zeros(WIDTH + 1)
+    state["norm.bias"] = state["norm.bias"].double()
+    path = str(tmp_path / "bad.pt")
+    torch.save(state, path)
+    with pytest.raises(OffloadPlanError) as info:
+        dispatch(empty(), path, device="cpu")
+    message = str(info.value)
+    for text in ("blocks.1.up.weight", "blocks.9.up.weight", "norm.weight", "norm.bias", "torch.float64"):
+        assert text in message
+
+
+def test_budget_below_the_minimum_says_the_minimum(tmp_path):
+    path = save(reference(), tmp_path, "torch")
+    with pytest.raises(OffloadPlanError, match=r"give at least .* \((\d+) bytes\)") as info:
+        dispatch(empty(), path, device="cpu", max_host_memory=10_000)
+    minimum = int(info.value.args[0].rsplit("(", 1)[1].split()[0])
+    model = dispatch(empty(), path, device="cpu", max_host_memory=minimum, slots=1)
+    try:
+        assert torch.equal(run(model, passes=1)[0], expected(reference()))
+    finally:
+        model.fastpersist_offload.close()
+
+
+def test_checkpoint_changed_on_disk_is_refused(tmp_path, _close_models):
+    path = save(reference(), tmp_path, "torch")
+    model = dispatch(empty(), path, device="cpu", max_host_memory=250_000)
+    _close_models.append(model)
+    run(model, passes=1)
+    with open(path, "r+b") as f:
+        f.seek(0, os.SEEK_END)
+        f.write(b"\0" * 10)
+    with pytest.raises(CheckpointChangedError, match="changed on disk"):
+        run(model, passes=1)
+
+
+def test_not_a_state_dict_and_strided_tensors_are_refused(tmp_path):
+    path = str(tmp_path / "object.pt")
+    torch.save({"model": torch.nn.Linear(2, 2)}, path)
+    with pytest.raises(UnsupportedObjectError, match="state_dict"):
+        dispatch(empty(), path, device="cpu")
+    strided = reference().state_dict()
+    strided["blocks.0.up.weight"] = strided["blocks.0.up.weight"].t().contiguous().t()
+    path = str(tmp_path / "strided.pt")
+    torch.save(strided, path)
+    with pytest.raises(UnsupportedObjectError, match="blocks.0.up.weight"):
+        dispatch(empty(), path, device="cpu")
+
+
+def test_bad_arguments(tmp_path):
+    path = save(reference(), tmp_path, "torch")
+    with pytest.raises(ValueError, match="slots"):
+        dispatch(empty(), path, device="cpu", slots=0)
+    with pytest.raises(ValueError, match="max_gpu_memory is for"):
+        dispatch(empty(), path, device="cpu", max_gpu_memory=10)
+    with pytest.raises(ValueError, match="byte count"):
+        dispatch(empty(), path, device="cpu", max_host_memory=-1)
+    with pytest.raises(ValueError, match="'cuda' or 'cpu'"):
+        dispatch(empty(), path, device="meta")
+    with pytest.raises(FileNotFoundError):
+        dispatch(empty(), str(tmp_path / "absent.pt"), device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            dispatch(empty(), path, device="cuda")
+    model = dispatch(empty(), path, device="cpu")
+    try:
+        with pytest.raises(ValueError, match="already dispatched"):
+            dispatch(model, path, device="cpu")
+    finally:
+        model.fastpersist_offload.close()
+
+
+# ----------------------------------------------------------------------------- memory and processes
+
+_RSS_CHILD = r"""
+import sys, torch
+from fastpersist.offload import dispatch
+def status(field):  # VmRSS, VmHWM (this process's peak; ru_maxrss would start at the parent's)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+path, budget = sys.argv[1], int(sys.argv[2])
+torch.set_num_threads(1)
+with torch.device("meta"):
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(12)])  # 201 MB of float32
+x = torch.randn(4, 2048)
+before, peak_before = status("VmRSS"), status("VmHWM")
+model = dispatch(model, path, device="cpu", max_host_memory=budget, slots=2)
+with torch.no_grad():
+    for _ in range(2):
+        model(x)
+print(max(status("VmHWM"), peak_before) - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_peak_rss_stays_within_the_budget(tmp_path):
+    """A 201 MB model under a 48 MB budget: the process grows by about the budget, not the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(12)])
+    path = str(tmp_path / "big.safetensors")
+    fastpersist.save_file(model.state_dict(), path)
+    budget = 48 << 20
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, path, str(budget)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    growth = int(out.stdout.split()[-1])
+    assert growth < budget + (24 << 20), f"RSS grew by {growth / 2**20:.0f} MiB with a {budget >> 20} MiB budget"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_streams_with_its_own_loader(tmp_path, _close_models):
+    """The child loads units with its own thread and handle (it computes nothing: torch's OpenMP pool is
+    not usable after fork, which is torch's limit, not ours)."""
+    original = reference()
+    path = save(original, tmp_path, "torch")
+    model = dispatch(empty(), path, device="cpu", max_host_memory=250_000, slots=2)
+    _close_models.append(model)
+    run(model, passes=1)  # the parent's loader thread exists and has prefetched
+    offloaded = model.fastpersist_offload
+    expected_weights = [
+        original.get_submodule(name).weight.tolist()
+        for name in (u.name for u in offloaded.streamed)
+        if hasattr(original.get_submodule(name), "weight")
+    ]
+    pid = os.fork()
+    if pid == 0:
+        ok = True
+        try:
+            units = [u for u in offloaded.streamed if hasattr(u.module, "weight")]
+            for unit, weight in zip(units, expected_weights):
+                offloaded._activate(unit)
+                ok = ok and unit.module.weight.tolist() == weight
+                offloaded._deactivate(unit)
+        except BaseException:  # noqa: BLE001 - the exit code says it
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert torch.equal(run(model, passes=1)[0], expected(original))
+
+
+def test_transformers_llama_generates_as_the_loaded_model(tmp_path, _close_models):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    original = transformers.LlamaForCausalLM(config).eval()
+    original.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    model = transformers.LlamaForCausalLM(config).eval()  # built on the CPU: its rotary buffers hold values
+    model = dispatch(model, str(tmp_path), device="cpu", max_host_memory=200_000, slots=2)
+    _close_models.append(model)
+    assert model.fastpersist_offload.describe()["streamed"]
+    prompt = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = original.generate(prompt, max_new_tokens=5, do_sample=False)
+        got = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("host_tier", [None, 10**6])
+def test_cuda_streaming_equals_the_model_on_the_gpu(host_tier, tmp_path, _close_models):
+    """Slots in device memory, reads through pinned staging (or the host tier), copies on a side stream."""
+    original = reference(torch.bfloat16).cuda()
+    path = save(original, tmp_path, "safetensors")
+    with torch.no_grad():
+        want = original(IDS.cuda())
+    model = dispatch(empty(torch.bfloat16), path, device="cuda", max_gpu_memory=250_000, max_host_memory=host_tier)
+    _close_models.append(model)
+    offloaded = model.fastpersist_offload
+    assert offloaded.describe()["streamed"]
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(model(IDS.cuda()), want)
+    if host_tier:
+        assert offloaded.stats().host_tier_hits > 0
