@@ -34,7 +34,7 @@ import torch
 
 from fastpersist import config
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "to_markdown"]
 
 METHODS = ("full-gpu", "fastpersist-disk", "fastpersist-host", "accelerate-disk")
 
@@ -170,6 +170,40 @@ def _copy_ceiling() -> float:
     return 4 * (1 << 30) / (time.perf_counter() - start) / 1e9
 
 
+def to_markdown(document: dict[str, Any]) -> str:
+    """A Markdown table of one result document: tokens/s against each tier's bound, TTFT, peak memory."""
+    config, ceilings = document["config"], document["ceilings"]
+    machine = document.get("machine") or {}
+    lines = [
+        f"{machine.get('device_name', 'GPU')}, Llama-shaped model of {config['model_bytes'] / 1e9:.2f} GB bf16 "
+        f"({config['layers']} layers), GPU budget {config['gpu_budget'] / 1e9:.2f} GB, prompt {config['prompt']}, "
+        f"{config['new_tokens']} new tokens ({config['accelerate_new_tokens']} for accelerate); ceilings in the same "
+        f"run: disk read {ceilings['disk_read_GBps']:.2f} GB/s, host to device {ceilings['host_to_device_GBps']:.2f} GB/s",
+        "",
+        "| method | batch | decode tokens/s | bound tokens/s | of bound | time to first token (s) | peak GPU (GB) "
+        "| peak host RSS (GB) | same tokens as full-gpu |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for method, rows in document["results"].items():
+        for row in rows:
+            bound, share = row.get("bound_tokens_per_second"), row.get("of_bound")
+            lines.append(
+                f"| {method} | {row['batch']} | {row['decode_tokens_per_second']:.2f} | "
+                f"{_number(bound, '{:.2f}')} | {_number(share, '{:.2f}x')} | "
+                f"{row['ttft_seconds']:.2f} | {row['peak_gpu_bytes'] / 1e9:.2f} | "
+                f"{row['peak_host_rss_bytes'] / 1e9:.2f} | {_yes(row.get('same_tokens_as_full_gpu'))} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _number(value: float | None, pattern: str) -> str:
+    return "" if value is None else pattern.format(value)
+
+
+def _yes(value: bool | None) -> str:
+    return "" if value is None else ("yes" if value else "no")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
@@ -201,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict[str, Any]]] = {}
     reference: dict[int, torch.Tensor] = {}
     if "full-gpu" in methods:
+        _generate(model, batches[0], 8, 2)  # CUDA and cuBLAS warm-up, untimed
         for batch in batches:
             row = _generate(model, batch, args.prompt, args.new_tokens)
             reference[batch] = row.pop("tokens")

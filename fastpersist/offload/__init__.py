@@ -12,6 +12,7 @@ See docs/offload.md.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
@@ -28,7 +29,10 @@ def _bytes(value: int | str | None, what: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, str):
-        return config.size_argument(value)
+        try:
+            return config.size_argument(value)
+        except (argparse.ArgumentTypeError, ValueError) as e:  # the command lines' size syntax
+            raise ValueError(f"{what} must be a byte count or a size like '20GiB', got {value!r}: {e}") from None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what} must be a byte count (int >= 0) or a size like '20GiB', got {value!r}")
     return value

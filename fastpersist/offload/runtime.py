@@ -147,6 +147,9 @@ class Offloaded:
         for unit in streamed:
             for b in unit.bindings:
                 table = b.module._parameters if b.is_parameter else b.module._buffers
+                # Placeholders on the meta device: a model built on the CPU frees its values here, and a
+                # streamed weight read outside its module's forward fails loudly instead of being stale.
+                table[b.name] = _placeholder(table[b.name], b.is_parameter)
                 self._originals[(id(b.module), b.name)] = table[b.name]
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._make_post(unit), always_call=True))
@@ -181,6 +184,8 @@ class Offloaded:
             if thread is not None and self._pid == os.getpid():
                 self._requests.put(None)
                 thread.join()
+            if self._side is not None:
+                self._side.synchronize()  # no copy into or out of a slot may outlive its memory
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
@@ -432,6 +437,13 @@ class Offloaded:
             if slot is None:
                 return
             self._request(slot, unit)
+
+
+def _placeholder(tensor: torch.Tensor, is_parameter: bool) -> torch.Tensor:
+    if tensor.is_meta:
+        return tensor
+    empty = torch.empty_like(tensor, device="meta")
+    return torch.nn.Parameter(empty, requires_grad=False) if is_parameter else empty
 
 
 def _refuse_closed(module, args) -> None:

@@ -65,3 +65,9 @@ def test_lightning_callback(tmp_path):
         ]
     )
     assert "resumed at epoch 1" in out
+
+
+def test_offload_generate(tmp_path):
+    pytest.importorskip("transformers")
+    out = run([sys.executable, "examples/offload_generate.py", "--dir", str(tmp_path), "--device", "cpu"])
+    assert "tokens equal the fully loaded model's: True" in out

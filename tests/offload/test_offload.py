@@ -173,6 +173,20 @@ def test_module_called_twice_per_forward(tmp_path, _close_models):
         assert torch.equal(output, expected(original))
 
 
+def test_a_model_built_on_the_cpu_gets_meta_placeholders(tmp_path, _close_models):
+    """Values of streamed weights are dropped at dispatch: no second copy in host memory, no stale reads."""
+    original = reference()
+    path = save(original, tmp_path, "torch")
+    built = reference()  # real (CPU) parameters
+    model = dispatch(built, path, device="cpu", max_host_memory=250_000, slots=2)
+    _close_models.append(model)
+    streamed = model.fastpersist_offload.streamed
+    assert streamed and all(
+        b.module._parameters[b.name].is_meta for u in streamed for b in u.bindings if b.is_parameter
+    )
+    assert torch.equal(run(model, passes=1)[0], expected(original))
+
+
 def test_weights_are_restored_to_placeholders_between_passes(tmp_path, _close_models):
     path = save(reference(), tmp_path, "torch")
     model = dispatch(empty(), path, device="cpu", max_host_memory=250_000, slots=2)
@@ -281,6 +295,8 @@ def test_bad_arguments(tmp_path):
         dispatch(empty(), path, device="cpu", max_gpu_memory=10)
     with pytest.raises(ValueError, match="byte count"):
         dispatch(empty(), path, device="cpu", max_host_memory=-1)
+    with pytest.raises(ValueError, match="12 gigs"):
+        dispatch(empty(), path, device="cpu", max_host_memory="12 gigs")
     with pytest.raises(ValueError, match="'cuda' or 'cpu'"):
         dispatch(empty(), path, device="meta")
     with pytest.raises(FileNotFoundError):
