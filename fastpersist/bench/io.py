@@ -21,6 +21,18 @@ Method (both tools treated alike):
 Example::
 
     python -m fastpersist.bench io --size 4G --block-size 16M --queue-depth 32 --fio
+
+DeepSpeed ``ds_io`` command lines work with the program name replaced
+(:func:`apply_ds_io`; the table is in docs/deepnvme-parity.md)::
+
+    fastpersist bench io --folder /local_nvme --io_size 400M --read --block_size 1M \\
+        --queue_depth 32 --io_parallel 4 --loops 3 --validate
+
+A command line that names ``--folder``, ``--folder_to_device_mapping`` or
+``--io_size`` is a ``ds_io`` command line: it writes (or reads, with
+``--read``) and defaults to ds_io's block size (1M). Besides the table it
+prints ds_io's ``E2E Write Latency = ... sec`` / ``E2E Write Speed = ... GB/sec``
+lines (GB = 2**30 bytes there, as in ds_io).
 """
 
 from __future__ import annotations
@@ -41,44 +53,236 @@ from fastpersist import config, display, system
 from fastpersist.bench.methods import ceilings
 from fastpersist.io import engine, memory
 
-__all__ = ["main", "build_parser", "run"]
+__all__ = ["main", "build_parser", "apply_ds_io", "is_ds_io", "ds_io_summary", "run", "UsageError"]
 
 
 def _size(text: str) -> int:
     return config.size_argument(text)  # the one size syntax (binary units)
 
 
+DS_IO_ENGINES = ("aio_handle", "aio_basic", "torch_io", "torch_fastio")
+"""``ds_io --engine`` values; the first two run on the fastpersist engine."""
+
+DS_IO_DEFAULT_BLOCK_SIZE = 1 << 20
+DEFAULT_BLOCK_SIZE = 16 << 20
+
+GDS_MESSAGE = (
+    "GPUDirect Storage is not provided by fastpersist yet (no cuFile / nvidia-fs path); "
+    "drop --use_gds: with --gpu the data goes through pinned host memory, as DeepSpeed's aio_handle does"
+)
+
+
+class UsageError(ValueError):
+    """A command line that cannot run as given; the message says what to use instead."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fastpersist.bench io",
-        description="Sequential write/read throughput of the fastpersist I/O engine (optionally vs fio).",
+        description="Sequential write/read throughput of the fastpersist I/O engine (optionally vs fio). "
+        "Also accepts DeepSpeed ds_io's options (see the 'DeepSpeed ds_io' group).",
     )
-    p.add_argument("--dir", default=".", help="directory for the test file (default: current directory)")
-    p.add_argument("--size", type=_size, default=_size("1G"), help="bytes per file, e.g. 4G (default 1G)")
-    p.add_argument("--block-size", type=_size, default=_size("16M"), help="bytes per I/O request (default 16M)")
-    p.add_argument("--queue-depth", type=int, default=32, help="requests in flight per lane (default 32)")
-    p.add_argument("--threads", type=int, default=1, help="lanes, i.e. intra_op_parallelism (default 1)")
-    p.add_argument("--engine", default="auto", choices=("auto", "io_uring", "threads"))
+    p.add_argument("--dir", default=None, help="directory for the test file (default: current directory)")
+    p.add_argument("--size", type=_size, default=None, help="bytes per file, e.g. 4G (default 1G)")
+    p.add_argument(
+        "--block-size",
+        "--block_size",
+        dest="block_size",
+        type=_size,
+        default=None,
+        help="bytes per I/O request (default 16M; 1M for a ds_io command line)",
+    )
+    p.add_argument(
+        "--queue-depth", "--queue_depth", dest="queue_depth", type=int, default=32, help="requests in flight per lane"
+    )
+    p.add_argument(
+        "--threads",
+        "--io_parallel",
+        dest="threads",
+        type=int,
+        default=None,
+        help="lanes, i.e. intra_op_parallelism (default 1)",
+    )
+    p.add_argument(
+        "--engine",
+        default="auto",
+        choices=("auto", "io_uring", "threads", *DS_IO_ENGINES),
+        help="auto (default), io_uring, threads; ds_io's aio_handle and aio_basic mean auto",
+    )
     p.add_argument("--buffered", action="store_true", help="no O_DIRECT (both tools)")
-    p.add_argument("--single-submit", action="store_true", help="one io_uring_enter per request")
-    p.add_argument("--no-overlap-events", action="store_true", help="submit and reap in batches")
+    p.add_argument(
+        "--single-submit",
+        "--single_submit",
+        dest="single_submit",
+        action="store_true",
+        help="one io_uring_enter per request",
+    )
+    p.add_argument(
+        "--no-overlap-events",
+        "--sequential_requests",
+        dest="no_overlap_events",
+        action="store_true",
+        help="submit and reap in batches (overlap_events=False)",
+    )
     p.add_argument("--no-fallocate", action="store_true", help="do not preallocate the file (both tools)")
     p.add_argument("--no-huge-pages", action="store_true", help="engine buffers on 4 KiB pages (fio's default memory)")
-    p.add_argument("--repeats", type=int, default=3, help="repeats; the median is reported (default 3)")
-    p.add_argument("--mode", choices=("both", "write", "read"), default="both")
+    p.add_argument(
+        "--repeats", "--loops", dest="repeats", type=int, default=3, help="repeats; the median is reported (default 3)"
+    )
+    p.add_argument("--mode", choices=("both", "write", "read"), default=None, help="default both (ds_io: write)")
     p.add_argument("--fio", action="store_true", help="also run fio (ioengine=io_uring) with the same settings")
     p.add_argument("--no-verify", action="store_true", help="skip the byte-for-byte check of each read")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+
+    ds = p.add_argument_group(
+        "DeepSpeed ds_io",
+        "ds_io's options with ds_io's meaning (--block_size, --queue_depth, --single_submit, "
+        "--sequential_requests, --io_parallel, --loops and --engine are listed above)",
+    )
+    ds.add_argument("--folder", default=None, help="folder for the test file (= --dir)")
+    ds.add_argument(
+        "--folder_to_device_mapping",
+        default=[],
+        nargs="+",
+        metavar="FOLDER:DEVICE",
+        help="one FOLDER:DEVICE (the CUDA device used with --gpu); several (one process each) are not supported",
+    )
+    ds.add_argument("--io_size", type=_size, default=None, help="bytes to read or write, e.g. 400M (= --size)")
+    ds.add_argument("--read", action="store_true", help="read instead of write (= --mode read)")
+    ds.add_argument("--validate", action="store_true", help="check the bytes of every read and write")
+    ds.add_argument("--handle", action="store_true", help="accepted: I/O always goes through one handle")
+    ds.add_argument("--gpu", action="store_true", help="the data lives on a CUDA device (pinned bounce buffer)")
+    ds.add_argument("--use_gds", action="store_true", help="not supported: GPUDirect Storage is not provided yet")
+    ds.add_argument("--multi_process", type=int, default=1, help="only 1 is supported")
+    ds.add_argument("--warmup_loops", type=int, default=0, help="untimed repetitions before the timed ones")
+    ds.add_argument(
+        "--use_accelerator_pin_memory", action="store_true", help="accepted: host buffers are always locked (pinned)"
+    )
+    ds.add_argument("--slow_bounce_buffer", action="store_true", help="not supported")
+    ds.add_argument("--torch_legacy_save", action="store_true", help="only for --engine torch_fastio (not supported)")
+    ds.add_argument("--fast_io_size", default=None, help="only for --engine torch_fastio (not supported)")
     return p
 
 
-def _engine_write(handle: Any, source: torch.Tensor, path: str, size: int, fallocate: bool, direct: bool) -> float:
+def is_ds_io(args: argparse.Namespace) -> bool:
+    """Whether ``args`` is a ds_io command line (it names a ds_io-only target or size option)."""
+    return bool(args.folder or args.folder_to_device_mapping or args.io_size is not None)
+
+
+def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
+    """Maps ds_io's options onto this benchmark's, in place; fills the defaults.
+
+    Sets ``dir``, ``size``, ``block_size``, ``threads``, ``mode``, ``engine``
+    and ``device`` (``"cpu"`` or ``"cuda:N"``) and ``ds_io`` (whether it is a
+    ds_io command line).
+
+    Raises:
+        UsageError: an option that is not supported or a contradiction; the
+            message says what to use instead.
+    """
+    ds_io = is_ds_io(args)
+    args.ds_io = ds_io
+    if args.use_gds:
+        raise UsageError(f"--use_gds: {GDS_MESSAGE}")
+    if args.engine in ("torch_io", "torch_fastio"):
+        raise UsageError(
+            f"--engine {args.engine} (torch.save through DeepSpeed) is not provided; "
+            "use --engine aio_handle here, and 'python -m fastpersist.bench checkpoint' to compare torch.save "
+            "with fastpersist.save"
+        )
+    if args.torch_legacy_save or args.fast_io_size is not None:
+        raise UsageError("--torch_legacy_save and --fast_io_size only apply to ds_io's --engine torch_fastio")
+    if args.slow_bounce_buffer:
+        raise UsageError(
+            "--slow_bounce_buffer is not supported: the pinned bounce buffer is allocated once, outside the timing"
+        )
+    if args.multi_process != 1:
+        raise UsageError("--multi_process: only 1 process is supported; run one command per process")
+    if args.engine in ("aio_handle", "aio_basic"):
+        args.engine = "auto"
+
+    device_index = 0
+    if args.folder and args.folder_to_device_mapping:
+        raise UsageError("--folder and --folder_to_device_mapping cannot be specified together")
+    if args.folder_to_device_mapping:
+        if len(args.folder_to_device_mapping) > 1:
+            raise UsageError(
+                "--folder_to_device_mapping with several FOLDER:DEVICE (one process each) is not supported; "
+                "run one command per folder"
+            )
+        folder, sep, device = args.folder_to_device_mapping[0].rpartition(":")
+        if not sep or not folder or not device.isdigit():
+            raise UsageError(
+                f"--folder_to_device_mapping takes FOLDER:DEVICE, got {args.folder_to_device_mapping[0]!r}"
+            )
+        args.folder, device_index = folder, int(device)
+    if args.folder:
+        if args.dir is not None and os.path.abspath(args.dir) != os.path.abspath(args.folder):
+            raise UsageError("--dir and --folder name the same thing; give one")
+        args.dir = args.folder
+    if args.dir is None:
+        args.dir = "."
+    if not os.path.isdir(args.dir):
+        raise UsageError(f"folder {args.dir} does not exist")
+
+    if args.io_size is not None:
+        if args.size is not None and args.size != args.io_size:
+            raise UsageError("--size and --io_size name the same thing; give one")
+        args.size = args.io_size
+    if args.size is None:
+        args.size = _size("1G")
+    if args.block_size is None:
+        args.block_size = DS_IO_DEFAULT_BLOCK_SIZE if ds_io else DEFAULT_BLOCK_SIZE
+    if args.threads is None:
+        args.threads = 1
+
+    if args.read:
+        if args.mode not in (None, "read"):
+            raise UsageError(f"--read contradicts --mode {args.mode}")
+        args.mode = "read"
+    if args.mode is None:
+        args.mode = "write" if ds_io else "both"
+    if args.validate and args.no_verify:
+        raise UsageError("--validate contradicts --no-verify")
+    if args.warmup_loops < 0 or args.repeats < 1:
+        raise UsageError("--loops must be at least 1 and --warmup_loops at least 0")
+
+    args.device = "cpu"
+    if args.gpu:
+        if not torch.cuda.is_available():
+            raise UsageError(
+                "--gpu needs a CUDA device and torch with CUDA; none is available here "
+                "(drop --gpu to measure host memory <-> storage)"
+            )
+        if device_index >= torch.cuda.device_count():
+            raise UsageError(
+                f"--folder_to_device_mapping names CUDA device {device_index}; "
+                f"this machine has {torch.cuda.device_count()}"
+            )
+        if args.fio:
+            raise UsageError("--fio measures host memory only; drop --fio or --gpu")
+        args.device = f"cuda:{device_index}"
+    return args
+
+
+def _engine_write(
+    handle: Any,
+    source: torch.Tensor,
+    path: str,
+    size: int,
+    fallocate: bool,
+    direct: bool,
+    device_source: torch.Tensor | None = None,
+) -> float:
+    """Seconds to write ``source`` durably; with ``device_source`` the copy device -> ``source`` is timed too."""
     if os.path.exists(path):
         os.unlink(path)
     with engine.File(path, "w", direct=direct, truncate=True) as f:
         if fallocate:
             f.allocate(0, size)
         start = time.perf_counter()
+        if device_source is not None:
+            source.copy_(device_source)  # to the pinned bounce buffer (synchronous)
         handle.submit_write(source.data_ptr(), size, f, 0, keepalive=source)
         handle.wait()
         f.fsync()
@@ -86,15 +290,43 @@ def _engine_write(handle: Any, source: torch.Tensor, path: str, size: int, fallo
     return elapsed
 
 
-def _engine_read(handle: Any, destination: torch.Tensor, path: str, size: int, direct: bool) -> float:
+def _engine_read(
+    handle: Any,
+    destination: torch.Tensor,
+    path: str,
+    size: int,
+    direct: bool,
+    device_destination: torch.Tensor | None = None,
+) -> float:
+    """Seconds to read ``path``; with ``device_destination`` the copy to the device is timed too."""
     if not direct:
         system.CacheDropper().drop([path])
     with engine.File(path, "r", direct=direct) as f:
         start = time.perf_counter()
         handle.submit_read(destination.data_ptr(), size, f, 0, keepalive=destination)
         handle.wait()
+        if device_destination is not None:
+            device_destination.copy_(destination)
+            torch.cuda.synchronize(device_destination.device)
         elapsed = time.perf_counter() - start
     return elapsed
+
+
+def _file_problem(path: str, expected: torch.Tensor) -> str | None:
+    """Compares the file's bytes with ``expected`` (read through the page cache, 64 MiB at a time)."""
+    size = expected.numel()
+    actual = os.path.getsize(path)
+    if actual != size:
+        return f"{path} has {actual} bytes, expected {size}"
+    step = 64 << 20
+    with open(path, "rb") as f:
+        for offset in range(0, size, step):
+            chunk = f.read(step)
+            if not torch.equal(
+                torch.frombuffer(bytearray(chunk), dtype=torch.uint8), expected[offset : offset + len(chunk)]
+            ):
+                return f"{path} differs from the bytes written in [{offset}, {offset + len(chunk)})"
+    return None
 
 
 def _fio(path: str, rw: str, args: argparse.Namespace) -> float:
@@ -116,7 +348,14 @@ def _fio(path: str, rw: str, args: argparse.Namespace) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Runs the benchmark; returns the results document (see ``--json``)."""
+    """Runs the benchmark; returns the results document (see ``--json``).
+
+    ``args`` from :func:`build_parser`; ds_io's options are mapped by
+    :func:`apply_ds_io` here if the caller has not done it.
+    """
+    if not hasattr(args, "ds_io"):
+        args = argparse.Namespace(**{**vars(build_parser().parse_args([])), **vars(args)})
+        apply_ds_io(args)
     direct = not args.buffered
     size = args.size
     if size % 4096 or args.block_size % 4096:
@@ -125,6 +364,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if use_fio and system.find_fio() is None:
         print(f"{system.FIO_INSTALL_HINT}; running the engine only", file=sys.stderr)
         use_fio = False
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.init()  # before allocating: locked host buffers are then registered with CUDA (pinned)
     handle = engine.IoHandle(
         block_size=args.block_size,
         queue_depth=args.queue_depth,
@@ -137,11 +380,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     probe = engine.probe_directory(args.dir)
     do_write = args.mode in ("both", "write")
     do_read = args.mode in ("both", "read")
+    verify_reads = args.validate or not args.no_verify
 
     # Random bytes (no pattern a deduplicating or compressing backend could
     # exploit), written once: this also touches every page outside the timing
     # (page faults on fresh memory are far slower than the disk here).
-    source = memory.aligned_empty(size, huge_pages=not args.no_huge_pages)
+    source = memory.aligned_empty(size, huge_pages=not args.no_huge_pages, lock=on_gpu)
     words = source.view(torch.int64) if size % 8 == 0 else None
     generator = torch.Generator().manual_seed(0)
     step = 32 << 20
@@ -151,38 +395,57 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             chunk.random_(generator=generator)
     else:
         source.random_(0, 256, generator=generator)
-    destination = memory.aligned_empty(size, huge_pages=not args.no_huge_pages) if do_read else None
+    destination = memory.aligned_empty(size, huge_pages=not args.no_huge_pages, lock=on_gpu) if do_read else None
     if destination is not None:
         destination.fill_(0)
+    # --gpu: the data lives on the device; source/destination are the pinned bounce buffers.
+    device_source = source.to(device) if on_gpu and do_write else None
+    device_destination = torch.zeros(size, dtype=torch.uint8, device=device) if on_gpu and do_read else None
+    expected = source.clone() if on_gpu and (do_write or verify_reads) else source
+
+    def check_read() -> None:
+        got = device_destination.cpu() if device_destination is not None else destination
+        if not torch.equal(got, expected):
+            raise RuntimeError("read-back verification failed: bytes read differ from bytes written")
+        destination.fill_(0)
+        if device_destination is not None:
+            device_destination.zero_()
 
     workdir = tempfile.mkdtemp(prefix=".fastpersist-bench-", dir=args.dir)
     path = os.path.join(workdir, "engine.bin")
     fio_path = os.path.join(workdir, "fio.bin")
     samples: dict[str, list[float]] = {"engine_write": [], "engine_read": [], "fio_write": [], "fio_read": []}
+    seconds: dict[str, list[float]] = {"engine_write": [], "engine_read": []}
+    fallocate = not args.no_fallocate
     try:
         if not do_write:  # read only: lay the file down once
-            _engine_write(handle, source, path, size, not args.no_fallocate, direct)
-        for repeat in range(args.repeats):
+            _engine_write(handle, expected, path, size, fallocate, direct)
+        for repeat in range(args.warmup_loops + args.repeats):
+            timed = repeat >= args.warmup_loops
             # Alternate who goes first: this disk is fastest right after an
             # idle period and slows down under sustained writing.
             order = ("engine", "fio") if repeat % 2 == 0 else ("fio", "engine")
             for tool in order:
                 if tool == "engine":
                     if do_write:
-                        seconds = _engine_write(handle, source, path, size, not args.no_fallocate, direct)
-                        samples["engine_write"].append(size / 1e9 / seconds)
+                        elapsed = _engine_write(handle, source, path, size, fallocate, direct, device_source)
+                        if args.validate:
+                            problem = _file_problem(path, expected)
+                            if problem:
+                                raise RuntimeError(f"write verification failed: {problem}")
+                        if timed:
+                            samples["engine_write"].append(size / 1e9 / elapsed)
+                            seconds["engine_write"].append(elapsed)
                     if do_read:
-                        seconds = _engine_read(handle, destination, path, size, direct)
-                        samples["engine_read"].append(size / 1e9 / seconds)
-                        if not args.no_verify:
-                            if not torch.equal(destination, source):
-                                raise RuntimeError(
-                                    "read-back verification failed: bytes read differ from bytes written"
-                                )
-                            destination.fill_(0)
+                        elapsed = _engine_read(handle, destination, path, size, direct, device_destination)
+                        if verify_reads:
+                            check_read()
+                        if timed:
+                            samples["engine_read"].append(size / 1e9 / elapsed)
+                            seconds["engine_read"].append(elapsed)
                     if do_write and os.path.exists(path):
                         os.unlink(path)
-                elif use_fio:
+                elif use_fio and timed:
                     if do_write or not os.path.exists(fio_path):
                         if os.path.exists(fio_path):
                             os.unlink(fio_path)
@@ -216,16 +479,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "direct": direct,
             "single_submit": args.single_submit,
             "overlap_events": not args.no_overlap_events,
-            "fallocate": not args.no_fallocate,
+            "fallocate": fallocate,
             "repeats": args.repeats,
+            "warmup_loops": args.warmup_loops,
             "huge_pages": not args.no_huge_pages,
+            "device": str(device),
+            "validate": args.validate,
         },
         "filesystem": probe,
         "gbps_median": results,
         "gbps_samples": samples,
+        "seconds_median": {name: median(values) for name, values in seconds.items()},
         "ratio_engine_to_fio": ratios,
         "stats": handle.stats(),
     }
+
+
+def ds_io_summary(doc: dict[str, Any]) -> list[str]:
+    """ds_io's result lines for ``doc`` (median seconds; GB/sec with GB = 2**30 bytes, as ds_io prints)."""
+    lines = []
+    size = doc["settings"]["size"]
+    for op, word in (("write", "Write"), ("read", "Read")):
+        latency = doc["seconds_median"].get(f"engine_{op}")
+        if latency is None:
+            continue
+        lines.append(f"E2E {word} Latency = {latency} sec")
+        lines.append(f"E2E {word} Speed = {size / latency / 2**30 if latency else 0.0} GB/sec")
+    return lines
 
 
 def _print_table(doc: dict[str, Any]) -> None:
@@ -251,12 +531,19 @@ def _print_table(doc: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        apply_ds_io(args)
+    except UsageError as e:
+        parser.error(str(e))
     doc = run(args)
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
         _print_table(doc)
+        for line in ds_io_summary(doc):
+            print(line)
     return 0
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from fastpersist import config, display, system
-from fastpersist.tuning import measure, workloads
+from fastpersist.tuning import deepnvme, measure, workloads
 
 __all__ = [
     "Knob",
@@ -275,6 +275,7 @@ def sweep(
     device: torch.device | str = "cpu",
     dropper: system.CacheDropper | None = None,
     progress: Callable[[str], None] | None = None,
+    within_values: bool = False,
 ) -> SweepResult:
     """Coordinate descent over ``knobs`` with ``backend``, writing only inside ``directory``.
 
@@ -285,6 +286,9 @@ def sweep(
     rejects (invalid combination, engine that cannot start) or that fail
     (an error, or loaded bytes that differ) are reported and never chosen.
     Ends with a head-to-head of the recommendation against the defaults.
+    ``within_values`` (``ds_nvme_tune``'s ``--sweep_config``): the knobs'
+    values are the whole space; a default outside them is neither measured
+    nor kept, and the recommendation is the best measured point.
 
     Raises:
         KeyboardInterrupt: passed through; the caller removes ``directory``.
@@ -321,11 +325,14 @@ def sweep(
             except Exception as e:  # noqa: BLE001 - an invalid combination is recorded and skipped
                 point.error = f"not a valid combination: {e}"
             points.append(point)
-        if not any(p.value == current[knob.name] for p in points):
+        outside = not any(p.value == current[knob.name] for p in points)
+        if outside and within_values:
+            current[knob.name] = knob.values[0]  # the space is the given values: start from the first
+        elif outside:
             points.insert(0, Point(knob.name, current[knob.name], dict(current)))
         run_points(points)
         incumbent = next(p for p in points if p.value == current[knob.name])
-        base = incumbent.score(nbytes, objective)
+        base = None if outside and within_values else incumbent.score(nbytes, objective)
         scored = [(p.score(nbytes, objective), p) for p in points if p.score(nbytes, objective) is not None]
         chosen = current[knob.name]
         if scored:
@@ -344,7 +351,7 @@ def sweep(
     run_points(list(final.values()))
     result = SweepResult(current, {k.name: defaults[k.name] for k in knobs}, stages, final, nbytes, objective, notes)
     ratio = result.improvement()
-    if current != result.defaults and (ratio is None or ratio < 1 + threshold / 2):
+    if current != result.defaults and (ratio is None or ratio < 1 + threshold / 2) and not within_values:
         notes.append(
             "the recommendation did not beat the defaults head to head "
             f"({'failed' if ratio is None else f'{ratio:.2f}x'}); recommending the defaults"
@@ -451,6 +458,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-drop-caches", action="store_true", help="do not drop the page cache before loads")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write every measurement here")
+    deepnvme.add_arguments(parser)
 
 
 def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
@@ -461,6 +469,18 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
         fastpersist, bad directory or options); 130 when interrupted (nothing
         written, temporary files removed).
     """
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    args = argparse.Namespace(**{**vars(defaults.parse_args([])), **vars(args)})
+    try:
+        deepnvme.apply(args)
+    except deepnvme.UsageError as e:
+        print(f"fastpersist tune: {e}", file=sys.stderr)
+        return 2
+    if args.verbose:
+        print(f"args = {args}", file=sys.stderr)
+    if deepnvme.is_ds_nvme_tune(args):
+        print(f"Running DeepNVMe performance tuning on {args.nvme_dir}", file=sys.stderr)
     backend = backend or FastpersistBackend()
     reason = backend.unavailable()
     if reason:
@@ -478,6 +498,13 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
             )
             return 2
         knobs = tuple(k for k in knobs if k.name in wanted)
+    if args.knob_values:
+        described = {k.name: k.what for k in KNOBS}
+        knobs = tuple(
+            Knob(name, values, described[name])
+            for name, values in args.knob_values.items()
+            if not getattr(args, "settings", None) or name in {k.name for k in knobs}
+        )
     repeats = args.repeats if getattr(args, "repeats", None) else (2 if quick else 3)
     size_text = args.size or ("512M" if quick else "1G")
     directory = os.path.abspath(args.dir)
@@ -535,6 +562,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
                 work,
                 knobs=knobs,
                 repeats=repeats,
+                within_values=bool(getattr(args, "knob_values", None)),
                 objective=args.optimize,
                 threshold=args.threshold,
                 device=device,
@@ -597,6 +625,12 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
         print("changed from the defaults: " + ", ".join(f"{k}={_show(k, v)}" for k, v in changed.items()))
     else:
         print("the defaults are already the best measured here; the file pins them")
+    print()
+    aio_text = deepnvme.format_aio(result.recommended, r["load_gbps"], r["save_gbps"])
+    print(aio_text)
+    if args.log_dir is not None:
+        with open(os.path.join(args.log_dir, "aio_config.json"), "w") as f:
+            f.write(aio_text.split("\n", 1)[1] + "\n")
     print(f"\nwrote {out} ({elapsed:.0f} s). To use it:")
     print(f"  export FASTPERSIST_CONFIG={out}")
     print("or in Python, before saving or loading:")
