@@ -1,0 +1,590 @@
+"""``python -m fastpersist.bench s3``: checkpoints in an S3-compatible store, fastpersist against boto3 and s3fs.
+
+One run, on one CPU state of ``--size`` bytes (random bf16 and float32 tensors
+of about 16 MiB each, plus a few non-tensor leaves), against one endpoint: by
+default a moto server that the benchmark starts itself, in a child process on
+127.0.0.1 (moto keeps objects in memory, in Python: the figures measure the
+client side and the server's Python overhead, not a network); with
+``--endpoint URL`` a real store (MinIO, S3, ...) with credentials from the
+environment (boto3's standard chain).
+
+* **saves**, durable when the call returns (``CompleteMultipartUpload`` done):
+  ``fastpersist.save(state, "s3://...")`` against ``torch.save`` into a
+  ``BytesIO`` then boto3's ``upload_fileobj`` (same part size and
+  concurrency), and, where importable, ``torch.save`` into s3fs's
+  ``fs.open(url, "wb")`` and s3torchconnector's ``S3Checkpoint.writer``
+  (skipped with the reason otherwise);
+* **loads**: ``fastpersist.load("s3://...")`` against boto3's ``get_object``
+  read into a ``BytesIO`` and ``torch.load``, and the s3fs / s3torchconnector
+  readers where importable. Each method loads the object its own save wrote.
+
+Methods are interleaved repeat by repeat; median, min and max are reported,
+with ratios against boto3 of the same run. Peak extra RSS is this process's
+(the moto server runs in another process); for loads it includes the loaded
+state itself. fastpersist's ring of page-locked buffers is pooled, as in a
+training run: it is allocated by an untimed warm-up, and its cost is reported
+separately, by one save after the pool is freed. Every object is loaded back
+and compared with the state byte for byte (untimed), and each object is also
+read by the other library (a torch.save object by ``fastpersist.load``, a
+fastpersist object by ``torch.load``).
+
+::
+
+    python -m fastpersist.bench s3 --size 256M --repeats 3 --json out.json
+    AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... python -m fastpersist.bench s3 --endpoint http://minio:9000
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from fastpersist import config, system
+from fastpersist.bench import measure
+from fastpersist.tuning import workloads
+from fastpersist.tuning.measure import write_json
+
+__all__ = ["build_parser", "make_state", "moto_server", "run", "to_markdown", "main"]
+
+SCHEMA = "fastpersist.bench.s3/1"
+_MiB = 1 << 20
+_TENSOR_BYTES = 16 * _MiB
+_SERVER_START_S = 60.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fastpersist.bench s3", description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="256M", help="state size, e.g. 256M (binary units; default 256M)")
+    p.add_argument("--repeats", type=int, default=3, help="repeats per method; median, min, max (default 3)")
+    p.add_argument("--part-size", default=None, help="fastpersist's s3_part_size (and boto3's chunk size)")
+    p.add_argument("--concurrency", type=int, default=None, help="fastpersist's s3_concurrency (and boto3's)")
+    p.add_argument(
+        "--endpoint",
+        default=None,
+        help="an S3-compatible endpoint URL; credentials from the environment (default: start a moto server)",
+    )
+    p.add_argument("--bucket", default="fastpersist-bench", help="bucket (created if missing; default %(default)s)")
+    p.add_argument("--prefix", default="fastpersist-bench/", help="key prefix of the objects (deleted at the end)")
+    p.add_argument("--json", default=None, help="write the result document here")
+    return p
+
+
+# ----------------------------------------------------------------------------- the state
+
+
+def make_state(size: int, seed: int = 0) -> dict[str, Any]:
+    """``size`` bytes of random CPU tensors of about 16 MiB each (bf16 and float32 in turn), and two other leaves."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    left = size
+    index = 0
+    while left > 0:
+        dtype = torch.bfloat16 if index % 2 == 0 else torch.float32
+        nbytes = min(_TENSOR_BYTES, left)
+        count = max(1, nbytes // dtype.itemsize)
+        shape = (count // 1024, 1024) if count % 1024 == 0 else (count,)
+        tensors[f"layers.{index}.weight"] = torch.randn(shape, generator=generator).to(dtype)
+        left -= count * dtype.itemsize
+        index += 1
+    return {"model": tensors, "step": 1000, "config": {"lr": 3e-4, "name": "bench"}}
+
+
+# ----------------------------------------------------------------------------- the endpoint
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def moto_server(timeout: float = _SERVER_START_S) -> Iterator[str]:
+    """Runs moto's S3 server in a child process on a free port of 127.0.0.1; yields its URL.
+
+    A child process, not a thread of this one: its memory stays out of this
+    process's RSS and its Python work out of this process's GIL.
+
+    Raises:
+        RuntimeError: the server exited or did not answer within ``timeout`` seconds.
+    """
+    port = _free_port()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if child.poll() is not None:
+                raise RuntimeError(f"moto's server exited with status {child.returncode} before answering")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"moto's server did not answer on 127.0.0.1:{port} within {timeout:.0f} s")
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        child.terminate()
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str | None]) -> Iterator[None]:
+    """Sets (or, for None, removes) environment variables for the block; restores them after."""
+    old = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _endpoint(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """(endpoint URL, description) with boto3's environment pointing at it for the block."""
+    if args.endpoint:
+        with _environment({"AWS_ENDPOINT_URL": args.endpoint}):
+            yield args.endpoint, "given endpoint, credentials from the environment"
+        return
+    with moto_server() as url:
+        fake = {
+            "AWS_ENDPOINT_URL": url,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_ENDPOINT_URL_S3": None,
+            "AWS_PROFILE": None,
+            "AWS_SESSION_TOKEN": None,
+            "AWS_REGION": None,
+        }
+        with _environment(fake):
+            import moto
+
+            yield url, f"moto {moto.__version__} server (in-memory, Python) in a child process on 127.0.0.1"
+
+
+# ----------------------------------------------------------------------------- the methods
+
+
+class _Method:
+    """One way to save and load: its label, its save and load callables, or why it is skipped."""
+
+    def __init__(
+        self,
+        name: str,
+        save_label: str,
+        load_label: str,
+        save: Callable[[dict[str, Any]], None] | None = None,
+        load: Callable[[], Any] | None = None,
+        skipped: str | None = None,
+    ):
+        self.name = name
+        self.save_label = save_label
+        self.load_label = load_label
+        self.save = save
+        self.load = load
+        self.skipped = skipped
+
+
+def _methods(
+    args: argparse.Namespace, endpoint: str, settings: config.Settings, client, keys: dict[str, str], size: int
+):
+    import boto3.s3.transfer
+
+    import fastpersist
+
+    bucket = args.bucket
+    overrides = {"s3_part_size": settings.s3_part_size, "s3_concurrency": settings.s3_concurrency}
+    transfer = boto3.s3.transfer.TransferConfig(
+        multipart_threshold=settings.s3_part_size,
+        multipart_chunksize=settings.s3_part_size,
+        max_concurrency=settings.s3_concurrency,
+    )
+
+    # Load-only context: moto answers a ranged GET by reading the whole object and slicing it.
+    one_get = dict(overrides, s3_part_size=min(5 << 30, max(settings.s3_part_size, -(-size // _MiB) * _MiB)))
+
+    def url(name: str) -> str:
+        return f"s3://{bucket}/{keys[name]}"
+
+    def boto3_save(state: dict[str, Any]) -> None:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        client.upload_fileobj(buffer, bucket, keys["boto3"], Config=transfer)
+
+    def boto3_load() -> Any:
+        body = client.get_object(Bucket=bucket, Key=keys["boto3"])["Body"]
+        buffer = io.BytesIO(body.read())
+        return torch.load(buffer, weights_only=True)
+
+    methods = [
+        _Method(
+            "fastpersist",
+            "fastpersist.save(state, 's3://...')",
+            "fastpersist.load('s3://...')",
+            lambda state: fastpersist.save(state, url("fastpersist"), **overrides),
+            lambda: fastpersist.load(url("fastpersist"), weights_only=True, **overrides),
+        ),
+        _Method(
+            "fastpersist-one-get",
+            "",
+            "fastpersist.load('s3://...') of the same object in one GET (s3_part_size >= its size)",
+            None,
+            lambda: fastpersist.load(url("fastpersist"), weights_only=True, **one_get),
+        ),
+        _Method(
+            "boto3",
+            "torch.save to BytesIO + boto3 upload_fileobj",
+            "boto3 get_object -> BytesIO -> torch.load",
+            boto3_save,
+            boto3_load,
+        ),
+    ]
+
+    try:
+        import s3fs
+    except ImportError as e:
+        methods.append(
+            _Method("s3fs", "torch.save to s3fs fs.open(url, 'wb')", "torch.load(fs.open(url, 'rb'))", skipped=str(e))
+        )
+    else:
+        fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
+
+        def s3fs_save(state: dict[str, Any]) -> None:
+            with fs.open(url("s3fs"), "wb", block_size=settings.s3_part_size) as f:
+                torch.save(state, f)
+
+        def s3fs_load() -> Any:
+            with fs.open(url("s3fs"), "rb", block_size=settings.s3_part_size) as f:
+                return torch.load(f, weights_only=True)
+
+        methods.append(
+            _Method(
+                "s3fs", "torch.save to s3fs fs.open(url, 'wb')", "torch.load(fs.open(url, 'rb'))", s3fs_save, s3fs_load
+            )
+        )
+
+    try:
+        from s3torchconnector import S3Checkpoint
+    except ImportError as e:
+        methods.append(
+            _Method(
+                "s3torchconnector",
+                "torch.save to S3Checkpoint.writer",
+                "torch.load(S3Checkpoint.reader)",
+                skipped=str(e),
+            )
+        )
+    else:
+        region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
+        checkpoint = S3Checkpoint(region=region, endpoint=endpoint)
+
+        def connector_save(state: dict[str, Any]) -> None:
+            with checkpoint.writer(url("s3torchconnector")) as writer:
+                torch.save(state, writer)
+
+        def connector_load() -> Any:
+            with checkpoint.reader(url("s3torchconnector")) as reader:
+                return torch.load(reader, weights_only=True)
+
+        methods.append(
+            _Method(
+                "s3torchconnector",
+                "torch.save to S3Checkpoint.writer",
+                "torch.load(S3Checkpoint.reader)",
+                connector_save,
+                connector_load,
+            )
+        )
+    return methods
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _ensure_bucket(client, bucket: str) -> None:
+    from botocore.exceptions import ClientError
+
+    try:
+        client.head_bucket(Bucket=bucket)
+    except ClientError as e:
+        if str(e.response.get("Error", {}).get("Code")) not in ("404", "NoSuchBucket", "NotFound"):
+            raise
+        client.create_bucket(Bucket=bucket)
+
+
+def _summary(seconds: list[float], peaks: list[int], nbytes: int, label: str) -> dict[str, Any]:
+    stats = measure.summarize(seconds)
+    assert stats is not None
+    return {
+        "label": label,
+        "status": "ok",
+        "seconds": stats,
+        "samples_s": seconds,
+        "gb_per_s": {
+            "median": nbytes / stats["median"] / 1e9,
+            "min": nbytes / stats["max"] / 1e9,
+            "max": nbytes / stats["min"] / 1e9,
+        },
+        "peak_extra_rss_bytes": {"median": sorted(peaks)[len(peaks) // 2], "max": max(peaks)},
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs the benchmark; returns the result document (see the module docstring).
+
+    Raises:
+        ImportError: boto3 is missing (or moto, without ``--endpoint``).
+        RuntimeError: the moto server did not start.
+    """
+    import boto3
+    from botocore.config import Config
+
+    import fastpersist
+    from fastpersist.io import memory
+
+    overrides: dict[str, Any] = {}
+    if args.part_size is not None:
+        overrides["s3_part_size"] = args.part_size
+    if args.concurrency is not None:
+        overrides["s3_concurrency"] = args.concurrency
+    settings = config.resolve(overrides)
+    size = config.parse_size(args.size)
+    state = make_state(size)
+    expected = workloads.flatten_state(state)
+    nbytes = sum(t.numel() * t.element_size() for t in expected[0].values())
+    keys = {name: f"{args.prefix}{name}.pt" for name in ("fastpersist", "boto3", "s3fs", "s3torchconnector", "warm-up")}
+    problems: list[str] = []
+    with _endpoint(args) as (endpoint, endpoint_detail):
+        client = boto3.session.Session().client(
+            "s3", config=Config(max_pool_connections=max(10, settings.s3_concurrency + 2))
+        )
+        _ensure_bucket(client, args.bucket)
+        methods = _methods(args, endpoint, settings, client, keys, nbytes + _MiB)
+        active = [m for m in methods if m.skipped is None]
+        times: dict[str, dict[str, list[float]]] = {"save": {}, "load": {}}
+        peaks: dict[str, dict[str, list[int]]] = {"save": {}, "load": {}}
+        failed: dict[str, dict[str, str]] = {"save": {}, "load": {}}
+        verified: dict[str, bool | str] = {}
+
+        # Untimed warm-up of every method on a tiny state: imports, connections, fastpersist's pooled ring.
+        warm_up = {"warm-up": torch.ones(1)}
+        for method in active:
+            if method.save is None:
+                continue
+            saved_key = keys[method.name]
+            keys[method.name] = keys["warm-up"]
+            try:
+                method.save(warm_up)
+                method.load()
+            except Exception as e:  # noqa: BLE001 - a method that cannot run is reported, not fatal
+                failed["save"][method.name] = f"warm-up: {type(e).__name__}: {e}"
+            finally:
+                keys[method.name] = saved_key
+        fastpersist.save(state, f"s3://{args.bucket}/{keys['warm-up']}", **overrides)  # the ring at full size
+
+        for repeat in range(args.repeats):
+            for kind in ("save", "load"):
+                for method in active:
+                    if method.name in failed["save"] or method.name in failed[kind]:
+                        continue
+                    if kind == "save" and method.save is None:
+                        continue
+                    system.release_memory()
+                    result = None
+                    try:
+                        with measure.PeakMemory() as peak:
+                            start = time.perf_counter()
+                            if kind == "save":
+                                method.save(state)
+                            else:
+                                result = method.load()
+                                measure.touch_pages(result)
+                            elapsed = time.perf_counter() - start
+                    except Exception as e:  # noqa: BLE001
+                        failed[kind][method.name] = f"{type(e).__name__}: {e}"
+                        continue
+                    times[kind].setdefault(method.name, []).append(elapsed)
+                    peaks[kind].setdefault(method.name, []).append(peak.delta)
+                    if kind == "load" and repeat == 0:
+                        problem = measure.verify_state(expected, workloads.flatten_state(result))
+                        verified[method.name] = True if problem is None else problem
+                        if problem:
+                            problems.append(f"load {method.name}: {problem}")
+                    del result
+
+        # Cross-reads (untimed): each library reads the other's object.
+        cross: dict[str, bool | str] = {}
+        if "fastpersist" in times["save"] and "boto3" in times["save"]:
+            readers = {
+                "fastpersist.load of the torch.save object": lambda: fastpersist.load(
+                    f"s3://{args.bucket}/{keys['boto3']}", weights_only=True, **overrides
+                ),
+                "torch.load of the fastpersist object": lambda: torch.load(
+                    io.BytesIO(client.get_object(Bucket=args.bucket, Key=keys["fastpersist"])["Body"].read()),
+                    weights_only=True,
+                ),
+            }
+            for name, reader in readers.items():
+                problem = measure.verify_state(expected, workloads.flatten_state(reader()))
+                cross[name] = True if problem is None else problem
+                if problem:
+                    problems.append(f"{name}: {problem}")
+
+        # The ring's cost: one fastpersist save after the pool is freed (its time is not a result).
+        ring_rss = None
+        if "fastpersist" in times["save"]:
+            memory.release_pooled_buffers()
+            system.release_memory()
+            with measure.PeakMemory() as peak:
+                fastpersist.save(state, f"s3://{args.bucket}/{keys['fastpersist']}", **overrides)
+            ring_rss = peak.delta
+
+        for key in keys.values():
+            with contextlib.suppress(Exception):
+                client.delete_object(Bucket=args.bucket, Key=key)
+
+    def section(kind: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for method in methods:
+            label = method.save_label if kind == "save" else method.load_label
+            if kind == "save" and method.save is None and method.skipped is None:
+                continue
+            if method.skipped is not None:
+                out[method.name] = {"label": label, "status": "skipped", "reason": method.skipped}
+            elif method.name in failed["save"] or method.name in failed[kind]:
+                own = failed[kind].get(method.name)
+                reason = own or f"its save failed: {failed['save'][method.name]}"
+                out[method.name] = {"label": label, "status": "failed", "reason": reason}
+                if own:
+                    problems.append(f"{kind} {method.name} failed: {reason}")
+            else:
+                out[method.name] = _summary(times[kind][method.name], peaks[kind][method.name], nbytes, label)
+                if kind == "load":
+                    out[method.name]["verified"] = verified.get(method.name, "not loaded")
+        return out
+
+    results = {"save": section("save"), "load": section("load")}
+    if ring_rss is not None:
+        results["save"]["fastpersist"]["first_save_peak_extra_rss_bytes"] = ring_rss
+    ratios = {}
+    for kind in ("save", "load"):
+        ours, baseline = results[kind].get("fastpersist", {}), results[kind].get("boto3", {})
+        if ours.get("status") == "ok" and baseline.get("status") == "ok":
+            ratios[f"{kind}: fastpersist / boto3"] = round(
+                ours["gb_per_s"]["median"] / baseline["gb_per_s"]["median"], 3
+            )
+    return {
+        "benchmark": "s3",
+        "schema": SCHEMA,
+        "machine": measure.machine_info(None, "cpu"),
+        "config": {
+            "bytes": nbytes,
+            "size": args.size,
+            "tensors": len(expected[0]),
+            "dtypes": "bf16 and float32, about 16 MiB a tensor",
+            "repeats": args.repeats,
+            "s3_part_size": settings.s3_part_size,
+            "s3_concurrency": settings.s3_concurrency,
+            "endpoint": endpoint,
+            "server": endpoint_detail,
+            "bucket": args.bucket,
+            "boto3": boto3.__version__,
+        },
+        "results": results,
+        "cross_reads": cross,
+        "ratios": ratios,
+        "problems": problems,
+    }
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / _MiB:+,.0f} MiB"
+
+
+def to_markdown(document: dict[str, Any]) -> str:
+    """The result as Markdown: one row per operation and method, skipped methods with their reason, the ratios."""
+    cfg = document["config"]
+    machine = document["machine"]
+    lines = [
+        f"{workloads.format_bytes(cfg['bytes'])} in {cfg['tensors']} CPU tensors ({cfg['dtypes']}), "
+        f"{cfg['repeats']} repeats, s3_part_size {cfg['s3_part_size'] // _MiB} MiB, "
+        f"s3_concurrency {cfg['s3_concurrency']}; {cfg['server']}; "
+        f"{machine.get('cpu_count')} CPUs ({machine.get('cpu_model') or 'unknown CPU'})",
+        "",
+        "| operation | method | seconds median (min-max) | GB/s median (min-max) | peak extra RSS | verified |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    for kind in ("save", "load"):
+        for entry in document["results"][kind].values():
+            if entry["status"] != "ok":
+                lines.append(f"| {kind} | {entry['label']} | {entry['status']}: {entry['reason']} | - | - | - |")
+                continue
+            s, g = entry["seconds"], entry["gb_per_s"]
+            rss = _mib(entry["peak_extra_rss_bytes"]["median"])
+            if "first_save_peak_extra_rss_bytes" in entry:
+                rss += f" ({_mib(entry['first_save_peak_extra_rss_bytes'])} first save)"
+            check = entry.get("verified", "-")
+            check = "yes" if check is True else str(check)
+            lines.append(
+                f"| {kind} | {entry['label']} | {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | "
+                f"{g['median']:.2f} ({g['min']:.2f}-{g['max']:.2f}) | {rss} | {check} |"
+            )
+    lines.append("")
+    lines += [f"- {name}: {ratio:.2f}x" for name, ratio in document["ratios"].items()]
+    for name, outcome in document.get("cross_reads", {}).items():
+        lines.append(f"- {name}: {'verified' if outcome is True else outcome}")
+    lines += [f"- PROBLEM: {problem}" for problem in document["problems"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    missing = [m for m in ("boto3",) + (() if args.endpoint else ("moto.server",)) if not _importable(m)]
+    if missing:
+        print(f"the s3 benchmark needs {', '.join(missing)}: pip install boto3 'moto[server]'", file=sys.stderr)
+        return 2
+    document = run(args)
+    print(to_markdown(document), end="")
+    if args.json:
+        write_json(document, args.json)
+    return 1 if document["problems"] else 0
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
