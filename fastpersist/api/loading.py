@@ -13,10 +13,10 @@ from typing import Any, BinaryIO
 import torch
 
 from fastpersist import config
-from fastpersist.api import dispatch, objectstore
+from fastpersist.api import archive, dispatch, objectstore
 from fastpersist.api.verification import verify_file_object
 from fastpersist.errors import CorruptCheckpointError, FastPersistError, TruncatedCheckpointError, torch_compatible
-from fastpersist.format.deserializer import archive_prefix, deserialize
+from fastpersist.format.deserializer import archive_prefix
 from fastpersist.format.zipformat import MissingEndRecordError, RecordTable, read_directory, read_rows
 from fastpersist.io import engine
 from fastpersist.io.reader import FileStorageProvider, MmapStorageProvider
@@ -317,11 +317,7 @@ def _load_from_path(
                 if not name.startswith(prefix + "data/") and name != prefix + "data.pkl":
                     record_bytes(read_at, records[name], path, verify)
         pickle_bytes = record_bytes(read_at, records[prefix + "data.pkl"], path, verify)
-        byteorder = b"little"
-        if prefix + "byteorder" in records:
-            byteorder = record_bytes(read_at, records[prefix + "byteorder"], path, verify)
-            if byteorder not in (b"little", b"big"):
-                raise CorruptCheckpointError(f"{path}: unknown byte order record {byteorder!r}", path=path)
+        order = archive.byteorder(read_at, records, prefix, path, verify)
         if mmap:
             provider = MmapStorageProvider(path, file.size(), verify=verify)
         else:
@@ -329,8 +325,7 @@ def _load_from_path(
             provider = FileStorageProvider(file, storages, settings, verify=verify, path=path)
             del storages
         try:
-            # The records go as the state comes: the zip directory of 100,000 tensors is 27 MiB of objects.
-            return deserialize(
+            return archive.rebuild(
                 pickle_bytes,
                 records,
                 prefix,
@@ -338,19 +333,10 @@ def _load_from_path(
                 map_location=map_location,
                 pickle_module=pickle_module,
                 weights_only=weights_only,
-                byteorder=byteorder,
+                byteorder=order,
                 path=path,
-                release_records=True,
-                **pickle_load_args,
+                pickle_load_args=pickle_load_args,
             )
-        except pickle.UnpicklingError as e:
-            if not weights_only:
-                raise
-            from torch.serialization import UNSAFE_MESSAGE
-
-            raise pickle.UnpicklingError(
-                f"Weights only load failed. {UNSAFE_MESSAGE}\nWeightsUnpickler error: {e}"
-            ) from None
         finally:
             if isinstance(provider, FileStorageProvider):
                 provider.close()

@@ -13,16 +13,15 @@ are in docs/object-storage.md.
 from __future__ import annotations
 
 import io
-import pickle
 import warnings
 from typing import Any
 
 import torch
 
 from fastpersist import config
-from fastpersist.api import dispatch
-from fastpersist.errors import CorruptCheckpointError, TruncatedCheckpointError
-from fastpersist.format.deserializer import archive_prefix, deserialize
+from fastpersist.api import archive, dispatch
+from fastpersist.errors import TruncatedCheckpointError
+from fastpersist.format.deserializer import archive_prefix
 from fastpersist.format.safetensors import looks_like_safetensors
 from fastpersist.format.serializer import archive_name_for, plan_save
 from fastpersist.format.zipformat import RecordTable, read_rows
@@ -140,32 +139,18 @@ def load(
             if not name.startswith(prefix + "data/") and name != prefix + "data.pkl":
                 record_bytes(read_at, records[name], path, verify)
     pickle_bytes = record_bytes(read_at, records[prefix + "data.pkl"], path, verify)
-    byteorder = b"little"
-    if prefix + "byteorder" in records:
-        byteorder = record_bytes(read_at, records[prefix + "byteorder"], path, verify)
-        if byteorder not in (b"little", b"big"):
-            raise CorruptCheckpointError(f"{path}: unknown byte order record {byteorder!r}", path=path)
+    order = archive.byteorder(read_at, records, prefix, path, verify)
     whole = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
     provider = MemoryStorageProvider(whole, verify=verify, path=path)
-    try:
-        return deserialize(
-            pickle_bytes,
-            records,
-            prefix,
-            provider,
-            map_location=map_location,
-            pickle_module=pickle_module,
-            weights_only=weights_only,
-            byteorder=byteorder,
-            path=path,
-            release_records=True,
-            **{"encoding": "utf-8", **pickle_load_args},
-        )
-    except pickle.UnpicklingError as e:
-        if not weights_only:
-            raise
-        from torch.serialization import UNSAFE_MESSAGE
-
-        raise pickle.UnpicklingError(
-            f"Weights only load failed. {UNSAFE_MESSAGE}\nWeightsUnpickler error: {e}"
-        ) from None
+    return archive.rebuild(
+        pickle_bytes,
+        records,
+        prefix,
+        provider,
+        map_location=map_location,
+        pickle_module=pickle_module,
+        weights_only=weights_only,
+        byteorder=order,
+        path=path,
+        pickle_load_args={"encoding": "utf-8", **pickle_load_args},
+    )

@@ -63,20 +63,20 @@ def test_a_load_lets_the_zip_directory_go_as_the_state_comes(tmp_path, monkeypat
     """The directory of 100,000 small tensors is 27 MiB of objects: each storage's record is
     dropped once the storage is loaded, so a load's peak stays near torch.load's."""
     import fastpersist
-    from fastpersist.api import loading
+    from fastpersist.api import archive
 
     state = {"a": torch.arange(10), "b": torch.arange(10).view(2, 5), "c": torch.ones(3), "empty": torch.empty(0)}
     state["view"] = state["a"][2:]  # shares a's storage: asked for twice, loaded once
     path = tmp_path / "s.pt"
     fastpersist.save(state, path)
     seen = []
-    real = loading.deserialize
+    real = archive.deserialize
 
     def spy(pickle_bytes, records, *args, **kwargs):
         seen.append(records)
         return real(pickle_bytes, records, *args, **kwargs)
 
-    monkeypatch.setattr(loading, "deserialize", spy)
+    monkeypatch.setattr(archive, "deserialize", spy)
     for weights_only in (True, False):
         loaded = fastpersist.load(path, weights_only=weights_only)
         assert all(torch.equal(loaded[k], v) for k, v in state.items())
