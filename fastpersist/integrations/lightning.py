@@ -32,6 +32,7 @@ from typing import Any
 import fastpersist
 from fastpersist.api import futures
 from fastpersist.api.checkpointer import Checkpointer
+from fastpersist.io import objectstore
 
 __all__ = [
     "FastPersistCheckpointIO",  # noqa: F822 (built lazily by __getattr__)
@@ -149,8 +150,9 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
         """Lightning CheckpointIO that saves with ``fastpersist.save`` and loads with ``fastpersist.load``.
 
         Files are ordinary torch checkpoints (``torch.load`` reads them).
-        Saves are atomic and durable. Non-local paths (``s3://...``) go
-        through Lightning's own fsspec code.
+        Saves are atomic and durable. ``s3://bucket/key`` paths use
+        fastpersist's object-store saves and loads (docs/object-storage.md);
+        other non-local paths go through Lightning's own fsspec code.
 
         Args:
             **settings: ``fastpersist.config`` overrides for every save and load.
@@ -187,6 +189,10 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
                 OSError: the save failed; the previous file at ``path`` is intact.
             """
             settings = {**self.settings, **_settings_from(storage_options, type(self).__name__)}
+            if objectstore.is_object_url(str(path)):
+                extra = {} if group is None else {"group": group, "divergence": divergence}
+                fastpersist.save(checkpoint, str(path), **extra, **settings)
+                return
             if not _is_local(path):
                 cloud_io._atomic_save(checkpoint, path)
                 return
@@ -208,16 +214,22 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
             was saved from (under DDP a file saved on rank 0 names ``cuda:0``,
             which is not rank 1's device).
             """
+            settings = {k: v for k, v in self.settings.items() if k not in ("async_mode", "async_max_pending")}
+            if objectstore.is_object_url(str(path)):
+                return fastpersist.load(str(path), map_location=map_location, weights_only=weights_only, **settings)
             if not _is_local(path):
                 return cloud_io._load(path, map_location=map_location, weights_only=weights_only)
             path = _local(path)
             if not os.path.exists(path):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
-            settings = {k: v for k, v in self.settings.items() if k not in ("async_mode", "async_max_pending")}
             return fastpersist.load(path, map_location=map_location, weights_only=weights_only, **settings)
 
         def remove_checkpoint(self, path: Any) -> None:
             """Removes the checkpoint file (or directory) at ``path``; nothing if it does not exist."""
+            if objectstore.is_object_url(str(path)):
+                objectstore.remove(str(path))
+                log.debug("removed checkpoint %s", path)
+                return
             fs = cloud_io.get_filesystem(path)
             if fs.exists(path):
                 fs.rm(path, recursive=True)

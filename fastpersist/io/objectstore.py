@@ -256,6 +256,18 @@ def _with_translation(url: ObjectURL, client, action: str, call, **arguments):
         raise _translate(error, url, client, action) from error
 
 
+def remove(url: str, *, client=None) -> None:
+    """Deletes the object at ``url`` (nothing happens if there is none: S3's delete is idempotent).
+
+    Raises:
+        ValueError: a malformed URL.
+        ObjectStoreError and its subclasses: the store refused (credentials, missing bucket, network).
+    """
+    where = target(url)
+    client = client or make_client(1)
+    _with_translation(where, client, "delete", client.delete_object, Bucket=where.bucket, Key=where.key)
+
+
 # ----------------------------------------------------------------------------- saves
 
 
