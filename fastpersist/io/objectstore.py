@@ -428,8 +428,60 @@ class _PartHandle:
         return len(pending)
 
 
+class _SinglePut:
+    """An object of one part: the window is copied aside and sent by one PutObject at :meth:`complete`.
+
+    Below one part a multipart upload costs three requests where one does
+    (0.22 s against 0.08 s for 8 MB on the dev VM's local server). The bytes
+    are copied (at most one part) because the ring slot is reused once its
+    handle's wait returns, and the object must not appear before
+    ``before_commit`` has passed: PutObject is the commit, as completion is.
+    """
+
+    def __init__(self, client, url: ObjectURL):
+        self.client = client
+        self.url = url
+        self.upload_id = None
+        self.first_error = None
+        self._body = bytearray()
+
+    def begin(self) -> None:
+        pass
+
+    def handle(self) -> _PartHandle:
+        return _PartHandle()
+
+    def submit_part(self, address: int, nbytes: int, offset: int, keepalive) -> concurrent.futures.Future:
+        if offset != len(self._body):
+            raise AssertionError(f"parts must come in order: expected offset {len(self._body)}, got {offset}")
+        self._body += (ctypes.c_char * nbytes).from_address(address).raw
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(None)
+        return done
+
+    def complete(self) -> None:
+        body = memoryview(self._body)
+        _with_translation(
+            self.url,
+            self.client,
+            f"uploading {self.url}",
+            self.client.put_object,
+            Bucket=self.url.bucket,
+            Key=self.url.key,
+            Body=_MemoryBody(body),
+            ContentLength=len(body),
+        )
+
+    def abort(self, cause: BaseException) -> None:
+        self._body = bytearray()  # nothing was sent: the previous object is untouched
+
+    def close(self) -> None:
+        self._body = bytearray()
+
+
 def commit_plan(plan, destination: ObjectURL, settings: Settings, streams, *, before_commit=None, client=None) -> None:
-    """Uploads ``plan`` to ``destination`` as a multipart upload, committed by its completion.
+    """Uploads ``plan`` to ``destination`` as a multipart upload, committed by its completion (one PutObject
+    for an object of at most one part).
 
     The counterpart of :func:`fastpersist.io.commit.commit_plan` for object
     stores (see the module docstring). ``before_commit``, if given, is called
@@ -450,7 +502,10 @@ def commit_plan(plan, destination: ObjectURL, settings: Settings, streams, *, be
     ring = settings.replace(
         buffer_size=part_size, block_size=part_size, buffer_count=max(2, min(64, settings.s3_concurrency))
     )
-    upload = _MultipartUpload(client, destination, settings.s3_concurrency)
+    if plan.size <= part_size:
+        upload = _SinglePut(client, destination)
+    else:
+        upload = _MultipartUpload(client, destination, settings.s3_concurrency)
     try:
         upload.begin()
         write_plan(plan, upload, ring, streams=streams, make_handle=upload.handle)

@@ -93,7 +93,7 @@ def test_failed_completion_aborts(s3, recording_client, monkeypatch):
 
     monkeypatch.setattr(objectstore, "make_client", refusing)
     with pytest.raises(ObjectStoreError, match="completing the upload .*InternalError") as caught:
-        fastpersist.save(_NEXT, s3.url("ckpt.pt"))
+        fastpersist.save(_NEXT, s3.url("ckpt.pt"), s3_part_size="5M")
     assert caught.value.code == "InternalError"
     assert recording_client[-1].calls["abort_multipart_upload"] == 1
     _assert_previous_intact(s3, "ckpt.pt")
@@ -110,7 +110,7 @@ def test_a_failed_abort_is_reported_with_the_command_that_cleans_up(s3, recordin
 
     monkeypatch.setattr(objectstore, "make_client", failing_twice)
     with pytest.raises(ObjectStoreError) as caught:
-        fastpersist.save(_PREVIOUS, s3.url("ckpt.pt"))
+        fastpersist.save(_NEXT, s3.url("ckpt.pt"), s3_part_size="5M")
     notes = " ".join(getattr(caught.value, "__notes__", []))
     assert "AbortMultipartUpload failed as well" in notes and "aws s3api abort-multipart-upload" in notes
     [upload] = s3.uploads_in_progress()  # left behind, as the note says
@@ -118,17 +118,42 @@ def test_a_failed_abort_is_reported_with_the_command_that_cleans_up(s3, recordin
     s3.client.abort_multipart_upload(Bucket=s3.bucket, Key="ckpt.pt", UploadId=upload["UploadId"])
 
 
-def test_failed_before_commit_check_aborts(s3):
+def test_an_object_of_one_part_goes_up_in_one_put(s3, recording_client):
+    """Below one part, one PutObject (the commit) instead of create + upload part + complete."""
+    fastpersist.save(_NEXT, s3.url("ckpt.pt"))
+    calls = recording_client[-1].calls
+    assert calls.get("put_object") == 1 and "create_multipart_upload" not in calls and "upload_part" not in calls
+    assert torch.equal(fastpersist.load(s3.url("ckpt.pt"))["weights"], _NEXT["weights"])
+
+
+def test_a_failed_single_put_keeps_the_previous_object(s3, recording_client, monkeypatch):
+    fastpersist.save(_PREVIOUS, s3.url("ckpt.pt"))
+    real = objectstore.make_client
+
+    def failing(concurrency):
+        client = real(concurrency)
+        client.fail["put_object"] = (1, _network_error())
+        return client
+
+    monkeypatch.setattr(objectstore, "make_client", failing)
+    with pytest.raises(ObjectStoreError, match="uploading"):
+        fastpersist.save(_NEXT, s3.url("ckpt.pt"))
+    _assert_previous_intact(s3, "ckpt.pt")
+
+
+@pytest.mark.parametrize("part_size", [None, "5M"], ids=["one-put", "multipart"])
+def test_failed_before_commit_check_aborts(s3, part_size):
     fastpersist.save(_PREVIOUS, s3.url("ckpt.pt"))
 
     def refuse():
         raise fastpersist.TensorModifiedError("changed", path=s3.url("ckpt.pt"), names=("w",))
 
     plan = plan_save(_NEXT, "ckpt")
+    settings = fastpersist.config.settings()
+    if part_size:
+        settings = settings.replace(s3_part_size=5 << 20)
     with pytest.raises(fastpersist.TensorModifiedError):
-        objectstore.commit_plan(
-            plan, objectstore.target(s3.url("ckpt.pt")), fastpersist.config.settings(), None, before_commit=refuse
-        )
+        objectstore.commit_plan(plan, objectstore.target(s3.url("ckpt.pt")), settings, None, before_commit=refuse)
     _assert_previous_intact(s3, "ckpt.pt")
 
 
