@@ -1,23 +1,46 @@
 """The object of a torch zip archive from its records: byte order, unpickling, torch's wording of refusals.
 
 Shared by every load of an archive, wherever its bytes come from (a file, an
-object store's buffer): :func:`byteorder` reads the optional ``byteorder``
-record, :func:`rebuild` unpickles ``data.pkl`` with a storage provider and
-words a ``weights_only`` refusal as ``torch.load`` does.
+object store's buffer): :func:`metadata` reads the small records (checking
+the ones nothing else reads when verifying), ``data.pkl`` and the byte order
+(:func:`byteorder`); :func:`rebuild` unpickles ``data.pkl`` with a storage
+provider and words a ``weights_only`` refusal as ``torch.load`` does.
 """
 
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from fastpersist.errors import CorruptCheckpointError
 from fastpersist.format.deserializer import StorageProvider, deserialize
 from fastpersist.format.zipformat import ReadAt, ZipRecordInfo
-from fastpersist.io.records import record_bytes
+from fastpersist.io.records import has_checksums, record_bytes
 
-__all__ = ["byteorder", "rebuild"]
+__all__ = ["byteorder", "metadata", "rebuild"]
+
+
+def metadata(
+    read_at: ReadAt, records: Mapping[str, ZipRecordInfo], prefix: str, path: str, verify: bool, warn: bool
+) -> tuple[bytes, bytes, bool]:
+    """``(data.pkl, byte order, verify)`` of an archive; ``verify`` turns off for a file without CRC-32s.
+
+    With ``verify``, the small records nothing else reads (version,
+    serialization id, ...) are checked too; ``warn``: say so when a file
+    cannot be verified (the caller's caller is named).
+    """
+    if verify and not has_checksums(records.values()):
+        if warn:
+            warnings.warn(f"{path} was written without CRC-32 checksums; it cannot be verified", stacklevel=4)
+        verify = False
+    if verify:
+        for name in records:
+            if not name.startswith(prefix + "data/") and name != prefix + "data.pkl":
+                record_bytes(read_at, records[name], path, verify)
+    pickle_bytes = record_bytes(read_at, records[prefix + "data.pkl"], path, verify)
+    return pickle_bytes, byteorder(read_at, records, prefix, path, verify), verify
 
 
 def byteorder(read_at: ReadAt, records: Mapping[str, ZipRecordInfo], prefix: str, path: str, verify: bool) -> bytes:

@@ -20,7 +20,7 @@ from fastpersist.format.deserializer import archive_prefix
 from fastpersist.format.zipformat import MissingEndRecordError, RecordTable, read_directory, read_rows
 from fastpersist.io import engine
 from fastpersist.io.reader import FileStorageProvider, MmapStorageProvider
-from fastpersist.io.records import HeaderCache, has_checksums, record_bytes
+from fastpersist.io.records import HeaderCache
 from fastpersist.tensors import host_memoryview
 
 __all__ = ["load"]
@@ -308,16 +308,7 @@ def _load_from_path(
         prefix = archive_prefix(list(records), path)
         if prefix + "constants.pkl" in records:  # a TorchScript archive
             return _TORCH_LOAD(path, map_location, **torch_kwargs)
-        if verify and not has_checksums(records.values()):
-            if warn_unverifiable:
-                warnings.warn(f"{path} was written without CRC-32 checksums; it cannot be verified", stacklevel=3)
-            verify = False
-        if verify:  # the small records nothing else reads (version, serialization id, ...)
-            for name in records:
-                if not name.startswith(prefix + "data/") and name != prefix + "data.pkl":
-                    record_bytes(read_at, records[name], path, verify)
-        pickle_bytes = record_bytes(read_at, records[prefix + "data.pkl"], path, verify)
-        order = archive.byteorder(read_at, records, prefix, path, verify)
+        pickle_bytes, order, verify = archive.metadata(read_at, records, prefix, path, verify, warn_unverifiable)
         if mmap:
             provider = MmapStorageProvider(path, file.size(), verify=verify)
         else:

@@ -13,7 +13,6 @@ are in docs/object-storage.md.
 from __future__ import annotations
 
 import io
-import warnings
 from typing import Any
 
 import torch
@@ -27,7 +26,6 @@ from fastpersist.format.serializer import archive_name_for, plan_save
 from fastpersist.format.zipformat import RecordTable, read_rows
 from fastpersist.io import objectstore
 from fastpersist.io.reader import MemoryStorageProvider
-from fastpersist.io.records import has_checksums, record_bytes
 
 __all__ = ["is_object_url", "save", "load"]
 
@@ -130,16 +128,7 @@ def load(
     prefix = archive_prefix(list(records), path)
     if prefix + "constants.pkl" in records:  # a TorchScript archive
         return _TORCH_LOAD(io.BytesIO(view), map_location, **torch_kwargs)
-    if verify and not has_checksums(records.values()):
-        if warn_unverifiable:
-            warnings.warn(f"{path} was written without CRC-32 checksums; it cannot be verified", stacklevel=3)
-        verify = False
-    if verify:  # the small records nothing else reads (version, serialization id, ...)
-        for name in records:
-            if not name.startswith(prefix + "data/") and name != prefix + "data.pkl":
-                record_bytes(read_at, records[name], path, verify)
-    pickle_bytes = record_bytes(read_at, records[prefix + "data.pkl"], path, verify)
-    order = archive.byteorder(read_at, records, prefix, path, verify)
+    pickle_bytes, order, verify = archive.metadata(read_at, records, prefix, path, verify, warn_unverifiable)
     whole = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
     provider = MemoryStorageProvider(whole, verify=verify, path=path)
     return archive.rebuild(
