@@ -5,7 +5,7 @@ checkpoint's tensor index (safetensors, sharded safetensors, or a torch /
 fastpersist state dict file; :mod:`~fastpersist.offload.index`), matches it
 with the model, plans which modules stay resident under the memory budget
 and which are streamed (:mod:`~fastpersist.offload.plan`), and installs the
-hooks that stream them (:mod:`~fastpersist.offload.runtime`). The weights
+forward wrappers that stream them (:mod:`~fastpersist.offload.runtime`). The weights
 are read in place: no second copy on disk, no full load into host memory.
 See docs/offload.md.
 """

@@ -179,7 +179,7 @@ def split_units(model: torch.nn.Module, groups: dict[int, list[Binding]], unit_b
     """Cuts the module tree into units; returns ``(units, the always-resident unit)``.
 
     The always-resident unit holds tied tensors and containers' own tensors
-    (its module is the model; no hooks are placed for it).
+    (its module is the model; its forward is not wrapped).
     """
     owner: dict[tuple[int, str], list[Binding]] = {}
     shared: list[Binding] = []

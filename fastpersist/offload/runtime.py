@@ -1,12 +1,12 @@
 """Runs an offloaded model: resident weights loaded once, the others streamed into slots around each forward.
 
-Each streamed unit's module gets a forward pre-hook and a forward hook
-(``always_call``: a forward that raises still releases its slot). The
-pre-hook binds the unit's tensors to views of a slot, loading it first if
-no prefetch did; it then asks for the next units in execution order (learnt
-on the first pass, model order until then) to be loaded into free slots. The
-hook puts the meta placeholders back and marks the slot reusable once the
-device's current stream has passed the module's work.
+Each streamed unit's module gets its ``forward`` wrapped (``try``/``finally``:
+a forward that raises or is interrupted still releases its slot). Before it,
+the wrapper binds the unit's tensors to views of a slot, loading it first if
+no prefetch did, and asks for the next units in execution order (learnt on
+the first pass, model order until then) to be loaded into free slots. After
+it, the meta placeholders go back and the slot is reusable once the device's
+current stream has passed the module's work.
 
 One loader thread per model fills slots: O_DIRECT reads of each tensor's
 page-aligned file range into the slot's pinned host staging (or the host
@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import errno
+import functools
 import os
 import queue
 import threading
@@ -127,7 +128,7 @@ class Offloaded:
         self._thread: threading.Thread | None = None
         self._requests: queue.Queue = queue.Queue()
         self._lock = threading.RLock()
-        self._hooks: list = []
+        self._wrapped: list[tuple[torch.nn.Module, Any]] = []  # (module, its own instance forward or None)
         self._originals: dict[tuple[int, str], torch.Tensor] = {}
         self._order = list(streamed)
         self._seen: list[Unit] = []
@@ -151,10 +152,8 @@ class Offloaded:
                 # streamed weight read outside its module's forward fails loudly instead of being stale.
                 table[b.name] = _placeholder(table[b.name], b.is_parameter)
                 self._originals[(id(b.module), b.name)] = table[b.name]
-            self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
-            self._hooks.append(unit.module.register_forward_hook(self._make_post(unit), always_call=True))
-        self._hooks.append(model.register_forward_pre_hook(self._enter))
-        self._hooks.append(model.register_forward_hook(self._leave, always_call=True))
+            self._wrap(unit.module, functools.partial(self._activate, unit), functools.partial(self._deactivate, unit))
+        self._wrap(model, self._enter, self._leave)
         _live.add(self)
 
     # -- public ---------------------------------------------------------------------------------
@@ -175,7 +174,7 @@ class Offloaded:
         }
 
     def close(self) -> None:
-        """Stops the loader thread, removes the hooks and frees the slots and files. The model is unusable after."""
+        """Stops the loader thread, restores the wrapped forwards, frees the slots and files. Unusable after."""
         with self._lock:
             if self._closed:
                 return
@@ -186,9 +185,12 @@ class Offloaded:
                 thread.join()
             if self._side is not None:
                 self._side.synchronize()  # no copy into or out of a slot may outlive its memory
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks.clear()
+            for module, previous in reversed(self._wrapped):
+                if previous is None:
+                    del module.forward
+                else:
+                    module.forward = previous
+            self._wrapped.clear()
             self._guard = self.model.register_forward_pre_hook(_refuse_closed)
             self._slots.clear()
             self._host_tier.clear()
@@ -331,31 +333,43 @@ class Offloaded:
         self._keep_buffers.append(target)
         _bind(unit, target)
 
-    # -- forward hooks ------------------------------------------------------------------------
+    # -- forward wrappers -----------------------------------------------------------------------
 
-    def _enter(self, module, args) -> None:
+    def _wrap(self, module: torch.nn.Module, before, after) -> None:
+        """Runs ``before()`` ahead of ``module``'s forward and ``after()`` once it ends, however it ends.
+
+        A wrapper, not forward hooks: torch runs ``always_call`` hooks after an
+        ``Exception`` only, and a Ctrl-C inside a forward must release the
+        slot and the lock too. ``functools.wraps`` keeps the signature that
+        frameworks inspect (transformers' ``generate``).
+        """
+        previous = module.__dict__.get("forward")
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            before()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                after()
+
+        module.forward = forward
+        self._wrapped.append((module, previous))
+
+    def _enter(self) -> None:
         if self._closed:
             raise RuntimeError("this offloaded model was closed (Offloaded.close()); dispatch it again")
         self._lock.acquire()
 
-    def _leave(self, module, args, output) -> None:
-        if not self._learnt and self._seen:
-            self._learnt = True
-            order = list(dict.fromkeys(self._seen))  # first calls, in execution order
-            self._order = order + [u for u in self.streamed if u not in order]
-        self._lock.release()
-
-    def _make_pre(self, unit: Unit):
-        def pre(module, args):
-            self._activate(unit)
-
-        return pre
-
-    def _make_post(self, unit: Unit):
-        def post(module, args, output):
-            self._deactivate(unit)
-
-        return post
+    def _leave(self) -> None:
+        try:
+            if not self._learnt and self._seen:
+                self._learnt = True
+                order = list(dict.fromkeys(self._seen))  # first calls, in execution order
+                self._order = order + [u for u in self.streamed if u not in order]
+        finally:
+            self._lock.release()
 
     def _slot_of(self, unit: Unit) -> _Slot | None:
         return next((s for s in self._slots if s.unit is unit), None)
@@ -404,12 +418,16 @@ class Offloaded:
             _bind(unit, slot.target)
         slot.active += 1
         slot.state = "active"
-        self._prefetch(unit)
+        try:
+            self._prefetch(unit)
+        except BaseException:
+            self._deactivate(unit)  # the forward will not run: its wrapper's after() will not either
+            raise
 
     def _deactivate(self, unit: Unit) -> None:
         slot = self._slot_of(unit)
         if slot is None or slot.active == 0:
-            return  # its pre-hook failed before binding
+            return  # its activation failed before binding
         slot.active -= 1
         if slot.active:
             return
