@@ -32,6 +32,9 @@ with ``s3_concurrency`` concurrent ranged GETs of ``s3_part_size`` bytes, each
 conditional on that ETag (an object replaced mid-load fails the load instead
 of mixing two versions), into one page-aligned buffer of the object's size.
 The caller parses the zip from that buffer; CPU storages are views of it.
+:class:`ObjectReader` is that load opened for reads of chosen ranges (one
+``HeadObject``, then ranged GETs conditional on its ETag): ``safe_open`` of a
+URL fetches the header, then only the tensors asked for.
 
 Endpoint, region and credentials come from boto3's standard chain (the
 ``AWS_*`` environment variables, ``~/.aws/config`` and ``~/.aws/credentials``,
@@ -73,6 +76,7 @@ __all__ = [
     "part_size_for",
     "commit_plan",
     "download",
+    "ObjectReader",
 ]
 
 SCHEME = "s3://"
@@ -527,6 +531,98 @@ def commit_plan(plan, destination: ObjectURL, settings: Settings, streams, *, be
 # ----------------------------------------------------------------------------- loads
 
 
+class ObjectReader:
+    """An object opened for ranged reads: its size and ETag (one ``HeadObject``), then concurrent ranged GETs.
+
+    Every GET is conditional on the ETag seen at open (``If-Match``), so the
+    bytes of one reader all come from one version of the object: an object
+    replaced while it is read fails the read instead of mixing two versions.
+    Thread-safe (boto3 clients are). :func:`download` is one of these reading
+    everything; ``fastpersist.safe_open`` of a URL reads only the ranges it needs.
+
+    Raises (on construction):
+        ObjectStoreUnavailableError: boto3 is missing.
+        ObjectNotFoundError, BucketNotFoundError: (``FileNotFoundError``) no such object or bucket.
+        ObjectStoreCredentialsError: (``PermissionError``) the credentials were refused.
+        ObjectStoreError: a network error.
+    """
+
+    def __init__(self, url: ObjectURL, settings: Settings, *, client=None):
+        self.url = url
+        self.settings = settings
+        self.client = client if client is not None else make_client(settings.s3_concurrency)
+        self._action = f"loading {url}"
+        try:
+            head = self.client.head_object(Bucket=url.bucket, Key=url.key)
+        except Exception as error:
+            translated = _translate(error, url, self.client, self._action)
+            if isinstance(translated, ObjectNotFoundError):  # HEAD's 404 does not say whether the bucket exists
+                try:
+                    self.client.head_bucket(Bucket=url.bucket)
+                except Exception as bucket_error:  # noqa: BLE001 - only "no such bucket" changes the answer
+                    if _error_fields(bucket_error)[0] in ("404", "NoSuchBucket"):
+                        translated = _translate(bucket_error, url, self.client, self._action, code="NoSuchBucket")
+            raise translated from error
+        self.size: int = int(head["ContentLength"])
+        self.etag: str | None = head.get("ETag")
+
+    def read_into(self, start: int, destination) -> None:
+        """Fills ``destination`` (a writable buffer) with the object's bytes from ``start`` on.
+
+        Ranges of ``s3_part_size`` bytes are fetched by ``s3_concurrency``
+        threads; a response that breaks off is fetched again (3 tries).
+
+        Raises:
+            ValueError: the range reaches past the object's end.
+            ObjectStoreError and its subclasses: as :func:`download`.
+            KeyboardInterrupt: after every GET in flight has stopped.
+        """
+        view = memoryview(destination).cast("B")
+        end = start + len(view)
+        if start < 0 or end > self.size:
+            raise ValueError(f"bytes {start}-{end - 1} are outside {self.url} ({self.size} bytes)")
+        if start == end:
+            return
+        range_size = self.settings.s3_part_size
+        stop = threading.Event()
+
+        def fetch(first: int) -> None:
+            last = min(first + range_size, end)
+            for attempt in range(_ATTEMPTS):
+                try:
+                    _fetch_range(self.client, self.url, self.etag, first, last, view, start, stop)
+                    return
+                except Exception as error:
+                    if stop.is_set() or attempt + 1 == _ATTEMPTS or not _broken_response(error):
+                        raise _translate(error, self.url, self.client, self._action) from error
+
+        ranges = range(start, end, range_size)
+        if len(ranges) == 1:  # one GET: no thread needed
+            fetch(start)
+            return
+        workers = min(self.settings.s3_concurrency, len(ranges))
+        with concurrent.futures.ThreadPoolExecutor(workers, "fastpersist-s3-get") as pool:
+            futures = [pool.submit(fetch, first) for first in ranges]
+            try:
+                for future in concurrent.futures.as_completed(futures):
+                    future.result()
+            except BaseException:
+                stop.set()
+                for future in futures:
+                    future.cancel()
+                raise
+
+    def read(self, start: int, end: int) -> engine.AlignedBuffer:
+        """Bytes ``[start, end)`` in a new page-aligned buffer (at least one byte is allocated).
+
+        Raises:
+            As :meth:`read_into`.
+        """
+        buffer = engine.AlignedBuffer(max(end - start, 1), lock=False)
+        self.read_into(start, memoryview(buffer).cast("B")[: end - start])
+        return buffer
+
+
 def download(url: ObjectURL, settings: Settings, *, client=None) -> tuple[Any, int]:
     """Fetches the whole object into one page-aligned buffer, with concurrent ranged GETs.
 
@@ -541,51 +637,12 @@ def download(url: ObjectURL, settings: Settings, *, client=None) -> tuple[Any, i
         ObjectStoreError: a network error, or the object was replaced during the load.
         KeyboardInterrupt: after every GET in flight has stopped.
     """
-    if client is None:
-        client = make_client(settings.s3_concurrency)
-    action = f"loading {url}"
-    try:
-        head = client.head_object(Bucket=url.bucket, Key=url.key)
-    except Exception as error:
-        translated = _translate(error, url, client, action)
-        if isinstance(translated, ObjectNotFoundError):  # HEAD's 404 does not say whether the bucket exists
-            try:
-                client.head_bucket(Bucket=url.bucket)
-            except Exception as bucket_error:  # noqa: BLE001 - only "no such bucket" changes the answer
-                if _error_fields(bucket_error)[0] in ("404", "NoSuchBucket"):
-                    translated = _translate(bucket_error, url, client, action, code="NoSuchBucket")
-        raise translated from error
-    size = int(head["ContentLength"])
-    etag = head.get("ETag")
-    buffer = engine.AlignedBuffer(max(size, 1), lock=False)
-    destination = memoryview(buffer).cast("B")
-    range_size = settings.s3_part_size
-    stop = threading.Event()
-
-    def fetch(start: int) -> None:
-        end = min(start + range_size, size)
-        for attempt in range(_ATTEMPTS):
-            try:
-                _fetch_range(client, url, etag, start, end, destination, stop)
-                return
-            except Exception as error:
-                if stop.is_set() or attempt + 1 == _ATTEMPTS or not _broken_response(error):
-                    raise _translate(error, url, client, action) from error
-
-    with concurrent.futures.ThreadPoolExecutor(settings.s3_concurrency, "fastpersist-s3-get") as pool:
-        futures = [pool.submit(fetch, start) for start in range(0, size, range_size)]
-        try:
-            for future in concurrent.futures.as_completed(futures):
-                future.result()
-        except BaseException:
-            stop.set()
-            for future in futures:
-                future.cancel()
-            raise
-    return buffer, size
+    reader = ObjectReader(url, settings, client=client)
+    return reader.read(0, reader.size), reader.size
 
 
-def _fetch_range(client, url: ObjectURL, etag, start: int, end: int, destination: memoryview, stop) -> None:
+def _fetch_range(client, url: ObjectURL, etag, start: int, end: int, destination: memoryview, base: int, stop) -> None:
+    """GETs bytes ``[start, end)`` of the object into ``destination``, whose first byte is the object's ``base``."""
     arguments = dict(Bucket=url.bucket, Key=url.key, Range=f"bytes={start}-{end - 1}")
     if etag:
         arguments["IfMatch"] = etag
@@ -597,7 +654,7 @@ def _fetch_range(client, url: ObjectURL, etag, start: int, end: int, destination
                 return
             if position + len(chunk) > end:
                 raise ObjectStoreError(errno.EIO, f"the store sent more than bytes {start}-{end - 1}", url.path)
-            destination[position : position + len(chunk)] = chunk
+            destination[position - base : position - base + len(chunk)] = chunk
             position += len(chunk)
         if position != end:
             raise _ShortResponse(f"bytes {start}-{end - 1}: the response ended after {position - start} bytes")
