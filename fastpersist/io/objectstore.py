@@ -27,6 +27,13 @@ page-locked buffers becomes the upload's parts:
    key is intact and no upload is left in progress. If the abort fails too,
    the error raised says so and how to abort by hand.
 
+A local file goes up through :func:`upload_file` (the background half of a
+two-tier save, ``async_save(..., local_copy=path)``): the same multipart
+upload, committed and aborted as above, whose parts are read from the file
+with concurrent ``pread`` calls into at most ``s3_concurrency`` page-aligned
+buffers of ``s3_part_size`` bytes (one ``PutObject`` for a file of at most one
+part). A file written to during its upload fails it before the commit.
+
 A load asks for the object's size and ETag (``HeadObject``), then fetches it
 with ``s3_concurrency`` concurrent ranged GETs of ``s3_part_size`` bytes, each
 conditional on that ETag (an object replaced mid-load fails the load instead
@@ -52,12 +59,15 @@ import dataclasses
 import errno
 import io
 import math
+import os
+import stat
 import threading
 from typing import Any
 
 from fastpersist.config import Settings
 from fastpersist.errors import (
     BucketNotFoundError,
+    CheckpointIOError,
     ObjectNotFoundError,
     ObjectStoreCredentialsError,
     ObjectStoreError,
@@ -77,6 +87,7 @@ __all__ = [
     "commit_plan",
     "download",
     "ObjectReader",
+    "upload_file",
 ]
 
 SCHEME = "s3://"
@@ -312,11 +323,12 @@ class _PartSkipped(ObjectStoreError):
 
 
 class _MultipartUpload:
-    """One multipart upload: the ``file`` of :func:`write_plan`, whose handles upload windows as parts.
+    """One multipart upload: the ``file`` of :func:`write_plan`, whose handles upload windows as parts, or the
+    parts of a local file (:func:`upload_file`).
 
-    Call order: :meth:`begin`; the writer's ``submit_write`` calls, in file
-    order; then :meth:`complete` or :meth:`abort` (either may follow a
-    failure of the other); :meth:`close` always.
+    Call order: :meth:`begin`; the writer's ``submit_write`` calls (or
+    :meth:`submit_file_part`), in object order; then :meth:`complete` or
+    :meth:`abort` (either may follow a failure of the other); :meth:`close` always.
     """
 
     def __init__(self, client, url: ObjectURL, concurrency: int):
@@ -343,19 +355,60 @@ class _MultipartUpload:
     def handle(self) -> _PartHandle:
         return _PartHandle()
 
-    def submit_part(self, address: int, nbytes: int, offset: int, keepalive) -> concurrent.futures.Future:
-        """Queues the upload of ``nbytes`` at ``address`` as the part that starts at ``offset`` of the object."""
+    def _next_part(self, offset: int, nbytes: int) -> int:
+        """The number of the part of ``nbytes`` that starts at ``offset`` (parts come in order, without gaps)."""
         if offset != self._submitted:
             raise AssertionError(f"parts must come in order: expected offset {self._submitted}, got {offset}")
         self._submitted += nbytes
         number = len(self._parts) + 1
         self._parts[number] = {}
-        return self._pool.submit(self._upload_part, number, address, nbytes, keepalive)
+        return number
 
-    def _upload_part(self, number: int, address: int, nbytes: int, keepalive) -> None:
+    def submit_part(self, address: int, nbytes: int, offset: int, keepalive) -> concurrent.futures.Future:
+        """Queues the upload of ``nbytes`` at ``address`` as the part that starts at ``offset`` of the object."""
+        number = self._next_part(offset, nbytes)
+        return self._pool.submit(self._upload_from_memory, number, address, nbytes, keepalive)
+
+    def submit_file_part(self, source: _FileSource, offset: int, nbytes: int, buffers: _Buffers):
+        """Queues the upload of ``nbytes`` of ``source`` at ``offset``, read into one of ``buffers`` first."""
+        number = self._next_part(offset, nbytes)
+        return self._pool.submit(self._upload_from_file, number, source, offset, nbytes, buffers)
+
+    def _skip_after_failure(self, number: int) -> None:
         if self.first_error is not None:
             raise _PartSkipped(errno.ECANCELED, f"part {number} skipped after an earlier failure", self.url.path)
+
+    def _upload_from_memory(self, number: int, address: int, nbytes: int, keepalive) -> None:
+        self._skip_after_failure(number)
         view = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+        try:
+            self._send(number, view)
+        finally:
+            del view, keepalive  # the ring slot may be refilled once its handle's wait returns
+
+    def _upload_from_file(self, number: int, source: _FileSource, offset: int, nbytes: int, buffers: _Buffers):
+        self._skip_after_failure(number)
+        buffer = buffers.acquire()
+        view = memoryview(buffer).cast("B")[:nbytes]
+        try:
+            try:
+                source.read_into(view, offset)
+            except Exception as error:
+                self.fail(error)
+                raise
+            self._send(number, view)
+        finally:
+            del view
+            buffers.release(buffer)
+
+    def fail(self, error: BaseException) -> None:
+        """Marks the upload failed by ``error`` (the first one counts): parts not started yet are skipped."""
+        with self._lock:
+            if self.first_error is None:
+                self.first_error = error
+
+    def _send(self, number: int, view: memoryview) -> None:
+        """``UploadPart`` of ``view`` as part ``number``; its ETag (and checksum) are kept for the completion."""
         try:
             response = self.client.upload_part(
                 Bucket=self.url.bucket,
@@ -363,16 +416,15 @@ class _MultipartUpload:
                 UploadId=self.upload_id,
                 PartNumber=number,
                 Body=_MemoryBody(view),
-                ContentLength=nbytes,
+                ContentLength=len(view),
             )
         except Exception as error:
             translated = _translate(error, self.url, self.client, f"uploading part {number} of {self.url}")
-            with self._lock:
-                if self.first_error is None:
-                    self.first_error = translated
+            self.fail(translated)
             raise translated from error
-        finally:
-            del view, keepalive  # the ring slot may be refilled once its handle's wait returns
+        except BaseException as error:  # an interrupt: the parts not started yet are skipped
+            self.fail(error)
+            raise
         part = {"ETag": response["ETag"], "PartNumber": number}
         for name in ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumCRC64NVME", "ChecksumSHA1", "ChecksumSHA256"):
             if name in response:  # botocore sends one per part by default; some stores want them back
@@ -520,6 +572,181 @@ def commit_plan(plan, destination: ObjectURL, settings: Settings, streams, *, be
         raised = error
         if isinstance(error, _PartSkipped) and upload.first_error is not None:
             raised = upload.first_error  # the writer met a skipped part first: raise the failure itself
+        upload.abort(raised)
+        if raised is error:
+            raise
+        raise raised from None
+    finally:
+        upload.close()
+
+
+# ----------------------------------------------------------------------------- uploads of local files
+
+
+class _FileSource:
+    """A local file opened for an upload: its descriptor, its size and identity at open, preads of its ranges."""
+
+    def __init__(self, source: Any):
+        if isinstance(source, (str, os.PathLike)):
+            self.path = os.fspath(source)
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            self._owned = True
+        else:
+            self.fd = source.fileno()
+            self.path = str(getattr(source, "name", f"<file descriptor {self.fd}>"))
+            self._owned = False
+        try:
+            status = os.fstat(self.fd)
+            if stat.S_ISDIR(status.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "upload_file needs a regular file, got a directory", self.path)
+            if not stat.S_ISREG(status.st_mode):
+                raise ValueError(f"upload_file needs a regular file (its size is known), got {self.path!r}")
+        except BaseException:
+            self.close()
+            raise
+        self.size = status.st_size
+        self._identity = (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+
+    def read_into(self, view: memoryview, offset: int) -> None:
+        """Fills ``view`` with the file's bytes from ``offset`` on (preads release the GIL; any thread may call)."""
+        position = 0
+        while position < len(view):
+            try:
+                count = os.preadv(self.fd, [view[position:]], offset + position)
+            except OSError as error:
+                raise CheckpointIOError(
+                    error.errno, f"reading it for its upload failed: {error.strerror}", self.path
+                ) from error
+            if count == 0:
+                raise CheckpointIOError(
+                    errno.EIO,
+                    f"the file ended at byte {offset + position}, before the {self.size} bytes it had when its "
+                    "upload started: it was truncated or rewritten in place during the upload",
+                    self.path,
+                )
+            position += count
+
+    def check_unchanged(self) -> None:
+        """Raises CheckpointIOError when the file was written to since it was opened (before the commit)."""
+        status = os.fstat(self.fd)
+        if (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns) != self._identity:
+            raise CheckpointIOError(
+                errno.EIO,
+                "the file was modified while it was being uploaded, so the object would mix two versions; nothing "
+                "was committed. Replace files atomically (fastpersist's saves do) or upload again",
+                self.path,
+            )
+
+    def close(self) -> None:
+        if self._owned and self.fd >= 0:
+            os.close(self.fd)
+        self.fd = -1
+
+
+class _Buffers:
+    """Page-aligned buffers of one size, made on first need and reused: never more than are in use at once."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.made = 0
+        self._free: list = []
+        self._lock = threading.Lock()
+
+    def acquire(self):
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self.made += 1
+        return engine.AlignedBuffer(self.size, lock=False)
+
+    def release(self, buffer) -> None:
+        with self._lock:
+            self._free.append(buffer)
+
+
+def upload_file(source: Any, destination: str | ObjectURL, settings: Settings, *, client=None) -> None:
+    """Uploads a local file to ``destination``: a multipart upload committed by its completion, or one
+    ``PutObject`` for a file of at most one part.
+
+    Parts of ``s3_part_size`` bytes (raised where the file would need more
+    than 10,000) are read with concurrent ``pread`` calls into page-aligned
+    buffers and sent by ``s3_concurrency`` threads: host memory is at most
+    ``s3_concurrency * s3_part_size``, whatever the file's size. The file's
+    identity, size and modification time are compared before the commit: a
+    file written to during the upload fails it (fastpersist's saves replace
+    files by rename, which leaves an open file as it was). On any failure,
+    interrupts included, what is in flight is drained, the parts are
+    discarded (``AbortMultipartUpload``) and the previous object at the key is
+    intact. Blocks until done; may run on any thread.
+
+    Args:
+        source: a path, or a binary file object opened for reading (read
+            through its ``fileno()``, left open): the bytes of the file it had
+            open are uploaded even if its name has been replaced since.
+        destination: ``s3://bucket/key`` or an :class:`ObjectURL`.
+        settings: ``s3_part_size`` and ``s3_concurrency`` are used.
+        client: a boto3 S3 client (default: one from :func:`make_client`).
+
+    Raises:
+        ValueError: a malformed URL; ``source`` is not a regular file.
+        FileNotFoundError, PermissionError, IsADirectoryError: opening ``source``.
+        CheckpointIOError: reading the file failed, or it changed during the
+            upload (the upload is aborted).
+        ObjectStoreUnavailableError: boto3 is missing.
+        ObjectStoreCredentialsError, BucketNotFoundError, ObjectStoreError:
+            the store refused a request or the network failed; the upload is
+            aborted (a note says so where the abort failed as well).
+        KeyboardInterrupt: after the parts in flight finished and the upload was aborted.
+    """
+    url = target(destination) if isinstance(destination, str) else destination
+    file = _FileSource(source)
+    try:
+        if client is None:
+            client = make_client(settings.s3_concurrency)
+        part_size = part_size_for(file.size, settings.s3_part_size)
+        if file.size <= part_size:
+            _put_file(file, url, client)
+        else:
+            _upload_file_parts(file, url, client, part_size, settings.s3_concurrency)
+    finally:
+        file.close()
+
+
+def _put_file(file: _FileSource, url: ObjectURL, client) -> None:
+    """A file of at most one part: read whole, then one PutObject (the commit; a failure sends nothing)."""
+    buffer = engine.AlignedBuffer(max(file.size, 1), lock=False)
+    view = memoryview(buffer).cast("B")[: file.size]
+    file.read_into(view, 0)
+    file.check_unchanged()
+    _with_translation(
+        url,
+        client,
+        f"uploading {url}",
+        client.put_object,
+        Bucket=url.bucket,
+        Key=url.key,
+        Body=_MemoryBody(view),
+        ContentLength=file.size,
+    )
+
+
+def _upload_file_parts(file: _FileSource, url: ObjectURL, client, part_size: int, concurrency: int) -> None:
+    parts = range(0, file.size, part_size)
+    upload = _MultipartUpload(client, url, min(concurrency, len(parts)))
+    buffers = _Buffers(part_size)
+    try:
+        upload.begin()
+        futures = [upload.submit_file_part(file, start, min(part_size, file.size - start), buffers) for start in parts]
+        for future in futures:  # interruptible; parts after a failure are skipped, not sent
+            future.result()
+        file.check_unchanged()
+        upload.complete()
+    except BaseException as error:
+        upload.fail(error)  # parts not started yet are skipped
+        upload.close()  # drained: nothing in flight when the abort runs
+        raised = error
+        if isinstance(error, _PartSkipped) and upload.first_error is not None:
+            raised = upload.first_error
         upload.abort(raised)
         if raised is error:
             raise
