@@ -193,7 +193,8 @@ def _decode(node: dict, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def save_safetensors(obj: Any, f: Any, settings: dict[str, Any]) -> None:
-    """``fastpersist.save(obj, f, format="safetensors")``: a path goes through save_file; a file object gets the bytes."""
+    """``fastpersist.save(obj, f, format="safetensors")``: a path or an ``s3://`` URL goes through save_file; a file
+    object gets the bytes."""
     from fastpersist.api import safetensors
 
     tensors, metadata = flatten(obj)
@@ -208,7 +209,7 @@ def save_safetensors(obj: Any, f: Any, settings: dict[str, Any]) -> None:
 
 
 def async_save_safetensors(obj: Any, f: Any, settings: dict[str, Any]):
-    """``fastpersist.async_save(obj, path, format="safetensors")``."""
+    """``fastpersist.async_save(obj, path, format="safetensors")`` (``path`` may be an ``s3://`` URL)."""
     from fastpersist.api import safetensors
 
     if not isinstance(f, (str, os.PathLike)):

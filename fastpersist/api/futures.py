@@ -135,15 +135,13 @@ def async_save(
         UnsupportedObjectError, IsADirectoryError, FileNotFoundError,
         PermissionError, TypeError, ConfigError: at once, as :func:`save`.
         MemoryError: (snapshot) the staging area cannot be allocated.
-        ValueError: (``s3://``) at once: a malformed URL, safetensors.
+        ValueError: (``s3://``) at once: a malformed URL.
         ObjectStoreError and its subclasses: (``s3://``) at ``result()``, as
             :func:`fastpersist.save` raises them; ObjectStoreUnavailableError
             (boto3 missing) at ``result()`` too.
     """
     remote = objectstore.is_object_url(f)  # s3://bucket/key: a multipart upload (docs/object-storage.md)
     if dispatch.wants_safetensors(f, settings.pop("format", None)):
-        if remote:
-            raise ValueError(f"saving safetensors files to an object store is not supported yet ({f})")
         return dispatch.async_save_safetensors(obj, f, settings)
     if mode is not None:
         settings["async_mode"] = mode

@@ -2,9 +2,10 @@
 
 ``fastpersist.save``, ``fastpersist.load`` and ``fastpersist.async_save`` hand
 ``s3://`` URLs here (``async_save`` commits through
-:func:`fastpersist.io.objectstore.commit_plan` directly). The object holds
-exactly the bytes a save to a local file of the key's name holds, so
-``torch.load`` reads a downloaded copy. How the bytes travel (a multipart
+:func:`fastpersist.io.objectstore.commit_plan` directly; safetensors saves go
+through :mod:`fastpersist.api.safetensors`, whose functions take URLs too). The
+object holds exactly the bytes a save to a local file of the key's name holds,
+so ``torch.load`` (or ``safetensors.torch.load``) reads a downloaded copy. How the bytes travel (a multipart
 upload fed by the writer's ring, committed by its completion; concurrent
 ranged GETs) is :mod:`fastpersist.io.objectstore`; usage, settings and limits
 are in docs/object-storage.md.
@@ -51,10 +52,12 @@ def save(
     ``torch_crc32`` is torch's ``compute_crc32`` option (off: no checksums, as
     for local saves); ``settings`` the call's keyword arguments.
 
+    Safetensors (``format="safetensors"`` or a ``.safetensors`` key) go
+    through :func:`fastpersist.api.safetensors.save_file`, as for paths.
+
     Raises:
-        ValueError: what object stores do not support yet: safetensors
-            (``format="safetensors"`` or a ``.safetensors`` key), collective
-            saves (``group=``), the legacy format; or a malformed URL.
+        ValueError: what object stores do not support yet: collective saves
+            (``group=``), the legacy format; or a malformed URL.
         TypeError, ConfigError: an unknown keyword, an invalid setting.
         UnsupportedObjectError: ``obj`` cannot be pickled (nothing is sent).
         ObjectStoreUnavailableError, ObjectStoreCredentialsError,
@@ -63,13 +66,11 @@ def save(
             object is intact).
     """
     settings = dict(settings)
-    if dispatch.wants_safetensors(url, settings.pop("format", None)):
-        raise ValueError(
-            f"saving safetensors files to an object store is not supported yet ({url}); save with "
-            "format='torch', or save to a local file and upload it"
-        )
     if group is not None and group is not False:
         raise ValueError(f"collective saves (group=...) to an object store are not supported yet ({url})")
+    if dispatch.wants_safetensors(url, settings.pop("format", None)):
+        dispatch.save_safetensors(obj, url, settings)
+        return
     if not use_new_zipfile_serialization:
         raise ValueError(f"the legacy format (_use_new_zipfile_serialization=False) cannot be saved to {url}")
     overrides, _ = config.split_overrides("save", settings, allow_other=False)

@@ -17,6 +17,13 @@ types for what it refuses), with:
   only when asked.
 
 Files are byte-compatible both ways with the safetensors library.
+
+Every function that takes a file name also takes ``s3://bucket/key``
+(docs/object-storage.md): a save uploads exactly the bytes of the local file,
+the writer's ring becoming the parts of a multipart upload
+(:func:`fastpersist.io.objectstore.commit_plan`); a load or a ``safe_open``
+reads the header and then the tensors' byte ranges with concurrent ranged GETs
+(:class:`fastpersist.io.objectstore.ObjectReader`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from fastpersist import config
 from fastpersist.errors import InvalidSafetensorsError
 from fastpersist.format import safetensors as layout
 from fastpersist.format.zipformat import ZipRecordInfo
-from fastpersist.io import engine
+from fastpersist.io import engine, objectstore
 from fastpersist.io.commit import commit_plan, target
 from fastpersist.io.queue import run_in_order
 from fastpersist.io.reader import FileStorageProvider
@@ -162,24 +169,39 @@ def save_file(
     may live on any device (CUDA ones are copied through pinned buffers); do
     not modify them until this returns.
 
+    ``filename`` may be ``s3://bucket/key``: the object gets exactly the bytes
+    of the local file, uploaded as a multipart upload whose parts are the
+    writer's ring buffers (host memory at most ``max(2, s3_concurrency) *
+    s3_part_size``) and committed by its completion (one ``PutObject`` for an
+    object of at most one part); see docs/object-storage.md.
+
     Args:
         tensors: name -> contiguous, dense tensor; no two may share memory.
-        filename: the file to write (replaced atomically).
+        filename: the file to write (replaced atomically), or an ``s3://`` URL.
         metadata: optional ``str -> str`` map stored in the header.
         alignment: the data section starts at a multiple of this (4096: the
             payload is O_DIRECT-aligned; 8: the safetensors library's bytes).
-        **settings: ``fastpersist.config`` overrides (``engine``, ``fsync``, ...).
+        **settings: ``fastpersist.config`` overrides (``engine``, ``fsync``,
+            ``s3_part_size``, ``s3_concurrency``, ...).
 
     Raises:
-        ValueError: not a dict of tensors, a sparse or non-contiguous tensor.
+        ValueError: not a dict of tensors, a sparse or non-contiguous tensor;
+            a malformed ``s3://`` URL.
         RuntimeError: tensors that share memory; a meta tensor.
         TypeError: metadata not ``str -> str``; an unknown keyword.
         UnsupportedObjectError: a dtype the format lacks (complex128, ...).
         OSError: from the target checks or the I/O (the previous file stays intact).
+        ObjectStoreUnavailableError, ObjectStoreCredentialsError,
+            BucketNotFoundError, ObjectStoreError: (``s3://``) as
+            ``fastpersist.save`` raises them; the upload was aborted and the
+            previous object is intact.
     """
     _check_tensors(tensors)
     resolved = _settings("save_file", settings)
     plan = layout.plan_save_file(_byte_views(tensors), metadata, alignment)
+    if objectstore.is_object_url(filename):
+        objectstore.commit_plan(plan, objectstore.target(filename), resolved, streams=None)
+        return
     commit_plan(plan, target(filename), resolved, streams=None)
 
 
@@ -196,13 +218,21 @@ def async_save_file(
     Checks run (and raise) before this returns; the bytes are written by the
     background thread of :func:`fastpersist.async_save`, in call order with
     other background saves. Do not modify the tensors until the future is done.
+    ``filename`` may be ``s3://bucket/key`` (uploaded as by :func:`save_file`).
+
+    Raises:
+        At once: what :func:`save_file` raises before writing (the checks, a
+        malformed URL, an unknown keyword). At the future's ``result()``:
+        what it raises while writing or uploading.
     """
     _check_tensors(tensors)
     resolved = _settings("async_save_file", settings)
     plan = layout.plan_save_file(_byte_views(tensors), metadata, alignment)
-    destination = target(filename)
+    remote = objectstore.is_object_url(filename)
+    destination = objectstore.target(filename) if remote else target(filename)
+    commit = objectstore.commit_plan if remote else commit_plan
     streams = side_streams(plan)  # ordered after the caller's queued work, on the caller's thread
-    return run_in_order(lambda: commit_plan(plan, destination, resolved, streams), destination.path)
+    return run_in_order(lambda: commit(plan, destination, resolved, streams), destination.path)
 
 
 def save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -289,6 +319,64 @@ class _Reader:
         return {entry.name: _tensor_over(storage, entry) for entry, storage in zip(entries, storages)}
 
 
+class _ObjectReader(_Reader):
+    """An open safetensors object (``s3://bucket/key``): its header, and ranged GETs of the tensors' bytes.
+
+    The object's size and ETag are read once (``HeadObject``); every later GET
+    is conditional on that ETag, so an object replaced while it is open fails
+    the read (``ObjectStoreError``) instead of mixing two versions.
+    """
+
+    _FIRST_READ = 64 << 10  # one GET reads the header of almost every file (ours are padded to 4 KiB)
+
+    def __init__(self, url: str, settings: config.Settings):
+        self.path = url
+        self.settings = settings
+        self.object = objectstore.ObjectReader(objectstore.target(url), settings)
+        try:
+            size = self.object.size
+            first = self._bytes(0, min(size, self._FIRST_READ))
+            length = layout.header_length(first[:8], size, url)
+            if 8 + length > len(first):
+                first += self._bytes(len(first), 8 + length)
+            self.header = layout.parse_header(first, size, url)
+        except BaseException:
+            self.close()
+            raise
+
+    def _bytes(self, start: int, end: int) -> bytes:
+        return bytes(memoryview(self.object.read(start, end)).cast("B")[: end - start])
+
+    def close(self) -> None:
+        close = getattr(self.object.client, "close", None)  # its connections (botocore >= 1.29)
+        if close is not None:
+            close()
+
+    def read(self, pieces: Iterable[tuple[str, int, int]], device: torch.device) -> list[torch.UntypedStorage]:
+        """``(name, start, end)`` object ranges, fetched as one span with concurrent ranged GETs.
+
+        CPU storages are views of the span's page-aligned buffer (which lives
+        as long as any of them); other devices get copies.
+        """
+        pieces = list(pieces)
+        if not pieces:
+            return []
+        low = min(start for _, start, _ in pieces)
+        high = max(end for _, _, end in pieces)
+        span = self.object.read(low, high)
+        storages = []
+        for _, start, end in pieces:
+            if end == start:
+                storage = torch.UntypedStorage(0)
+            else:
+                view = torch.frombuffer(span, dtype=torch.uint8, count=end - start, offset=start - low)
+                storage = view.untyped_storage()
+            if device.type != "cpu":
+                storage = storage.to(device=device) if storage.nbytes() else torch.UntypedStorage(0, device=device)
+            storages.append(storage)
+        return storages
+
+
 def load_file(
     filename: str | os.PathLike[str],
     device: str | int | torch.device = "cpu",
@@ -303,8 +391,15 @@ def load_file(
     page-aligned memory of their own (never a mapping of the file); CUDA
     tensors are filled through pinned buffers.
 
+    ``filename`` may be ``s3://bucket/key``: the header is fetched, validated
+    as a file's is, then the data section with ``s3_concurrency`` concurrent
+    ranged GETs of ``s3_part_size`` bytes (each conditional on the ETag seen
+    first) into one page-aligned buffer; CPU tensors are views of it (host
+    memory: the data section's size, freed when the last tensor is), other
+    devices get copies.
+
     Args:
-        filename: the file.
+        filename: the file, or an ``s3://`` URL.
         device: where the tensors go (``"cpu"``, ``"cuda:1"``, ``1``, ``torch.device``).
         backend: accepted for compatibility (``"mmap"``, ``"pread"``); fastpersist always
             reads with its engine.
@@ -313,7 +408,11 @@ def load_file(
     Raises:
         FileNotFoundError, PermissionError, IsADirectoryError: as open().
         InvalidSafetensorsError: an invalid header (length, JSON, dtype, shape, offsets, file size).
-        ValueError: an invalid device or backend.
+        ValueError: an invalid device or backend; a malformed ``s3://`` URL.
+        ObjectNotFoundError, BucketNotFoundError: (``FileNotFoundError``) no such object or bucket.
+        ObjectStoreCredentialsError: (``PermissionError``) the credentials were refused.
+        ObjectStoreError: a network error; the object was replaced during the load.
+        ObjectStoreUnavailableError: boto3 is missing.
     """
     with safe_open(filename, framework="pt", device=device, backend=backend, **settings) as f:
         return f.get_tensors()
@@ -350,9 +449,17 @@ class safe_open:
     open; each ``get_*`` reads just the byte ranges it needs, in parallel with
     O_DIRECT. Usable with or without ``with`` (then call :meth:`close`).
 
+    ``filename`` may be ``s3://bucket/key``: the open reads the object's size
+    and ETag and its header (ranged GETs); each ``get_*`` then fetches only its
+    byte range, with concurrent ranged GETs conditional on that ETag, so an
+    object replaced while open fails the read instead of mixing versions.
+
     Raises (on open):
         FileNotFoundError, PermissionError, IsADirectoryError, InvalidSafetensorsError,
-        ValueError (framework, device or backend).
+        ValueError (framework, device or backend; a malformed URL).
+        ObjectNotFoundError, BucketNotFoundError, ObjectStoreCredentialsError,
+        ObjectStoreError, ObjectStoreUnavailableError: (``s3://``) as :func:`load_file`;
+        the ``get_*`` methods raise ObjectStoreError for a network error or a replaced object.
     """
 
     def __init__(
@@ -363,7 +470,11 @@ class safe_open:
         if backend not in _BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected 'mmap' or 'pread' (both read with fastpersist)")
         self._device = _device(device)
-        self._reader: _Reader | None = _Reader(filename, _settings("safe_open", settings))
+        resolved = _settings("safe_open", settings)
+        if objectstore.is_object_url(filename):
+            self._reader: _Reader | None = _ObjectReader(filename, resolved)
+        else:
+            self._reader = _Reader(filename, resolved)
 
     def __enter__(self) -> safe_open:
         return self

@@ -271,10 +271,6 @@ def test_empty_object_is_not_a_checkpoint(s3):
 
 
 def test_what_object_stores_do_not_support_yet_is_refused(s3):
-    with pytest.raises(ValueError, match="safetensors"):
-        fastpersist.save(_PREVIOUS, s3.url("model.safetensors"))
-    with pytest.raises(ValueError, match="safetensors"):
-        fastpersist.async_save(_PREVIOUS, s3.url("model.safetensors"))
     with pytest.raises(ValueError, match="collective"):
         fastpersist.save(_PREVIOUS, s3.url("ckpt.pt"), group=True)
     with pytest.raises(ValueError, match="legacy"):
