@@ -24,6 +24,16 @@ the next ``async_save``, and at interpreter exit (after pending saves have
 finished) on stderr, with exit status 1. Saves still pending at exit are
 completed before the interpreter shuts down. After ``fork()`` the child gets
 a fresh worker (the parent's pending saves finish in the parent).
+
+A third way, for object stores: the **two-tier save**,
+``async_save(obj, "s3://bucket/key", local_copy=path)``. The checkpoint is
+first saved to the local ``path`` by the ordinary synchronous local save
+(atomic, fsync, O_DIRECT) -- at disk speed, before ``async_save`` returns, so
+the state may change at once -- and the local file is then uploaded by the
+same background queue (:func:`fastpersist.io.objectstore.upload_file`): one
+queued job per save, whose future raises the upload's errors, completes at
+interpreter exit and behaves after ``fork()`` as every other. The local file
+is kept: it is the fast tier a restart may load.
 """
 
 from __future__ import annotations
@@ -34,11 +44,11 @@ import types
 from typing import Any
 
 from fastpersist import config
-from fastpersist.api import dispatch
+from fastpersist.api import dispatch, saving
 from fastpersist.errors import TensorModifiedError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io import memory, objectstore, staging
-from fastpersist.io.commit import commit_plan, target
+from fastpersist.io.commit import commit_plan, target, target_kind
 from fastpersist.io.queue import (
     SaveFuture,
     pending_saves,
@@ -109,6 +119,7 @@ def async_save(
     pickle_protocol: int = DEFAULT_PROTOCOL,
     *,
     mode: str | None = None,
+    local_copy: str | os.PathLike[str] | None = None,
     **settings: Any,
 ) -> SaveFuture:
     """Starts saving ``obj`` to the path ``f`` in the background and returns a future.
@@ -125,22 +136,43 @@ def async_save(
     The commit is atomic as with :func:`fastpersist.save`: until the future
     finishes successfully the previous file at ``f`` is intact.
 
+    **Two-tier save** (``f`` an ``s3://`` URL and ``local_copy`` a local path):
+    the checkpoint is saved to ``local_copy`` first, synchronously, by the
+    ordinary local save (``fastpersist.save``: atomic, fsync, O_DIRECT), in
+    the format the URL asks for (``format=`` or a ``.safetensors`` key); then
+    this returns, the state may change at once (``mode`` does not apply), and
+    the background queue uploads the local file to ``f``
+    (:func:`fastpersist.io.objectstore.upload_file`). The future (mode
+    ``"upload"``, ``local_copy`` set) finishes when the object is committed
+    and raises the upload's errors; the object then holds exactly the local
+    file's bytes. The local file is kept. The upload reads the file this save
+    wrote even if a later save replaces it meanwhile. ``async_max_pending``
+    bounds the uploads in flight: a new save first waits for the oldest.
+
     Args:
         obj, f, pickle_module, pickle_protocol: as :func:`fastpersist.save`
             (``f`` must be a path or an ``s3://bucket/key`` URL).
         mode: ``"pipelined"`` or ``"snapshot"`` (default: setting ``async_mode``).
+        local_copy: (``s3://`` targets only) the local file of a two-tier save.
         **settings: per-call overrides of ``fastpersist.config`` settings.
 
     Raises:
         UnsupportedObjectError, IsADirectoryError, FileNotFoundError,
         PermissionError, TypeError, ConfigError: at once, as :func:`save`.
         MemoryError: (snapshot) the staging area cannot be allocated.
-        ValueError: (``s3://``) at once: a malformed URL.
+        ValueError: (``s3://``) at once: a malformed URL; ``local_copy`` with
+            a target that is not an ``s3://`` URL, a ``local_copy`` that is a
+            URL or a special file, or ``atomic=False``.
+        OSError: (``local_copy``) at once: what the local save raises; nothing
+            is uploaded then and the previous object is intact.
         ObjectStoreError and its subclasses: (``s3://``) at ``result()``, as
             :func:`fastpersist.save` raises them; ObjectStoreUnavailableError
-            (boto3 missing) at ``result()`` too.
+            (boto3 missing) at ``result()`` too. A failed upload of a two-tier
+            save leaves the previous object intact and the local file in place.
     """
     remote = objectstore.is_object_url(f)  # s3://bucket/key: a multipart upload (docs/object-storage.md)
+    if local_copy is not None:
+        return _save_through_local_copy(obj, f, local_copy, pickle_module, pickle_protocol, settings)
     if dispatch.wants_safetensors(f, settings.pop("format", None)):
         return dispatch.async_save_safetensors(obj, f, settings)
     if mode is not None:
@@ -183,4 +215,51 @@ def async_save(
             commit(plan, destination, resolved, streams, before_commit=check)
 
     future._work = work
+    return submit(future)
+
+
+def _save_through_local_copy(
+    obj: object, url: Any, local_copy: Any, pickle_module: Any, pickle_protocol: int, settings: dict[str, Any]
+) -> SaveFuture:
+    """The two-tier save of :func:`async_save`: the local save here and now, the upload as one queued job."""
+    if not objectstore.is_object_url(url):
+        raise ValueError(
+            f"local_copy= is for saves to an object store (an s3://bucket/key target), got {url!r}; "
+            "to save to a local file, pass that path as the target"
+        )
+    if not isinstance(local_copy, (str, os.PathLike)):
+        raise TypeError(f"local_copy must be a local path, got {type(local_copy).__name__}")
+    if objectstore.is_object_url(local_copy):
+        raise ValueError(f"local_copy must be a local path (the fast tier), got the URL {local_copy!r}")
+    destination = objectstore.target(url)
+    local = os.fspath(local_copy)
+    settings = dict(settings)
+    chosen = "safetensors" if dispatch.wants_safetensors(url, settings.pop("format", None)) else "torch"
+    overrides, _ = config.split_overrides("async_save", settings, allow_other=False)
+    resolved = config.resolve(overrides)
+    if not resolved.atomic:
+        raise ValueError(
+            "local_copy needs atomic local saves (atomic=True): the upload reads the file while a later save "
+            "may replace it, which only a rename (not an overwrite in place) leaves harmless"
+        )
+    if target_kind(local) == "special":
+        raise ValueError(f"local_copy must be a regular file (it is uploaded afterwards), got {local!r}")
+    report_unchecked_as_warnings()
+    wait_for_slot(resolved.async_max_pending)  # bounds the uploads in flight (and the old files they hold open)
+    saving.save(obj, local, pickle_module, pickle_protocol, format=chosen, **settings)
+    source = open(local, "rb", buffering=0)  # the file this save wrote, whatever replaces its name later
+    try:
+        future = SaveFuture(destination.path, "upload")
+        future.local_copy = local
+
+        def work() -> None:
+            try:
+                objectstore.upload_file(source, destination, resolved)
+            finally:
+                source.close()
+
+        future._work = work
+    except BaseException:
+        source.close()
+        raise
     return submit(future)

@@ -58,7 +58,8 @@ def save(
     Raises:
         ValueError: what object stores do not support yet: collective saves
             (``group=``), the legacy format; or a malformed URL.
-        TypeError, ConfigError: an unknown keyword, an invalid setting.
+        TypeError, ConfigError: an unknown keyword (``local_copy`` included:
+            an ``async_save`` option), an invalid setting.
         UnsupportedObjectError: ``obj`` cannot be pickled (nothing is sent).
         ObjectStoreUnavailableError, ObjectStoreCredentialsError,
             BucketNotFoundError, ObjectStoreError: as
@@ -66,6 +67,11 @@ def save(
             object is intact).
     """
     settings = dict(settings)
+    if "local_copy" in settings:
+        raise TypeError(
+            "save() has no local_copy: a two-tier save is fastpersist.async_save(obj, url, local_copy=path) (call "
+            "result() on its future to wait for the upload)"
+        )
     if group is not None and group is not False:
         raise ValueError(f"collective saves (group=...) to an object store are not supported yet ({url})")
     if dispatch.wants_safetensors(url, settings.pop("format", None)):

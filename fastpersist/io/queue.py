@@ -45,13 +45,17 @@ class SaveFuture:
     """The pending result of a queued save (``fastpersist.async_save``, ``async_save_file``, :func:`run_in_order`).
 
     Attributes:
-        path: the file being written.
-        mode: ``"pipelined"`` or ``"snapshot"``.
+        path: the file being written (the URL for an object store).
+        mode: ``"pipelined"`` or ``"snapshot"``; ``"upload"`` for the upload of
+            a two-tier save (its state is already on local disk); ``"call"``
+            for :func:`run_in_order`.
+        local_copy: the local file of a two-tier save (None otherwise).
     """
 
     def __init__(self, path: str, mode: str):
         self.path = path
         self.mode = mode
+        self.local_copy: str | None = None
         self._state = _PENDING
         self._error: BaseException | None = None
         self._finished = threading.Event()
