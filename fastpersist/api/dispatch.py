@@ -251,6 +251,18 @@ def load_safetensors(path: str, map_location: Any, settings: dict[str, Any]) -> 
     return unflatten(tensors, metadata, path)
 
 
+def load_safetensors_buffer(buffer: Any, size: int, map_location: Any, path: str) -> Any:
+    """``fastpersist.load`` of a downloaded safetensors object: CPU tensors are views of ``buffer`` (no copy)."""
+    from fastpersist.api import safetensors
+
+    tensors, metadata = safetensors.tensors_in_buffer(buffer, size, path)
+    if isinstance(map_location, (str, int, torch.device)):
+        tensors = {name: tensor.to(map_location) for name, tensor in tensors.items()}
+    elif map_location is not None:
+        tensors = _map(tensors, map_location)
+    return unflatten(tensors, metadata, path)
+
+
 def load_safetensors_bytes(data: bytes, map_location: Any) -> Any:
     """``fastpersist.load`` of a file object holding a safetensors file."""
     from fastpersist.api import safetensors

@@ -106,7 +106,8 @@ def load(
     the object's size), parsed and verified as a local file is; CPU storages
     are views of that buffer (as an mmap load's are of the mapping), CUDA
     storages copies. Safetensors objects and legacy torch files are
-    recognised by their first bytes, as for paths.
+    recognised by their first bytes, as for paths (a safetensors object's CPU
+    tensors are views of the buffer as well).
 
     Raises:
         ObjectNotFoundError, BucketNotFoundError: (``FileNotFoundError``).
@@ -124,7 +125,7 @@ def load(
         raise TruncatedCheckpointError(f"{path} is empty (0 bytes): it is not a checkpoint", path=path)
     head = bytes(view[:16])
     if looks_like_safetensors(head):
-        return dispatch.load_safetensors_bytes(bytes(view), map_location)
+        return dispatch.load_safetensors_buffer(buffer, size, map_location, path)
     if head[:4] != b"PK\x03\x04":  # legacy (pre-1.6) or foreign format: torch.load knows them
         return _TORCH_LOAD(io.BytesIO(view), map_location, **torch_kwargs)
 

@@ -433,6 +433,30 @@ def load(data: bytes) -> dict[str, torch.Tensor]:
     return result
 
 
+def tensors_in_buffer(buffer: Any, size: int, path: str | None = None) -> tuple[dict[str, torch.Tensor], Any]:
+    """``(tensors, metadata)`` of the safetensors file held in the first ``size`` bytes of ``buffer``, without a copy.
+
+    Each CPU tensor is a view of ``buffer`` with a storage of its own (which
+    keeps ``buffer`` alive). For the download of an object, which is already
+    a private page-aligned buffer.
+
+    Raises:
+        InvalidSafetensorsError: an invalid header.
+    """
+    view = memoryview(buffer).cast("B")[:size]
+    length = layout.header_length(bytes(view[:8]), size, path)
+    header = layout.parse_header(bytes(view[: 8 + length]), size, path)
+    tensors = {}
+    for name, entry in header.tensors.items():
+        dtype = layout.torch_dtype(entry.dtype)
+        if entry.size == 0:
+            tensors[name] = torch.empty(entry.torch_shape, dtype=dtype)
+        else:
+            bytes_view = torch.frombuffer(buffer, dtype=torch.uint8, count=entry.size, offset=entry.start)
+            tensors[name] = _tensor_over(bytes_view.untyped_storage(), entry)
+    return tensors, header.metadata
+
+
 _BACKENDS = (None, "mmap", "pread")
 
 

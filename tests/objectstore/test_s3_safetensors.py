@@ -154,6 +154,9 @@ def test_front_door_saves_safetensors_objects(s3, tmp_path):
     for key in ("ckpt.safetensors", "ckpt.bin"):
         loaded = fastpersist.load(s3.url(key))
         assert loaded["step"] == 3 and loaded["lr"] == [0.1] and torch.equal(loaded["model"]["w"], state["model"]["w"])
+    mapped = fastpersist.load(s3.url("ckpt.bin"), map_location=lambda storage, location: storage)
+    assert torch.equal(mapped["model"]["b"], state["model"]["b"])
+    assert fastpersist.load(s3.url("ckpt.bin"), map_location="meta")["model"]["w"].device.type == "meta"
     fastpersist.save(state, s3.url("forced.safetensors"), format="torch")  # format= wins over the key
     assert s3.get("forced.safetensors")[:4] == b"PK\x03\x04"
 
