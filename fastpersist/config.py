@@ -123,7 +123,8 @@ class Settings:
     parts. See [object-storage.md](object-storage.md)."""
     s3_concurrency: int = 8
     """Object stores (``s3://``): parts uploaded, or ranges downloaded, at once (1 to 64). A save's host memory is
-    at most ``max(2, s3_concurrency) * s3_part_size``; a load holds the whole object in host memory."""
+    at most ``max(2, s3_concurrency) * s3_part_size`` (the upload of a local file, as in a two-tier save:
+    ``s3_concurrency * s3_part_size``); a load holds the whole object in host memory."""
 
     def __post_init__(self) -> None:
         _validate(self)
