@@ -299,9 +299,10 @@ def _complete_at_exit() -> None:
             future._checked = True
     for future in failed:
         error = future._error
+        kept = f" (its local copy {future.local_copy!r} was written)" if future.local_copy else ""
         print(
             f"fastpersist: the async_save to {future.path!r} failed and its error was never checked; "
-            "that checkpoint was NOT written:",
+            f"that checkpoint was NOT written{kept}:",
             file=sys.stderr,
         )
         traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
