@@ -112,12 +112,17 @@ class _Clock:
 
     def __init__(self, between_steps=None):
         self.times: list[float] = []
+        self.first_scores: torch.Tensor | None = None
+        """The prefill's logits of the last prompt position (float32, on the CPU)."""
         self._between = between_steps
         self._excluded = 0.0
 
     def __call__(self, input_ids, scores):
         torch.cuda.synchronize()
         now = time.perf_counter()
+        if self.first_scores is None:
+            self.first_scores = scores.float().cpu()
+            self._excluded += time.perf_counter() - now
         self.times.append(now - self._excluded)
         if self._between is not None:
             self._between()
@@ -156,6 +161,7 @@ def _generate(model, batch: int, prompt: int, new_tokens: int, between_steps=Non
         "host_rss_baseline_bytes": host.baseline,
         "new_tokens": new_tokens,
         "tokens": out[:, prompt:].cpu(),
+        "logits": clock.first_scores,
     }
 
 
@@ -186,15 +192,25 @@ class _ColdReads:
         self._dropper.drop(self.roots)
 
 
-def _agreement(tokens: torch.Tensor, reference: torch.Tensor | None) -> dict[str, Any]:
-    """Whether ``tokens`` equal the full-gpu run's first ones, and the share of positions that do."""
+def _agreement(tokens, reference, logits=None, reference_logits=None) -> dict[str, Any]:
+    """How a run's output compares with the full-gpu run's: same tokens, share of equal tokens, prefill logits.
+
+    Greedy sequences part for good at their first different token, so the share
+    of equal tokens says how early that happens; the largest difference of the
+    prefill's last-position logits says whether the computation itself differs
+    (0: bit for bit the same) or only its last bits.
+    """
     if reference is None:
         return {"same_tokens_as_full_gpu": None, "token_agreement": None}
     reference = reference[:, : tokens.shape[1]]  # full-gpu made more tokens where the method's count differs
-    return {
+    result = {
         "same_tokens_as_full_gpu": bool(torch.equal(tokens, reference)),
         "token_agreement": float((tokens == reference).float().mean()),
     }
+    if logits is not None and reference_logits is not None:
+        result["prefill_logits_max_abs_diff"] = float((logits - reference_logits).abs().max())
+        result["prefill_logits_max_abs"] = float(reference_logits.abs().max())
+    return result
 
 
 def _read_ceiling(path: str) -> float:
@@ -244,11 +260,19 @@ def to_markdown(document: dict[str, Any]) -> str:
     ]
     if config.get("accelerate_reads"):
         lines.append(f"accelerate: {config['accelerate_reads']}")
+    repeat = next((row["repeat"] for row in document["results"].get("full-gpu", []) if row.get("repeat")), None)
+    if repeat:
+        lines.append(
+            f"full-gpu run twice (batch {document['results']['full-gpu'][0]['batch']}): {_same(repeat)} tokens the "
+            f"same, prefill logits max difference {_number(repeat.get('prefill_logits_max_abs_diff'), '{:.3g}')} "
+            f"(largest logit {_number(repeat.get('prefill_logits_max_abs'), '{:.3g}')})"
+        )
     lines += [
         "",
         "| method | batch | new tokens | decode tokens/s | bound tokens/s | of bound | time to first token (s) "
-        "| peak GPU (GB) | peak host RSS (GB) | host RSS added (GB) | pinned staging (GB) | same tokens as full-gpu |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| peak GPU (GB) | peak host RSS (GB) | host RSS added (GB) | pinned staging (GB) | same tokens as full-gpu "
+        "| prefill logits max difference |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     default_tokens = {
         "accelerate-disk": config.get("accelerate_new_tokens"),
@@ -266,7 +290,8 @@ def to_markdown(document: dict[str, Any]) -> str:
                 f"{_number(bound, '{:.2f}')} | {_number(share, '{:.2f}x')} | "
                 f"{row['ttft_seconds']:.2f} | {row['peak_gpu_bytes'] / 1e9:.2f} | "
                 f"{row['peak_host_rss_bytes'] / 1e9:.2f} | {_number(added and added / 1e9, '{:+.2f}')} | "
-                f"{_number(staging and staging / 1e9, '{:.2f}')} | {_same(row)} |"
+                f"{_number(staging and staging / 1e9, '{:.2f}')} | {_same(row)} | "
+                f"{_number(row.get('prefill_logits_max_abs_diff'), '{:.3g}')} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -318,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     accelerate_reads = None
     results: dict[str, list[dict[str, Any]]] = {}
     reference: dict[int, torch.Tensor] = {}
+    reference_logits: dict[int, torch.Tensor] = {}
     if "full-gpu" in methods:
         # The reference is the checkpoint fully loaded into the model the other methods get (built on the
         # meta device, its rotary buffers computed on the CPU), not the model that was saved: that one's
@@ -329,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         for batch in batches:
             row = _generate(model, batch, args.prompt, args.new_tokens)
             reference[batch] = row.pop("tokens")
+            reference_logits[batch] = row.pop("logits")
+            if batch == batches[0]:  # how far the same model on the same GPU agrees with itself
+                again = _generate(model, batch, args.prompt, args.new_tokens)
+                row["repeat"] = _agreement(again["tokens"], reference[batch], again["logits"], reference_logits[batch])
             results.setdefault("full-gpu", []).append(row)
             print(f"full-gpu batch {batch}: {row['decode_tokens_per_second']:.1f} tokens/s", flush=True)
     del model
@@ -356,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             row["rss_before_dispatch_bytes"] = rss_before
             row["staging_bytes"] = placement["slots"] * placement["slot_bytes"]
             row["host_tier_bytes"] = state.describe()["host_tier_bytes"]
-            row.update(_agreement(tokens, reference.get(batch)))
+            row.update(_agreement(tokens, reference.get(batch), row.pop("logits"), reference_logits.get(batch)))
             bound = batch * ceiling * 1e9 / streamed_bytes[method] if streamed_bytes[method] else None
             row["bound_tokens_per_second"] = bound
             row["of_bound"] = row["decode_tokens_per_second"] / bound if bound else None
@@ -393,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
                 cold()
                 row = _generate(model, batch, args.prompt, args.accelerate_tokens, between_steps=cold)
                 tokens = row.pop("tokens")
-                row.update(_agreement(tokens, reference.get(batch)))
+                row.update(_agreement(tokens, reference.get(batch), row.pop("logits"), reference_logits.get(batch)))
                 results.setdefault("accelerate-disk", []).append(row)
                 print(f"accelerate-disk batch {batch}: {row['decode_tokens_per_second']:.3f} tokens/s", flush=True)
             del model

@@ -21,6 +21,7 @@ def _document():
         "bound_tokens_per_second": 10.0,
         "of_bound": 0.9,
         "same_tokens_as_full_gpu": True,
+        "prefill_logits_max_abs_diff": 0.0,
     }
     return {
         "machine": {"device_name": "GPU-X"},
@@ -57,6 +58,7 @@ def test_table_shows_tokens_bound_and_host_memory_added_over_the_process_before_
         "+1.50",
         "1.00",
         "yes",
+        "0",
     ]
 
 
