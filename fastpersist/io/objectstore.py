@@ -73,6 +73,12 @@ __all__ = [
     "part_size_for",
     "commit_plan",
     "download",
+    "head",
+    "fetch_into",
+    "put_bytes",
+    "list_keys",
+    "remove_keys",
+    "abort_uploads",
 ]
 
 SCHEME = "s3://"
@@ -266,6 +272,93 @@ def remove(url: str, *, client=None) -> None:
     where = target(url)
     client = client or make_client(1)
     _with_translation(where, client, "delete", client.delete_object, Bucket=where.bucket, Key=where.key)
+
+
+def put_bytes(url: ObjectURL, data: bytes, *, client) -> None:
+    """Stores ``data`` as the object at ``url`` in one ``PutObject`` (atomic: the old object or the new one).
+
+    Raises:
+        ObjectStoreCredentialsError, BucketNotFoundError, ObjectStoreError:
+            the store refused, or the network failed (whether the object was
+            stored is then unknown unless the store answered).
+    """
+    _with_translation(
+        url,
+        client,
+        f"uploading {url}",
+        client.put_object,
+        Bucket=url.bucket,
+        Key=url.key,
+        Body=_MemoryBody(memoryview(data).cast("B")),
+        ContentLength=len(data),
+    )
+
+
+def list_keys(url: ObjectURL, prefix: str, *, client) -> list[str]:
+    """The keys of ``url``'s bucket that start with ``prefix`` (``ListObjectsV2``, every page).
+
+    Raises:
+        ObjectStoreError and its subclasses: the listing was refused or failed.
+    """
+    keys: list[str] = []
+    arguments = {"Bucket": url.bucket, "Prefix": prefix}
+    while True:
+        page = _with_translation(
+            url, client, f"listing {SCHEME}{url.bucket}/{prefix}*", client.list_objects_v2, **arguments
+        )
+        keys += [item["Key"] for item in page.get("Contents", ())]
+        if not page.get("IsTruncated"):
+            return keys
+        arguments["ContinuationToken"] = page["NextContinuationToken"]
+
+
+def remove_keys(url: ObjectURL, keys, *, client) -> dict[str, str]:
+    """Deletes the objects at ``keys`` of ``url``'s bucket (``DeleteObjects``, 1,000 a request). Never raises.
+
+    Returns:
+        key -> why, for each key that may still be there (a refused request
+        fails all of its keys).
+    """
+    keys = list(keys)
+    failed: dict[str, str] = {}
+    for first in range(0, len(keys), 1000):
+        batch = keys[first : first + 1000]
+        try:
+            response = client.delete_objects(
+                Bucket=url.bucket, Delete={"Objects": [{"Key": key} for key in batch], "Quiet": True}
+            )
+        except Exception as error:  # noqa: BLE001 - reported to the caller, who says what is left
+            failed.update((key, f"{type(error).__name__}: {error}") for key in batch)
+            continue
+        for item in response.get("Errors", ()):
+            failed[item.get("Key", "?")] = f"{item.get('Code')}: {item.get('Message', '')}"
+    return failed
+
+
+def abort_uploads(url: ObjectURL, prefix: str, *, client) -> dict[str, str]:
+    """Aborts every multipart upload in progress in ``url``'s bucket whose key starts with ``prefix``. Never raises.
+
+    Returns:
+        key (or ``prefix``, when the listing failed) -> why, for each upload that may still be in progress.
+    """
+    failed: dict[str, str] = {}
+    arguments = {"Bucket": url.bucket, "Prefix": prefix}
+    try:
+        while True:
+            page = client.list_multipart_uploads(**arguments)
+            for upload in page.get("Uploads", ()):
+                try:
+                    client.abort_multipart_upload(Bucket=url.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                except Exception as error:  # noqa: BLE001 - reported to the caller
+                    if _error_fields(error)[0] != "NoSuchUpload":
+                        failed[upload["Key"]] = f"{type(error).__name__}: {error} (upload id {upload['UploadId']})"
+            if not page.get("IsTruncated"):
+                return failed
+            arguments.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+    except Exception as error:  # noqa: BLE001 - reported to the caller
+        if _error_fields(error)[0] != "NoSuchBucket":  # no bucket: no upload either
+            failed[prefix] = f"listing the uploads failed ({type(error).__name__}: {error})"
+        return failed
 
 
 # ----------------------------------------------------------------------------- saves
@@ -479,14 +572,22 @@ class _SinglePut:
         self._body = bytearray()
 
 
-def commit_plan(plan, destination: ObjectURL, settings: Settings, streams, *, before_commit=None, client=None) -> None:
+def commit_plan(
+    plan, destination: ObjectURL, settings: Settings, streams, *, before_commit=None, client=None, byte_range=None
+) -> list[int]:
     """Uploads ``plan`` to ``destination`` as a multipart upload, committed by its completion (one PutObject
     for an object of at most one part).
 
     The counterpart of :func:`fastpersist.io.commit.commit_plan` for object
     stores (see the module docstring). ``before_commit``, if given, is called
     once every part is uploaded and before the completion; its failure aborts
-    the upload.
+    the upload. ``byte_range=(start, end)`` uploads only those bytes of the
+    plan, as an object of their own (one writer's part of a collective save,
+    :mod:`fastpersist.distributed.objectstore`).
+
+    Returns:
+        What :func:`~fastpersist.io.writer.write_plan` returns: the records'
+        CRC-32s (with ``byte_range``: of their bytes inside the range).
 
     Raises:
         ObjectStoreUnavailableError: boto3 is missing (before any request).
@@ -498,17 +599,19 @@ def commit_plan(plan, destination: ObjectURL, settings: Settings, streams, *, be
     """
     if client is None:
         client = make_client(settings.s3_concurrency)
-    part_size = part_size_for(plan.size, settings.s3_part_size)
+    size = plan.size if byte_range is None else byte_range[1] - byte_range[0]
+    part_size = part_size_for(size, settings.s3_part_size)
     ring = settings.replace(
         buffer_size=part_size, block_size=part_size, buffer_count=max(2, min(64, settings.s3_concurrency))
     )
-    if plan.size <= part_size:
+    if size <= part_size:
         upload = _SinglePut(client, destination)
     else:
         upload = _MultipartUpload(client, destination, settings.s3_concurrency)
     try:
         upload.begin()
-        write_plan(plan, upload, ring, streams=streams, make_handle=upload.handle)
+        ranged = {} if byte_range is None else {"byte_range": tuple(byte_range), "destination_offset": 0}
+        crcs = write_plan(plan, upload, ring, streams=streams, make_handle=upload.handle, **ranged)
         if before_commit is not None:
             before_commit()
         upload.complete()
@@ -522,6 +625,7 @@ def commit_plan(plan, destination: ObjectURL, settings: Settings, streams, *, be
         raise raised from None
     finally:
         upload.close()
+    return crcs
 
 
 # ----------------------------------------------------------------------------- loads
@@ -543,9 +647,21 @@ def download(url: ObjectURL, settings: Settings, *, client=None) -> tuple[Any, i
     """
     if client is None:
         client = make_client(settings.s3_concurrency)
-    action = f"loading {url}"
+    size, etag = head(url, client, action=f"loading {url}")
+    buffer = engine.AlignedBuffer(max(size, 1), lock=False)
+    fetch_into([(url, etag, memoryview(buffer).cast("B")[:size])], settings, client=client, action=f"loading {url}")
+    return buffer, size
+
+
+def head(url: ObjectURL, client, *, action: str) -> tuple[int, str | None]:
+    """``(size, ETag)`` of the object at ``url`` (``HeadObject``); ``action`` names the operation in errors.
+
+    Raises:
+        ObjectNotFoundError, BucketNotFoundError, ObjectStoreCredentialsError,
+            ObjectStoreError: as :func:`download`.
+    """
     try:
-        head = client.head_object(Bucket=url.bucket, Key=url.key)
+        response = client.head_object(Bucket=url.bucket, Key=url.key)
     except Exception as error:
         translated = _translate(error, url, client, action)
         if isinstance(translated, ObjectNotFoundError):  # HEAD's 404 does not say whether the bucket exists
@@ -555,15 +671,30 @@ def download(url: ObjectURL, settings: Settings, *, client=None) -> tuple[Any, i
                 if _error_fields(bucket_error)[0] in ("404", "NoSuchBucket"):
                     translated = _translate(bucket_error, url, client, action, code="NoSuchBucket")
         raise translated from error
-    size = int(head["ContentLength"])
-    etag = head.get("ETag")
-    buffer = engine.AlignedBuffer(max(size, 1), lock=False)
-    destination = memoryview(buffer).cast("B")
+    return int(response["ContentLength"]), response.get("ETag")
+
+
+def fetch_into(objects, settings: Settings, *, client, action: str) -> None:
+    """Fetches objects into memory with ``s3_concurrency`` concurrent ranged GETs of ``s3_part_size`` bytes.
+
+    Args:
+        objects: ``(url, etag, destination)`` for each object: ``destination``
+            (a writable byte memoryview) receives its bytes ``[0,
+            len(destination))`` (give it the object's size for the whole
+            object); each GET is conditional on ``etag`` (unless None), so an
+            object replaced meanwhile fails instead of mixing two versions.
+            The ranges of all objects share one pool.
+        action: names the operation in errors.
+
+    Raises:
+        ObjectStoreError and its subclasses: a GET failed (a response that
+            broke off is retried), or an object was replaced.
+        KeyboardInterrupt: after every GET in flight has stopped.
+    """
     range_size = settings.s3_part_size
     stop = threading.Event()
 
-    def fetch(start: int) -> None:
-        end = min(start + range_size, size)
+    def fetch(url: ObjectURL, etag, start: int, end: int, destination: memoryview) -> None:
         for attempt in range(_ATTEMPTS):
             try:
                 _fetch_range(client, url, etag, start, end, destination, stop)
@@ -573,7 +704,11 @@ def download(url: ObjectURL, settings: Settings, *, client=None) -> tuple[Any, i
                     raise _translate(error, url, client, action) from error
 
     with concurrent.futures.ThreadPoolExecutor(settings.s3_concurrency, "fastpersist-s3-get") as pool:
-        futures = [pool.submit(fetch, start) for start in range(0, size, range_size)]
+        futures = [
+            pool.submit(fetch, url, etag, start, min(start + range_size, len(destination)), destination)
+            for url, etag, destination in objects
+            for start in range(0, len(destination), range_size)
+        ]
         try:
             for future in concurrent.futures.as_completed(futures):
                 future.result()
@@ -582,7 +717,6 @@ def download(url: ObjectURL, settings: Settings, *, client=None) -> tuple[Any, i
             for future in futures:
                 future.cancel()
             raise
-    return buffer, size
 
 
 def _fetch_range(client, url: ObjectURL, etag, start: int, end: int, destination: memoryview, stop) -> None:
