@@ -70,7 +70,7 @@ from fastpersist.errors import ConfigError, CudaUnavailableError, CufileError, G
 from fastpersist.io import engine as engine_module
 from fastpersist.tensors import cast_to_byte_tensor
 
-__all__ = ["GdsHandle", "choose_path", "PATHS", "pinned_device_regions"]
+__all__ = ["GdsHandle", "choose_path", "require_cuda_tensor", "PATHS", "pinned_device_regions"]
 
 PATHS = config.GDS_PATHS
 """``auto``, ``cufile``, ``bounce``."""
@@ -167,6 +167,24 @@ def _release_fd_handle(driver: Any, fd: int) -> None:
         if entry[1] == 0:
             del _fd_handles[key]
             driver.deregister_handle(entry[0])
+
+
+def require_cuda_tensor(tensor: Any, method: str) -> torch.Tensor:
+    """``tensor``'s bytes as a contiguous uint8 view, for GDS-only calls that need device memory.
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor, or not on a CUDA device (the message names the requirement and what
+            to use for host memory).
+        ValueError: ``tensor`` is not contiguous.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"GdsHandle.{method}() needs a CUDA tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cuda":
+        raise TypeError(
+            f"GdsHandle.{method}() needs a CUDA tensor (GPUDirect Storage pins device memory); got a tensor on "
+            f"{tensor.device}. For host memory use new_cpu_locked_tensor(), or fastpersist.AioHandle."
+        )
+    return cast_to_byte_tensor(tensor)
 
 
 def _device_index(tensor: torch.Tensor) -> int:
@@ -383,7 +401,7 @@ class GdsHandle:
             ValueError: ``tensor`` is not contiguous.
             CufileError: registration failed on a handle made with ``path="cufile"``.
         """
-        data = self._device_bytes(tensor, "pin_device_tensor")
+        data = require_cuda_tensor(tensor, "pin_device_tensor")
         index, start, length = _device_index(data), data.data_ptr(), data.numel()
         registered = False
         if self._path == "cufile" and length:
@@ -405,7 +423,7 @@ class GdsHandle:
             TypeError: ``tensor`` is not a CUDA tensor.
             CufileError: ``cuFileBufDeregister`` failed on a handle made with ``path="cufile"``.
         """
-        data = self._device_bytes(tensor, "unpin_device_tensor")
+        data = require_cuda_tensor(tensor, "unpin_device_tensor")
         index, start = _device_index(data), data.data_ptr()
         with _regions_lock:
             entry = _regions.pop((index, start), None)
@@ -584,17 +602,6 @@ class GdsHandle:
         return self._aio.pending() + mine
 
     # ------------------------------------------------------------------ internals
-    @staticmethod
-    def _device_bytes(tensor: Any, method: str) -> torch.Tensor:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{method}() needs a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.device.type != "cuda":
-            raise TypeError(
-                f"GdsHandle.{method}() needs a CUDA tensor (GPUDirect Storage pins device memory); got a tensor on "
-                f"{tensor.device}. For host memory use new_cpu_locked_tensor(), or fastpersist.AioHandle."
-            )
-        return cast_to_byte_tensor(tensor)
-
     def _on_device(self, index: int, action: Callable[[], Any]) -> Any:
         """Runs ``action`` on a worker thread bound to device ``index`` (the caller's current device is untouched)."""
         return self._parts_pool().submit(lambda: (_bind_device(index), action())[1]).result()
