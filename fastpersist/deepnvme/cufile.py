@@ -357,7 +357,7 @@ def _load(candidates: list[str]) -> tuple[ctypes.CDLL, str]:
     tried = []
     for name in candidates:
         try:
-            return ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL), name
+            return ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL, use_errno=True), name
         except OSError as e:
             tried.append(f"{name}: {e}")
     shown = "; ".join(tried[:4]) + (f"; and {len(tried) - 4} more" if len(tried) > 4 else "")
