@@ -51,6 +51,7 @@ import concurrent.futures
 import errno as errno_module
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -205,6 +206,15 @@ def _parts(nbytes: int, count: int) -> list[tuple[int, int]]:
     size = -(-nbytes // max(count, 1))
     size = -(-size // O_DIRECT_ALIGNMENT) * O_DIRECT_ALIGNMENT
     return [(off, min(size, nbytes - off)) for off in range(0, nbytes, size)]
+
+
+def _end_of_file(name: str, file_offset: int, nbytes: int, available: int) -> OSError:
+    error = engine_module.UnexpectedEndOfFileError(
+        f"unexpected end of file {name!r} at offset {file_offset + available}: the request wanted {nbytes} bytes "
+        f"but only {available} could be read; the file is truncated or the offset/size is wrong"
+    )
+    error.filename = name
+    return error
 
 
 def _open_for_cufile(path: str, write: bool, direct: bool) -> int:
@@ -725,6 +735,12 @@ class GdsHandle:
     ) -> None:
         driver = self._driver
         nbytes = data.numel()
+        if not write and nbytes:
+            # Checked before any I/O: a short read would continue at an unaligned offset, which an O_DIRECT
+            # descriptor refuses (EINVAL) in compatibility mode.
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and file_offset + nbytes > info.st_size:
+                raise _end_of_file(name, file_offset, nbytes, max(info.st_size - file_offset, 0))
         if nbytes:
             index = _device_index(data)
             address = data.data_ptr()
@@ -759,12 +775,7 @@ class GdsHandle:
                 raise error
             if short is not None:
                 off, length, done = short
-                raise engine_module.UnexpectedEndOfFileError(
-                    5,
-                    f"end of file after {file_offset + off + done} bytes: reading {nbytes} bytes at offset "
-                    f"{file_offset} needs the file to be at least {file_offset + nbytes} bytes long",
-                    name,
-                )
+                raise _end_of_file(name, file_offset, nbytes, off + done)
         if write and truncate:
             os.ftruncate(fd, file_offset + nbytes)
 
