@@ -453,6 +453,12 @@ class GdsHandle:
         return self._aio.new_cpu_locked_tensor(num_elem, example_tensor, **kwargs)
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
+        """Forgets a tensor from :meth:`new_cpu_locked_tensor`; False for anything else, CUDA tensors included.
+
+        DeepSpeed's ds_io calls this on its CUDA buffer when a ``--use_gds`` run ends.
+        """
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            return False
         return self._aio.free_cpu_locked_tensor(tensor)
 
     def is_pinned(self, buffer: torch.Tensor) -> bool:

@@ -163,6 +163,9 @@ def test_pin_unpin_and_new_free_pinned_device_tensor(handle):
     q = handle.new_pinned_device_tensor(10, example_tenosr=torch.empty(0, dtype=torch.float32))  # DeepNVMe's keyword
     assert q.device.type == "cuda" and q.dtype == torch.float32
     handle.free_pinned_device_tensor(q)
+    assert handle.free_cpu_locked_tensor(q) is False  # what DeepSpeed's ds_io calls on its CUDA buffer at the end
+    locked = handle.new_cpu_locked_tensor(4096, torch.uint8)
+    assert handle.is_pinned(locked) and handle.free_cpu_locked_tensor(locked) is True
 
 
 def test_gds_only_calls_refuse_cpu_tensors(handle):
