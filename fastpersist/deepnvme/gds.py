@@ -218,7 +218,8 @@ def _end_of_file(name: str, file_offset: int, nbytes: int, available: int) -> OS
 
 
 def _open_for_cufile(path: str, write: bool, direct: bool) -> int:
-    flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+    # Writes open read-write: cuFile may read back around an unaligned write (read-modify-write) in GPUDirect mode.
+    flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
     flags |= getattr(os, "O_CLOEXEC", 0)
     o_direct = getattr(os, "O_DIRECT", 0)
     if direct and o_direct:
