@@ -4,7 +4,8 @@
  * Built by tests/deepnvme/test_gds_selection.py with `cc -shared -fPIC`; -DOPEN_STATUS=N makes
  * cuFileDriverOpen fail with CUfileOpError N. Knobs for one test at a time (set through ctypes on the loaded
  * library, never through the environment): fake_set_io_status(code) makes the next transfers fail with
- * -code (or -1 with errno = code when errno_mode), fake_set_max_chunk(n) makes transfers short (n bytes per call).
+ * -code (or -1 with errno = code when errno_mode), fake_set_max_chunk(n) makes transfers short (n bytes per call),
+ * fake_set_delay_us(n) makes each read sleep n microseconds (a slow device, for the GIL test).
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -35,6 +36,7 @@ static int errno_mode = 0;
 static long max_chunk = 0;
 static int open_handles = 0;
 static int driver_opened = 0;
+static long delay_us = 0;
 
 #define MAX_REGISTERED 64
 static const void *registered[MAX_REGISTERED];
@@ -50,6 +52,7 @@ void fake_set_io_status(int code, int as_errno) {
     errno_mode = as_errno;
 }
 void fake_set_max_chunk(long n) { max_chunk = n; }
+void fake_set_delay_us(long n) { delay_us = n; }
 int fake_open_handles(void) { return open_handles; }
 int fake_driver_opened(void) { return driver_opened; }
 long fake_registered_length(const void *p) {
@@ -115,6 +118,7 @@ static ssize_t fail(void) {
 }
 
 ssize_t cuFileRead(void *fh, void *base, size_t size, off_t file_offset, off_t buffer_offset) {
+    if (delay_us) usleep((useconds_t)delay_us);
     if (io_status) return fail();
     if (max_chunk && size > (size_t)max_chunk) size = (size_t)max_chunk;
     return pread(*(int *)fh, (char *)base + buffer_offset, size, file_offset);

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -269,6 +270,38 @@ def test_binding_buffer_registration(fake_library):
     with pytest.raises(CufileError, match="CU_FILE_MEMORY_NOT_REGISTERED") as e:
         driver.deregister_buffer(address)
     assert e.value.code == 5024 and e.value.call == "cuFileBufDeregister"
+
+
+def test_cufile_calls_release_the_gil(fake_library, tmp_path):
+    driver = cufile.open_driver(fake_library)
+    fake = ctypes.CDLL(fake_library)
+    path = str(tmp_path / "slow.bin")
+    with open(path, "wb") as f:
+        f.write(os.urandom(4096))
+    buffer = ctypes.create_string_buffer(4096)
+    fd = os.open(path, os.O_RDONLY)
+    handle = driver.register_handle(fd, path)
+    done = threading.Event()
+
+    def slow_read() -> None:
+        try:
+            driver.read(handle, ctypes.addressof(buffer), 4096, 0, 0, path)  # sleeps 0.5 s inside the library
+        finally:
+            done.set()
+
+    fake.fake_set_delay_us(500_000)
+    try:
+        thread = threading.Thread(target=slow_read)
+        thread.start()
+        spins = 0
+        while not done.is_set():  # Python keeps running while the read waits in C
+            spins += 1
+        thread.join()
+    finally:
+        fake.fake_set_delay_us(0)
+        driver.deregister_handle(handle)
+        os.close(fd)
+    assert spins > 10_000, f"only {spins} loop iterations while a cuFile call was waiting: the GIL was held"
 
 
 def test_status_names_follow_cufile_h():
