@@ -216,21 +216,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for round_index in range(args.repeats):
             shift = round_index % max(len(live), 1)
             for m in live[shift:] + live[:shift]:
+                if m.error is not None:  # failed in an earlier round
+                    continue
                 path = os.path.join(work, f"{m.name}.bin")
                 if os.path.exists(path):
                     os.unlink(path)
                 with engine.File(path, "w", direct=True, truncate=True) as f:
                     f.allocate(0, args.size)
                 torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                m.write(path)
-                samples[m.name]["write"].append(args.size / 1e9 / (time.perf_counter() - start))
-                ok = _file_problem(path, expected) is None  # the written bytes, outside the timing
-                dropper.drop([path])
-                torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                m.read(path)
-                samples[m.name]["read"].append(args.size / 1e9 / (time.perf_counter() - start))
+                try:
+                    start = time.perf_counter()
+                    m.write(path)
+                    write_gbps = args.size / 1e9 / (time.perf_counter() - start)
+                    ok = _file_problem(path, expected) is None  # the written bytes, outside the timing
+                    dropper.drop([path])
+                    torch.cuda.synchronize(device)
+                    start = time.perf_counter()
+                    m.read(path)
+                    read_gbps = args.size / 1e9 / (time.perf_counter() - start)
+                except Exception as error:  # noqa: BLE001 - a method that cannot run here is reported, not fatal
+                    m.error = f"failed: {type(error).__name__}: {error}"
+                    os.unlink(path)
+                    continue
+                samples[m.name]["write"].append(write_gbps)
+                samples[m.name]["read"].append(read_gbps)
                 ok = checks[m.name]() and ok
                 verified[m.name] = verified.get(m.name, True) and ok
                 os.unlink(path)

@@ -50,7 +50,9 @@ def _cuda_info() -> dict[str, Any]:
     return info
 
 
-def gds_info(cuda_available: bool, open_cufile: Callable[[], Any] | None = None) -> dict[str, Any]:
+def gds_info(
+    cuda_available: bool, open_cufile: Callable[[], Any] | None = None, directory: str | None = None
+) -> dict[str, Any]:
     """What a ``GdsHandle`` made now would use: the ``gds_path`` setting, libcufile, nvidia-fs, the path and why.
 
     Args:
@@ -58,6 +60,8 @@ def gds_info(cuda_available: bool, open_cufile: Callable[[], Any] | None = None)
             neither loaded nor opened (its driver open can hang there).
         open_cufile: opens the cuFile driver (default: ``cufile.open_driver`` of
             the ``cufile_library`` setting); tests pass fakes.
+        directory: where the cufile path is tried on a real file
+            (``registers_files``: ``True``, or why not); not tried if ``None``.
     """
     from fastpersist import config
     from fastpersist.deepnvme import cufile, gds
@@ -86,6 +90,12 @@ def gds_info(cuda_available: bool, open_cufile: Callable[[], Any] | None = None)
     info.update(path=path, reason=reason)
     if driver is not None:
         info.update(cufile_version=driver.version, compat_mode=bool(driver.compat_mode), library_file=driver.path)
+        if directory is not None:
+            try:
+                problem = gds.probe_registration(driver, directory)
+            except OSError as error:
+                problem = f"could not create a probe file: {error}"
+            info["registers_files"] = True if problem is None else problem
     return info
 
 
@@ -129,7 +139,7 @@ def collect_info(directory: str = ".") -> dict[str, Any]:
             "transparent_huge_pages": system.transparent_huge_pages(),
         },
         "cuda": cuda,
-        "gds": gds_info(cuda["available"]),
+        "gds": gds_info(cuda["available"], directory=directory),
         "tools": {"fio": system.find_fio(), "fio_note": None if system.find_fio() else system.FIO_INSTALL_HINT},
         "settings": config.settings().as_dict(),
     }
@@ -190,6 +200,11 @@ def _print_gds(g: dict[str, Any]) -> None:
         print(f"  path              unavailable: {g['reason']}")
     else:
         print(f"  path              {g['path']}: {g['reason']}")
+    registers = g.get("registers_files")
+    if registers is True:
+        print("  files here        cuFile registers them")
+    elif registers is not None:
+        print(f"  files here        cuFile cannot register them ({registers}); path=auto moves their I/O to bounce")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

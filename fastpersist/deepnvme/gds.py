@@ -52,6 +52,7 @@ import errno as errno_module
 import logging
 import os
 import stat
+import tempfile
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -229,6 +230,35 @@ def _open_for_cufile(path: str, write: bool, direct: bool) -> int:
             if e.errno != errno_module.EINVAL:  # EINVAL: the filesystem refuses O_DIRECT (tmpfs, overlayfs)
                 raise
     return os.open(path, flags, 0o666)
+
+
+def probe_registration(driver: Any, directory: str) -> str | None:
+    """Whether cuFile registers a file in ``directory``: ``None`` if it does, else why not.
+
+    An open driver is not enough: cuFile looks up the filesystem's volume
+    attributes when a file is registered, and fails there even in compatibility
+    mode where it cannot (seen on a virtio disk in a container without udev
+    data: ``CU_FILE_HANDLE_NOT_REGISTERED``). ``GdsHandle(path="auto")`` then
+    moves such operations to the bounce path; this says so beforehand.
+
+    Raises:
+        OSError: the probe file cannot be created in ``directory``.
+    """
+    descriptor, name = tempfile.mkstemp(prefix=".fastpersist-cufile-probe-", dir=directory)
+    os.close(descriptor)
+    try:
+        fd = _open_for_cufile(name, write=True, direct=True)
+        try:
+            handle = driver.register_handle(fd, name)
+        except OSError as error:
+            return str(error)
+        else:
+            driver.deregister_handle(handle)
+            return None
+        finally:
+            os.close(fd)
+    finally:
+        os.unlink(name)
 
 
 class GdsHandle:

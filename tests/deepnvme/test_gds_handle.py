@@ -27,11 +27,18 @@ SIZES = [0, 1, 4095, 4096, 4097, CHUNK - 1, CHUNK + 1, 5 * CHUNK + 123]
 
 
 @pytest.fixture(params=["bounce", "cufile"])
-def handle(request) -> GdsHandle:
+def handle(request, tmp_path) -> GdsHandle:
     try:
-        return GdsHandle(1 << 20, 8, False, True, 3, path=request.param, cuda_chunk_bytes=CHUNK, cuda_chunks=3)
+        made = GdsHandle(1 << 20, 8, False, True, 3, path=request.param, cuda_chunk_bytes=CHUNK, cuda_chunks=3)
     except GdsUnavailableError as e:
         pytest.skip(f"the cufile path cannot start here: {e}")
+    if made.path == "cufile":
+        from fastpersist.deepnvme import cufile, gds
+
+        problem = gds.probe_registration(cufile.open_driver(config.settings().cufile_library), str(tmp_path))
+        if problem is not None:
+            pytest.skip(f"cuFile opens here but cannot register files in {tmp_path}: {problem}")
+    return made
 
 
 def _random_device(nbytes: int, seed: int = 0) -> torch.Tensor:

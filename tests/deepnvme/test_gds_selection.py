@@ -332,6 +332,36 @@ def test_info_with_cuda_reports_the_path_and_the_reason():
         assert info_cli.gds_info(True, open_cufile=_fails("unused"))["path"] == "bounce"
 
 
+class _RegisteringDriver(_FakeDriver):
+    def __init__(self, refuse: str | None = None):
+        self.refuse, self.registered, self.deregistered, self.names = refuse, [], [], []
+
+    def register_handle(self, fd: int, filename: str | None = None) -> int:
+        self.names.append(filename)
+        if self.refuse:
+            raise OSError(5, self.refuse)
+        self.registered.append(fd)
+        return 77
+
+    def deregister_handle(self, handle: int) -> None:
+        self.deregistered.append(handle)
+
+
+def test_registration_probe_says_whether_cufile_takes_files_of_a_directory(tmp_path):
+    from fastpersist.deepnvme import gds
+
+    taking = _RegisteringDriver()
+    assert gds.probe_registration(taking, str(tmp_path)) is None
+    assert taking.deregistered == [77] and os.listdir(tmp_path) == []  # handle released, probe file removed
+    refusing = _RegisteringDriver(refuse="cuFileHandleRegister failed: CU_FILE_HANDLE_NOT_REGISTERED")
+    assert "CU_FILE_HANDLE_NOT_REGISTERED" in gds.probe_registration(refusing, str(tmp_path))
+    assert os.listdir(tmp_path) == [] and refusing.names[0].startswith(str(tmp_path))
+    g = info_cli.gds_info(True, open_cufile=lambda: refusing, directory=str(tmp_path))
+    assert g["path"] == "cufile" and "CU_FILE_HANDLE_NOT_REGISTERED" in g["registers_files"]
+    assert info_cli.gds_info(True, open_cufile=lambda: taking, directory=str(tmp_path))["registers_files"] is True
+    assert "registers_files" not in info_cli.gds_info(True, open_cufile=lambda: taking)
+
+
 def test_info_opens_the_library_of_the_cufile_library_setting(fake_library):
     with config.override(cufile_library=fake_library):
         g = info_cli.gds_info(True)
