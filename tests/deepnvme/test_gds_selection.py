@@ -76,6 +76,11 @@ def _fails(reason: str):
 
 
 def test_importing_fastpersist_loads_no_cufile():
+    baseline = "import torch; torch.cuda.is_available(); print('libcufile' in open('/proc/self/maps').read())\n"
+    result = subprocess.run([sys.executable, "-c", baseline], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    if result.stdout.strip() == "True":  # CUDA builds of torch may link libcufile themselves (torch.cuda.gds)
+        pytest.skip("torch itself maps libcufile here: whether fastpersist loads it cannot be seen")
     code = (
         "import fastpersist, fastpersist.deepnvme as d\n"
         "d.GDSBuilder().load(); d.GDSBuilder().is_compatible()\n"
