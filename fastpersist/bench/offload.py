@@ -35,7 +35,7 @@ import torch
 
 from fastpersist import config
 
-__all__ = ["build_parser", "main", "to_markdown"]
+__all__ = ["build_parser", "main", "to_markdown", "to_svg"]
 
 METHODS = ("full-gpu", "fastpersist-disk", "fastpersist-host", "accelerate-disk")
 
@@ -43,7 +43,7 @@ METHODS = ("full-gpu", "fastpersist-disk", "fastpersist-host", "accelerate-disk"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fastpersist.bench offload", description=__doc__.split("\n")[0])
     parser.add_argument("--size", type=config.size_argument, default=config.size_argument("4G"), help="model bytes")
-    parser.add_argument("--dir", required=True, help="where the model file is written (the storage to measure)")
+    parser.add_argument("--dir", help="where the model file is written (the storage to measure); required to run")
     parser.add_argument("--batch", default="32", help="comma-separated batch sizes")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         "every method's tokens can be compared with full-gpu's bit for bit)",
     )
     parser.add_argument("--json", default=None)
+    parser.add_argument("--report", metavar="JSON", help="print the table of an earlier result (no GPU needed)")
+    parser.add_argument("--svg", help="with --report: write its chart here")
     return parser
 
 
@@ -306,6 +308,51 @@ def to_markdown(document: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def to_svg(document: dict[str, Any]) -> str:
+    """A bar chart of decoding tokens/s per method and batch (log scale), each tier's bound as a tick."""
+    import math
+
+    rows = [(method, row) for method, method_rows in document["results"].items() for row in method_rows]
+    values = [row["decode_tokens_per_second"] for _, row in rows] + [
+        row["bound_tokens_per_second"] for _, row in rows if row.get("bound_tokens_per_second")
+    ]
+    low, high = math.log10(min(values) / 2), math.log10(max(values) * 2)
+    bar, gap, left, width = 18, 6, 230, 460
+
+    def x(value: float) -> float:
+        return left + width * (math.log10(value) - low) / (high - low)
+
+    colors = {"full-gpu": "#888", "accelerate-disk": "#c96", "fastpersist-disk": "#2a7", "fastpersist-host": "#275"}
+    config = document["config"]
+    title = (
+        f"{config['model_bytes'] / 1e9:.0f} GB Llama-shaped model, GPU budget {config['gpu_budget'] / 1e9:.1f} GB, "
+        f"prompt {config['prompt']}: decoding tokens/s (log scale; | = the tier's bound)"
+    )
+    parts, y = [f'<text x="10" y="18" font-size="13" font-weight="bold">{title}</text>'], 30
+    for method, row in rows:
+        value = row["decode_tokens_per_second"]
+        parts.append(
+            f'<text x="{left - 6}" y="{y + 13}" font-size="12" text-anchor="end">{method}, batch {row["batch"]}</text>'
+        )
+        parts.append(
+            f'<rect x="{left}" y="{y}" width="{x(value) - left:.1f}" height="{bar}" '
+            f'fill="{colors.get(method, "#888")}"/>'
+        )
+        parts.append(f'<text x="{x(value) + 4:.1f}" y="{y + 13}" font-size="12">{value:.2f}</text>')
+        bound = row.get("bound_tokens_per_second")
+        if bound:
+            parts.append(
+                f'<line x1="{x(bound):.1f}" y1="{y - 2}" x2="{x(bound):.1f}" y2="{y + bar + 2}" '
+                'stroke="#c33" stroke-width="2"/>'
+            )
+        y += bar + gap
+    header = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 80}" height="{y + 10}" '
+        'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>'
+    )
+    return header + "".join(parts) + "</svg>\n"
+
+
 def _number(value: float | None, pattern: str) -> str:
     return "" if value is None else pattern.format(value)
 
@@ -321,6 +368,14 @@ def _same(row: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            document = json.load(f)
+        print(to_markdown(document), end="")
+        if args.svg:
+            with open(args.svg, "w") as f:
+                f.write(to_svg(document))
+        return 0
     if not torch.cuda.is_available():
         print("python -m fastpersist.bench offload needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -328,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
     except ImportError:
         print("python -m fastpersist.bench offload needs transformers (pip install transformers)", file=sys.stderr)
+        return 2
+    if not args.dir:
+        print(
+            "python -m fastpersist.bench offload: --dir is required (where the model file is written)", file=sys.stderr
+        )
         return 2
     import fastpersist
     from fastpersist.bench.measure import current_rss, machine_info

@@ -88,3 +88,16 @@ def test_cold_reads_names_tmpfs_folders_it_cannot_drop(tmp_path):
     if os.path.isdir("/dev/shm"):
         shm = offload._ColdReads(["/dev/shm"])
         assert "tmpfs" in shm.detail
+
+
+def test_chart_has_a_bar_per_row_and_a_bound_tick_per_tier(tmp_path):
+    import json
+
+    document = _document()
+    path = tmp_path / "offload.json"
+    path.write_text(json.dumps(document))
+    svg_path = tmp_path / "offload.svg"
+    assert offload.main(["--report", str(path), "--svg", str(svg_path)]) == 0
+    svg = svg_path.read_text()
+    assert svg.startswith("<svg") and svg.count("<rect") == 2  # the background and one bar
+    assert "fastpersist-disk, batch 32" in svg and 'stroke="#c33"' in svg
