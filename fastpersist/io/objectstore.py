@@ -27,16 +27,27 @@ page-locked buffers becomes the upload's parts:
    key is intact and no upload is left in progress. If the abort fails too,
    the error raised says so and how to abort by hand.
 
-A load asks for the object's size and ETag (``HeadObject``), then fetches it
-with ``s3_concurrency`` concurrent ranged GETs of ``s3_part_size`` bytes, each
-conditional on that ETag (an object replaced mid-load fails the load instead
-of mixing two versions), into one page-aligned buffer of the object's size.
-The caller parses the zip from that buffer; CPU storages are views of it.
+A load asks for the object's size and ETag (:func:`head`: ``HeadObject``),
+then fetches it with ``s3_concurrency`` concurrent ranged GETs of
+``s3_part_size`` bytes, each conditional on that ETag (an object replaced
+mid-load fails the load instead of mixing two versions), into one
+page-aligned buffer of the object's size (:func:`download`). The caller
+parses the zip from that buffer; CPU storages are views of it.
 
-Parts of objects (a DCP load's items: :func:`read_ranges`) are read the same
-way, conditional on the ETag each object had when first asked for, straight
-into their destinations (tensors or buffers); reads of one object that touch
-or nearly do share a GET.
+Every ranged read goes through :func:`read_ranges`: whole objects (a
+download, the part objects of a collective save), parts of objects (a DCP
+load's items), straight into their destinations (tensors or buffers),
+conditional on the ETag each object had when first asked for (or that the
+caller's own HEAD found); reads of one object that touch or nearly do share
+a GET.
+
+The same module serves the multi-object checkpoints built on it: a
+collective save (:mod:`fastpersist.distributed.objectstore`) uploads each
+writer's byte range of the file with :func:`commit_plan` (``byte_range=``)
+and commits a manifest with :func:`put_bytes`, and cleans up with
+:func:`list_keys`, :func:`remove_keys` and :func:`abort_uploads`; a DCP
+checkpoint (:mod:`fastpersist.dcp.objectstore`) uploads several ``.distcp``
+files with :func:`commit_plan` and its ``.metadata`` with :func:`put_bytes`.
 
 Endpoint, region and credentials come from boto3's standard chain (the
 ``AWS_*`` environment variables, ``~/.aws/config`` and ``~/.aws/credentials``,
@@ -77,11 +88,15 @@ __all__ = [
     "target",
     "make_client",
     "part_size_for",
+    "remove",
     "commit_plan",
     "put_bytes",
     "head",
     "download",
     "read_ranges",
+    "list_keys",
+    "remove_keys",
+    "abort_uploads",
 ]
 
 SCHEME = "s3://"
@@ -275,6 +290,97 @@ def remove(url: str, *, client=None) -> None:
     where = target(url)
     client = client or make_client(1)
     _with_translation(where, client, "delete", client.delete_object, Bucket=where.bucket, Key=where.key)
+
+
+def put_bytes(url: ObjectURL, data, *, client) -> None:
+    """Stores ``data`` as the object at ``url`` in one ``PutObject`` (atomic: the old object or the new one).
+
+    For small objects (a collective save's manifest, a DCP checkpoint's
+    ``.metadata``): ``data`` (any bytes-like object) is sent from memory, without
+    a copy. Like a completed multipart upload, the ``PutObject`` is a commit.
+
+    Raises:
+        ObjectStoreCredentialsError, BucketNotFoundError, ObjectStoreError:
+            the store refused, or the network failed (whether the object was
+            stored is then unknown unless the store answered).
+    """
+    _with_translation(
+        url,
+        client,
+        f"uploading {url}",
+        client.put_object,
+        Bucket=url.bucket,
+        Key=url.key,
+        Body=_MemoryBody(memoryview(data).cast("B")),
+        ContentLength=len(data),
+    )
+
+
+def list_keys(url: ObjectURL, prefix: str, *, client) -> list[str]:
+    """The keys of ``url``'s bucket that start with ``prefix`` (``ListObjectsV2``, every page).
+
+    Raises:
+        ObjectStoreError and its subclasses: the listing was refused or failed.
+    """
+    keys: list[str] = []
+    arguments = {"Bucket": url.bucket, "Prefix": prefix}
+    while True:
+        page = _with_translation(
+            url, client, f"listing {SCHEME}{url.bucket}/{prefix}*", client.list_objects_v2, **arguments
+        )
+        keys += [item["Key"] for item in page.get("Contents", ())]
+        if not page.get("IsTruncated"):
+            return keys
+        arguments["ContinuationToken"] = page["NextContinuationToken"]
+
+
+def remove_keys(url: ObjectURL, keys, *, client) -> dict[str, str]:
+    """Deletes the objects at ``keys`` of ``url``'s bucket (``DeleteObjects``, 1,000 a request). Never raises.
+
+    Returns:
+        key -> why, for each key that may still be there (a refused request
+        fails all of its keys).
+    """
+    keys = list(keys)
+    failed: dict[str, str] = {}
+    for first in range(0, len(keys), 1000):
+        batch = keys[first : first + 1000]
+        try:
+            response = client.delete_objects(
+                Bucket=url.bucket, Delete={"Objects": [{"Key": key} for key in batch], "Quiet": True}
+            )
+        except Exception as error:  # noqa: BLE001 - reported to the caller, who says what is left
+            failed.update((key, f"{type(error).__name__}: {error}") for key in batch)
+            continue
+        for item in response.get("Errors", ()):
+            failed[item.get("Key", "?")] = f"{item.get('Code')}: {item.get('Message', '')}"
+    return failed
+
+
+def abort_uploads(url: ObjectURL, prefix: str, *, client) -> dict[str, str]:
+    """Aborts every multipart upload in progress in ``url``'s bucket whose key starts with ``prefix``. Never raises.
+
+    Returns:
+        key (or ``prefix``, when the listing failed) -> why, for each upload that may still be in progress.
+    """
+    failed: dict[str, str] = {}
+    arguments = {"Bucket": url.bucket, "Prefix": prefix}
+    try:
+        while True:
+            page = client.list_multipart_uploads(**arguments)
+            for upload in page.get("Uploads", ()):
+                try:
+                    client.abort_multipart_upload(Bucket=url.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                except Exception as error:  # noqa: BLE001 - reported to the caller
+                    if _error_fields(error)[0] != "NoSuchUpload":
+                        failed[upload["Key"]] = f"{type(error).__name__}: {error} (upload id {upload['UploadId']})"
+            if not page.get("IsTruncated"):
+                return failed
+            arguments.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+    except Exception as error:  # noqa: BLE001 - reported to the caller
+        if _error_fields(error)[0] != "NoSuchBucket":  # no bucket: no upload either
+            failed[prefix] = f"listing the uploads failed ({type(error).__name__}: {error})"
+        return failed
 
 
 # ----------------------------------------------------------------------------- saves
@@ -489,7 +595,7 @@ class _SinglePut:
 
 
 def commit_plan(
-    plan, destination: ObjectURL, settings: Settings, streams, *, before_commit=None, client=None
+    plan, destination: ObjectURL, settings: Settings, streams, *, before_commit=None, client=None, byte_range=None
 ) -> list[int]:
     """Uploads ``plan`` to ``destination`` as a multipart upload, committed by its completion (one PutObject
     for an object of at most one part).
@@ -499,10 +605,14 @@ def commit_plan(
     :func:`~fastpersist.io.writer.write_plan` executes (a torch archive's
     plan, a DCP ``.distcp`` file's). ``before_commit``, if given, is called
     once every part is uploaded and before the completion; its failure aborts
-    the upload.
+    the upload. ``byte_range=(start, end)`` uploads only those bytes of the
+    plan, as an object of their own (one writer's part of a collective save,
+    :mod:`fastpersist.distributed.objectstore`).
 
     Returns:
-        The CRC-32 of every record of ``plan``, as ``write_plan`` returns them.
+        What :func:`~fastpersist.io.writer.write_plan` returns: the CRC-32 of
+        every record of ``plan`` (with ``byte_range``: of their bytes inside
+        the range).
 
     Raises:
         ObjectStoreUnavailableError: boto3 is missing (before any request).
@@ -514,17 +624,19 @@ def commit_plan(
     """
     if client is None:
         client = make_client(settings.s3_concurrency)
-    part_size = part_size_for(plan.size, settings.s3_part_size)
+    size = plan.size if byte_range is None else byte_range[1] - byte_range[0]
+    part_size = part_size_for(size, settings.s3_part_size)
     ring = settings.replace(
         buffer_size=part_size, block_size=part_size, buffer_count=max(2, min(64, settings.s3_concurrency))
     )
-    if plan.size <= part_size:
+    if size <= part_size:
         upload = _SinglePut(client, destination)
     else:
         upload = _MultipartUpload(client, destination, settings.s3_concurrency)
     try:
         upload.begin()
-        crcs = write_plan(plan, upload, ring, streams=streams, make_handle=upload.handle)
+        ranged = {} if byte_range is None else {"byte_range": tuple(byte_range), "destination_offset": 0}
+        crcs = write_plan(plan, upload, ring, streams=streams, make_handle=upload.handle, **ranged)
         if before_commit is not None:
             before_commit()
         upload.complete()
@@ -539,28 +651,6 @@ def commit_plan(
     finally:
         upload.close()
     return crcs
-
-
-def put_bytes(url: ObjectURL, data: bytes, *, client) -> None:
-    """Stores ``data`` (small: it is sent from memory) as the object at ``url`` in one PutObject.
-
-    The object appears whole or not at all, replacing the previous one: a
-    PutObject is a commit, as a completed multipart upload is.
-
-    Raises:
-        ObjectStoreCredentialsError, BucketNotFoundError, ObjectStoreError:
-            the store refused, or the network failed (nothing was stored).
-    """
-    _with_translation(
-        url,
-        client,
-        f"uploading {url}",
-        client.put_object,
-        Bucket=url.bucket,
-        Key=url.key,
-        Body=data,
-        ContentLength=len(data),
-    )
 
 
 # ----------------------------------------------------------------------------- loads
@@ -608,23 +698,8 @@ def download(url: ObjectURL, settings: Settings, *, client=None) -> tuple[Any, i
     action = f"loading {url}"
     size, etag = head(url, client=client, action=action)
     buffer = engine.AlignedBuffer(max(size, 1), lock=False)
-    destination = memoryview(buffer).cast("B")
-    range_size = settings.s3_part_size
-    stop = threading.Event()
-
-    def fetch(start: int) -> None:
-        _fetch_retrying(client, url, etag, start, min(start + range_size, size), destination, stop, action)
-
-    with concurrent.futures.ThreadPoolExecutor(settings.s3_concurrency, "fastpersist-s3-get") as pool:
-        futures = [pool.submit(fetch, start) for start in range(0, size, range_size)]
-        try:
-            for future in concurrent.futures.as_completed(futures):
-                future.result()
-        except BaseException:
-            stop.set()
-            for future in futures:
-                future.cancel()
-            raise
+    destination = memoryview(buffer).cast("B")[:size]
+    read_ranges([(url, 0, destination)], settings, client=client, seen={url: (size, etag)}, action=action)
     return buffer, size
 
 
@@ -633,12 +708,13 @@ _COALESCE_GAP = 64 << 10
 request costs more than fetching that much)."""
 
 
-def read_ranges(reads, settings: Settings, *, client=None, seen: dict | None = None) -> None:
+def read_ranges(reads, settings: Settings, *, client=None, seen: dict | None = None, action: str | None = None) -> None:
     """Fills each ``(url, offset, destination)`` of ``reads`` with bytes ``[offset, offset + len(destination))``
     of the object at ``url``, with concurrent ranged GETs.
 
-    Each object is asked for its size and ETag once (``HeadObject``), and
-    every GET of it is conditional on that ETag (``If-Match``): an object
+    Each object not in ``seen`` is asked for its size and ETag once
+    (:func:`head`), and every GET of it is conditional on that ETag
+    (``If-Match``): an object
     replaced during the reads fails them instead of mixing two versions. Reads
     of one object that touch, or lie at most 64 KiB apart, share a GET (the
     bytes between are fetched and dropped); a GET is at most ``s3_part_size``
@@ -652,7 +728,10 @@ def read_ranges(reads, settings: Settings, *, client=None, seen: dict | None = N
         client: from :func:`make_client` (default: a new one).
         seen: ``{url: (size, etag)}`` of the objects already asked for, by an
             earlier call of reads that must all see one version of each
-            object; the objects asked for here are added to it.
+            object, or by the caller itself (a HEAD it made to check a size);
+            the objects asked for here are added to it.
+        action: names the operation in errors (default: ``reading <url>``,
+            the object's URL).
 
     Raises:
         ObjectNotFoundError, BucketNotFoundError: (``FileNotFoundError``) no such object or bucket.
@@ -671,7 +750,7 @@ def read_ranges(reads, settings: Settings, *, client=None, seen: dict | None = N
             by_object.setdefault(url, []).append((offset, offset + len(destination), destination))
     unknown = [url for url in by_object if url not in seen]
     with concurrent.futures.ThreadPoolExecutor(settings.s3_concurrency, "fastpersist-s3-get") as pool:
-        answers = pool.map(lambda url: head(url, client=client, action=f"reading {url}"), unknown)
+        answers = pool.map(lambda url: head(url, client=client, action=action or f"reading {url}"), unknown)
         seen.update(zip(unknown, answers))
         requests = []
         for url, pieces in by_object.items():
@@ -687,7 +766,15 @@ def read_ranges(reads, settings: Settings, *, client=None, seen: dict | None = N
         stop = threading.Event()
         futures = [
             pool.submit(
-                _fetch_retrying, client, url, seen[url][1], start, end, _Scatter(pieces), stop, f"reading {url}"
+                _fetch_retrying,
+                client,
+                url,
+                seen[url][1],
+                start,
+                end,
+                _Scatter(pieces),
+                stop,
+                action or f"reading {url}",
             )
             for url, start, end, pieces in requests
         ]
@@ -767,8 +854,8 @@ def _fetch_retrying(client, url: ObjectURL, etag, start: int, end: int, destinat
 
 
 def _fetch_range(client, url: ObjectURL, etag, start: int, end: int, destination, stop) -> None:
-    """Bytes ``[start, end)`` of the object into ``destination[start:end]`` (a memoryview of the whole
-    object, or a :class:`_Scatter`), conditional on ``etag``."""
+    """Bytes ``[start, end)`` of the object into ``destination[start:end]`` (addressed by object offset: a
+    :class:`_Scatter`), conditional on ``etag``."""
     arguments = dict(Bucket=url.bucket, Key=url.key, Range=f"bytes={start}-{end - 1}")
     if etag:
         arguments["IfMatch"] = etag
