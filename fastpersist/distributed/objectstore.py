@@ -30,10 +30,11 @@ so the parts are kept (the next committed save to the key deletes them).
 
 A load of the key finds the manifest (its first bytes), asks each part
 object's size and ETag, fetches them all with concurrent ranged GETs
-(conditional on those ETags) into one buffer, and writes the manifest's
-patches and trailer in (:func:`fastpersist.distributed.load.assemble_into`):
-the result is the ordinary file, which the caller parses and verifies as any
-downloaded object (every record's CRC-32).
+(conditional on those ETags: :func:`fastpersist.io.objectstore.read_ranges`)
+into one buffer, and writes the manifest's patches and trailer in
+(:func:`fastpersist.distributed.load.assemble_into`): the result is the
+ordinary file, which the caller parses and verifies as any downloaded object
+(every record's CRC-32).
 """
 
 from __future__ import annotations
@@ -192,15 +193,16 @@ def _manifest_parts(url: objectstore.ObjectURL, settings: Settings, client) -> l
     """The part names of the manifest at ``url``; none when there is no object or another kind of object."""
     action = f"removing {url}"
     try:
-        size, etag = objectstore.head(url, client, action=action)
+        size, etag = objectstore.head(url, client=client, action=action)
     except ObjectNotFoundError:
         return []
+    seen = {url: (size, etag)}  # both reads are of this version of the object
     first = bytearray(min(size, 256))
-    objectstore.fetch_into([(url, etag, memoryview(first))], settings, client=client, action=action)
+    objectstore.read_ranges([(url, 0, memoryview(first))], settings, client=client, seen=seen, action=action)
     if not looks_like_manifest(bytes(first)):
         return []
     data = bytearray(size)
-    objectstore.fetch_into([(url, etag, memoryview(data))], settings, client=client, action=action)
+    objectstore.read_ranges([(url, 0, memoryview(data))], settings, client=client, seen=seen, action=action)
     return [part.name for part in Manifest.from_json(bytes(data), url.path).parts]
 
 
@@ -254,7 +256,7 @@ def read_parts(
     def look(part: PartInfo) -> tuple[int, str | None]:
         where = locations[part.index]
         try:
-            size, etag = objectstore.head(where, client, action=f"loading {url}")
+            size, etag = objectstore.head(where, client=client, action=f"loading {url}")
         except ObjectNotFoundError as error:
             raise ObjectNotFoundError(
                 errno.ENOENT,
@@ -268,12 +270,12 @@ def read_parts(
         return size, etag
 
     with concurrent.futures.ThreadPoolExecutor(settings.s3_concurrency, "fastpersist-s3-head") as pool:
-        etags = {part.index: etag for part, (_, etag) in zip(manifest.parts, pool.map(look, manifest.parts))}
+        seen = {locations[part.index]: answer for part, answer in zip(manifest.parts, pool.map(look, manifest.parts))}
     buffer = engine.AlignedBuffer(max(manifest.size, 1), lock=False)
 
     def fetch(pieces: list[tuple[PartInfo, memoryview]]) -> None:
-        objects = [(locations[part.index], etags[part.index], view) for part, view in pieces]
-        objectstore.fetch_into(objects, settings, client=client, action=f"loading {url}")
+        reads = [(locations[part.index], 0, view) for part, view in pieces]
+        objectstore.read_ranges(reads, settings, client=client, seen=seen, action=f"loading {url}")
 
     assemble_into(memoryview(buffer).cast("B")[: manifest.size], manifest, fetch)
     return buffer, manifest.size

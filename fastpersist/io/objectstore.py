@@ -27,11 +27,27 @@ page-locked buffers becomes the upload's parts:
    key is intact and no upload is left in progress. If the abort fails too,
    the error raised says so and how to abort by hand.
 
-A load asks for the object's size and ETag (``HeadObject``), then fetches it
-with ``s3_concurrency`` concurrent ranged GETs of ``s3_part_size`` bytes, each
-conditional on that ETag (an object replaced mid-load fails the load instead
-of mixing two versions), into one page-aligned buffer of the object's size.
-The caller parses the zip from that buffer; CPU storages are views of it.
+A load asks for the object's size and ETag (:func:`head`: ``HeadObject``),
+then fetches it with ``s3_concurrency`` concurrent ranged GETs of
+``s3_part_size`` bytes, each conditional on that ETag (an object replaced
+mid-load fails the load instead of mixing two versions), into one
+page-aligned buffer of the object's size (:func:`download`). The caller
+parses the zip from that buffer; CPU storages are views of it.
+
+Every ranged read goes through :func:`read_ranges`: whole objects (a
+download, the part objects of a collective save), parts of objects (a DCP
+load's items), straight into their destinations (tensors or buffers),
+conditional on the ETag each object had when first asked for (or that the
+caller's own HEAD found); reads of one object that touch or nearly do share
+a GET.
+
+The same module serves the multi-object checkpoints built on it: a
+collective save (:mod:`fastpersist.distributed.objectstore`) uploads each
+writer's byte range of the file with :func:`commit_plan` (``byte_range=``)
+and commits a manifest with :func:`put_bytes`, and cleans up with
+:func:`list_keys`, :func:`remove_keys` and :func:`abort_uploads`; a DCP
+checkpoint (:mod:`fastpersist.dcp.objectstore`) uploads several ``.distcp``
+files with :func:`commit_plan` and its ``.metadata`` with :func:`put_bytes`.
 
 Endpoint, region and credentials come from boto3's standard chain (the
 ``AWS_*`` environment variables, ``~/.aws/config`` and ``~/.aws/credentials``,
@@ -59,6 +75,7 @@ from fastpersist.errors import (
     ObjectStoreCredentialsError,
     ObjectStoreError,
     ObjectStoreUnavailableError,
+    TruncatedCheckpointError,
 )
 from fastpersist.io import engine
 from fastpersist.io.writer import write_plan
@@ -71,11 +88,12 @@ __all__ = [
     "target",
     "make_client",
     "part_size_for",
+    "remove",
     "commit_plan",
-    "download",
-    "head",
-    "fetch_into",
     "put_bytes",
+    "head",
+    "download",
+    "read_ranges",
     "list_keys",
     "remove_keys",
     "abort_uploads",
@@ -274,8 +292,12 @@ def remove(url: str, *, client=None) -> None:
     _with_translation(where, client, "delete", client.delete_object, Bucket=where.bucket, Key=where.key)
 
 
-def put_bytes(url: ObjectURL, data: bytes, *, client) -> None:
+def put_bytes(url: ObjectURL, data, *, client) -> None:
     """Stores ``data`` as the object at ``url`` in one ``PutObject`` (atomic: the old object or the new one).
+
+    For small objects (a collective save's manifest, a DCP checkpoint's
+    ``.metadata``): ``data`` (any bytes-like object) is sent from memory, without
+    a copy. Like a completed multipart upload, the ``PutObject`` is a commit.
 
     Raises:
         ObjectStoreCredentialsError, BucketNotFoundError, ObjectStoreError:
@@ -579,15 +601,18 @@ def commit_plan(
     for an object of at most one part).
 
     The counterpart of :func:`fastpersist.io.commit.commit_plan` for object
-    stores (see the module docstring). ``before_commit``, if given, is called
+    stores (see the module docstring). ``plan`` is anything
+    :func:`~fastpersist.io.writer.write_plan` executes (a torch archive's
+    plan, a DCP ``.distcp`` file's). ``before_commit``, if given, is called
     once every part is uploaded and before the completion; its failure aborts
     the upload. ``byte_range=(start, end)`` uploads only those bytes of the
     plan, as an object of their own (one writer's part of a collective save,
     :mod:`fastpersist.distributed.objectstore`).
 
     Returns:
-        What :func:`~fastpersist.io.writer.write_plan` returns: the records'
-        CRC-32s (with ``byte_range``: of their bytes inside the range).
+        What :func:`~fastpersist.io.writer.write_plan` returns: the CRC-32 of
+        every record of ``plan`` (with ``byte_range``: of their bytes inside
+        the range).
 
     Raises:
         ObjectStoreUnavailableError: boto3 is missing (before any request).
@@ -631,6 +656,29 @@ def commit_plan(
 # ----------------------------------------------------------------------------- loads
 
 
+def head(url: ObjectURL, *, client, action: str) -> tuple[int, str | None]:
+    """The size and ETag of the object at ``url`` (one HeadObject; ``action`` names the caller's step in errors).
+
+    Raises:
+        ObjectNotFoundError, BucketNotFoundError: (``FileNotFoundError``) no such object or bucket
+            (a HEAD's bare 404 says neither: the bucket is asked for then).
+        ObjectStoreCredentialsError: (``PermissionError``) the credentials were refused.
+        ObjectStoreError: a network error or another refusal.
+    """
+    try:
+        response = client.head_object(Bucket=url.bucket, Key=url.key)
+    except Exception as error:
+        translated = _translate(error, url, client, action)
+        if isinstance(translated, ObjectNotFoundError):  # HEAD's 404 does not say whether the bucket exists
+            try:
+                client.head_bucket(Bucket=url.bucket)
+            except Exception as bucket_error:  # noqa: BLE001 - only "no such bucket" changes the answer
+                if _error_fields(bucket_error)[0] in ("404", "NoSuchBucket"):
+                    translated = _translate(bucket_error, url, client, action, code="NoSuchBucket")
+        raise translated from error
+    return int(response["ContentLength"]), response.get("ETag")
+
+
 def download(url: ObjectURL, settings: Settings, *, client=None) -> tuple[Any, int]:
     """Fetches the whole object into one page-aligned buffer, with concurrent ranged GETs.
 
@@ -647,67 +695,88 @@ def download(url: ObjectURL, settings: Settings, *, client=None) -> tuple[Any, i
     """
     if client is None:
         client = make_client(settings.s3_concurrency)
-    size, etag = head(url, client, action=f"loading {url}")
+    action = f"loading {url}"
+    size, etag = head(url, client=client, action=action)
     buffer = engine.AlignedBuffer(max(size, 1), lock=False)
-    fetch_into([(url, etag, memoryview(buffer).cast("B")[:size])], settings, client=client, action=f"loading {url}")
+    destination = memoryview(buffer).cast("B")[:size]
+    read_ranges([(url, 0, destination)], settings, client=client, seen={url: (size, etag)}, action=action)
     return buffer, size
 
 
-def head(url: ObjectURL, client, *, action: str) -> tuple[int, str | None]:
-    """``(size, ETag)`` of the object at ``url`` (``HeadObject``); ``action`` names the operation in errors.
-
-    Raises:
-        ObjectNotFoundError, BucketNotFoundError, ObjectStoreCredentialsError,
-            ObjectStoreError: as :func:`download`.
-    """
-    try:
-        response = client.head_object(Bucket=url.bucket, Key=url.key)
-    except Exception as error:
-        translated = _translate(error, url, client, action)
-        if isinstance(translated, ObjectNotFoundError):  # HEAD's 404 does not say whether the bucket exists
-            try:
-                client.head_bucket(Bucket=url.bucket)
-            except Exception as bucket_error:  # noqa: BLE001 - only "no such bucket" changes the answer
-                if _error_fields(bucket_error)[0] in ("404", "NoSuchBucket"):
-                    translated = _translate(bucket_error, url, client, action, code="NoSuchBucket")
-        raise translated from error
-    return int(response["ContentLength"]), response.get("ETag")
+_COALESCE_GAP = 64 << 10
+"""Reads of one object at most this many bytes apart share one GET, the bytes between dropped (a
+request costs more than fetching that much)."""
 
 
-def fetch_into(objects, settings: Settings, *, client, action: str) -> None:
-    """Fetches objects into memory with ``s3_concurrency`` concurrent ranged GETs of ``s3_part_size`` bytes.
+def read_ranges(reads, settings: Settings, *, client=None, seen: dict | None = None, action: str | None = None) -> None:
+    """Fills each ``(url, offset, destination)`` of ``reads`` with bytes ``[offset, offset + len(destination))``
+    of the object at ``url``, with concurrent ranged GETs.
+
+    Each object not in ``seen`` is asked for its size and ETag once
+    (:func:`head`), and every GET of it is conditional on that ETag
+    (``If-Match``): an object
+    replaced during the reads fails them instead of mixing two versions. Reads
+    of one object that touch, or lie at most 64 KiB apart, share a GET (the
+    bytes between are fetched and dropped); a GET is at most ``s3_part_size``
+    bytes (a longer read is split) and ``s3_concurrency`` GETs run at once. A
+    response that breaks off mid-body is fetched again (3 tries).
 
     Args:
-        objects: ``(url, etag, destination)`` for each object: ``destination``
-            (a writable byte memoryview) receives its bytes ``[0,
-            len(destination))`` (give it the object's size for the whole
-            object); each GET is conditional on ``etag`` (unless None), so an
-            object replaced meanwhile fails instead of mixing two versions.
-            The ranges of all objects share one pool.
-        action: names the operation in errors.
+        reads: ``(ObjectURL, offset, destination)``; ``destination`` is a
+            writable byte memoryview (of a tensor, a buffer).
+        settings: ``s3_part_size`` and ``s3_concurrency``.
+        client: from :func:`make_client` (default: a new one).
+        seen: ``{url: (size, etag)}`` of the objects already asked for, by an
+            earlier call of reads that must all see one version of each
+            object, or by the caller itself (a HEAD it made to check a size);
+            the objects asked for here are added to it.
+        action: names the operation in errors (default: ``reading <url>``,
+            the object's URL).
 
     Raises:
-        ObjectStoreError and its subclasses: a GET failed (a response that
-            broke off is retried), or an object was replaced.
+        ObjectNotFoundError, BucketNotFoundError: (``FileNotFoundError``) no such object or bucket.
+        ObjectStoreCredentialsError: (``PermissionError``) the credentials were refused.
+        ObjectStoreError: a network error; an object was replaced (``code="PreconditionFailed"``).
+        TruncatedCheckpointError: a read ends past its object's end (before any GET).
         KeyboardInterrupt: after every GET in flight has stopped.
+        The destinations then hold part of their bytes.
     """
-    range_size = settings.s3_part_size
-    stop = threading.Event()
-
-    def fetch(url: ObjectURL, etag, start: int, end: int, destination: memoryview) -> None:
-        for attempt in range(_ATTEMPTS):
-            try:
-                _fetch_range(client, url, etag, start, end, destination, stop)
-                return
-            except Exception as error:
-                if stop.is_set() or attempt + 1 == _ATTEMPTS or not _broken_response(error):
-                    raise _translate(error, url, client, action) from error
-
+    if client is None:
+        client = make_client(settings.s3_concurrency)
+    seen = {} if seen is None else seen
+    by_object: dict[ObjectURL, list] = {}
+    for url, offset, destination in reads:
+        if len(destination):
+            by_object.setdefault(url, []).append((offset, offset + len(destination), destination))
+    unknown = [url for url in by_object if url not in seen]
     with concurrent.futures.ThreadPoolExecutor(settings.s3_concurrency, "fastpersist-s3-get") as pool:
+        answers = pool.map(lambda url: head(url, client=client, action=action or f"reading {url}"), unknown)
+        seen.update(zip(unknown, answers))
+        requests = []
+        for url, pieces in by_object.items():
+            size = seen[url][0]
+            end = max(piece[1] for piece in pieces)
+            if end > size:
+                raise TruncatedCheckpointError(
+                    f"{url} holds {size} bytes, but bytes up to {end} are to be read from it: it is not the "
+                    "object the checkpoint's metadata describes (truncated or replaced)",
+                    path=url.path,
+                )
+            requests += _coalesce(url, pieces, settings.s3_part_size)
+        stop = threading.Event()
         futures = [
-            pool.submit(fetch, url, etag, start, min(start + range_size, len(destination)), destination)
-            for url, etag, destination in objects
-            for start in range(0, len(destination), range_size)
+            pool.submit(
+                _fetch_retrying,
+                client,
+                url,
+                seen[url][1],
+                start,
+                end,
+                _Scatter(pieces),
+                stop,
+                action or f"reading {url}",
+            )
+            for url, start, end, pieces in requests
         ]
         try:
             for future in concurrent.futures.as_completed(futures):
@@ -719,7 +788,74 @@ def fetch_into(objects, settings: Settings, *, client, action: str) -> None:
             raise
 
 
-def _fetch_range(client, url: ObjectURL, etag, start: int, end: int, destination: memoryview, stop) -> None:
+def _coalesce(url: ObjectURL, pieces: list, part_size: int) -> list:
+    """``(url, start, end, pieces)`` GETs for one object's ``(start, end, destination)`` pieces."""
+    pieces.sort(key=lambda piece: piece[0])
+    runs: list[list] = []  # [start, end, pieces]
+    for piece in pieces:
+        if runs and piece[0] <= runs[-1][1] + _COALESCE_GAP:
+            runs[-1][1] = max(runs[-1][1], piece[1])
+            runs[-1][2].append(piece)
+        else:
+            runs.append([piece[0], piece[1], [piece]])
+    requests = []
+    for start, end, members in runs:
+        first = 0
+        for lo in range(start, end, part_size):
+            hi = min(lo + part_size, end)
+            while members[first][1] <= lo:  # ended before this GET (members are sorted by start)
+                first += 1
+            inside = []
+            for piece in members[first:]:
+                if piece[0] >= hi:
+                    break
+                if piece[1] > lo:
+                    inside.append(piece)
+            requests.append((url, lo, hi, inside))
+    return requests
+
+
+class _Scatter:
+    """The destinations of one GET, addressed by object offset: ``scatter[a:b] = chunk`` copies each part of
+    ``chunk`` into the pieces it belongs to; bytes of no piece (a gap between coalesced reads) are dropped."""
+
+    def __init__(self, pieces: list):
+        self._pieces = pieces  # (start, end, destination), sorted by start
+        self._first = 0
+        self._last = -1
+
+    def __setitem__(self, where: slice, chunk) -> None:
+        a, b = where.start, where.stop
+        if a < self._last:  # the GET started again (a retry)
+            self._first = 0
+        self._last = a
+        pieces = self._pieces
+        while self._first < len(pieces) and pieces[self._first][1] <= a:
+            self._first += 1
+        view = memoryview(chunk)
+        for index in range(self._first, len(pieces)):
+            start, end, destination = pieces[index]
+            if start >= b:
+                break
+            lo, hi = max(a, start), min(b, end)
+            if lo < hi:
+                destination[lo - start : hi - start] = view[lo - a : hi - a]
+
+
+def _fetch_retrying(client, url: ObjectURL, etag, start: int, end: int, destination, stop, action: str) -> None:
+    """:func:`_fetch_range`, again where the response broke off; raises the translated error."""
+    for attempt in range(_ATTEMPTS):
+        try:
+            _fetch_range(client, url, etag, start, end, destination, stop)
+            return
+        except Exception as error:
+            if stop.is_set() or attempt + 1 == _ATTEMPTS or not _broken_response(error):
+                raise _translate(error, url, client, action) from error
+
+
+def _fetch_range(client, url: ObjectURL, etag, start: int, end: int, destination, stop) -> None:
+    """Bytes ``[start, end)`` of the object into ``destination[start:end]`` (addressed by object offset: a
+    :class:`_Scatter`), conditional on ``etag``."""
     arguments = dict(Bucket=url.bucket, Key=url.key, Range=f"bytes={start}-{end - 1}")
     if etag:
         arguments["IfMatch"] = etag
