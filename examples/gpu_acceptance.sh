@@ -6,6 +6,7 @@
 #   bash examples/gpu_acceptance.sh OUTDIR checkpoint   # checkpoint benchmark: 4 GB disk, 4 GB /dev/shm, 16 GB (~6 min)
 #   bash examples/gpu_acceptance.sh OUTDIR shapes       # shapes + sink, AioHandle ring, DP ranks (~6 min)
 #   bash examples/gpu_acceptance.sh OUTDIR features     # safetensors, DCP, training overhead (~8 min)
+#   bash examples/gpu_acceptance.sh OUTDIR gds          # GdsHandle: tests, DeepSpeed test_gds.py per path, bench gds (~6 min)
 #   bash examples/gpu_acceptance.sh OUTDIR multigpu     # 2+ GPUs: multigpu tests, DDP + Lightning examples (~8 min)
 #                                                       # (= multigpu-tests, then multigpu-examples)
 #   bash examples/gpu_acceptance.sh OUTDIR multigpu-bench  # 2+ GPUs: collective save (disk, sink), DDP training (~8 min)
@@ -100,6 +101,23 @@ part_shapes() {
     --repeat 2 --json "$out/$machine-ranks-file.json"
 }
 
+part_gds() {  # GdsHandle (DeepNVMe's gds_handle): both data paths, DeepSpeed's own test_gds.py, the benchmark
+  python3 -m fastpersist info > "$out/info-gds.txt"
+  step gds-tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/deepnvme tests/bench/test_bench_gds.py \
+    tests/cli/test_deepnvme_flags.py
+  local deepspeed=${DEEPSPEED_DIR:-.devcarry/deepspeed} path
+  if [ -f "$deepspeed/tests/unit/v1/nvme/test_gds.py" ]; then
+    for path in cufile bounce; do
+      step "peer-deepspeed-gds-$path" 180 env FASTPERSIST_GDS_PATH=$path bash tests/compat/peers/run_deepspeed_aio.sh \
+        "$deepspeed" -q -rs -k test_gds
+    done
+  else
+    echo "!! DeepSpeed's test_gds.py not found under $deepspeed: skipped"
+  fi
+  step "$machine-gds" 240 python3 -m fastpersist.bench gds --dir "$scratch" --size 1G --repeats 3 \
+    --json "$out/$machine-gds.json"
+}
+
 part_features() {
   step "$machine-safetensors-disk" 180 python3 -m fastpersist.bench safetensors --device cuda --size 4G --dir "$scratch/st" \
     --repeats 2 --skip fastpersist-torch --json "$out/$machine-safetensors-disk.json"
@@ -184,13 +202,14 @@ case "$part" in
   checkpoint) part_checkpoint ;;
   shapes) part_shapes ;;
   features) part_features ;;
+  gds) part_gds ;;
   multigpu) part_multigpu_tests; part_multigpu_examples ;;
   multigpu-tests) part_multigpu_tests ;;
   multigpu-examples) part_multigpu_examples ;;
   scaling) part_scaling ;;
   scaling-dcp) part_scaling_dcp ;;
   multigpu-bench) part_multigpu_bench ;;
-  all) part_tests; part_checkpoint; part_shapes; part_features ;;
+  all) part_tests; part_checkpoint; part_shapes; part_features; part_gds ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 ls -l "$out"

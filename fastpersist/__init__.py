@@ -15,14 +15,18 @@ from fastpersist.api import SaveFuture, VerifyReport, async_save, load, save, ve
 from fastpersist.api.checkpointer import Checkpointer
 from fastpersist.api.futures import pending_saves, release_buffers, wait_all
 from fastpersist.api.safetensors import load_file, safe_open, save_file
+from fastpersist.deepnvme.gds import GdsHandle
 from fastpersist.deepnvme.handle import AioHandle
 from fastpersist.errors import (
     ChecksumMismatchError,
     ConfigError,
     CorruptCheckpointError,
+    CudaUnavailableError,
+    CufileError,
     DistributedCheckpointError,
     EngineUnavailableError,
     FastPersistError,
+    GdsUnavailableError,
     TensorModifiedError,
     UnsupportedObjectError,
 )
@@ -38,6 +42,7 @@ __all__ = [
     "verify",
     "VerifyReport",
     "AioHandle",
+    "GdsHandle",
     "new_cpu_locked_tensor",
     "free_cpu_locked_tensor",
     "cast_to_byte_tensor",
@@ -47,6 +52,9 @@ __all__ = [
     "FastPersistError",
     "ConfigError",
     "EngineUnavailableError",
+    "CudaUnavailableError",
+    "GdsUnavailableError",
+    "CufileError",
     "CorruptCheckpointError",
     "ChecksumMismatchError",
     "UnsupportedObjectError",

@@ -39,6 +39,7 @@ __all__ = [
     "parse_size",
     "size_argument",
     "ENGINES",
+    "GDS_PATHS",
     "get",
     "set",
     "override",
@@ -56,6 +57,7 @@ __all__ = [
 
 ENGINES = ("auto", "io_uring", "threads")
 ASYNC_MODES = ("pipelined", "snapshot")
+GDS_PATHS = ("auto", "cufile", "bounce")
 CONFIG_FILE_VERSION = 1
 _MiB = 1 << 20
 
@@ -125,6 +127,15 @@ class Settings:
     """Object stores (``s3://``): parts uploaded, or ranges downloaded, at once (1 to 64). A save's host memory is
     at most ``max(2, s3_concurrency) * s3_part_size`` (the upload of a local file, as in a two-tier save:
     ``s3_concurrency * s3_part_size``); a load holds the whole object in host memory."""
+
+    gds_path: str = "auto"
+    """``GdsHandle``'s data path between CUDA tensors and files: ``auto`` (``cufile`` when libcufile loads and its
+    driver opens, else ``bounce``; the reason is logged once on the ``fastpersist`` logger), ``cufile`` (NVIDIA cuFile;
+    raises ``GdsUnavailableError`` where it cannot start; compatibility mode without nvidia-fs counts), ``bounce``
+    (pinned host chunks and the I/O engine, no cuFile). See [deepnvme-parity.md](deepnvme-parity.md)."""
+    cufile_library: str = ""
+    """Path of ``libcufile.so`` for ``GdsHandle``'s ``cufile`` path. Empty: the one already loaded or on the library
+    path, else the ``nvidia-cufile`` wheel's. cuFile is loaded only when a ``GdsHandle`` is made, never on import."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -275,6 +286,8 @@ def _validate(s: Settings) -> None:
         raise ConfigError(f"queue_depth must be between 1 and 4096, got {s.queue_depth}")
     if not 1 <= s.intra_op_parallelism <= 256:
         raise ConfigError(f"intra_op_parallelism must be between 1 and 256, got {s.intra_op_parallelism}")
+    if s.gds_path not in GDS_PATHS:
+        raise ConfigError(f"gds_path must be one of {GDS_PATHS}, got {s.gds_path!r}")
     if s.async_mode not in ASYNC_MODES:
         raise ConfigError(f"async_mode must be one of {ASYNC_MODES}, got {s.async_mode!r}")
     if not 1 <= s.async_max_pending <= 64:

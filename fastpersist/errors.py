@@ -16,6 +16,9 @@ __all__ = [
     "FastPersistError",
     "ConfigError",
     "EngineUnavailableError",
+    "CudaUnavailableError",
+    "GdsUnavailableError",
+    "CufileError",
     "CorruptCheckpointError",
     "ChecksumMismatchError",
     "UnsupportedObjectError",
@@ -50,6 +53,34 @@ class ConfigError(FastPersistError, ValueError):
 
 class EngineUnavailableError(FastPersistError, RuntimeError):
     """An I/O engine that was named explicitly cannot start on this machine."""
+
+
+class CudaUnavailableError(FastPersistError, RuntimeError):
+    """A CUDA-only API (``GdsHandle``) was used where torch sees no CUDA device; ``AioHandle`` serves host memory."""
+
+
+class GdsUnavailableError(EngineUnavailableError):
+    """``GdsHandle``'s ``cufile`` path was named explicitly but cuFile cannot start (no libcufile, or its driver
+    refused to open); the message says why. ``gds_path="auto"`` falls back to the ``bounce`` path instead."""
+
+
+class CufileError(FastPersistError, OSError):
+    """A cuFile call failed with a cuFile status (not an operating-system error, which raises the usual ``OSError``
+    subclass with its ``errno``).
+
+    An ``OSError`` with ``errno`` EIO and ``filename`` set where a file is involved.
+
+    Attributes:
+        call: the cuFile function (``"cuFileRead"``, ``"cuFileHandleRegister"``, ...).
+        code: the ``CUfileOpError`` value (5001 ... 5050), or None.
+        cuda_code: the CUDA driver error that came with ``CU_FILE_CUDA_DRIVER_ERROR``, else 0.
+    """
+
+    def __init__(self, *args, call: str = "", code: int | None = None, cuda_code: int = 0):
+        super().__init__(*args)
+        self.call = call
+        self.code = code
+        self.cuda_code = cuda_code
 
 
 class CorruptCheckpointError(FastPersistError, RuntimeError):

@@ -95,6 +95,9 @@ def load(
             (``layout="parts"``) when each rank sees only some parts; they
             travel between ranks through torch.distributed. A sharded
             checkpoint whose parts are all visible loads without a group.
+            For ``s3://`` URLs every rank sees the whole store, so each
+            reads the object (and a collective save's part objects) itself:
+            ``group`` changes nothing there.
         timeout: (with ``group``) seconds to wait for the other ranks.
         **kwargs: ``fastpersist.config`` setting overrides; anything else is
             passed to the unpickler, as torch.load's ``pickle_load_args``.

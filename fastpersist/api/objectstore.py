@@ -5,10 +5,12 @@
 :func:`fastpersist.io.objectstore.commit_plan` directly; safetensors saves go
 through :mod:`fastpersist.api.safetensors`, whose functions take URLs too). The
 object holds exactly the bytes a save to a local file of the key's name holds,
-so ``torch.load`` (or ``safetensors.torch.load``) reads a downloaded copy. How the bytes travel (a multipart
-upload fed by the writer's ring, committed by its completion; concurrent
-ranged GETs) is :mod:`fastpersist.io.objectstore`; usage, settings and limits
-are in docs/object-storage.md.
+so ``torch.load`` (or ``safetensors.torch.load``) reads a downloaded copy. How
+the bytes travel (a multipart upload fed by the writer's ring, committed by
+its completion; concurrent ranged GETs) is :mod:`fastpersist.io.objectstore`;
+collective saves (``group=``: part objects and a manifest object) and their
+loads are :mod:`fastpersist.distributed.objectstore`; usage, settings and
+limits are in docs/object-storage.md.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from fastpersist import config
 from fastpersist.api import archive, dispatch
+from fastpersist.distributed.manifest import looks_like_manifest
 from fastpersist.errors import TruncatedCheckpointError
 from fastpersist.format.deserializer import archive_prefix
 from fastpersist.format.safetensors import looks_like_safetensors
@@ -46,18 +49,26 @@ def save(
     group: Any,
     torch_crc32: bool,
     settings: dict[str, Any],
+    collective: dict[str, Any] | None = None,
 ) -> None:
     """``fastpersist.save(obj, "s3://bucket/key", ...)``: the arguments as :func:`fastpersist.save` takes them.
 
     ``torch_crc32`` is torch's ``compute_crc32`` option (off: no checksums, as
-    for local saves); ``settings`` the call's keyword arguments.
+    for local saves); ``settings`` the call's keyword arguments; ``collective``
+    the ``layout``, ``writers``, ``divergence`` and ``timeout`` of a
+    collective save (``group=``, every rank calls it): each writer uploads its
+    share as a part object and rank 0 commits a manifest object at the key
+    (:mod:`fastpersist.distributed.objectstore`).
 
     Safetensors (``format="safetensors"`` or a ``.safetensors`` key) go
     through :func:`fastpersist.api.safetensors.save_file`, as for paths.
 
     Raises:
-        ValueError: what object stores do not support yet: collective saves
-            (``group=``), the legacy format; or a malformed URL.
+        ValueError: what object stores do not support yet: safetensors with
+            ``group=`` (a collective save of safetensors), the legacy format,
+            ``layout="file"`` for a collective save; or a malformed URL.
+        DistributedCheckpointError: (``group=``) on every rank, when any rank
+            failed (its upload error named), or as :func:`fastpersist.distributed.save.save`.
         TypeError, ConfigError: an unknown keyword (``local_copy`` included:
             an ``async_save`` option), an invalid setting.
         UnsupportedObjectError: ``obj`` cannot be pickled (nothing is sent).
@@ -72,9 +83,12 @@ def save(
             "save() has no local_copy: a two-tier save is fastpersist.async_save(obj, url, local_copy=path) (call "
             "result() on its future to wait for the upload)"
         )
-    if group is not None and group is not False:
-        raise ValueError(f"collective saves (group=...) to an object store are not supported yet ({url})")
     if dispatch.wants_safetensors(url, settings.pop("format", None)):
+        if group is not None and group is not False:
+            raise ValueError(
+                f"collective saves (group=...) of safetensors to an object store are not supported yet ({url}); "
+                "save with format='torch' for a collective save, or without group= from one rank"
+            )
         dispatch.save_safetensors(obj, url, settings)
         return
     if not use_new_zipfile_serialization:
@@ -84,6 +98,24 @@ def save(
     if resolved.checksum and not torch_crc32:
         resolved = resolved.replace(checksum=False)
     destination = objectstore.target(url)
+    if group is not None and group is not False:
+        from fastpersist.distributed import save as distributed_save
+
+        if distributed_save.is_collective(group):
+            options = dict(collective or {})
+            timeout = options.pop("timeout", None)
+            distributed_save.save(
+                obj,
+                url,
+                group=None if group is True else group,
+                timeout=distributed_save.DEFAULT_TIMEOUT if timeout is None else timeout,
+                pickle_module=pickle_module,
+                pickle_protocol=pickle_protocol,
+                disable_byteorder_record=disable_byteorder_record,
+                settings=resolved,
+                **options,
+            )
+            return
     plan = plan_save(obj, archive_name_for(destination.given), pickle_module, pickle_protocol, disable_byteorder_record)
     objectstore.commit_plan(plan, destination, resolved, streams=None)
 
@@ -107,10 +139,16 @@ def load(
     are views of that buffer (as an mmap load's are of the mapping), CUDA
     storages copies. Safetensors objects and legacy torch files are
     recognised by their first bytes, as for paths (a safetensors object's CPU
-    tensors are views of the buffer as well).
+    tensors are views of the buffer as well); so is the manifest of a
+    collective save, whose part objects are then fetched into one buffer and
+    verified the same way (:func:`fastpersist.distributed.objectstore.read_parts`).
+    ``group=`` of ``fastpersist.load`` needs no exchange here: every rank
+    reads the store itself.
 
     Raises:
-        ObjectNotFoundError, BucketNotFoundError: (``FileNotFoundError``).
+        ObjectNotFoundError, BucketNotFoundError: (``FileNotFoundError``); also a
+            missing part object of a collective save's checkpoint.
+        TruncatedCheckpointError: a part object has another size than its manifest says.
         ObjectStoreCredentialsError: (``PermissionError``) the credentials were refused.
         ObjectStoreError: a network error; the object was replaced during the load.
         ObjectStoreUnavailableError: boto3 is missing.
@@ -123,6 +161,11 @@ def load(
     view = memoryview(buffer).cast("B")[:size]
     if size == 0:
         raise TruncatedCheckpointError(f"{path} is empty (0 bytes): it is not a checkpoint", path=path)
+    if looks_like_manifest(bytes(view[:256])):  # a collective save's manifest: the checkpoint is in its part objects
+        from fastpersist.distributed import objectstore as parts  # torch.distributed only where needed
+
+        buffer, size = parts.read_parts(source, bytes(view), settings)
+        view = memoryview(buffer).cast("B")[:size]
     head = bytes(view[:16])
     if looks_like_safetensors(head):
         return dispatch.load_safetensors_buffer(buffer, size, map_location, path)

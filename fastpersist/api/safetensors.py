@@ -23,7 +23,8 @@ Every function that takes a file name also takes ``s3://bucket/key``
 the writer's ring becoming the parts of a multipart upload
 (:func:`fastpersist.io.objectstore.commit_plan`); a load or a ``safe_open``
 reads the header and then the tensors' byte ranges with concurrent ranged GETs
-(:class:`fastpersist.io.objectstore.ObjectReader`).
+(:class:`fastpersist.io.objectstore.ObjectReader`: one HEAD, then
+:func:`~fastpersist.io.objectstore.read_ranges` pinned to its ETag).
 """
 
 from __future__ import annotations

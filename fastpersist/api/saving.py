@@ -29,7 +29,7 @@ def save(
     _disable_byteorder_record: bool = False,
     *,
     group: Any = None,
-    layout: str = "file",
+    layout: str | None = None,
     writers: str = "all",
     divergence: str = "warn",
     timeout: float | None = None,
@@ -64,7 +64,9 @@ def save(
             a path.
         layout: (with ``group``) ``"file"``: one ordinary checkpoint on a
             shared filesystem; ``"parts"``: one part per writer on its own
-            storage, plus a manifest at ``f``.
+            storage, plus a manifest at ``f``. Default: ``"file"`` for paths,
+            ``"parts"`` for ``s3://`` URLs (part objects and a manifest
+            object; ``"file"`` is refused there with ``ValueError``).
         writers: (with ``group``) ``"all"`` ranks write, or one per ``"node"``.
         divergence: (with ``group``) when a rank's tensor has other values
             than rank 0's (same key and size): ``"warn"`` writes rank 0's and
@@ -98,6 +100,8 @@ def save(
             it was aborted and the previous object is intact. Its subclasses
             ObjectStoreCredentialsError and BucketNotFoundError name the cause;
             ObjectStoreUnavailableError (an ImportError) means boto3 is missing.
+            With ``group``, a collective save to ``s3://``: a failed rank's
+            upload error is raised on every rank as DistributedCheckpointError.
     """
     if objectstore.is_object_url(f):  # s3://bucket/key: a multipart upload (docs/object-storage.md)
         objectstore.save(
@@ -110,6 +114,7 @@ def save(
             group=group,
             torch_crc32=_torch_compute_crc32(),
             settings=settings,
+            collective=dict(layout=layout, writers=writers, divergence=divergence, timeout=timeout),
         )
         return
     if dispatch.wants_safetensors(f, settings.pop("format", None)):

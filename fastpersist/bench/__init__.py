@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "io": ("fastpersist.bench.io", "sequential write/read throughput of the I/O engine, optionally against fio"),
     "checkpoint": ("fastpersist.bench.checkpoint", "save/load a real-shaped checkpoint with every method"),
     "aio_handle": ("fastpersist.bench.aio_handle", "AioHandle tensor I/O: CPU locked, CUDA ring vs whole bounce"),
+    "gds": ("fastpersist.bench.gds", "GdsHandle cufile and bounce paths vs AioHandle + copy vs raw O_DIRECT (CUDA)"),
     "report": ("fastpersist.bench.report", "Markdown of results; --update-docs regenerates the docs' tables"),
     "shapes": ("fastpersist.bench.shapes", "many-small / many-medium / huge / mixed states vs torch, fio and a sink"),
     "safetensors": ("fastpersist.bench.safetensors_bench", "safetensors files: fastpersist vs the safetensors library"),

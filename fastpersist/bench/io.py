@@ -28,6 +28,11 @@ DeepSpeed ``ds_io`` command lines work with the program name replaced
     fastpersist bench io --folder /local_nvme --io_size 400M --read --block_size 1M \\
         --queue_depth 32 --io_parallel 4 --loops 3 --validate
 
+``--gpu --use_gds`` moves the device tensor with :class:`fastpersist.GdsHandle`
+(DeepNVMe's ``gds_handle``): its ``cufile`` or ``bounce`` path as the
+``gds_path`` setting or ``--gds_path`` chooses; the path taken is reported.
+``--gpu`` alone keeps ds_io's meaning: the engine with a pinned bounce buffer.
+
 A command line that names ``--folder``, ``--folder_to_device_mapping`` or
 ``--io_size`` is a ``ds_io`` command line: it writes (or reads, with
 ``--read``) and defaults to ds_io's block size (1M). Besides the table it
@@ -65,11 +70,6 @@ DS_IO_ENGINES = ("aio_handle", "aio_basic", "torch_io", "torch_fastio")
 
 DS_IO_DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_BLOCK_SIZE = 16 << 20
-
-GDS_MESSAGE = (
-    "GPUDirect Storage is not provided by fastpersist yet (no cuFile / nvidia-fs path); "
-    "drop --use_gds: with --gpu the data goes through pinned host memory, as DeepSpeed's aio_handle does"
-)
 
 
 class UsageError(ValueError):
@@ -152,7 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--validate", action="store_true", help="check the bytes of every read and write")
     ds.add_argument("--handle", action="store_true", help="accepted: I/O always goes through one handle")
     ds.add_argument("--gpu", action="store_true", help="the data lives on a CUDA device (pinned bounce buffer)")
-    ds.add_argument("--use_gds", action="store_true", help="not supported: GPUDirect Storage is not provided yet")
+    ds.add_argument(
+        "--use_gds",
+        action="store_true",
+        help="with --gpu: move the device tensor with GdsHandle (DeepNVMe's gds_handle; cuFile or bounce path)",
+    )
+    ds.add_argument(
+        "--gds_path",
+        "--gds-path",
+        dest="gds_path",
+        choices=("auto", "cufile", "bounce"),
+        default=None,
+        help="GdsHandle's data path with --use_gds (default: the gds_path setting, auto)",
+    )
     ds.add_argument("--multi_process", type=int, default=1, help="only 1 is supported")
     ds.add_argument("--warmup_loops", type=int, default=0, help="untimed repetitions before the timed ones")
     ds.add_argument(
@@ -182,8 +194,10 @@ def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
     """
     ds_io = is_ds_io(args)
     args.ds_io = ds_io
-    if args.use_gds:
-        raise UsageError(f"--use_gds: {GDS_MESSAGE}")
+    if args.use_gds and not args.gpu:
+        raise UsageError("--use_gds moves a CUDA tensor: add --gpu (as ds_io requires)")
+    if args.gds_path is not None and not args.use_gds:
+        raise UsageError("--gds_path applies to --use_gds only")
     if args.engine in ("torch_io", "torch_fastio"):
         raise UsageError(
             f"--engine {args.engine} (torch.save through DeepSpeed) is not provided; "
@@ -312,6 +326,35 @@ def _engine_read(
     return elapsed
 
 
+def _gds_write(gds: Any, device_source: torch.Tensor, path: str, size: int, fallocate: bool, direct: bool) -> float:
+    """Seconds to write the device tensor durably through GdsHandle (its own open; fsync after, both timed)."""
+    if os.path.exists(path):
+        os.unlink(path)
+    with engine.File(path, "w", direct=direct, truncate=True) as f:
+        if fallocate:
+            f.allocate(0, size)  # preallocated as for the engine and fio, outside the timing
+    torch.cuda.synchronize(device_source.device)
+    start = time.perf_counter()
+    gds.sync_pwrite(device_source, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def _gds_read(gds: Any, device_destination: torch.Tensor, path: str, direct: bool) -> float:
+    """Seconds to read ``path`` into the device tensor through GdsHandle (complete on the device when it returns)."""
+    if not direct:
+        system.CacheDropper().drop([path])
+    torch.cuda.synchronize(device_destination.device)
+    start = time.perf_counter()
+    gds.sync_pread(device_destination, path)
+    torch.cuda.synchronize(device_destination.device)
+    return time.perf_counter() - start
+
+
 def _file_problem(path: str, expected: torch.Tensor) -> str | None:
     """Compares the file's bytes with ``expected`` (read through the page cache, 64 MiB at a time)."""
     size = expected.numel()
@@ -368,6 +411,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     on_gpu = device.type == "cuda"
     if on_gpu:
         torch.cuda.init()  # before allocating: locked host buffers are then registered with CUDA (pinned)
+    use_gds = bool(getattr(args, "use_gds", False))
+    gds = None
+    if use_gds:
+        from fastpersist.deepnvme.gds import GdsHandle
+
+        gds = GdsHandle(
+            args.block_size,
+            args.queue_depth,
+            args.single_submit,
+            not args.no_overlap_events,
+            args.threads,
+            path=getattr(args, "gds_path", None),
+            engine=args.engine,
+            direct=direct,
+        )
     handle = engine.IoHandle(
         block_size=args.block_size,
         queue_depth=args.queue_depth,
@@ -395,7 +453,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             chunk.random_(generator=generator)
     else:
         source.random_(0, 256, generator=generator)
-    destination = memory.aligned_empty(size, huge_pages=not args.no_huge_pages, lock=on_gpu) if do_read else None
+    host_destination = do_read and not use_gds  # GdsHandle reads straight into the device tensor
+    destination = (
+        memory.aligned_empty(size, huge_pages=not args.no_huge_pages, lock=on_gpu) if host_destination else None
+    )
     if destination is not None:
         destination.fill_(0)
     # --gpu: the data lives on the device; source/destination are the pinned bounce buffers.
@@ -407,7 +468,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         got = device_destination.cpu() if device_destination is not None else destination
         if not torch.equal(got, expected):
             raise RuntimeError("read-back verification failed: bytes read differ from bytes written")
-        destination.fill_(0)
+        if destination is not None:
+            destination.fill_(0)
         if device_destination is not None:
             device_destination.zero_()
 
@@ -427,8 +489,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             order = ("engine", "fio") if repeat % 2 == 0 else ("fio", "engine")
             for tool in order:
                 if tool == "engine":
-                    if do_write:
+                    if do_write and gds is not None:
+                        elapsed = _gds_write(gds, device_source, path, size, fallocate, direct)
+                    elif do_write:
                         elapsed = _engine_write(handle, source, path, size, fallocate, direct, device_source)
+                    if do_write:
                         if args.validate:
                             problem = _file_problem(path, expected)
                             if problem:
@@ -436,8 +501,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         if timed:
                             samples["engine_write"].append(size / 1e9 / elapsed)
                             seconds["engine_write"].append(elapsed)
-                    if do_read:
+                    if do_read and gds is not None:
+                        elapsed = _gds_read(gds, device_destination, path, direct)
+                    elif do_read:
                         elapsed = _engine_read(handle, destination, path, size, direct, device_destination)
+                    if do_read:
                         if verify_reads:
                             check_read()
                         if timed:
@@ -485,6 +553,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "huge_pages": not args.no_huge_pages,
             "device": str(device),
             "validate": args.validate,
+            "handle": "gds_handle" if gds is not None else "io_handle",
+            "gds_path": gds.path if gds is not None else None,
         },
         "filesystem": probe,
         "gbps_median": results,
@@ -492,6 +562,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seconds_median": {name: median(values) for name, values in seconds.items()},
         "ratio_engine_to_fio": ratios,
         "stats": handle.stats(),
+        "gds": None if gds is None else {"path": gds.path, "reason": gds.path_reason},
     }
 
 
@@ -510,8 +581,9 @@ def ds_io_summary(doc: dict[str, Any]) -> list[str]:
 
 def _print_table(doc: dict[str, Any]) -> None:
     s = doc["settings"]
+    via = f", GdsHandle path {s['gds_path']}" if s.get("gds_path") else ""
     print(
-        f"fastpersist io bench: {s['size'] / 2**30:.2f} GiB, block {s['block_size'] >> 10} KiB, "
+        f"fastpersist io bench{via}: {s['size'] / 2**30:.2f} GiB, block {s['block_size'] >> 10} KiB, "
         f"queue depth {s['queue_depth']}, lanes {s['threads']}, engine {s['engine']}, "
         f"direct {s['direct']}, fallocate {s['fallocate']}, fs {doc['filesystem']['fs_type']}, "
         f"median of {s['repeats']}"

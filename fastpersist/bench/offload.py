@@ -5,7 +5,8 @@ bf16 with random weights (no downloads), saves it as one safetensors file in
 ``--dir``, and times greedy generation (``--prompt`` tokens, ``--new-tokens``
 new ones, each ``--batch``) for each method:
 
-* ``full-gpu``: the model entirely on the GPU (where it fits): the compute bound;
+* ``full-gpu``: the checkpoint fully loaded on the GPU (where it fits): the compute
+  bound, and the tokens every other method must reproduce;
 * ``fastpersist-disk``: ``fastpersist.offload.dispatch`` with
   ``max_gpu_memory=--gpu-budget``: the weights that do not fit are read from
   the file for every forward pass;
@@ -34,7 +35,7 @@ import torch
 
 from fastpersist import config
 
-__all__ = ["build_parser", "main", "to_markdown"]
+__all__ = ["build_parser", "main", "to_markdown", "to_svg"]
 
 METHODS = ("full-gpu", "fastpersist-disk", "fastpersist-host", "accelerate-disk")
 
@@ -42,7 +43,7 @@ METHODS = ("full-gpu", "fastpersist-disk", "fastpersist-host", "accelerate-disk"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fastpersist.bench offload", description=__doc__.split("\n")[0])
     parser.add_argument("--size", type=config.size_argument, default=config.size_argument("4G"), help="model bytes")
-    parser.add_argument("--dir", required=True, help="where the model file is written (the storage to measure)")
+    parser.add_argument("--dir", help="where the model file is written (the storage to measure); required to run")
     parser.add_argument("--batch", default="32", help="comma-separated batch sizes")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -51,7 +52,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--accelerate-tokens", type=int, default=4, help="new tokens for accelerate (it is slow)")
+    parser.add_argument(
+        "--disk-tokens",
+        type=int,
+        default=None,
+        help="new tokens for fastpersist-disk (default: --new-tokens; every step reads the streamed weights from disk)",
+    )
+    parser.add_argument(
+        "--accelerate-offload-dir",
+        default=None,
+        help="accelerate's offload_folder (default: DIR/accelerate-offload; it writes a copy of the offloaded weights)",
+    )
+    parser.add_argument(
+        "--nondeterministic",
+        action="store_true",
+        help="leave cuBLAS and torch free to pick nondeterministic kernels (default: deterministic ones, so that "
+        "every method's tokens can be compared with full-gpu's bit for bit)",
+    )
     parser.add_argument("--json", default=None)
+    parser.add_argument("--report", metavar="JSON", help="print the table of an earlier result (no GPU needed)")
+    parser.add_argument("--svg", help="with --report: write its chart here")
     return parser
 
 
@@ -92,24 +112,39 @@ def _empty_model(llama_config):
 
 
 class _Clock:
-    """A logits processor that notes the time of every generation step (the first one: prefill done)."""
+    """A logits processor that notes the time of every generation step (the first one: prefill done).
 
-    def __init__(self):
+    ``between_steps``, if given, runs after each step's time is noted (accelerate's
+    page-cache drop); its duration is left out of the timeline.
+    """
+
+    def __init__(self, between_steps=None):
         self.times: list[float] = []
+        self.first_scores: torch.Tensor | None = None
+        """The prefill's logits of the last prompt position (float32, on the CPU)."""
+        self._between = between_steps
+        self._excluded = 0.0
 
     def __call__(self, input_ids, scores):
         torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
+        now = time.perf_counter()
+        if self.first_scores is None:
+            self.first_scores = scores.float().cpu()
+            self._excluded += time.perf_counter() - now
+        self.times.append(now - self._excluded)
+        if self._between is not None:
+            self._between()
+            self._excluded += time.perf_counter() - now
         return scores
 
 
-def _generate(model, batch: int, prompt: int, new_tokens: int) -> dict[str, Any]:
+def _generate(model, batch: int, prompt: int, new_tokens: int, between_steps=None) -> dict[str, Any]:
     import transformers
 
     from fastpersist.bench.measure import PeakMemory
 
     ids = torch.randint(100, 30000, (batch, prompt), generator=torch.Generator().manual_seed(0)).cuda()
-    clock = _Clock()
+    clock = _Clock(between_steps)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -131,8 +166,63 @@ def _generate(model, batch: int, prompt: int, new_tokens: int) -> dict[str, Any]
         "total_seconds": time.perf_counter() - start,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
         "peak_host_rss_bytes": host.peak,
+        "host_rss_baseline_bytes": host.baseline,
+        "new_tokens": new_tokens,
         "tokens": out[:, prompt:].cpu(),
+        "logits": clock.first_scores,
     }
+
+
+class _ColdReads:
+    """Empties the page cache of accelerate's files before each step, as for a model larger than host memory.
+
+    accelerate reads offloaded weights through the page cache; on a machine whose
+    RAM holds the whole model, every pass after the first would be served from
+    memory. Where the files live on tmpfs nothing can be dropped, and ``detail``
+    says so.
+    """
+
+    def __init__(self, roots: list[str]):
+        from fastpersist.system import CacheDropper, filesystem_of
+
+        self.roots = [root for root in roots if os.path.exists(root)]
+        self._dropper = CacheDropper()
+        on_tmpfs = [root for root in self.roots if filesystem_of(root).get("type") == "tmpfs"]
+        if on_tmpfs:
+            self.detail = (
+                f"{', '.join(on_tmpfs)} on tmpfs: accelerate's reads of it are served from memory (nothing to drop); "
+                f"page cache of the rest dropped before every step ({self._dropper.mode})"
+            )
+        else:
+            self.detail = f"page cache of its files dropped before every step ({self._dropper.mode})"
+
+    def __call__(self) -> None:
+        self._dropper.drop(self.roots)
+
+
+def _agreement(tokens, reference, logits=None, reference_logits=None) -> dict[str, Any]:
+    """How a run's output compares with the full-gpu run's: same tokens, share of equal tokens, prefill logits.
+
+    Greedy sequences part for good at their first different token, so the share
+    of equal tokens says how early that happens; the largest difference of the
+    prefill's last-position logits says whether the computation itself differs
+    (0: bit for bit the same) or only its last bits.
+    """
+    if reference is None:
+        return {"same_tokens_as_full_gpu": None, "token_agreement": None}
+    reference = reference[:, : tokens.shape[1]]  # full-gpu made more tokens where the method's count differs
+    result = {
+        "same_tokens_as_full_gpu": bool(torch.equal(tokens, reference)),
+        "token_agreement": float((tokens == reference).float().mean()),
+    }
+    if logits is not None and reference_logits is not None:
+        finite = torch.isfinite(reference_logits)  # generate's min_new_tokens sets the end token's score to -inf
+        if not torch.equal(finite, torch.isfinite(logits)):
+            result["prefill_logits_max_abs_diff"] = float("inf")
+        else:
+            result["prefill_logits_max_abs_diff"] = float((logits - reference_logits)[finite].abs().max())
+        result["prefill_logits_max_abs"] = float(reference_logits[finite].abs().max())
+    return result
 
 
 def _read_ceiling(path: str) -> float:
@@ -176,36 +266,116 @@ def to_markdown(document: dict[str, Any]) -> str:
     machine = document.get("machine") or {}
     lines = [
         f"{machine.get('device_name', 'GPU')}, Llama-shaped model of {config['model_bytes'] / 1e9:.2f} GB bf16 "
-        f"({config['layers']} layers), GPU budget {config['gpu_budget'] / 1e9:.2f} GB, prompt {config['prompt']}, "
-        f"{config['new_tokens']} new tokens ({config['accelerate_new_tokens']} for accelerate); ceilings in the same "
-        f"run: disk read {ceilings['disk_read_GBps']:.2f} GB/s, host to device {ceilings['host_to_device_GBps']:.2f} GB/s",
-        "",
-        "| method | batch | decode tokens/s | bound tokens/s | of bound | time to first token (s) | peak GPU (GB) "
-        "| peak host RSS (GB) | same tokens as full-gpu |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        f"({config['layers']} layers), GPU budget {config['gpu_budget'] / 1e9:.2f} GB, prompt {config['prompt']}; "
+        f"ceilings in the same run: disk read {ceilings['disk_read_GBps']:.2f} GB/s, "
+        f"host to device {ceilings['host_to_device_GBps']:.2f} GB/s",
     ]
+    if config.get("accelerate_reads"):
+        lines.append(f"accelerate: {config['accelerate_reads']}")
+    repeat = next((row["repeat"] for row in document["results"].get("full-gpu", []) if row.get("repeat")), None)
+    if repeat:
+        lines.append(
+            f"full-gpu run twice (batch {document['results']['full-gpu'][0]['batch']}): {_same(repeat)} tokens the "
+            f"same, prefill logits max difference {_number(repeat.get('prefill_logits_max_abs_diff'), '{:.3g}')} "
+            f"(largest logit {_number(repeat.get('prefill_logits_max_abs'), '{:.3g}')})"
+        )
+    lines += [
+        "",
+        "| method | batch | new tokens | decode tokens/s | bound tokens/s | of bound | time to first token (s) "
+        "| peak GPU (GB) | peak host RSS (GB) | host RSS added (GB) | pinned staging (GB) | same tokens as full-gpu "
+        "| prefill logits max difference |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    default_tokens = {
+        "accelerate-disk": config.get("accelerate_new_tokens"),
+        "fastpersist-disk": config.get("disk_new_tokens", config.get("new_tokens")),
+    }
     for method, rows in document["results"].items():
         for row in rows:
             bound, share = row.get("bound_tokens_per_second"), row.get("of_bound")
+            tokens = row.get("new_tokens", default_tokens.get(method, config.get("new_tokens")))
+            before = row.get("rss_before_dispatch_bytes", row.get("host_rss_baseline_bytes"))
+            added = row["peak_host_rss_bytes"] - before if before is not None else None
+            staging = row.get("staging_bytes")
             lines.append(
-                f"| {method} | {row['batch']} | {row['decode_tokens_per_second']:.2f} | "
+                f"| {method} | {row['batch']} | {tokens} | {row['decode_tokens_per_second']:.2f} | "
                 f"{_number(bound, '{:.2f}')} | {_number(share, '{:.2f}x')} | "
                 f"{row['ttft_seconds']:.2f} | {row['peak_gpu_bytes'] / 1e9:.2f} | "
-                f"{row['peak_host_rss_bytes'] / 1e9:.2f} | {_yes(row.get('same_tokens_as_full_gpu'))} |"
+                f"{row['peak_host_rss_bytes'] / 1e9:.2f} | {_number(added and added / 1e9, '{:+.2f}')} | "
+                f"{_number(staging and staging / 1e9, '{:.2f}')} | {_same(row)} | "
+                f"{_number(row.get('prefill_logits_max_abs_diff'), '{:.3g}')} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def to_svg(document: dict[str, Any]) -> str:
+    """A bar chart of decoding tokens/s per method and batch (log scale), each tier's bound as a tick."""
+    import math
+
+    rows = [(method, row) for method, method_rows in document["results"].items() for row in method_rows]
+    values = [row["decode_tokens_per_second"] for _, row in rows] + [
+        row["bound_tokens_per_second"] for _, row in rows if row.get("bound_tokens_per_second")
+    ]
+    low, high = math.log10(min(values) / 2), math.log10(max(values) * 2)
+    bar, gap, left, width = 18, 6, 230, 460
+
+    def x(value: float) -> float:
+        return left + width * (math.log10(value) - low) / (high - low)
+
+    colors = {"full-gpu": "#888", "accelerate-disk": "#c96", "fastpersist-disk": "#2a7", "fastpersist-host": "#275"}
+    config = document["config"]
+    title = (
+        f"{config['model_bytes'] / 1e9:.0f} GB Llama-shaped model, GPU budget {config['gpu_budget'] / 1e9:.1f} GB, "
+        f"prompt {config['prompt']}: decoding tokens/s (log scale; | = the tier's bound)"
+    )
+    parts, y = [f'<text x="10" y="18" font-size="13" font-weight="bold">{title}</text>'], 30
+    for method, row in rows:
+        value = row["decode_tokens_per_second"]
+        parts.append(
+            f'<text x="{left - 6}" y="{y + 13}" font-size="12" text-anchor="end">{method}, batch {row["batch"]}</text>'
+        )
+        parts.append(
+            f'<rect x="{left}" y="{y}" width="{x(value) - left:.1f}" height="{bar}" '
+            f'fill="{colors.get(method, "#888")}"/>'
+        )
+        parts.append(f'<text x="{x(value) + 4:.1f}" y="{y + 13}" font-size="12">{value:.2f}</text>')
+        bound = row.get("bound_tokens_per_second")
+        if bound:
+            parts.append(
+                f'<line x1="{x(bound):.1f}" y1="{y - 2}" x2="{x(bound):.1f}" y2="{y + bar + 2}" '
+                'stroke="#c33" stroke-width="2"/>'
+            )
+        y += bar + gap
+    header = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 80}" height="{y + 10}" '
+        'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>'
+    )
+    return header + "".join(parts) + "</svg>\n"
 
 
 def _number(value: float | None, pattern: str) -> str:
     return "" if value is None else pattern.format(value)
 
 
-def _yes(value: bool | None) -> str:
-    return "" if value is None else ("yes" if value else "no")
+def _same(row: dict[str, Any]) -> str:
+    same, share = row.get("same_tokens_as_full_gpu"), row.get("token_agreement")
+    if same is None:
+        return ""
+    if same:
+        return "yes"
+    return "no" if share is None else f"no ({share:.1%} of tokens)"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            document = json.load(f)
+        print(to_markdown(document), end="")
+        if args.svg:
+            with open(args.svg, "w") as f:
+                f.write(to_svg(document))
+        return 0
     if not torch.cuda.is_available():
         print("python -m fastpersist.bench offload needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -214,10 +384,21 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("python -m fastpersist.bench offload needs transformers (pip install transformers)", file=sys.stderr)
         return 2
+    if not args.dir:
+        print(
+            "python -m fastpersist.bench offload: --dir is required (where the model file is written)", file=sys.stderr
+        )
+        return 2
     import fastpersist
-    from fastpersist.bench.measure import machine_info
+    from fastpersist.bench.measure import current_rss, machine_info
     from fastpersist.offload import dispatch
 
+    if not args.nondeterministic:
+        # A random Llama's top logits are near ties: without these, the same model on the same GPU run
+        # twice agreed on about a third of 32 greedy tokens (H200, 40 GB model), and no method could be
+        # checked against another. The variable must be set before cuBLAS makes its first handle.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     methods = [m for m in args.methods.split(",") if m]
     batches = [int(b) for b in args.batch.split(",") if b]
     os.makedirs(args.dir, exist_ok=True)
@@ -228,17 +409,32 @@ def main(argv: list[str] | None = None) -> int:
         model = transformers.LlamaForCausalLM(llama_config).to(torch.bfloat16).eval()
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     fastpersist.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    del model
+    torch.cuda.empty_cache()
     budget = args.gpu_budget or model_bytes // 4
     print(
         f"model: {llama_config.num_hidden_layers} layers, {model_bytes / 1e9:.2f} GB bf16; GPU budget {budget / 1e9:.2f} GB"
     )
+    disk_tokens = args.new_tokens if args.disk_tokens is None else args.disk_tokens
+    accelerate_reads = None
     results: dict[str, list[dict[str, Any]]] = {}
     reference: dict[int, torch.Tensor] = {}
+    reference_logits: dict[int, torch.Tensor] = {}
     if "full-gpu" in methods:
+        # The reference is the checkpoint fully loaded into the model the other methods get (built on the
+        # meta device, its rotary buffers computed on the CPU), not the model that was saved: that one's
+        # buffers were computed on the GPU, and their last bits change greedy tokens of a deep model.
+        model = _empty_model(llama_config)
+        model.load_state_dict(fastpersist.load_file(path, device="cuda"), assign=True)
+        model.cuda()
         _generate(model, batches[0], 8, 2)  # CUDA and cuBLAS warm-up, untimed
         for batch in batches:
             row = _generate(model, batch, args.prompt, args.new_tokens)
             reference[batch] = row.pop("tokens")
+            reference_logits[batch] = row.pop("logits")
+            if batch == batches[0]:  # how far the same model on the same GPU agrees with itself
+                again = _generate(model, batch, args.prompt, args.new_tokens)
+                row["repeat"] = _agreement(again["tokens"], reference[batch], again["logits"], reference_logits[batch])
             results.setdefault("full-gpu", []).append(row)
             print(f"full-gpu batch {batch}: {row['decode_tokens_per_second']:.1f} tokens/s", flush=True)
     del model
@@ -250,18 +446,23 @@ def main(argv: list[str] | None = None) -> int:
         if method not in methods:
             continue
         host_tier = model_bytes if method == "fastpersist-host" else None
-        offloaded = dispatch(
-            _empty_model(llama_config), path, device="cuda", max_gpu_memory=budget, max_host_memory=host_tier
-        )
+        empty = _empty_model(llama_config)
+        rss_before = current_rss()
+        offloaded = dispatch(empty, path, device="cuda", max_gpu_memory=budget, max_host_memory=host_tier)
         state = offloaded.fastpersist_offload
-        streamed_bytes[method] = sum(n for _, n in state.describe()["streamed"])
+        placement = state.describe()
+        streamed_bytes[method] = sum(n for _, n in placement["streamed"])
         ceiling = read_ceiling if method == "fastpersist-disk" else copy_ceiling
+        new_tokens = disk_tokens if method == "fastpersist-disk" else args.new_tokens
         for batch in batches:
             if method == "fastpersist-host":
                 _generate(offloaded, batch, 8, 1)  # fills the host tier (the first pass reads the disk)
-            row = _generate(offloaded, batch, args.prompt, args.new_tokens)
+            row = _generate(offloaded, batch, args.prompt, new_tokens)
             tokens = row.pop("tokens")
-            row["same_tokens_as_full_gpu"] = bool(torch.equal(tokens, reference[batch])) if batch in reference else None
+            row["rss_before_dispatch_bytes"] = rss_before
+            row["staging_bytes"] = placement["slots"] * placement["slot_bytes"]
+            row["host_tier_bytes"] = state.describe()["host_tier_bytes"]
+            row.update(_agreement(tokens, reference.get(batch), row.pop("logits"), reference_logits.get(batch)))
             bound = batch * ceiling * 1e9 / streamed_bytes[method] if streamed_bytes[method] else None
             row["bound_tokens_per_second"] = bound
             row["of_bound"] = row["decode_tokens_per_second"] / bound if bound else None
@@ -282,17 +483,23 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("accelerate-disk: skipped (accelerate is not installed)")
         else:
+            offload_dir = args.accelerate_offload_dir or os.path.join(args.dir, "accelerate-offload")
             model = load_checkpoint_and_dispatch(
                 _empty_model(llama_config),
                 path,
                 device_map="auto",
                 max_memory={0: budget, "cpu": 1 << 30},
-                offload_folder=os.path.join(args.dir, "accelerate-offload"),
+                offload_folder=offload_dir,
                 dtype=torch.bfloat16,
             )
+            cold = _ColdReads([path, offload_dir])
+            accelerate_reads = cold.detail
+            print(f"accelerate-disk: {cold.detail}", flush=True)
             for batch in batches:
-                row = _generate(model, batch, args.prompt, args.accelerate_tokens)
-                row.pop("tokens")
+                cold()
+                row = _generate(model, batch, args.prompt, args.accelerate_tokens, between_steps=cold)
+                tokens = row.pop("tokens")
+                row.update(_agreement(tokens, reference.get(batch), row.pop("logits"), reference_logits.get(batch)))
                 results.setdefault("accelerate-disk", []).append(row)
                 print(f"accelerate-disk batch {batch}: {row['decode_tokens_per_second']:.3f} tokens/s", flush=True)
             del model
@@ -306,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
             "prompt": args.prompt,
             "new_tokens": args.new_tokens,
             "accelerate_new_tokens": args.accelerate_tokens,
+            "disk_new_tokens": disk_tokens,
+            "deterministic": not args.nondeterministic,
+            "accelerate_reads": accelerate_reads,
             "batches": batches,
         },
         "ceilings": {"disk_read_GBps": read_ceiling, "host_to_device_GBps": copy_ceiling},

@@ -488,7 +488,7 @@ def dcp_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
 
 
 _BLOCK = re.compile(
-    r"(<!-- fastpersist:(summary|results|dcp|ranks|training|safetensors|shapes|aio_handle|offload|s3) -->\n)(.*?)"
+    r"(<!-- fastpersist:(summary|results|dcp|ranks|training|safetensors|shapes|aio_handle|gds|offload|s3) -->\n)(.*?)"
     r"(<!-- /fastpersist -->)",
     re.DOTALL,
 )
@@ -564,6 +564,7 @@ RENDERERS: dict[str, Any] = {
     "safetensors": _per_document("fastpersist.bench.safetensors_bench", "to_markdown"),
     "shapes": _per_document("fastpersist.bench.shapes", "markdown"),
     "aio_handle": _per_document("fastpersist.bench.aio_handle", "to_markdown"),
+    "gds": _per_document("fastpersist.bench.gds", "to_markdown"),
     "offload": _per_document("fastpersist.bench.offload", "to_markdown"),
     "s3": _per_document("fastpersist.bench.s3", "to_markdown"),
 }

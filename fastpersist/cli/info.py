@@ -1,8 +1,10 @@
 """``fastpersist info``: what fastpersist would use on this machine.
 
 Versions, I/O engines (compiled, usable, and why not), direct-I/O support of a
-directory, the memory-lock limit and CUDA devices; ``--json`` prints the same
-as one JSON document.
+directory, the memory-lock limit, CUDA devices and the data path a
+``GdsHandle`` would take (cuFile or the bounce ring, and why); ``--json``
+prints the same as one JSON document. cuFile is loaded (and its driver opened)
+only where torch sees a CUDA device.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import argparse
 import json
 import os
 import platform
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HELP", "add_arguments", "run", "collect_info"]
+__all__ = ["HELP", "add_arguments", "run", "collect_info", "gds_info"]
 
-HELP = "versions, I/O engines, O_DIRECT support, memory lock limit, CUDA"
+HELP = "versions, I/O engines, O_DIRECT support, memory lock limit, CUDA, GDS path"
 
 
 def _fastpersist_version() -> str:
@@ -47,6 +50,55 @@ def _cuda_info() -> dict[str, Any]:
     return info
 
 
+def gds_info(
+    cuda_available: bool, open_cufile: Callable[[], Any] | None = None, directory: str | None = None
+) -> dict[str, Any]:
+    """What a ``GdsHandle`` made now would use: the ``gds_path`` setting, libcufile, nvidia-fs, the path and why.
+
+    Args:
+        cuda_available: whether torch sees a CUDA device; without one cuFile is
+            neither loaded nor opened (its driver open can hang there).
+        open_cufile: opens the cuFile driver (default: ``cufile.open_driver`` of
+            the ``cufile_library`` setting); tests pass fakes.
+        directory: where the cufile path is tried on a real file
+            (``registers_files``: ``True``, or why not); not tried if ``None``.
+    """
+    from fastpersist import config
+    from fastpersist.deepnvme import cufile, gds
+    from fastpersist.errors import GdsUnavailableError
+
+    settings = config.settings()
+    info: dict[str, Any] = {
+        "gds_path_setting": settings.gds_path,
+        "cufile_library_setting": settings.cufile_library or None,
+        "library_file": cufile.find_library_file(settings.cufile_library),
+        "nvidia_fs_loaded": cufile.nvidia_fs_loaded(),
+        "path": None,
+        "reason": "",
+        "cufile_version": None,
+        "compat_mode": None,
+    }
+    if not cuda_available:
+        info["reason"] = "no CUDA device: GdsHandle cannot be made here (AioHandle serves host memory)"
+        return info
+    opener = open_cufile or (lambda: cufile.open_driver(settings.cufile_library))
+    try:
+        path, driver, reason = gds.choose_path(settings.gds_path, opener)
+    except GdsUnavailableError as e:
+        info["reason"] = str(e)
+        return info
+    info.update(path=path, reason=reason)
+    if driver is not None:
+        info.update(cufile_version=driver.version, compat_mode=bool(driver.compat_mode), library_file=driver.path)
+        if directory is not None:
+            try:
+                problem = gds.probe_registration(driver, directory)
+            except OSError as error:
+                problem = f"could not create a probe file: {error}"
+            info["registers_files"] = True if problem is None else problem
+    return info
+
+
 def collect_info(directory: str = ".") -> dict[str, Any]:
     """Everything ``fastpersist info`` reports, as a JSON-serialisable dict."""
     import torch
@@ -66,6 +118,7 @@ def collect_info(directory: str = ".") -> dict[str, Any]:
         probe = {"error": f"{type(e).__name__}: {e}"}
     probe["path"] = directory
     soft, hard = engine.memlock_limit()
+    cuda = _cuda_info()
     return {
         "versions": {
             "fastpersist": _fastpersist_version(),
@@ -85,7 +138,8 @@ def collect_info(directory: str = ".") -> dict[str, Any]:
             "cap_ipc_lock": system.effective_capability(14),
             "transparent_huge_pages": system.transparent_huge_pages(),
         },
-        "cuda": _cuda_info(),
+        "cuda": cuda,
+        "gds": gds_info(cuda["available"], directory=directory),
         "tools": {"fio": system.find_fio(), "fio_note": None if system.find_fio() else system.FIO_INSTALL_HINT},
         "settings": config.settings().as_dict(),
     }
@@ -132,6 +186,25 @@ def _print_info(info: dict[str, Any]) -> None:
         print(f"  torch CUDA {c['torch_cuda_version']}, {len(c['devices'])} device(s)")
         for dev in c["devices"]:
             print(f"  [{dev['index']}] {dev['name']}, {_limit_text(dev['memory_bytes'])}")
+    _print_gds(info["gds"])
+
+
+def _print_gds(g: dict[str, Any]) -> None:
+    print("\nGPUDirect Storage (GdsHandle)")
+    print(f"  gds_path setting  {g['gds_path_setting']}")
+    library = g["library_file"] or "not found (pip install nvidia-cufile, or set FASTPERSIST_CUFILE_LIBRARY)"
+    print(f"  libcufile         {library}")
+    nvfs = "loaded" if g["nvidia_fs_loaded"] else "not loaded (cuFile can run in compatibility mode only)"
+    print(f"  nvidia-fs         {nvfs}")
+    if g["path"] is None:
+        print(f"  path              unavailable: {g['reason']}")
+    else:
+        print(f"  path              {g['path']}: {g['reason']}")
+    registers = g.get("registers_files")
+    if registers is True:
+        print("  files here        cuFile registers them")
+    elif registers is not None:
+        print(f"  files here        cuFile cannot register them ({registers}); path=auto moves their I/O to bounce")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fastpersist.format.plan import SavePlan, SegmentKind
+from fastpersist.format.plan import SavePlan, Segment, SegmentKind
 from fastpersist.format.serializer import plan_save
 from fastpersist.io import engine
 from fastpersist.io.writer import initial_crcs
@@ -48,6 +48,7 @@ __all__ = [
     "PAGE",
     "BytesItem",
     "FileLayout",
+    "FilePlan",
     "TensorItem",
     "file_name",
     "place_items",
@@ -180,6 +181,95 @@ class FileLayout:
                 continue
             runs.append((offset, bytearray(data)))
         return [(offset, bytes(run)) for offset, run in runs]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FilePlan:
+    """One ``.distcp`` file as a plan for :func:`fastpersist.io.writer.write_plan`: its bytes in one pass, in order.
+
+    The local writer writes a :class:`FileLayout` out of order (payloads
+    first, straight from the tensors, then the static bytes); an upload needs
+    the file as a stream of parts, which is what ``write_plan``'s ring makes
+    of a plan. The bytes are the same: the gaps are zeros, a bytes item is its
+    bytes, and a tensor item is its archive's segments moved to the item's
+    base. ``records`` are every archive's records, archive after archive, so
+    the CRC-32 table ``write_plan`` keeps covers all of them; the file has one
+    trailer per archive, which its TRAILER segments number (see
+    :data:`fastpersist.format.plan.Segment`). Make it with :meth:`of`.
+
+    Attributes:
+        layout: the file.
+        records: the archives' records, in file order.
+        firsts: by archive number, the index in ``records`` of its first record.
+        positions: by archive number, its item's position in ``layout.items``.
+    """
+
+    layout: FileLayout
+    records: tuple
+    firsts: tuple[int, ...]
+    positions: tuple[int, ...]
+
+    @classmethod
+    def of(cls, layout: FileLayout) -> FilePlan:
+        records: list = []
+        firsts, positions = [], []
+        for position, item in enumerate(layout.items):
+            if isinstance(item, TensorItem):
+                firsts.append(len(records))
+                positions.append(position)
+                records += item.plan.records
+        return cls(layout, tuple(records), tuple(firsts), tuple(positions))
+
+    @property
+    def size(self) -> int:
+        return self.layout.size
+
+    def devices(self) -> set[torch.device]:
+        return {self.layout.items[position].tensor.device for position in self.positions}
+
+    def segments(self) -> list[Segment]:
+        """Contiguous pieces covering ``[0, size)`` in file order."""
+        pieces: list[Segment] = []
+        end = 0
+        archive = 0
+        for item in self.layout.items:
+            if item.base > end:
+                pieces.append((SegmentKind.BYTES, end, item.base - end, -1, bytes(item.base - end)))
+            if isinstance(item, BytesItem):
+                if item.length:
+                    pieces.append((SegmentKind.BYTES, item.base, item.length, -1, item.data))
+            else:
+                first = self.firsts[archive]
+                for kind, offset, length, record, data in item.plan.segments():
+                    if kind == SegmentKind.TRAILER:
+                        record = archive
+                    elif record >= 0:
+                        record += first
+                    pieces.append((kind, item.base + offset, length, record, data))
+                archive += 1
+            end = item.base + item.length
+        if end != self.size:  # pragma: no cover - place_items ends the file at its last item
+            raise AssertionError("the layout does not end at the file size")
+        return pieces
+
+    def trailer(self, crcs, archive: int = -1) -> bytes:
+        """The trailer of archive number ``archive`` (its central directory), given every record's CRC-32.
+
+        Raises:
+            ValueError: no archive number (a file of several archives has no one trailer).
+        """
+        if archive < 0:
+            raise ValueError("a .distcp file has one trailer per archive: name the archive")
+        item = self.layout.items[self.positions[archive]]
+        first = self.firsts[archive]
+        return item.plan.trailer(crcs[first : first + len(item.plan.records)])
+
+    def payload_crcs(self, crcs) -> dict[int, int]:
+        """Each tensor item's payload CRC-32 by position in ``layout.items`` (what the local writer returns)."""
+        return {
+            position: crcs[first + self.layout.items[position].storage_record]
+            for first, position in zip(self.firsts, self.positions)
+        }
 
 
 def _residue(tensor: torch.Tensor) -> int:

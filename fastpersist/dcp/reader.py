@@ -25,6 +25,18 @@ For items written by fastpersist (their ``_StorageInfo`` carries the
 Items without the extension (FileSystemWriter's) are read with the engine,
 their archive's zip CRC-32s are verified (when the writer computed them) and
 they are unpickled with ``torch.load(weights_only=True)``, as DCP's reader does.
+
+Under an ``s3://bucket/prefix`` (:mod:`fastpersist.dcp.objectstore`) the
+same files are objects: ``read_metadata`` fetches ``.metadata``, and each
+rank's items are read with concurrent ranged GETs
+(``io.objectstore.read_ranges``: ``s3_concurrency`` GETs of at most
+``s3_part_size``, reads of one object that touch or lie within 64 KiB
+sharing one, every GET conditional on the ETag the object had when first
+asked for). Whole chunks land straight in the tensors DCP provides (CPU) and
+are verified there; everything else lands in host buffers, at most
+``s3_concurrency * s3_part_size`` bytes of them at a time, and is verified,
+parsed and copied as above. Objects of ``FileSystemWriter`` checkpoints
+uploaded under a prefix are read the same way.
 """
 
 from __future__ import annotations
@@ -51,12 +63,14 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from fastpersist import config
+from fastpersist.dcp import objectstore as s3
 from fastpersist.dcp.layout import EXTENSION_ATTRIBUTE, EXTENSION_VERSION, PAGE
 from fastpersist.dcp.writer import METADATA_FILE, validate_checkpoint_path
-from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError
+from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, ObjectNotFoundError
 from fastpersist.format.deserializer import archive_prefix, deserialize
 from fastpersist.format.zipformat import read_directory
 from fastpersist.io import engine, memory
+from fastpersist.io import objectstore as s3_io
 from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
 
 __all__ = ["FastPersistReader"]
@@ -69,18 +83,29 @@ class FastPersistReader(StorageReader):
     """DCP StorageReader with parallel, in-place, verified reads.
 
     Args:
-        path: the checkpoint directory. ``dcp.load(..., checkpoint_id=...)`` replaces it.
+        path: the checkpoint directory, or the ``s3://bucket/prefix`` (a
+            string) of one. ``dcp.load(..., checkpoint_id=...)`` replaces it.
         verify: check every item's CRC-32 (fastpersist's extension, or the
             zip CRC-32s of FileSystemWriter archives). Default: the
             ``verify`` setting (on).
         **settings: ``fastpersist.config`` overrides (``engine``, ``direct``,
             ``block_size``, ``queue_depth``, ``intra_op_parallelism``,
-            ``buffer_size``, ``read_buffer_count``, ``huge_pages``).
+            ``buffer_size``, ``read_buffer_count``, ``huge_pages``; for
+            ``s3://``: ``s3_part_size``, ``s3_concurrency``).
+
+    Raises:
+        ValueError: an ``s3://`` URL without a bucket, or made a ``pathlib`` path.
 
     Raises (from ``dcp.load``, wrapped by DCP in a ``CheckpointException`` on every rank):
         ChecksumMismatchError: an item's bytes do not match their CRC-32.
-        CorruptCheckpointError: an item's archive is damaged.
-        FileNotFoundError: no ``.metadata`` (not a committed checkpoint) or a missing data file.
+        CorruptCheckpointError: an item's archive is damaged;
+            (``TruncatedCheckpointError``) an object is shorter than its items.
+        FileNotFoundError: no ``.metadata`` (not a committed checkpoint) or a
+            missing data file; under a prefix ``ObjectNotFoundError``, or
+            ``BucketNotFoundError`` where the bucket does not exist.
+        ObjectStoreCredentialsError, ObjectStoreError: an ``s3://`` request
+            was refused or the network failed; an object was replaced while
+            it was read (``code="PreconditionFailed"``).
     """
 
     def __init__(
@@ -96,7 +121,7 @@ class FastPersistReader(StorageReader):
         overrides, _ = config.split_overrides("FastPersistReader", settings, allow_other=False)
         self.settings = config.resolve(overrides)
         self.verify = self.settings.verify if verify is None else bool(verify)
-        self.path = Path(path)
+        self._locate(path)
         self.storage_data: dict[Any, Any] = {}
         self.load_id = str(uuid.uuid4())
         self.rank: int | None = None
@@ -107,15 +132,25 @@ class FastPersistReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self._locate(checkpoint_id)
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        path = self.path / (METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+        if self.prefix is not None:
+            metadata = self._fetch_metadata(name)
+        else:
+            metadata = self._open_metadata(self.path / name)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _open_metadata(self, path: Path) -> Metadata:
         try:
             with open(path, "rb") as f:
-                metadata = pickle.load(f)
+                return pickle.load(f)
         except FileNotFoundError as e:
             raise FileNotFoundError(
                 e.errno,
@@ -123,10 +158,20 @@ class FastPersistReader(StorageReader):
                 "or this is not a checkpoint directory",
                 str(path),
             ) from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+
+    def _fetch_metadata(self, name: str) -> Metadata:
+        client = s3_io.make_client(1)
+        try:
+            data = s3.fetch(self.prefix, name, self.settings, client=client)
+        except ObjectNotFoundError as e:
+            raise ObjectNotFoundError(
+                e.errno,
+                f"{self.prefix} holds no committed checkpoint (no {name} object): the save did not finish, or "
+                f"this is not a checkpoint prefix (aws s3 ls {self.prefix}/)",
+                e.filename,
+                code=e.code,
+            ) from None
+        return pickle.loads(data)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
@@ -142,7 +187,7 @@ class FastPersistReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        _PlanReader(self, planner).run(plan.items)
+        (_PlanReader if self.prefix is None else _ObjectPlanReader)(self, planner).run(plan.items)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -153,7 +198,11 @@ class FastPersistReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return validate_checkpoint_path(checkpoint_id)
+        return s3_io.is_object_url(checkpoint_id) or validate_checkpoint_path(checkpoint_id)
+
+    def _locate(self, path: str | os.PathLike) -> None:
+        self.prefix = s3.prefix_of(path)
+        self.path = Path(path) if self.prefix is None else self.prefix.url
 
 
 def _extension(info) -> dict | None:
@@ -178,47 +227,54 @@ class _PlanReader:
         self.files: dict[str, Any] = {}
 
     def run(self, items: list[ReadItem]) -> None:
+        try:
+            self._carry_out(*self._classify(items))
+        finally:
+            for file in self.files.values():
+                file.close()
+
+    def _classify(self, items: list[ReadItem]) -> tuple[list, ...]:
+        """The rank's reads by path: (in place, to a device, staged, FileSystemWriter's, bytes, transformed)."""
         groups: dict[Any, list[ReadItem]] = {}
         for item in items:
             groups.setdefault(item.storage_index, []).append(item)
         in_place, to_device, staged, foreign, raw, transformed = [], [], [], [], [], []
-        try:
-            for index, requests in groups.items():
-                info = self.reader.storage_data[index]
-                if getattr(info, "transform_descriptors", None):
-                    transformed.append((requests, info))
-                    continue
-                extension = _extension(info)
-                if requests[0].type == LoadItemType.BYTE_IO:
-                    raw += [(request, info, extension) for request in requests]
-                elif extension is None:
-                    foreign.append((requests, info))
-                elif len(requests) == 1 and _whole_chunk(requests[0], extension["shape"]):
-                    request = requests[0]
-                    destination = self.planner.resolve_tensor(request).detach()
-                    if destination.dtype != _dtype(extension) or not destination.is_contiguous():
-                        staged.append((requests, info, extension))
-                    elif destination.device.type == "cpu":
-                        in_place.append((request, destination, info, extension))
-                    elif destination.device.type == "cuda":
-                        to_device.append((request, destination, info, extension))
-                    else:
-                        staged.append((requests, info, extension))
+        for index, requests in groups.items():
+            info = self.reader.storage_data[index]
+            if getattr(info, "transform_descriptors", None):
+                transformed.append((requests, info))
+                continue
+            extension = _extension(info)
+            if requests[0].type == LoadItemType.BYTE_IO:
+                raw += [(request, info, extension) for request in requests]
+            elif extension is None:
+                foreign.append((requests, info))
+            elif len(requests) == 1 and _whole_chunk(requests[0], extension["shape"]):
+                request = requests[0]
+                destination = self.planner.resolve_tensor(request).detach()
+                if destination.dtype != _dtype(extension) or not destination.is_contiguous():
+                    staged.append((requests, info, extension))
+                elif destination.device.type == "cpu":
+                    in_place.append((request, destination, info, extension))
+                elif destination.device.type == "cuda":
+                    to_device.append((request, destination, info, extension))
                 else:
                     staged.append((requests, info, extension))
-            self._read_in_place(in_place)
-            self._read_to_device(to_device)
-            for entry in staged:
-                self._read_staged(*entry)
-            for entry in foreign:
-                self._read_foreign(*entry)
-            for entry in raw:
-                self._read_bytes(*entry)
-            for entry in transformed:
-                self._read_transformed(*entry)
-        finally:
-            for file in self.files.values():
-                file.close()
+            else:
+                staged.append((requests, info, extension))
+        return in_place, to_device, staged, foreign, raw, transformed
+
+    def _carry_out(self, in_place, to_device, staged, foreign, raw, transformed) -> None:
+        self._read_in_place(in_place)
+        self._read_to_device(to_device)
+        for entry in staged:
+            self._read_staged(*entry)
+        for entry in foreign:
+            self._read_foreign(*entry)
+        for entry in raw:
+            self._read_bytes(*entry)
+        for entry in transformed:
+            self._read_transformed(*entry)
 
     # -- helpers ---------------------------------------------------------------
 
@@ -427,6 +483,109 @@ class _PlanReader:
                 request,
                 narrow_tensor_by_index(stored, request.storage_offsets, request.lengths),
             )
+
+
+class _ObjectPlanReader(_PlanReader):
+    """Carries out one rank's LoadPlan from objects under an ``s3://`` prefix: ranged GETs, not file reads.
+
+    The paths are the file reader's; only where the bytes come from differs.
+    Whole chunks into contiguous CPU tensors are fetched straight into them
+    (:meth:`_read_in_place`); every other read is fetched first, in batches
+    of at most ``s3_concurrency * s3_part_size`` bytes, into page-aligned
+    host buffers that :meth:`_read_exact` then hands to the file reader's
+    code (CUDA destinations take the staged path: fetched, verified, copied).
+    Each object is asked for its ETag once, and every GET is conditional on it.
+    """
+
+    def __init__(self, reader: FastPersistReader, planner: LoadPlanner):
+        super().__init__(reader, planner)
+        self.client = s3_io.make_client(self.settings.s3_concurrency)
+        self.seen: dict = {}  # object -> (size, ETag), for every GET of this load
+        self.fetched: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def _where(self, info) -> str:
+        return self.reader.prefix.object(info.relative_path).path
+
+    def _fetch(self, reads: list) -> None:
+        """``(relative path, offset, destination memoryview)`` reads, all at once."""
+        objects = [(self.reader.prefix.object(name), offset, destination) for name, offset, destination in reads]
+        s3_io.read_ranges(objects, self.settings, client=self.client, seen=self.seen)
+
+    def _carry_out(self, in_place, to_device, staged, foreign, raw, transformed) -> None:
+        self._read_in_place(in_place)
+        jobs = []  # (function, its arguments, (info, offset, nbytes, element size) it reads)
+        for request, _, info, extension in to_device:
+            staged.append(([request], info, extension))
+        for entry in staged:
+            _, info, extension = entry
+            element_size = torch.empty(0, dtype=_dtype(extension)).element_size()
+            jobs.append((self._read_staged, entry, (info, extension["offset"], extension["nbytes"], element_size)))
+        for entry in foreign:
+            jobs.append((self._read_foreign, entry, (entry[1], entry[1].offset, entry[1].length, 1)))
+        for entry in raw:
+            jobs.append((self._read_bytes, entry, (entry[1], entry[1].offset, entry[1].length, 1)))
+        for entry in transformed:
+            jobs.append((self._read_transformed, entry, (entry[1], entry[1].offset, entry[1].length, 1)))
+        budget = self.settings.s3_concurrency * self.settings.s3_part_size
+        batch: list = []
+        held = 0
+        for job in jobs:
+            nbytes = job[2][2]
+            if batch and held + nbytes > budget:
+                self._run_batch(batch)
+                batch, held = [], 0
+            batch.append(job)
+            held += nbytes
+        if batch:
+            self._run_batch(batch)
+
+    def _run_batch(self, jobs: list) -> None:
+        reads = []
+        for _, _, (info, offset, nbytes, element_size) in jobs:
+            key = (info.relative_path, offset, nbytes)
+            if key not in self.fetched:
+                data = self.fetched[key] = self._aligned_like(offset, nbytes, element_size)
+                if nbytes:
+                    reads.append((info.relative_path, offset, host_memoryview(data)))
+        try:
+            self._fetch(reads)
+            for function, entry, _ in jobs:
+                function(*entry)
+        finally:
+            self.fetched.clear()
+
+    def _read_exact(self, info, offset: int, nbytes: int, element_size: int = 1) -> torch.Tensor:
+        return self.fetched[(info.relative_path, offset, nbytes)]
+
+    def _read_in_place(self, entries: list) -> None:
+        if not entries:
+            return
+        reads = []
+        for request, destination, info, extension in entries:
+            view = host_memoryview(destination)
+            if len(view) != extension["nbytes"]:
+                raise CorruptCheckpointError(
+                    f"{self._where(info)}: item {request.storage_index.fqn!r} holds {extension['nbytes']} bytes, "
+                    f"its shape and dtype say {len(view)}",
+                    path=self._where(info),
+                    record=request.storage_index.fqn,
+                )
+            reads.append((info.relative_path, extension["offset"], view))
+        self._fetch(reads)
+        if self.verify:
+            with concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS) as pool:
+                crcs = list(
+                    pool.map(
+                        lambda entry: (
+                            engine.crc32(entry[1].data_ptr(), entry[3]["nbytes"], 0) if entry[3]["nbytes"] else 0
+                        ),
+                        entries,
+                    )
+                )
+            for (request, _, info, extension), crc in zip(entries, crcs):
+                self._check(crc, extension, info, request)
+        for request, destination, _, _ in entries:
+            self.planner.commit_tensor(request, destination)
 
 
 class _SliceProvider:

@@ -31,6 +31,16 @@ rank): the ``.metadata`` goes to a temporary file that is fsynced and renamed
 into place, then the directory is fsynced. An existing ``.metadata`` in the
 directory is removed (durably) before any rank writes, so a save that dies
 half way never leaves a ``.metadata`` pointing at half-written files.
+
+To an ``s3://bucket/prefix`` (:mod:`fastpersist.dcp.objectstore`), the same
+files become objects under the prefix, byte for byte: each rank uploads each
+of its files as one multipart upload fed by the ring writer
+(``io.objectstore.commit_plan`` executing a :class:`~fastpersist.dcp.layout.FilePlan`:
+``s3_concurrency`` parts of ``s3_part_size`` in flight, host memory bounded
+by the ring, the upload aborted on any failure). The coordinator deletes a
+stale ``.metadata`` object before any rank uploads, and ``finish`` checks
+that every rank's objects are there before it stores ``.metadata`` with one
+PutObject, the commit.
 """
 
 from __future__ import annotations
@@ -56,16 +66,19 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from fastpersist import config
+from fastpersist.dcp import objectstore as s3
 from fastpersist.dcp.layout import (
     EXTENSION_ATTRIBUTE,
     EXTENSION_VERSION,
     BytesItem,
     FileLayout,
+    FilePlan,
     TensorItem,
     file_name,
     place_items,
 )
 from fastpersist.io import engine, memory
+from fastpersist.io import objectstore as s3_io
 from fastpersist.io.commit import fsync_directory
 
 __all__ = ["METADATA_FILE", "FastPersistWriter", "validate_checkpoint_path"]
@@ -88,22 +101,35 @@ class FastPersistWriter(StorageWriter):
     """DCP StorageWriter that writes FileSystemWriter-compatible checkpoints with fastpersist's engine.
 
     Args:
-        path: the checkpoint directory (created if missing). ``dcp.save(...,
-            checkpoint_id=...)`` replaces it.
+        path: the checkpoint directory (created if missing), or an
+            ``s3://bucket/prefix`` (a string) under which the files become
+            objects. ``dcp.save(..., checkpoint_id=...)`` replaces it.
         files_per_rank: ``.distcp`` files each rank writes (items are spread
             by size, like FileSystemWriter's ``thread_count``). One file is
             usually fastest: the engine parallelises within it.
         sync_files: fsync every file and the directory (durable checkpoint).
             With False a crash may leave a checkpoint that fails its checksums.
+            (Objects are durable once stored: no effect on ``s3://``.)
         overwrite: allow saving into a directory that holds a checkpoint
             (its ``.metadata`` is removed first); False raises instead.
         **settings: ``fastpersist.config`` overrides (``buffer_size``,
             ``buffer_count``, ``engine``, ``direct``, ``block_size``,
-            ``queue_depth``, ``intra_op_parallelism``, ``checksum``).
+            ``queue_depth``, ``intra_op_parallelism``, ``checksum``; for
+            ``s3://``: ``s3_part_size``, ``s3_concurrency``, ``checksum``).
 
     Raises:
         TypeError: an unknown keyword argument.
         ConfigError: an invalid setting value.
+        ValueError: an ``s3://`` URL without a bucket, or made a ``pathlib`` path.
+
+    Raises from ``dcp.save`` (DCP wraps a rank's error in a ``CheckpointException``
+    raised on every rank; no ``.metadata`` is left behind):
+        FileExistsError: ``overwrite=False`` and the target holds a checkpoint.
+        OSError: a local write failed (``errno`` and ``filename`` set).
+        BucketNotFoundError, ObjectStoreCredentialsError, ObjectStoreError:
+            an ``s3://`` request failed (the rank's upload in progress is
+            aborted), or a rank's object is missing or was overwritten
+            before the commit; ObjectStoreUnavailableError: boto3 is missing.
 
     Call order (DCP's): ``reset`` -> ``set_up_storage_writer`` ->
     ``prepare_local_plan`` -> (coordinator) ``prepare_global_plan`` ->
@@ -124,7 +150,7 @@ class FastPersistWriter(StorageWriter):
         self.settings = config.resolve(overrides)
         if files_per_rank < 1:
             raise ValueError(f"files_per_rank must be >= 1, got {files_per_rank}")
-        self.path = Path(path)
+        self._locate(path)
         self.files_per_rank = int(files_per_rank)
         self.sync_files = bool(sync_files)
         self.overwrite = bool(overwrite)
@@ -137,7 +163,7 @@ class FastPersistWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self._locate(checkpoint_id)
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -146,14 +172,15 @@ class FastPersistWriter(StorageWriter):
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self.path.mkdir(parents=True, exist_ok=True)
-        if self._metadata_path(0 if not self.use_collectives else None).exists() and not self.overwrite:
-            raise FileExistsError(
-                f"{self.path} already holds a checkpoint and overwrite=False; save to a new directory "
-                "or pass FastPersistWriter(..., overwrite=True)"
-            )
+        if self.prefix is None:  # (under a prefix, the coordinator's retraction checks overwrite)
+            self.path.mkdir(parents=True, exist_ok=True)
+            if self._metadata_path(0 if not self.use_collectives else None).exists() and not self.overwrite:
+                raise FileExistsError(
+                    f"{self.path} already holds a checkpoint and overwrite=False; save to a new directory "
+                    "or pass FastPersistWriter(..., overwrite=True)"
+                )
         if self.rank is not None and not self.use_collectives:
-            self._retract_metadata(self._metadata_path(self.rank))
+            self._retract_metadata(self.rank)
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
 
@@ -161,7 +188,7 @@ class FastPersistWriter(StorageWriter):
         # Runs on the coordinator before any rank writes: from here until finish() the
         # directory holds no .metadata, so a save that dies half way leaves no checkpoint
         # that points at half-written files.
-        self._retract_metadata(self._metadata_path())
+        self._retract_metadata()
         return [
             dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) if plan.storage_data is None else plan
             for i, plan in enumerate(plans)
@@ -170,6 +197,7 @@ class FastPersistWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix: _StoragePrefix = plan.storage_data
         buckets = _split_by_size_and_type(self.files_per_rank, list(plan.items))
+        client = s3_io.make_client(self.settings.s3_concurrency) if self.prefix is not None and plan.items else None
         results: list[WriteResult] = []
         for number, bucket in enumerate(b for b in buckets if b):
             entries = []
@@ -181,8 +209,8 @@ class FastPersistWriter(StorageWriter):
                 entries.append((item.index, data))
             layout = place_items(file_name(prefix.prefix, number), entries)
             del entries
-            results += self._write_file(layout)
-        if self.sync_files and results:
+            results += self._write_file(layout, client)
+        if self.sync_files and results and self.prefix is None:
             fsync_directory(str(self.path))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -196,6 +224,13 @@ class FastPersistWriter(StorageWriter):
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
         per_rank = not self.use_collectives and self.rank is not None
+        if self.prefix is not None:
+            client = s3_io.make_client(self.settings.s3_concurrency)
+            s3.check_committed(self.prefix, _file_sizes(results), self.settings, client=client)
+            s3.store(
+                self.prefix, self._metadata_name(self.rank if per_rank else None), pickle.dumps(metadata), client=client
+            )
+            return
         target = self._metadata_path(self.rank if per_rank else None)
         temporary = target.with_name(target.name + ".tmp")
         with open(temporary, "wb") as f:
@@ -216,29 +251,50 @@ class FastPersistWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return validate_checkpoint_path(checkpoint_id)
+        return s3_io.is_object_url(checkpoint_id) or validate_checkpoint_path(checkpoint_id)
 
     # -- internals -------------------------------------------------------------
 
-    def _metadata_path(self, rank: int | None = None) -> Path:
-        return self.path / (METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+    def _locate(self, path: str | os.PathLike) -> None:
+        self.prefix = s3.prefix_of(path)
+        self.path = Path(path) if self.prefix is None else self.prefix.url
 
-    def _retract_metadata(self, path: Path) -> None:
-        if not path.exists():
-            return
+    def _metadata_name(self, rank: int | None = None) -> str:
+        return METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+
+    def _metadata_path(self, rank: int | None = None) -> Path:
+        return self.path / self._metadata_name(rank)
+
+    def _retract_metadata(self, rank: int | None = None) -> None:
+        name = self._metadata_name(rank)
+        client = None
+        if self.prefix is None:
+            if not self._metadata_path(rank).exists():
+                return
+        else:
+            client = s3_io.make_client(1)
+            if not s3.exists(self.prefix, name, client=client):
+                return
         if not self.overwrite:
             raise FileExistsError(f"{self.path} already holds a checkpoint and overwrite=False")
         warnings.warn(
             f"Detected an existing checkpoint in {self.path}, overwriting it",
             stacklevel=3,
         )
-        path.unlink()
+        if self.prefix is not None:
+            s3.retract(self.prefix, name, client=client)
+            return
+        self._metadata_path(rank).unlink()
         if self.sync_files:
             fsync_directory(str(self.path))
 
-    def _write_file(self, layout: FileLayout) -> list[WriteResult]:
-        path = self.path / layout.name
-        crcs = write_layout(layout, str(path), self.settings, fsync=self.sync_files)
+    def _write_file(self, layout: FileLayout, client=None) -> list[WriteResult]:
+        if self.prefix is None:
+            crcs = write_layout(layout, str(self.path / layout.name), self.settings, fsync=self.sync_files)
+        else:
+            plan = FilePlan.of(layout)
+            destination = self.prefix.object(layout.name)
+            crcs = plan.payload_crcs(s3_io.commit_plan(plan, destination, self.settings, None, client=client))
         results = []
         for position, item in enumerate(layout.items):
             info = _StorageInfo(layout.name, item.base, item.length)
@@ -263,6 +319,16 @@ class FastPersistWriter(StorageWriter):
             setattr(info, EXTENSION_ATTRIBUTE, extension)
             results.append(WriteResult(index=item.index, size_in_bytes=item.length, storage_data=info))
         return results
+
+
+def _file_sizes(results: list[list[WriteResult]]) -> dict[str, int]:
+    """Each written file's size, by name: where its last item ends (a layout ends there)."""
+    sizes: dict[str, int] = {}
+    for result_list in results:
+        for result in result_list:
+            info = result.storage_data
+            sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+    return sizes
 
 
 def write_layout(layout: FileLayout, path: str, settings: config.Settings, *, fsync: bool = True) -> dict[int, int]:

@@ -2,16 +2,17 @@
 
 ::
 
-    # from deepspeed.ops.op_builder import AsyncIOBuilder, UtilsBuilder
-    from fastpersist.deepnvme import AsyncIOBuilder, UtilsBuilder
+    # from deepspeed.ops.op_builder import AsyncIOBuilder, GDSBuilder, UtilsBuilder
+    from fastpersist.deepnvme import AsyncIOBuilder, GDSBuilder, UtilsBuilder
 
     h = AsyncIOBuilder().load().aio_handle(block_size=1 << 20, queue_depth=32)
+    g = GDSBuilder().load().gds_handle(block_size=1 << 20, queue_depth=32)  # CUDA tensors
     h.sync_pwrite(tensor, "/nvme/x.pt")
     byte_view = UtilsBuilder().load().cast_to_byte_tensor(tensor)
 
 ``load()`` compiles nothing: the native core ships with fastpersist. The
-handle is :class:`fastpersist.AioHandle`; its deliberate differences from
-DeepNVMe are listed in docs/deepnvme-parity.md.
+handles are :class:`fastpersist.AioHandle` and :class:`fastpersist.GdsHandle`;
+their deliberate differences from DeepNVMe are listed in docs/deepnvme-parity.md.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from fastpersist.deepnvme.gds import GdsHandle
 from fastpersist.deepnvme.handle import AioHandle, is_pinned
 from fastpersist.io import memory
 from fastpersist.tensors import cast_to_byte_tensor
@@ -28,6 +30,8 @@ from fastpersist.tensors import cast_to_byte_tensor
 __all__ = [
     "AioHandle",
     "AsyncIOBuilder",
+    "GDSBuilder",
+    "GdsHandle",
     "PinHandle",
     "PinMemoryBuilder",
     "UtilsBuilder",
@@ -144,6 +148,28 @@ class AsyncIOBuilder(_Builder):
             aio_write=aio_write,
             deepspeed_memcpy=deepspeed_memcpy,
         )
+
+
+class GDSBuilder(_Builder):
+    """``GDSBuilder().load().gds_handle(...)`` gives a :class:`fastpersist.GdsHandle` (CUDA tensors).
+
+    ``is_compatible()`` is True where torch sees a CUDA device: the handle then
+    works with or without cuFile (its ``bounce`` path needs no cuFile).
+    Loading never loads cuFile; making a handle may (``gds_path`` setting).
+    """
+
+    NAME = "gds"
+    BUILD_VAR = "DS_BUILD_GDS"
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        """Whether torch sees a CUDA device (``GdsHandle`` raises ``CudaUnavailableError`` without one)."""
+        try:
+            return bool(torch.cuda.is_available())
+        except Exception:  # noqa: BLE001 - a broken CUDA install means "not compatible"
+            return False
+
+    def _module(self) -> types.SimpleNamespace:
+        return types.SimpleNamespace(gds_handle=GdsHandle)
 
 
 class UtilsBuilder(_Builder):

@@ -38,7 +38,7 @@ from fastpersist.io import engine as engine_module
 from fastpersist.io import memory
 from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
 
-__all__ = ["AioHandle", "is_pinned"]
+__all__ = ["AioHandle", "is_pinned", "check_file_bytes"]
 
 PathOrFd = Union[str, "os.PathLike[str]", int]
 
@@ -107,6 +107,28 @@ def is_pinned(buffer: torch.Tensor) -> bool:
         return bool(buffer.is_pinned())
     except RuntimeError:  # CPU-only torch builds may raise instead of answering
         return False
+
+
+def check_file_bytes(data: torch.Tensor, target: PathOrFd, file_offset: int) -> None:
+    """DeepNVMe's ``validate``: the file's bytes at ``file_offset`` equal ``data``'s (a contiguous uint8 view).
+
+    Reads through a fresh read-only description, so a caller's descriptor that
+    is write-only or O_DIRECT works too.
+
+    Raises:
+        OSError: the bytes differ (the message names file, offset and size), or the file cannot be read.
+    """
+    expected = data.cpu() if data.device.type != "cpu" else data
+    nbytes = expected.numel()
+    name = target if isinstance(target, int) else os.fspath(target)
+    with open(f"/proc/self/fd/{target}" if isinstance(target, int) else name, "rb") as f:
+        f.seek(file_offset)
+        got = f.read(nbytes)
+    if got != bytes(host_memoryview(expected)):
+        shown = f"<fd {target}>" if isinstance(target, int) else name
+        raise OSError(
+            f"validation failed: the {nbytes} bytes at offset {file_offset} of {shown} differ from the tensor"
+        )
 
 
 def _ring_chunk(nbytes: int, limit: int) -> int:
@@ -695,22 +717,7 @@ class AioHandle:
         return error
 
     def _validate(self, data: torch.Tensor, target: PathOrFd, file_offset: int) -> None:
-        expected = data.cpu() if data.device.type != "cpu" else data
-        nbytes = expected.numel()
-        if isinstance(target, int):
-            # Through a fresh read-only description: the caller's fd may be write-only or O_DIRECT.
-            with open(f"/proc/self/fd/{target}", "rb") as f:
-                f.seek(file_offset)
-                got = f.read(nbytes)
-        else:
-            with open(target, "rb") as f:
-                f.seek(file_offset)
-                got = f.read(nbytes)
-        if got != bytes(host_memoryview(expected)):
-            name = target if not isinstance(target, int) else f"<fd {target}>"
-            raise OSError(
-                f"validation failed: the {nbytes} bytes at offset {file_offset} of {name} differ from the tensor"
-            )
+        check_file_bytes(data, target, file_offset)
 
     def __repr__(self) -> str:
         return (

@@ -7,5 +7,5 @@ See docs/distributed.md.
 
 Modules: :mod:`.sharding` (the pure split), :mod:`.crc` (CRC-32 combination),
 :mod:`.coordinator` (metadata exchange with timeouts), :mod:`.save`,
-:mod:`.manifest`, :mod:`.load`, :mod:`.verify`.
+:mod:`.manifest`, :mod:`.load`, :mod:`.verify`, :mod:`.objectstore` (``s3://`` targets).
 """

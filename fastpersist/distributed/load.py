@@ -9,7 +9,9 @@
   and travels to every rank by ``torch.distributed.broadcast``. The group's
   size need not be the saving world size.
 
-Both return the bytes; ``fastpersist.load`` unpickles them. Memory: the
+Both return the bytes; ``fastpersist.load`` unpickles them. Part objects of
+an ``s3://`` checkpoint are fetched by :mod:`fastpersist.distributed.objectstore`
+into the same :func:`assemble_into`. Memory: the
 whole file's bytes are held once in host memory while the objects are built
 (plus the objects themselves). ``fastpersist merge`` turns
 parts into one ordinary file, which loads without that copy.
@@ -20,18 +22,27 @@ from __future__ import annotations
 import glob
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fastpersist.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
-from fastpersist.distributed.manifest import Manifest, is_manifest, read_manifest
+from fastpersist.distributed.manifest import Manifest, PartInfo, is_manifest, read_manifest
 from fastpersist.errors import DistributedCheckpointError, TruncatedCheckpointError
 from fastpersist.io import engine
 from fastpersist.io.records import verify_records
 from fastpersist.tensors import host_memoryview
 
-__all__ = ["PartsSource", "assemble", "read_parts", "read_collective", "check_bytes"]
+__all__ = [
+    "PartsSource",
+    "assemble",
+    "assemble_into",
+    "check_part_size",
+    "read_parts",
+    "read_collective",
+    "check_bytes",
+]
 
 _PART = re.compile(r"^(?P<name>.+)\.(?P<token>[0-9a-f]+)\.part-(?P<index>\d+)-of-(?P<count>\d+)$")
 
@@ -61,11 +72,7 @@ class PartsSource:
                     "that see it",
                     path,
                 ) from None
-            if size != part.length:
-                raise TruncatedCheckpointError(
-                    f"{path}: part {part.index} has {size} bytes, the manifest says {part.length}; restore it",
-                    path=path,
-                )
+            check_part_size(part, size, path)
             self.paths[part.index] = path
 
     @property
@@ -111,14 +118,42 @@ def _apply_patches(buffer, offset: int, manifest: Manifest) -> None:
             buffer[lo - offset : hi - offset] = data[lo - position : hi - position]
 
 
+def check_part_size(part: PartInfo, size: int, where: str) -> None:
+    """Raises TruncatedCheckpointError when the part found at ``where`` (a path or URL) has another size than listed."""
+    if size != part.length:
+        raise TruncatedCheckpointError(
+            f"{where}: part {part.index} has {size} bytes, the manifest says {part.length}; restore it",
+            path=where,
+        )
+
+
+def assemble_into(
+    destination: memoryview, manifest: Manifest, read_parts: Callable[[list[tuple[PartInfo, memoryview]]], None]
+) -> None:
+    """Rebuilds the ordinary file a manifest stands for in ``destination`` (``manifest.size`` writable bytes).
+
+    ``read_parts`` gets each part with the slice of ``destination`` it
+    fills (``[part.start, part.end)``) and must fill them all, in any order
+    (local files one by one; object stores with concurrent ranged GETs).
+    Then the manifest's patches and trailer are written in. The caller
+    verifies the result (:func:`check_bytes`, or the loader's own checks).
+    """
+    if len(destination) != manifest.size:
+        raise AssertionError(f"{len(destination)} bytes to rebuild a checkpoint of {manifest.size}")
+    read_parts([(part, destination[part.start : part.end]) for part in manifest.parts])
+    finish(destination, manifest)
+
+
 def assemble(manifest: Manifest, directory: str, extra: dict[int, str] | None = None) -> torch.Tensor:
     """The whole ordinary file's bytes (uint8 CPU tensor), read from all parts."""
     source = PartsSource(manifest, directory, extra)
     buffer = torch.empty(manifest.size, dtype=torch.uint8)
-    view = host_memoryview(buffer)
-    for part in manifest.parts:
-        _read_file_into(source.paths[part.index], view[part.start : part.end])
-    finish(buffer, manifest)
+
+    def read_parts(pieces: list[tuple[PartInfo, memoryview]]) -> None:
+        for part, view in pieces:
+            _read_file_into(source.paths[part.index], view)
+
+    assemble_into(host_memoryview(buffer), manifest, read_parts)
     return buffer
 
 
@@ -132,9 +167,9 @@ def _read_file_into(path: str, view: memoryview) -> None:
             position += count
 
 
-def finish(buffer: torch.Tensor, manifest: Manifest) -> None:
+def finish(buffer: torch.Tensor | memoryview, manifest: Manifest) -> None:
     """Writes the manifest's patches (data descriptors) and trailer into the assembled bytes."""
-    data = host_memoryview(buffer)
+    data = buffer if isinstance(buffer, memoryview) else host_memoryview(buffer)
     for position, patch in manifest.patches:
         data[position : position + len(patch)] = memoryview(patch).cast("B")
     t = manifest.trailer_offset
@@ -236,11 +271,7 @@ def read_collective(
         view = host_memoryview(buffer)
         for part in manifest.parts:
             if sources[part.index] == coordinator.rank:
-                size = os.stat(mine[part.index]).st_size
-                if size != part.length:
-                    raise TruncatedCheckpointError(
-                        f"{mine[part.index]}: {size} bytes, manifest says {part.length}", path=mine[part.index]
-                    )
+                check_part_size(part, os.stat(mine[part.index]).st_size, mine[part.index])
                 _read_file_into(mine[part.index], view[part.start : part.end])
 
     coordinator.run("read", read_mine)

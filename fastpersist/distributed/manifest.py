@@ -20,7 +20,7 @@ from typing import Any
 
 from fastpersist.errors import CorruptCheckpointError
 
-__all__ = ["FORMAT", "Manifest", "PartInfo", "is_manifest", "read_manifest", "part_name"]
+__all__ = ["FORMAT", "Manifest", "PartInfo", "is_manifest", "looks_like_manifest", "read_manifest", "part_name"]
 
 FORMAT = "fastpersist-sharded"
 VERSION = 1
@@ -127,7 +127,12 @@ def is_manifest(path: str) -> bool:
             head = handle.read(256)
     except OSError:
         return False
-    return head.lstrip()[:1] == b"{" and FORMAT.encode() in head
+    return looks_like_manifest(head)
+
+
+def looks_like_manifest(head: bytes) -> bool:
+    """Whether a file or object that starts with ``head`` (its first 256 bytes or more) is a manifest."""
+    return head.lstrip()[:1] == b"{" and FORMAT.encode() in head[:256]
 
 
 def read_manifest(path: str) -> Manifest:

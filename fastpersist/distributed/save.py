@@ -38,6 +38,14 @@ every rank, naming the rank; rank 0 then removes the temporary file, and the
 previous checkpoint at the path stays. Other ranks open rank 0's temporary
 file without creating it, so a rank that arrives after a failure never
 recreates it.
+
+Where the parts and the manifest go is a small store object: files beside
+the path (``_LocalParts``), or, for an ``s3://bucket/key`` target (always
+``layout="parts"``), part objects beside the key and a manifest object whose
+``PutObject`` is the commit (:class:`fastpersist.distributed.objectstore.ObjectParts`).
+A failed ``layout="parts"`` save removes its parts: each rank its own before
+the commit step; rank 0 every part of the save's token it can see, and in
+the commit step every writer's as long as the manifest was not sent.
 """
 
 from __future__ import annotations
@@ -58,11 +66,12 @@ from fastpersist import config
 from fastpersist.distributed import replicas
 from fastpersist.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from fastpersist.distributed.manifest import Manifest, PartInfo, part_name
+from fastpersist.distributed.objectstore import ObjectParts
 from fastpersist.distributed.sharding import DEFAULT_ALIGNMENT, ByteRange, shard_ranges, split_range, writer_ranks
 from fastpersist.errors import DistributedCheckpointError, ReplicaDivergenceWarning
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
-from fastpersist.io import commit, engine
+from fastpersist.io import commit, engine, objectstore
 from fastpersist.io.checksum import crc32_combine_all
 from fastpersist.io.writer import side_streams, write_plan
 from fastpersist.tensors import host_memoryview
@@ -224,7 +233,7 @@ def save(
     path: str | os.PathLike[str],
     *,
     group: Any = None,
-    layout: str = "file",
+    layout: str | None = None,
     writers: str = "all",
     divergence: str = "warn",
     timeout: float = DEFAULT_TIMEOUT,
@@ -244,8 +253,11 @@ def save(
         path: the checkpoint path (the same file on every rank for
             ``layout="file"``). ``layout="parts"``: a manifest at ``path``
             (rank 0) and the parts each writer wrote beside its own ``path``.
+            Or ``s3://bucket/key``: a manifest object at the key and part
+            objects beside it (:mod:`fastpersist.distributed.objectstore`).
         group: the process group (``None``: the default group).
-        layout: ``"file"`` or ``"parts"``.
+        layout: ``"file"`` or ``"parts"``; ``None``: ``"file"`` for paths,
+            ``"parts"`` for ``s3://`` URLs (the only layout there).
         writers: ``"all"`` ranks write, or one per ``"node"`` (host name).
         divergence: what to do when a writer's storage has rank 0's key and
             size but other bytes: ``"warn"`` (write rank 0's values and issue a
@@ -263,10 +275,14 @@ def save(
             not report in time, or (``divergence="error"``) holds other values
             than rank 0 (``failures`` names the ranks); also (``layout="parts"``)
             when more than :data:`PATCH_LIMIT` bytes differ from rank 0's.
-        ValueError: an unknown layout, writers or divergence mode (before any exchange).
+            With ``s3://``: a rank's upload failed (its ``ObjectStoreError``,
+            e.g. ``BucketNotFoundError``, is named in the message); its
+            multipart upload was aborted and the part objects already stored
+            deleted (a note on the error lists what could not be).
+        ValueError: an unknown layout, writers or divergence mode, ``layout="file"``
+            for an ``s3://`` URL, or a malformed URL (before any exchange).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    layout = _layout_for(path, layout)
     if writers not in WRITERS:
         raise ValueError(f"writers must be one of {WRITERS}, got {writers!r}")
     if divergence not in DIVERGENCE:
@@ -278,17 +294,23 @@ def save(
     state: dict[str, Any] = {}
 
     def prepare() -> dict[str, Any]:
-        destination = commit.target(path)
-        plan = plan_save(
-            obj, archive_name_for(destination.path), pickle_module, pickle_protocol, disable_byteorder_record
+        if objectstore.is_object_url(path):
+            state["parts"] = ObjectParts(path, settings)
+            state["target"] = state["parts"].target
+        else:
+            destination = commit.target(path)
+            state.update(target=destination.path, directory=destination.directory)
+            if layout == "parts":
+                state["parts"] = _LocalParts(destination.path, destination.directory)
+        plan = state["plan"] = plan_save(
+            obj, archive_name_for(state["target"]), pickle_module, pickle_protocol, disable_byteorder_record
         )
-        state.update(target=destination.path, directory=destination.directory, plan=plan)
         payload: dict[str, Any] = {"host": socket.gethostname()}
         if rank == 0:
-            payload.update(skeleton=_skeleton(plan), token=secrets.token_hex(6))
+            payload.update(skeleton=_skeleton(plan), token=state.setdefault("token", secrets.token_hex(6)))
             if layout == "file" and not _sink:
                 payload["temporary"] = state["temporary"] = _create_presized(
-                    destination.path, destination.directory, plan.size, settings
+                    state["target"], state["directory"], plan.size, settings
                 )
         return payload
 
@@ -337,7 +359,7 @@ def save(
                 "digests": digests,
             }
 
-        written = coordinator.run("write", write)
+        written = state["written"] = coordinator.run("write", write)
         marks["write"] = time.perf_counter() - began
 
         def finish() -> dict[str, Any]:
@@ -352,21 +374,18 @@ def save(
         marks["commit"] = time.perf_counter() - began
         if rank == 0:
             state.pop("temporary", None)
-    except BaseException:
+    except BaseException as error:
         temporary = state.get("temporary")
         if temporary:
             commit.discard_temporary(temporary)
-        if layout == "parts" and "committing" not in state:
-            # Not referenced by any manifest. (Once rank 0 may have committed, parts stay; a later
-            # save's clean-up removes those that no manifest references.)
-            for part in state.get("written_parts", ()):
-                try:
-                    os.unlink(part)
-                except OSError:
-                    pass
+        if "parts" in state and not _sink:
+            note = _discard_parts(state, rank)
+            if note:
+                error.add_note(note)
         raise
-    if layout == "parts" and not _sink:
-        _remove_old_parts(state["target"], token)
+    store = state.get("parts")
+    if store is not None and not _sink and (rank == 0 or not store.seen_by_every_rank):
+        store.remove_old(token)
     report = written[rank] if rank in writer_list else {}
     wrote = sum(end - start for _, start, end in report.get("pieces", ()))
     unequal = set(outcome.get("differ", {}).get(rank, ()))
@@ -395,6 +414,86 @@ def save(
     )
 
 
+def _layout_for(path, layout: str | None) -> str:
+    """The layout a collective save to ``path`` uses: ``layout``, or by default "file" (paths), "parts" (URLs).
+
+    Raises:
+        ValueError: an unknown layout, ``"file"`` for an ``s3://`` URL, a malformed URL.
+    """
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not objectstore.is_object_url(path):
+        return layout or "file"
+    if layout == "file":
+        raise ValueError(
+            f"a collective save to an object store cannot use layout='file' ({path}): ranks cannot write one object "
+            "in place. Leave layout at its default (for s3:// URLs: layout='parts', each writer uploads its share "
+            "as a part object and rank 0 commits a manifest object at the key; fastpersist.load reads it), or save "
+            "to a shared filesystem with layout='file'"
+        )
+    objectstore.target(path)  # a malformed URL fails here, on every rank, before any exchange
+    return "parts"
+
+
+def _discard_parts(state: dict[str, Any], rank: int) -> str | None:
+    """After a failed ``layout="parts"`` save: removes the parts no manifest can reference.
+
+    Before the commit step each rank removes its own (rank 0 also every part
+    of this save's token it sees: the object store's, a shared directory's).
+    In the commit step only rank 0 knows whether the manifest may have been
+    stored: if not, it removes every writer's parts. Returns a note for the
+    error when some may be left.
+    """
+    store = state["parts"]
+    if "committing" not in state:
+        return store.discard(state.get("written_parts", ()), token=state.get("token"))
+    if rank == 0 and "manifest_sent" not in state:
+        names = list(state.get("written_parts", ()))
+        names += [part["name"] for report in state.get("written", ()) for part in report.get("parts", ())]
+        return store.discard(names, token=state.get("token"))
+    return None
+
+
+class _LocalParts:
+    """Where a ``layout="parts"`` save to a path puts its parts (files beside the target) and its manifest.
+
+    Parts may be on each rank's own storage, so each rank removes the
+    earlier saves' parts it sees (:attr:`seen_by_every_rank` is False).
+    """
+
+    seen_by_every_rank = False
+
+    def __init__(self, target: str, directory: str):
+        self.target = target
+        self.directory = directory
+
+    def write(self, plan: SavePlan, name: str, byte_range: ByteRange, settings, streams) -> list[int]:
+        return _write_part(plan, os.path.join(self.directory, name), self.directory, byte_range, settings, streams)
+
+    def commit(self, manifest: bytes, settings) -> None:
+        _write_atomically(self.target, self.directory, manifest, settings)
+
+    def discard(self, names, token: str | None = None) -> str | None:
+        paths = {os.path.join(self.directory, name) for name in names}
+        if token:
+            stem = glob.escape(os.path.basename(self.target))
+            paths.update(glob.glob(os.path.join(glob.escape(self.directory), f"{stem}.{token}.part-*-of-*")))
+        left = []
+        for path in sorted(paths):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass  # another rank's part, on storage this rank does not see
+            except OSError as error:
+                left.append(f"{path} ({error.strerror})")
+        if not left:
+            return None
+        return f"parts of the failed save could not be removed: {', '.join(left)}; no checkpoint uses them: delete them"
+
+    def remove_old(self, token: str) -> None:
+        _remove_old_parts(self.target, token)
+
+
 def _payloads(plan: SavePlan, ordinals) -> list[tuple[int, int]]:
     storages = plan.storages
     return [(storages[o].entry.data_offset, storages[o].entry.data_end) for o in ordinals if storages[o].entry.size]
@@ -406,15 +505,22 @@ def _write_pieces(plan, pieces, streams, state, layout, token, reports, settings
         return _write_ranges(plan, "/dev/null", pieces, settings, streams, sink=True), []
     if layout == "file":
         return _write_ranges(plan, reports[0]["temporary"], pieces, settings, streams), []
+    return _write_parts(plan, pieces, state, token, settings, streams)
+
+
+def _write_parts(plan: SavePlan, ranges, state, token, settings, streams):
+    """``layout="parts"``: each range becomes a part (a file beside the target, or an object beside the key)."""
     slices, parts = [], []
-    for piece in pieces:
-        if not piece.length:
+    for byte_range in ranges:
+        if not byte_range.length:
             continue
-        name = part_name(state["target"], token, piece.index, state["units"])
-        final = os.path.join(state["directory"], name)
-        slices += _write_part(plan, final, state["directory"], piece, settings, streams)
-        state.setdefault("written_parts", []).append(final)
-        parts.append(dataclasses.asdict(PartInfo(piece.index, name, piece.start, piece.end, socket.gethostname())))
+        name = part_name(state["target"], token, byte_range.index, state["units"])
+        crcs = state["parts"].write(plan, name, byte_range, settings, streams)
+        slices += _slice_crcs(plan, crcs, byte_range)
+        state.setdefault("written_parts", []).append(name)
+        parts.append(
+            dataclasses.asdict(PartInfo(byte_range.index, name, byte_range.start, byte_range.end, socket.gethostname()))
+        )
     return slices, parts
 
 
@@ -452,7 +558,7 @@ def _commit(obj, state, written, writer_list, layout, divergence, token, world_s
         if layout == "file":
             slices += _rewrite_in_file(plan, state["temporary"], holes, redo, settings)
         else:
-            extra, parts_of_holes = _holes_as_parts(plan, holes, state, token, settings)
+            extra, parts_of_holes = _write_parts(plan, holes, state, token, settings, None)  # rank 0's parts
             slices += extra
             written[0]["parts"] = written[0]["parts"] + parts_of_holes
             redone_patches, redone_slices = _redo_as_patches(plan, redo)
@@ -475,7 +581,8 @@ def _commit(obj, state, written, writer_list, layout, divergence, token, world_s
             trailer=plan.trailer(crcs),
             world_size=world_size,
         )
-        _write_atomically(state["target"], state["directory"], manifest.to_json(), settings)
+        state["manifest_sent"] = True  # from here the manifest may be stored: its parts must stay
+        state["parts"].commit(manifest.to_json(), settings)
     return {"differ": differ, "divergent": [keys[o] for o in bad], "repaired": repaired}
 
 
@@ -496,18 +603,6 @@ def _rewrite_in_file(plan: SavePlan, temporary: str, holes, redo, settings) -> l
         finally:
             os.close(descriptor)
     return slices
-
-
-def _holes_as_parts(plan: SavePlan, holes, state, token, settings):
-    """``layout="parts"``: each left-out range becomes a part of rank 0's."""
-    slices, parts = [], []
-    for hole in holes:
-        name = part_name(state["target"], token, hole.index, state["units"])
-        final = os.path.join(state["directory"], name)
-        slices += _write_part(plan, final, state["directory"], hole, settings, None)
-        state.setdefault("written_parts", []).append(final)
-        parts.append(dataclasses.asdict(PartInfo(hole.index, name, hole.start, hole.end, socket.gethostname())))
-    return slices, parts
 
 
 def _redo_as_patches(plan: SavePlan, redo) -> tuple[list[tuple[int, bytes]], list[tuple[int, int, int, int]]]:
@@ -630,7 +725,7 @@ def _write_part(plan: SavePlan, final: str, directory: str, byte_range: ByteRang
         raise
     if settings.fsync:
         commit.fsync_directory(directory)
-    return _slice_crcs(plan, crcs, byte_range)
+    return crcs
 
 
 def _commit_file(

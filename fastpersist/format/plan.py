@@ -102,7 +102,9 @@ Segment = tuple  # (kind, offset, length, record, data)
 """``length`` bytes of the file at ``offset``: a plain tuple ``(kind, offset, length, record, data)``.
 
 ``kind`` is a :class:`SegmentKind` value; ``record`` indexes
-:attr:`SavePlan.records` (STORAGE, DESCRIPTOR; -1 otherwise); ``data`` holds
+:attr:`SavePlan.records` (STORAGE, DESCRIPTOR; -1 otherwise, but a plan of
+several archives, ``dcp.layout.FilePlan``, numbers its TRAILER segments and
+makes each with ``trailer(crcs, number)``); ``data`` holds
 the bytes of a BYTES segment (``b""`` otherwise). Plain tuples of ints and
 bytes, not named ones: the collector stops tracking those, and a plan of
 100,000 small tensors has 300,000 segments (as named tuples their full

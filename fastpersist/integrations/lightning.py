@@ -227,7 +227,9 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
         def remove_checkpoint(self, path: Any) -> None:
             """Removes the checkpoint file (or directory) at ``path``; nothing if it does not exist."""
             if objectstore.is_object_url(str(path)):
-                objectstore.remove(str(path))
+                from fastpersist.distributed.objectstore import remove_checkpoint
+
+                remove_checkpoint(str(path))  # and the part objects, if a collective save wrote it
                 log.debug("removed checkpoint %s", path)
                 return
             fs = cloud_io.get_filesystem(path)

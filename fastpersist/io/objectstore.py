@@ -32,16 +32,33 @@ two-tier save, ``async_save(..., local_copy=path)``): the same multipart
 upload, committed and aborted as above, whose parts are read from the file
 with concurrent ``pread`` calls into at most ``s3_concurrency`` page-aligned
 buffers of ``s3_part_size`` bytes (one ``PutObject`` for a file of at most one
-part). A file written to during its upload fails it before the commit.
+part, :func:`put_bytes`). A file written to during its upload fails it before
+the commit.
 
-A load asks for the object's size and ETag (``HeadObject``), then fetches it
-with ``s3_concurrency`` concurrent ranged GETs of ``s3_part_size`` bytes, each
-conditional on that ETag (an object replaced mid-load fails the load instead
-of mixing two versions), into one page-aligned buffer of the object's size.
-The caller parses the zip from that buffer; CPU storages are views of it.
-:class:`ObjectReader` is that load opened for reads of chosen ranges (one
-``HeadObject``, then ranged GETs conditional on its ETag): ``safe_open`` of a
-URL fetches the header, then only the tensors asked for.
+A load asks for the object's size and ETag (:func:`head`: ``HeadObject``),
+then fetches it with ``s3_concurrency`` concurrent ranged GETs of
+``s3_part_size`` bytes, each conditional on that ETag (an object replaced
+mid-load fails the load instead of mixing two versions), into one
+page-aligned buffer of the object's size (:func:`download`). The caller
+parses the zip from that buffer; CPU storages are views of it.
+
+Every ranged read goes through :func:`read_ranges`: whole objects (a
+download, the part objects of a collective save), parts of objects (a DCP
+load's items, a safetensors object's header and tensors), straight into their
+destinations (tensors or buffers), conditional on the ETag each object had
+when first asked for (or that the caller's own HEAD found); reads of one
+object that touch or nearly do share a GET. :class:`ObjectReader` is one
+object kept open for reads of chosen ranges: one :func:`head`, then
+:func:`read_ranges` calls pinned to that ETag (``safe_open`` of a URL fetches
+the header, then only the tensors asked for).
+
+The same module serves the multi-object checkpoints built on it: a
+collective save (:mod:`fastpersist.distributed.objectstore`) uploads each
+writer's byte range of the file with :func:`commit_plan` (``byte_range=``)
+and commits a manifest with :func:`put_bytes`, and cleans up with
+:func:`list_keys`, :func:`remove_keys` and :func:`abort_uploads`; a DCP
+checkpoint (:mod:`fastpersist.dcp.objectstore`) uploads several ``.distcp``
+files with :func:`commit_plan` and its ``.metadata`` with :func:`put_bytes`.
 
 Endpoint, region and credentials come from boto3's standard chain (the
 ``AWS_*`` environment variables, ``~/.aws/config`` and ``~/.aws/credentials``,
@@ -72,6 +89,7 @@ from fastpersist.errors import (
     ObjectStoreCredentialsError,
     ObjectStoreError,
     ObjectStoreUnavailableError,
+    TruncatedCheckpointError,
 )
 from fastpersist.io import engine
 from fastpersist.io.writer import write_plan
@@ -84,10 +102,17 @@ __all__ = [
     "target",
     "make_client",
     "part_size_for",
+    "remove",
     "commit_plan",
+    "put_bytes",
+    "head",
     "download",
+    "read_ranges",
     "ObjectReader",
     "upload_file",
+    "list_keys",
+    "remove_keys",
+    "abort_uploads",
 ]
 
 SCHEME = "s3://"
@@ -281,6 +306,97 @@ def remove(url: str, *, client=None) -> None:
     where = target(url)
     client = client or make_client(1)
     _with_translation(where, client, "delete", client.delete_object, Bucket=where.bucket, Key=where.key)
+
+
+def put_bytes(url: ObjectURL, data, *, client) -> None:
+    """Stores ``data`` as the object at ``url`` in one ``PutObject`` (atomic: the old object or the new one).
+
+    For small objects (a collective save's manifest, a DCP checkpoint's
+    ``.metadata``): ``data`` (any bytes-like object) is sent from memory, without
+    a copy. Like a completed multipart upload, the ``PutObject`` is a commit.
+
+    Raises:
+        ObjectStoreCredentialsError, BucketNotFoundError, ObjectStoreError:
+            the store refused, or the network failed (whether the object was
+            stored is then unknown unless the store answered).
+    """
+    _with_translation(
+        url,
+        client,
+        f"uploading {url}",
+        client.put_object,
+        Bucket=url.bucket,
+        Key=url.key,
+        Body=_MemoryBody(memoryview(data).cast("B")),
+        ContentLength=len(data),
+    )
+
+
+def list_keys(url: ObjectURL, prefix: str, *, client) -> list[str]:
+    """The keys of ``url``'s bucket that start with ``prefix`` (``ListObjectsV2``, every page).
+
+    Raises:
+        ObjectStoreError and its subclasses: the listing was refused or failed.
+    """
+    keys: list[str] = []
+    arguments = {"Bucket": url.bucket, "Prefix": prefix}
+    while True:
+        page = _with_translation(
+            url, client, f"listing {SCHEME}{url.bucket}/{prefix}*", client.list_objects_v2, **arguments
+        )
+        keys += [item["Key"] for item in page.get("Contents", ())]
+        if not page.get("IsTruncated"):
+            return keys
+        arguments["ContinuationToken"] = page["NextContinuationToken"]
+
+
+def remove_keys(url: ObjectURL, keys, *, client) -> dict[str, str]:
+    """Deletes the objects at ``keys`` of ``url``'s bucket (``DeleteObjects``, 1,000 a request). Never raises.
+
+    Returns:
+        key -> why, for each key that may still be there (a refused request
+        fails all of its keys).
+    """
+    keys = list(keys)
+    failed: dict[str, str] = {}
+    for first in range(0, len(keys), 1000):
+        batch = keys[first : first + 1000]
+        try:
+            response = client.delete_objects(
+                Bucket=url.bucket, Delete={"Objects": [{"Key": key} for key in batch], "Quiet": True}
+            )
+        except Exception as error:  # noqa: BLE001 - reported to the caller, who says what is left
+            failed.update((key, f"{type(error).__name__}: {error}") for key in batch)
+            continue
+        for item in response.get("Errors", ()):
+            failed[item.get("Key", "?")] = f"{item.get('Code')}: {item.get('Message', '')}"
+    return failed
+
+
+def abort_uploads(url: ObjectURL, prefix: str, *, client) -> dict[str, str]:
+    """Aborts every multipart upload in progress in ``url``'s bucket whose key starts with ``prefix``. Never raises.
+
+    Returns:
+        key (or ``prefix``, when the listing failed) -> why, for each upload that may still be in progress.
+    """
+    failed: dict[str, str] = {}
+    arguments = {"Bucket": url.bucket, "Prefix": prefix}
+    try:
+        while True:
+            page = client.list_multipart_uploads(**arguments)
+            for upload in page.get("Uploads", ()):
+                try:
+                    client.abort_multipart_upload(Bucket=url.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                except Exception as error:  # noqa: BLE001 - reported to the caller
+                    if _error_fields(error)[0] != "NoSuchUpload":
+                        failed[upload["Key"]] = f"{type(error).__name__}: {error} (upload id {upload['UploadId']})"
+            if not page.get("IsTruncated"):
+                return failed
+            arguments.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+    except Exception as error:  # noqa: BLE001 - reported to the caller
+        if _error_fields(error)[0] != "NoSuchBucket":  # no bucket: no upload either
+            failed[prefix] = f"listing the uploads failed ({type(error).__name__}: {error})"
+        return failed
 
 
 # ----------------------------------------------------------------------------- saves
@@ -516,17 +632,7 @@ class _SinglePut:
         return done
 
     def complete(self) -> None:
-        body = memoryview(self._body)
-        _with_translation(
-            self.url,
-            self.client,
-            f"uploading {self.url}",
-            self.client.put_object,
-            Bucket=self.url.bucket,
-            Key=self.url.key,
-            Body=_MemoryBody(body),
-            ContentLength=len(body),
-        )
+        put_bytes(self.url, self._body, client=self.client)
 
     def abort(self, cause: BaseException) -> None:
         self._body = bytearray()  # nothing was sent: the previous object is untouched
@@ -535,14 +641,25 @@ class _SinglePut:
         self._body = bytearray()
 
 
-def commit_plan(plan, destination: ObjectURL, settings: Settings, streams, *, before_commit=None, client=None) -> None:
+def commit_plan(
+    plan, destination: ObjectURL, settings: Settings, streams, *, before_commit=None, client=None, byte_range=None
+) -> list[int]:
     """Uploads ``plan`` to ``destination`` as a multipart upload, committed by its completion (one PutObject
     for an object of at most one part).
 
     The counterpart of :func:`fastpersist.io.commit.commit_plan` for object
-    stores (see the module docstring). ``before_commit``, if given, is called
+    stores (see the module docstring). ``plan`` is anything
+    :func:`~fastpersist.io.writer.write_plan` executes (a torch archive's
+    plan, a DCP ``.distcp`` file's). ``before_commit``, if given, is called
     once every part is uploaded and before the completion; its failure aborts
-    the upload.
+    the upload. ``byte_range=(start, end)`` uploads only those bytes of the
+    plan, as an object of their own (one writer's part of a collective save,
+    :mod:`fastpersist.distributed.objectstore`).
+
+    Returns:
+        What :func:`~fastpersist.io.writer.write_plan` returns: the CRC-32 of
+        every record of ``plan`` (with ``byte_range``: of their bytes inside
+        the range).
 
     Raises:
         ObjectStoreUnavailableError: boto3 is missing (before any request).
@@ -554,17 +671,19 @@ def commit_plan(plan, destination: ObjectURL, settings: Settings, streams, *, be
     """
     if client is None:
         client = make_client(settings.s3_concurrency)
-    part_size = part_size_for(plan.size, settings.s3_part_size)
+    size = plan.size if byte_range is None else byte_range[1] - byte_range[0]
+    part_size = part_size_for(size, settings.s3_part_size)
     ring = settings.replace(
         buffer_size=part_size, block_size=part_size, buffer_count=max(2, min(64, settings.s3_concurrency))
     )
-    if plan.size <= part_size:
+    if size <= part_size:
         upload = _SinglePut(client, destination)
     else:
         upload = _MultipartUpload(client, destination, settings.s3_concurrency)
     try:
         upload.begin()
-        write_plan(plan, upload, ring, streams=streams, make_handle=upload.handle)
+        ranged = {} if byte_range is None else {"byte_range": tuple(byte_range), "destination_offset": 0}
+        crcs = write_plan(plan, upload, ring, streams=streams, make_handle=upload.handle, **ranged)
         if before_commit is not None:
             before_commit()
         upload.complete()
@@ -578,6 +697,7 @@ def commit_plan(plan, destination: ObjectURL, settings: Settings, streams, *, be
         raise raised from None
     finally:
         upload.close()
+    return crcs
 
 
 # ----------------------------------------------------------------------------- uploads of local files
@@ -713,21 +833,12 @@ def upload_file(source: Any, destination: str | ObjectURL, settings: Settings, *
 
 
 def _put_file(file: _FileSource, url: ObjectURL, client) -> None:
-    """A file of at most one part: read whole, then one PutObject (the commit; a failure sends nothing)."""
+    """A file of at most one part: read whole, then :func:`put_bytes` (the commit; a failure sends nothing)."""
     buffer = engine.AlignedBuffer(max(file.size, 1), lock=False)
     view = memoryview(buffer).cast("B")[: file.size]
     file.read_into(view, 0)
     file.check_unchanged()
-    _with_translation(
-        url,
-        client,
-        f"uploading {url}",
-        client.put_object,
-        Bucket=url.bucket,
-        Key=url.key,
-        Body=_MemoryBody(view),
-        ContentLength=file.size,
-    )
+    put_bytes(url, view, client=client)
 
 
 def _upload_file_parts(file: _FileSource, url: ObjectURL, client, part_size: int, concurrency: int) -> None:
@@ -758,14 +869,39 @@ def _upload_file_parts(file: _FileSource, url: ObjectURL, client, part_size: int
 # ----------------------------------------------------------------------------- loads
 
 
-class ObjectReader:
-    """An object opened for ranged reads: its size and ETag (one ``HeadObject``), then concurrent ranged GETs.
+def head(url: ObjectURL, *, client, action: str) -> tuple[int, str | None]:
+    """The size and ETag of the object at ``url`` (one HeadObject; ``action`` names the caller's step in errors).
 
-    Every GET is conditional on the ETag seen at open (``If-Match``), so the
+    Raises:
+        ObjectNotFoundError, BucketNotFoundError: (``FileNotFoundError``) no such object or bucket
+            (a HEAD's bare 404 says neither: the bucket is asked for then).
+        ObjectStoreCredentialsError: (``PermissionError``) the credentials were refused.
+        ObjectStoreError: a network error or another refusal.
+    """
+    try:
+        response = client.head_object(Bucket=url.bucket, Key=url.key)
+    except Exception as error:
+        translated = _translate(error, url, client, action)
+        if isinstance(translated, ObjectNotFoundError):  # HEAD's 404 does not say whether the bucket exists
+            try:
+                client.head_bucket(Bucket=url.bucket)
+            except Exception as bucket_error:  # noqa: BLE001 - only "no such bucket" changes the answer
+                if _error_fields(bucket_error)[0] in ("404", "NoSuchBucket"):
+                    translated = _translate(bucket_error, url, client, action, code="NoSuchBucket")
+        raise translated from error
+    return int(response["ContentLength"]), response.get("ETag")
+
+
+class ObjectReader:
+    """One object kept open for ranged reads: its size and ETag (one :func:`head`), then :func:`read_ranges`.
+
+    Every read is conditional on the ETag seen at open (``If-Match``), so the
     bytes of one reader all come from one version of the object: an object
-    replaced while it is read fails the read instead of mixing two versions.
-    Thread-safe (boto3 clients are). :func:`download` is one of these reading
-    everything; ``fastpersist.safe_open`` of a URL reads only the ranges it needs.
+    replaced while it is open fails the read instead of mixing two versions.
+    No GET of its own: each read is a :func:`read_ranges` call (ranges of
+    ``s3_part_size`` bytes, ``s3_concurrency`` at once, retried where a
+    response breaks off). Thread-safe (boto3 clients are).
+    ``fastpersist.safe_open`` of a URL reads only the ranges it needs through one.
 
     Raises (on construction):
         ObjectStoreUnavailableError: boto3 is missing.
@@ -779,65 +915,23 @@ class ObjectReader:
         self.settings = settings
         self.client = client if client is not None else make_client(settings.s3_concurrency)
         self._action = f"loading {url}"
-        try:
-            head = self.client.head_object(Bucket=url.bucket, Key=url.key)
-        except Exception as error:
-            translated = _translate(error, url, self.client, self._action)
-            if isinstance(translated, ObjectNotFoundError):  # HEAD's 404 does not say whether the bucket exists
-                try:
-                    self.client.head_bucket(Bucket=url.bucket)
-                except Exception as bucket_error:  # noqa: BLE001 - only "no such bucket" changes the answer
-                    if _error_fields(bucket_error)[0] in ("404", "NoSuchBucket"):
-                        translated = _translate(bucket_error, url, self.client, self._action, code="NoSuchBucket")
-            raise translated from error
-        self.size: int = int(head["ContentLength"])
-        self.etag: str | None = head.get("ETag")
+        self.size, self.etag = head(url, client=self.client, action=self._action)
+        self._seen = {url: (self.size, self.etag)}  # pins read_ranges to this version
 
     def read_into(self, start: int, destination) -> None:
         """Fills ``destination`` (a writable buffer) with the object's bytes from ``start`` on.
 
-        Ranges of ``s3_part_size`` bytes are fetched by ``s3_concurrency``
-        threads; a response that breaks off is fetched again (3 tries).
-
         Raises:
             ValueError: the range reaches past the object's end.
-            ObjectStoreError and its subclasses: as :func:`download`.
+            ObjectStoreError and its subclasses: as :func:`read_ranges` (an
+                object replaced since the open: ``code="PreconditionFailed"``).
             KeyboardInterrupt: after every GET in flight has stopped.
         """
         view = memoryview(destination).cast("B")
         end = start + len(view)
         if start < 0 or end > self.size:
             raise ValueError(f"bytes {start}-{end - 1} are outside {self.url} ({self.size} bytes)")
-        if start == end:
-            return
-        range_size = self.settings.s3_part_size
-        stop = threading.Event()
-
-        def fetch(first: int) -> None:
-            last = min(first + range_size, end)
-            for attempt in range(_ATTEMPTS):
-                try:
-                    _fetch_range(self.client, self.url, self.etag, first, last, view, start, stop)
-                    return
-                except Exception as error:
-                    if stop.is_set() or attempt + 1 == _ATTEMPTS or not _broken_response(error):
-                        raise _translate(error, self.url, self.client, self._action) from error
-
-        ranges = range(start, end, range_size)
-        if len(ranges) == 1:  # one GET: no thread needed
-            fetch(start)
-            return
-        workers = min(self.settings.s3_concurrency, len(ranges))
-        with concurrent.futures.ThreadPoolExecutor(workers, "fastpersist-s3-get") as pool:
-            futures = [pool.submit(fetch, first) for first in ranges]
-            try:
-                for future in concurrent.futures.as_completed(futures):
-                    future.result()
-            except BaseException:
-                stop.set()
-                for future in futures:
-                    future.cancel()
-                raise
+        read_ranges([(self.url, start, view)], self.settings, client=self.client, seen=self._seen, action=self._action)
 
     def read(self, start: int, end: int) -> engine.AlignedBuffer:
         """Bytes ``[start, end)`` in a new page-aligned buffer (at least one byte is allocated).
@@ -864,12 +958,169 @@ def download(url: ObjectURL, settings: Settings, *, client=None) -> tuple[Any, i
         ObjectStoreError: a network error, or the object was replaced during the load.
         KeyboardInterrupt: after every GET in flight has stopped.
     """
-    reader = ObjectReader(url, settings, client=client)
-    return reader.read(0, reader.size), reader.size
+    if client is None:
+        client = make_client(settings.s3_concurrency)
+    action = f"loading {url}"
+    size, etag = head(url, client=client, action=action)
+    buffer = engine.AlignedBuffer(max(size, 1), lock=False)
+    destination = memoryview(buffer).cast("B")[:size]
+    read_ranges([(url, 0, destination)], settings, client=client, seen={url: (size, etag)}, action=action)
+    return buffer, size
 
 
-def _fetch_range(client, url: ObjectURL, etag, start: int, end: int, destination: memoryview, base: int, stop) -> None:
-    """GETs bytes ``[start, end)`` of the object into ``destination``, whose first byte is the object's ``base``."""
+_COALESCE_GAP = 64 << 10
+"""Reads of one object at most this many bytes apart share one GET, the bytes between dropped (a
+request costs more than fetching that much)."""
+
+
+def read_ranges(reads, settings: Settings, *, client=None, seen: dict | None = None, action: str | None = None) -> None:
+    """Fills each ``(url, offset, destination)`` of ``reads`` with bytes ``[offset, offset + len(destination))``
+    of the object at ``url``, with concurrent ranged GETs.
+
+    Each object not in ``seen`` is asked for its size and ETag once
+    (:func:`head`), and every GET of it is conditional on that ETag
+    (``If-Match``): an object
+    replaced during the reads fails them instead of mixing two versions. Reads
+    of one object that touch, or lie at most 64 KiB apart, share a GET (the
+    bytes between are fetched and dropped); a GET is at most ``s3_part_size``
+    bytes (a longer read is split) and ``s3_concurrency`` GETs run at once. A
+    response that breaks off mid-body is fetched again (3 tries).
+
+    Args:
+        reads: ``(ObjectURL, offset, destination)``; ``destination`` is a
+            writable byte memoryview (of a tensor, a buffer).
+        settings: ``s3_part_size`` and ``s3_concurrency``.
+        client: from :func:`make_client` (default: a new one).
+        seen: ``{url: (size, etag)}`` of the objects already asked for, by an
+            earlier call of reads that must all see one version of each
+            object, or by the caller itself (a HEAD it made to check a size);
+            the objects asked for here are added to it.
+        action: names the operation in errors (default: ``reading <url>``,
+            the object's URL).
+
+    Raises:
+        ObjectNotFoundError, BucketNotFoundError: (``FileNotFoundError``) no such object or bucket.
+        ObjectStoreCredentialsError: (``PermissionError``) the credentials were refused.
+        ObjectStoreError: a network error; an object was replaced (``code="PreconditionFailed"``).
+        TruncatedCheckpointError: a read ends past its object's end (before any GET).
+        KeyboardInterrupt: after every GET in flight has stopped.
+        The destinations then hold part of their bytes.
+    """
+    if client is None:
+        client = make_client(settings.s3_concurrency)
+    seen = {} if seen is None else seen
+    by_object: dict[ObjectURL, list] = {}
+    for url, offset, destination in reads:
+        if len(destination):
+            by_object.setdefault(url, []).append((offset, offset + len(destination), destination))
+    unknown = [url for url in by_object if url not in seen]
+    with concurrent.futures.ThreadPoolExecutor(settings.s3_concurrency, "fastpersist-s3-get") as pool:
+        answers = pool.map(lambda url: head(url, client=client, action=action or f"reading {url}"), unknown)
+        seen.update(zip(unknown, answers))
+        requests = []
+        for url, pieces in by_object.items():
+            size = seen[url][0]
+            end = max(piece[1] for piece in pieces)
+            if end > size:
+                raise TruncatedCheckpointError(
+                    f"{url} holds {size} bytes, but bytes up to {end} are to be read from it: it is not the "
+                    "object the checkpoint's metadata describes (truncated or replaced)",
+                    path=url.path,
+                )
+            requests += _coalesce(url, pieces, settings.s3_part_size)
+        stop = threading.Event()
+        futures = [
+            pool.submit(
+                _fetch_retrying,
+                client,
+                url,
+                seen[url][1],
+                start,
+                end,
+                _Scatter(pieces),
+                stop,
+                action or f"reading {url}",
+            )
+            for url, start, end, pieces in requests
+        ]
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                future.result()
+        except BaseException:
+            stop.set()
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def _coalesce(url: ObjectURL, pieces: list, part_size: int) -> list:
+    """``(url, start, end, pieces)`` GETs for one object's ``(start, end, destination)`` pieces."""
+    pieces.sort(key=lambda piece: piece[0])
+    runs: list[list] = []  # [start, end, pieces]
+    for piece in pieces:
+        if runs and piece[0] <= runs[-1][1] + _COALESCE_GAP:
+            runs[-1][1] = max(runs[-1][1], piece[1])
+            runs[-1][2].append(piece)
+        else:
+            runs.append([piece[0], piece[1], [piece]])
+    requests = []
+    for start, end, members in runs:
+        first = 0
+        for lo in range(start, end, part_size):
+            hi = min(lo + part_size, end)
+            while members[first][1] <= lo:  # ended before this GET (members are sorted by start)
+                first += 1
+            inside = []
+            for piece in members[first:]:
+                if piece[0] >= hi:
+                    break
+                if piece[1] > lo:
+                    inside.append(piece)
+            requests.append((url, lo, hi, inside))
+    return requests
+
+
+class _Scatter:
+    """The destinations of one GET, addressed by object offset: ``scatter[a:b] = chunk`` copies each part of
+    ``chunk`` into the pieces it belongs to; bytes of no piece (a gap between coalesced reads) are dropped."""
+
+    def __init__(self, pieces: list):
+        self._pieces = pieces  # (start, end, destination), sorted by start
+        self._first = 0
+        self._last = -1
+
+    def __setitem__(self, where: slice, chunk) -> None:
+        a, b = where.start, where.stop
+        if a < self._last:  # the GET started again (a retry)
+            self._first = 0
+        self._last = a
+        pieces = self._pieces
+        while self._first < len(pieces) and pieces[self._first][1] <= a:
+            self._first += 1
+        view = memoryview(chunk)
+        for index in range(self._first, len(pieces)):
+            start, end, destination = pieces[index]
+            if start >= b:
+                break
+            lo, hi = max(a, start), min(b, end)
+            if lo < hi:
+                destination[lo - start : hi - start] = view[lo - a : hi - a]
+
+
+def _fetch_retrying(client, url: ObjectURL, etag, start: int, end: int, destination, stop, action: str) -> None:
+    """:func:`_fetch_range`, again where the response broke off; raises the translated error."""
+    for attempt in range(_ATTEMPTS):
+        try:
+            _fetch_range(client, url, etag, start, end, destination, stop)
+            return
+        except Exception as error:
+            if stop.is_set() or attempt + 1 == _ATTEMPTS or not _broken_response(error):
+                raise _translate(error, url, client, action) from error
+
+
+def _fetch_range(client, url: ObjectURL, etag, start: int, end: int, destination, stop) -> None:
+    """Bytes ``[start, end)`` of the object into ``destination[start:end]`` (addressed by object offset: a
+    :class:`_Scatter`), conditional on ``etag``."""
     arguments = dict(Bucket=url.bucket, Key=url.key, Range=f"bytes={start}-{end - 1}")
     if etag:
         arguments["IfMatch"] = etag
@@ -881,7 +1132,7 @@ def _fetch_range(client, url: ObjectURL, etag, start: int, end: int, destination
                 return
             if position + len(chunk) > end:
                 raise ObjectStoreError(errno.EIO, f"the store sent more than bytes {start}-{end - 1}", url.path)
-            destination[position - base : position - base + len(chunk)] = chunk
+            destination[position : position + len(chunk)] = chunk
             position += len(chunk)
         if position != end:
             raise _ShortResponse(f"bytes {start}-{end - 1}: the response ended after {position - start} bytes")

@@ -36,8 +36,8 @@ def write_plan_to_stream(plan: SavePlan, stream: BinaryIO, *, checksum: bool = T
     for kind, _, length, record, data in plan.segments():
         if kind == SegmentKind.DESCRIPTOR:
             data = plan.records[record].entry.data_descriptor(crcs[record])
-        elif kind == SegmentKind.TRAILER:
-            data = plan.trailer(crcs)
+        elif kind == SegmentKind.TRAILER:  # numbered in a plan of several archives (format.plan.Segment)
+            data = plan.trailer(crcs) if record < 0 else plan.trailer(crcs, record)
         elif kind == SegmentKind.STORAGE:
             view = plan.records[record].view
             crc = 0

@@ -134,7 +134,7 @@ def write_plan(
         finalize_cursor = _Cursor(segments)
         if partial:  # skip the segments that end before the range
             fill_cursor.first = finalize_cursor.first = bisect.bisect_right([s[1] + s[2] for s in segments], first)
-        trailer: list[bytes] = []
+        trailer: list[tuple[int, bytes]] = []  # (offset, bytes) of the trailer being written
         finalizer = workers.executor(1, "fastpersist-crc")
         try:
             for index, start in enumerate(range(first, size, window_size)):
@@ -274,7 +274,7 @@ def _finalize_and_submit(
     slot: _Slot,
     cursor: _Cursor,
     crcs,
-    trailer: list[bytes],
+    trailer: list[tuple[int, bytes]],
     settings,
     file,
     shift: int = 0,
@@ -294,7 +294,7 @@ def _finalize_and_submit(
 
 
 def _finalize_pieces(
-    plan, slot: _Slot, pieces, queued: dict, crcs, trailer: list[bytes], settings, range_start: int | None
+    plan, slot: _Slot, pieces, queued: dict, crcs, trailer: list[tuple[int, bytes]], settings, range_start: int | None
 ) -> None:
     start = slot.window[0]
     for (kind, offset, _, index, _), lo, hi in pieces:
@@ -312,9 +312,12 @@ def _finalize_pieces(
             data = plan.records[index].entry.data_descriptor(crcs[index])
             slot.view[lo - start : hi - start] = data[lo - offset : hi - offset]
         elif kind == _TRAILER:
-            if not trailer:
-                trailer.append(plan.trailer(crcs))
-            slot.view[lo - start : hi - start] = trailer[0][lo - offset : hi - offset]
+            # The segment's record is -1 for a plan's one trailer; a plan of several archives
+            # (a DCP .distcp file: dcp.layout.FilePlan) numbers their trailers there instead.
+            # Each is made once: a trailer may span two windows.
+            if not trailer or trailer[0][0] != offset:
+                trailer[:] = [(offset, plan.trailer(crcs) if index < 0 else plan.trailer(crcs, index))]
+            slot.view[lo - start : hi - start] = trailer[0][1][lo - offset : hi - offset]
 
 
 _INLINE_CRC = 256 << 10

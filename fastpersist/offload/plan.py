@@ -16,7 +16,13 @@ parameter (frameworks read ``next(model.parameters()).device``).
 Layout of a unit in a slot: each tensor gets a page-aligned region in which
 its bytes sit at the same offset modulo the page as in its file, so the
 aligned superset of its file range is read with O_DIRECT straight into the
-region (the read's head and tail land in the region's padding).
+region (the read's head and tail land in the region's padding). On a CUDA
+device each tensor starts at its region's start instead: the host-to-device
+copy shifts it (:meth:`Unit.device_copies`), so every weight is page-aligned
+on the device as a freshly allocated one is. Operands at the file's alignment
+(8 bytes in a safetensors file) make cuBLAS pick other kernels, whose
+results differ in the last bits from a fully loaded model's: enough to change
+greedy tokens of a deep model.
 """
 
 from __future__ import annotations
@@ -52,6 +58,11 @@ class Binding:
     def data_offset(self) -> int:
         """Where its bytes start in the unit's layout."""
         return self.region + self.source.offset % PAGE
+
+    @property
+    def shift(self) -> int:
+        """How far its bytes sit past its region's start in host memory (0 on a CUDA device)."""
+        return self.source.offset % PAGE
 
     @property
     def read_span(self) -> tuple[int, int]:
@@ -90,6 +101,23 @@ class Unit:
     @property
     def tensor_bytes(self) -> int:
         return sum(b.source.nbytes for b in self.reads)
+
+    def device_copies(self) -> list[tuple[int, int, int]]:
+        """``(host_offset, device_offset, length)`` copies that put every tensor at its region's start.
+
+        Consecutive regions whose tensors sit at the same offset within their
+        page are one copy (all of them, for tensors whose sizes are multiples
+        of the page): the padding between them travels along.
+        """
+        runs: list[list[int]] = []
+        for b in sorted(self.reads, key=lambda b: b.region):
+            end = b.region + b.source.nbytes
+            last = runs[-1] if runs else None
+            if last is not None and last[3] == b.shift and last[1] + last[2] <= b.region:
+                last[2] = end - last[1]
+            else:
+                runs.append([b.region + b.shift, b.region, b.source.nbytes, b.shift])
+        return [(host, device, length) for host, device, length, _ in runs]
 
 
 def bind_tensors(model: torch.nn.Module, index: Mapping[str, TensorSource]):

@@ -300,7 +300,7 @@ class Offloaded:
         with torch.cuda.stream(self._side):
             if slot.released is not None:
                 self._side.wait_event(slot.released)
-            slot.target[: unit.nbytes].copy_(source[: unit.nbytes], non_blocking=True)
+            _copy_to_device(unit, source, slot.target, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._side)
         slot.loaded = done
@@ -326,7 +326,7 @@ class Offloaded:
             host = memory.new_cpu_locked_tensor(unit.nbytes)
             self._read(unit, host)
             target = torch.empty(unit.nbytes, dtype=torch.uint8, device=self.device)
-            target.copy_(host)
+            _copy_to_device(unit, host, target, non_blocking=False)  # the pinned host buffer is freed next
         else:
             target = memory.aligned_empty(unit.nbytes)
             self._read(unit, target)
@@ -468,13 +468,24 @@ def _refuse_closed(module, args) -> None:
     raise RuntimeError("this offloaded model was closed (fastpersist_offload.close()); dispatch it again")
 
 
+def _copy_to_device(unit: Unit, host: torch.Tensor, device: torch.Tensor, *, non_blocking: bool) -> None:
+    """Copies ``unit``'s tensors from their host layout into their device layout (each at its region's start)."""
+    for host_offset, device_offset, length in unit.device_copies():
+        target = device[device_offset : device_offset + length]
+        target.copy_(host[host_offset : host_offset + length], non_blocking=non_blocking)
+
+
 def _bind(unit: Unit, buffer: torch.Tensor) -> None:
-    """Points every tensor of ``unit`` at its bytes in ``buffer``; tied names get the same object."""
+    """Points every tensor of ``unit`` at its bytes in ``buffer``; tied names get the same object.
+
+    In host memory a tensor's bytes sit at its file offset within the page
+    (``data_offset``); on a CUDA device at its region's start.
+    """
     made: dict[tuple[int, bool], torch.Tensor] = {}
     for b in unit.bindings:
         tensor = made.get((b.region, b.is_parameter))
         if tensor is None:
-            start = b.data_offset
+            start = b.region if buffer.is_cuda else b.data_offset
             tensor = buffer[start : start + b.source.nbytes].view(b.source.dtype).view(b.source.shape)
             if b.is_parameter:
                 tensor = torch.nn.Parameter(tensor, requires_grad=False)

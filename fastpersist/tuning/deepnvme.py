@@ -4,7 +4,9 @@
 with the program name replaced: :func:`add_arguments` declares
 ds_nvme_tune's options, :func:`apply` maps them onto the tuner's
 (``--nvme_dir`` -> ``--dir``, ``--io_size`` -> ``--size``, ``--loops`` ->
-``--repeats``, ``--gpu`` -> ``--device cuda``, ``--no_read`` / ``--no_write`` ->
+``--repeats``, ``--gpu`` -> ``--device cuda``, ``--gds`` -> ``--device cuda`` measuring
+:class:`fastpersist.GdsHandle` transfers (DeepNVMe's ``gds_handle``) instead of
+``save``/``load``, ``--no_read`` / ``--no_write`` ->
 ``--optimize save`` / ``load``, ``--sweep_config`` -> the knobs swept), and
 :func:`aio_config` turns the recommendation into DeepSpeed's ``"aio"``
 section. The table is in docs/deepnvme-parity.md.
@@ -23,7 +25,6 @@ from fastpersist import config
 
 __all__ = [
     "DEFAULT_SWEEP_CONFIG",
-    "GDS_MESSAGE",
     "UsageError",
     "add_arguments",
     "is_ds_nvme_tune",
@@ -43,10 +44,6 @@ DEFAULT_SWEEP_CONFIG: dict[str, list[Any]] = {
 """ds_nvme_tune's search space when no ``--sweep_config`` is given."""
 
 DEFAULT_IO_SIZE = "400M"
-GDS_MESSAGE = (
-    "GPUDirect Storage is not provided by fastpersist yet (no cuFile / nvidia-fs path); "
-    "drop --gds: --gpu tunes GPU tensors through pinned host memory, as DeepSpeed's aio_handle does"
-)
 _AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events")
 
 
@@ -69,7 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--io_size", default=None, help=f"bytes per measurement, e.g. 400M (= --size; default {DEFAULT_IO_SIZE})"
     )
     g.add_argument("--gpu", action="store_true", help="tune GPU tensors <-> storage (= --device cuda)")
-    g.add_argument("--gds", action="store_true", help="not supported: GPUDirect Storage is not provided yet")
+    g.add_argument(
+        "--gds",
+        action="store_true",
+        help="tune GdsHandle (DeepNVMe's gds_handle) moving CUDA tensors, on its cufile or bounce path "
+        "(the gds_path setting); implies --gpu",
+    )
     g.add_argument(
         "--flush_page_cache",
         action="store_true",
@@ -135,15 +137,24 @@ def apply(args: argparse.Namespace) -> argparse.Namespace:
     Sets ``dir``, ``size``, ``repeats``, ``optimize``, ``device``, ``json``
     and ``knob_values`` (``{setting: values}`` from the sweep configuration,
     or None). Without ds_nvme_tune options nothing changes but
-    ``knob_values = None``.
+    ``knob_values = None``. ``--gds`` sets ``--gpu`` and, like a
+    ds_nvme_tune command line, sweeps ds_nvme_tune's space by default (the
+    handle's own settings are the only ones a ``GdsHandle`` has).
 
     Raises:
-        UsageError: ``--gds``, several ``--nvme_dir``, ``--no_read`` with
-            ``--no_write``, ``--gpu`` without CUDA, a bad sweep file.
+        UsageError: several ``--nvme_dir``, ``--no_read`` with ``--no_write``,
+            ``--gpu`` or ``--gds`` without CUDA, ``--gds`` with ``--settings``
+            other than the handle's, a bad sweep file.
     """
     args.knob_values = None
-    if getattr(args, "gds", False):
-        raise UsageError(f"--gds: {GDS_MESSAGE}")
+    gds = bool(getattr(args, "gds", False))
+    if gds:
+        if not torch.cuda.is_available():
+            raise UsageError(
+                "--gds tunes GdsHandle, which moves CUDA tensors: it needs a CUDA device and torch with CUDA; "
+                "none is available here (drop --gds to tune host memory <-> storage)"
+            )
+        args.gpu = True
     ds = is_ds_nvme_tune(args)
     used = [
         name
@@ -203,8 +214,18 @@ def apply(args: argparse.Namespace) -> argparse.Namespace:
         if not isinstance(sweep, dict):
             raise UsageError(f"--sweep_config {args.sweep_config}: expected a JSON object")
         args.knob_values = sweep_knobs(sweep)
-    elif ds and not getattr(args, "settings", None):
+    elif (ds or gds) and not getattr(args, "settings", None):
         args.knob_values = sweep_knobs(DEFAULT_SWEEP_CONFIG)
+    if gds:
+        knobs = args.knob_values or {}
+        wanted = [w.strip() for w in (getattr(args, "settings", None) or "").split(",") if w.strip()]
+        other = sorted({*knobs, *wanted} - set(_AIO_KEYS))
+        if other:
+            raise UsageError(f"--gds tunes the handle's settings ({', '.join(_AIO_KEYS)}) only, not {', '.join(other)}")
+        if not knobs:
+            args.knob_values = {
+                name: values for name, values in sweep_knobs(DEFAULT_SWEEP_CONFIG).items() if name in wanted
+            }
     if args.log_dir is not None:
         os.makedirs(args.log_dir, exist_ok=True)
         if args.json is None:

@@ -42,6 +42,7 @@ __all__ = [
     "QUICK_KNOBS",
     "Backend",
     "FastpersistBackend",
+    "GdsHandleBackend",
     "Point",
     "SweepResult",
     "sweep",
@@ -154,6 +155,73 @@ class FastpersistBackend(Backend):
 
     def load(self, path, settings, device):
         return self._api.load(path, map_location=device, **settings)
+
+
+class GdsHandleBackend(Backend):
+    """``fastpersist tune --gds`` (ds_nvme_tune's ``--gds``): each tensor written and read by a ``GdsHandle``.
+
+    A save writes every tensor of the state back to back into one file with
+    ``sync_pwrite`` at increasing offsets; a load reads each into a new tensor
+    on the device. The settings swept are the handle's constructor arguments
+    (``block_size``, ``queue_depth``, ``intra_op_parallelism``,
+    ``single_submit``, ``overlap_events``); the data path is the ``gds_path``
+    setting's. The layout of the last save of each path is kept in memory.
+    """
+
+    name = "gds_handle"
+    KNOBS = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events")
+    DEFAULTS = {"block_size": 1 << 20, "queue_depth": 128, "intra_op_parallelism": 1, "single_submit": False}
+
+    def __init__(self) -> None:
+        self._layouts: dict[str, list[tuple[str, int, torch.Size, torch.dtype]]] = {}
+        self._handles: dict[tuple[Any, ...], Any] = {}
+        self.path: str | None = None
+        """The data path the handles took (``cufile`` or ``bounce``), once one was made."""
+
+    def unavailable(self) -> str | None:
+        if not torch.cuda.is_available():
+            return "--gds needs a CUDA device (GdsHandle moves CUDA tensors)"
+        return None
+
+    def defaults(self) -> dict[str, Any]:
+        """DeepNVMe's ``gds_handle()`` defaults."""
+        return dict(self.DEFAULTS, overlap_events=False)
+
+    def validate(self, values: dict[str, Any]) -> None:
+        unknown = sorted(set(values) - set(self.KNOBS))
+        if unknown:
+            raise ValueError(f"GdsHandle has no setting {', '.join(unknown)}")
+
+    def _handle(self, settings: dict[str, Any]) -> Any:
+        from fastpersist.deepnvme.gds import GdsHandle
+
+        values = dict(self.defaults(), **{k: v for k, v in settings.items() if k in self.KNOBS})
+        key = tuple(values[k] for k in self.KNOBS)
+        handle = self._handles.get(key)
+        if handle is None:
+            handle = self._handles[key] = GdsHandle(*key)
+            self.path = handle.path
+        return handle
+
+    def save(self, state, path, settings):
+        handle = self._handle(settings)
+        layout = []
+        offset = 0
+        for key, tensor in workloads.flatten_state(state)[0].items():
+            data = tensor.contiguous()
+            handle.sync_pwrite(data, path, offset)
+            layout.append((key, offset, data.shape, data.dtype))
+            offset += data.numel() * data.element_size()
+        self._layouts[path] = layout
+
+    def load(self, path, settings, device):
+        handle = self._handle(settings)
+        loaded = {}
+        for key, offset, shape, dtype in self._layouts[path]:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            handle.sync_pread(tensor, path, offset)
+            loaded[key] = tensor
+        return loaded
 
 
 # ============================================================================ measuring
@@ -481,7 +549,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
         print(f"args = {args}", file=sys.stderr)
     if deepnvme.is_ds_nvme_tune(args):
         print(f"Running DeepNVMe performance tuning on {args.nvme_dir}", file=sys.stderr)
-    backend = backend or FastpersistBackend()
+    backend = backend or (GdsHandleBackend() if getattr(args, "gds", False) else FastpersistBackend())
     reason = backend.unavailable()
     if reason:
         print(f"fastpersist tune: {reason}", file=sys.stderr)
@@ -570,6 +638,8 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
                 progress=progress,
             )
             del state
+            if isinstance(backend, GdsHandleBackend):
+                result.notes.append(f"GdsHandle data path: {backend.path} (gds_path setting; see fastpersist info)")
         except KeyboardInterrupt:
             progress.close()
             print("fastpersist tune: interrupted; temporary files removed, nothing written", file=sys.stderr)

@@ -61,7 +61,46 @@ def same(a, b) -> bool:
     return a == b
 
 
+def make_big(seed: int = 0) -> torch.Tensor:
+    """16 MiB: with ``s3_part_size="5M"`` each of two ranks uploads its share as a multipart upload."""
+    return torch.randn(4 << 20, generator=torch.Generator().manual_seed(seed))
+
+
+class FaultyClient:
+    """A real boto3 client whose methods named in ``fail`` raise a network error at their n-th call (1-based)."""
+
+    def __init__(self, client, fail: dict):
+        import threading
+
+        self._client = client
+        self._fail = fail
+        self._calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.meta = client.meta
+
+    def __getattr__(self, name):
+        method = getattr(self._client, name)
+        if name not in self._fail:
+            return method
+
+        def call(**arguments):
+            from botocore.exceptions import ConnectionClosedError
+
+            with self._lock:
+                count = self._calls[name] = self._calls.get(name, 0) + 1
+            if count == self._fail[name]:
+                raise ConnectionClosedError(endpoint_url=f"http://127.0.0.1:1/injected-{name}")
+            return method(**arguments)
+
+        return call
+
+
+_REAL_MAKE_CLIENT: dict = {}
+
+
 def _path(directory: str, rank: int, step: dict) -> str:
+    if "url" in step:  # s3://bucket/key (tests/objectstore): the same on every rank
+        return step["url"]
     where = step.get("dirs")
     return os.path.join(where[rank] if where else directory, step.get("name", "ckpt.pt"))
 
@@ -75,6 +114,8 @@ def _do(rank: int, world: int, directory: str, step: dict):
     path = _path(directory, rank, step)
     seed = rank if step.get("seed") == "rank" else step.get("seed", 0)  # "rank": nothing in common
     state = make_state(seed, rank, step.get("variant"))
+    if step.get("big"):
+        state["big"] = make_big(seed)
     if step.get("only") is not None and step["only"] != rank:
         return {"skipped": True}  # a call made on one rank only (inside `if rank == ...:`)
     if step.get("device") == "cuda":  # every rank's tensors on its GPU (ranks share GPUs when there are fewer)
@@ -87,7 +128,7 @@ def _do(rank: int, world: int, directory: str, step: dict):
             state["view"] = state["base"][10:20]  # still a view of "base" (one storage), as on the CPU
     options = dict(
         group=dist.group.WORLD,
-        layout=step.get("layout", "file"),
+        layout=step.get("layout", None if "url" in step else "file"),
         writers=step.get("writers", "all"),
         timeout=step.get("timeout", 20),
         buffer_size=256 << 10,
@@ -95,6 +136,16 @@ def _do(rank: int, world: int, directory: str, step: dict):
     )
     if "divergence" in step:
         options["divergence"] = step["divergence"]
+    if "s3_part_size" in step:
+        options["s3_part_size"] = step["s3_part_size"]
+    if "url" in step:
+        from fastpersist.io import objectstore
+
+        objectstore.make_client = _REAL_MAKE_CLIENT.setdefault("s3", objectstore.make_client)  # no earlier step's fault
+        fail = step.get("s3_faults", {}).get(str(rank))  # {rank: {client method: the n-th call that fails}}
+        if fail:
+            real = objectstore.make_client
+            objectstore.make_client = lambda concurrency: FaultyClient(real(concurrency), fail)
     if kind == "save":
         bad = step.get("bad")
         if bad == rank and step.get("fault") == "exception":
@@ -141,10 +192,10 @@ def _do(rank: int, world: int, directory: str, step: dict):
             where = f"cuda:{rank % torch.cuda.device_count()}"
         loaded = fastpersist.load(path, group=dist.group.WORLD, timeout=step.get("timeout", 20), map_location=where)
         devices = sorted({str(t.device) for t in _tensors(loaded)})
-        return {
-            "same": same(_to_cpu(loaded), make_state(step.get("seed", 0), 0, step.get("variant"))),
-            "devices": devices,
-        }
+        expected = make_state(step.get("seed", 0), 0, step.get("variant"))
+        if step.get("big"):
+            expected["big"] = make_big(step.get("seed", 0))
+        return {"same": same(_to_cpu(loaded), expected), "devices": devices}
     raise ValueError(kind)
 
 

@@ -84,7 +84,8 @@ def test_ds_io_folder_to_device_mapping(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--use_gds"], "GPUDirect Storage is not provided"),
+        (["--use_gds"], "add --gpu"),
+        (["--gds_path", "cufile"], "--use_gds only"),
         (["--engine", "torch_io"], "fastpersist.bench checkpoint"),
         (["--engine", "torch_fastio"], "not provided"),
         (["--torch_legacy_save"], "torch_fastio"),
@@ -100,11 +101,40 @@ def test_ds_io_unsupported_flags_are_clear_errors(tmp_path, extra, message):
         _io("--folder", str(tmp_path), "--io_size", "8M", *extra)
 
 
-def test_ds_io_use_gds_message_says_what_to_use_instead(tmp_path, capsys):
+def test_ds_io_use_gds_needs_gpu_as_ds_io_does(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        bench_io.main(["--folder", str(tmp_path), "--io_size", "8M", "--gpu", "--use_gds"])
+        bench_io.main(["--folder", str(tmp_path), "--io_size", "8M", "--use_gds"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "GPUDirect Storage is not provided" in err and "pinned host memory" in err
+    assert exit_.value.code == 2 and "--use_gds moves a CUDA tensor: add --gpu" in err
+
+
+def test_ds_io_use_gds_parses_with_the_gds_path(tmp_path):
+    args = bench_io.build_parser().parse_args(
+        ["--folder", str(tmp_path), "--io_size", "8M", "--gpu", "--use_gds", "--gds_path", "bounce"]
+    )
+    assert args.use_gds and args.gpu and args.gds_path == "bounce"
+    assert bench_io.build_parser().parse_args(["--use_gds"]).gds_path is None  # the gds_path setting decides
+    with pytest.raises(SystemExit):
+        bench_io.build_parser().parse_args(["--use_gds", "--gds_path", "direct"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_ds_io_use_gds_without_cuda_is_the_gpu_error(tmp_path):
+    with pytest.raises(bench_io.UsageError, match="--gpu needs a CUDA device"):
+        _io("--folder", str(tmp_path), "--io_size", "8M", "--gpu", "--use_gds")
+
+
+@pytest.mark.gpu
+def test_ds_io_use_gds_runs_gds_handle(tmp_path, capsys):
+    argv = ["--folder", str(tmp_path), "--io_size", "4M", "--gpu", "--use_gds", "--loops", "1", "--validate"]
+    assert bench_io.main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["settings"]["handle"] == "gds_handle" and doc["settings"]["gds_path"] in ("cufile", "bounce")
+    assert doc["gbps_median"]["engine_write"] > 0
+    assert bench_io.main([*argv, "--read", "--gds_path", "bounce"]) == 0
+    out = capsys.readouterr().out
+    assert "GdsHandle path bounce" in out and "E2E Read Speed = " in out
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_ds_io_sizes_take_ds_io_syntax():
@@ -208,7 +238,6 @@ def test_ds_nvme_tune_defaults_follow_ds_nvme_tune(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--gds"], "GPUDirect Storage is not provided"),
         (["--no_read", "--no_write"], "nothing to measure"),
         (["--no_read", "--optimize", "load"], "contradict"),
         (["--loops", "2", "--repeats", "3"], "same thing"),
@@ -231,10 +260,35 @@ def test_ds_nvme_tune_bad_inputs(tmp_path):
         deepnvme.apply(_tune("--nvme_dir", str(tmp_path), "--sweep_config", str(bad)))
 
 
-def test_ds_nvme_tune_gds_is_a_clear_error_from_the_command(tmp_path, capsys):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_ds_nvme_tune_gds_without_cuda_is_a_clear_error_from_the_command(tmp_path, capsys):
     assert cli.main(["tune", "--nvme_dir", str(tmp_path), "--gds"]) == 2
     err = capsys.readouterr().err
-    assert "GPUDirect Storage is not provided" in err and "--gpu" in err
+    assert "--gds tunes GdsHandle" in err and "needs a CUDA device" in err and "drop --gds" in err
+
+
+@pytest.mark.gpu
+def test_ds_nvme_tune_gds_sweeps_the_handle_settings(tmp_path):
+    args = deepnvme.apply(_tune("--nvme_dir", str(tmp_path), "--gds"))
+    assert args.gpu and args.device == "cuda"
+    assert args.knob_values == deepnvme.sweep_knobs(deepnvme.DEFAULT_SWEEP_CONFIG)
+    subset = deepnvme.apply(_tune("--dir", str(tmp_path), "--gds", "--settings", "block_size,queue_depth"))
+    assert set(subset.knob_values) == {"block_size", "queue_depth"}
+    with pytest.raises(deepnvme.UsageError, match="handle's settings"):
+        deepnvme.apply(_tune("--dir", str(tmp_path), "--gds", "--settings", "buffer_size"))
+
+
+@pytest.mark.gpu
+def test_ds_nvme_tune_gds_command_line_runs(tmp_path, capsys):
+    work = tmp_path / "nvme"
+    work.mkdir()
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"block_size": ["1M"], "queue_depth": [8], "io_parallel": [1, 2]}))
+    argv = ["tune", "--nvme_dir", str(work), "--gds", "--io_size", "8M", "--loops", "1", "--sweep_config", str(sweep)]
+    assert cli.main([*argv, "--model", "toy", "--out", str(tmp_path / "cfg.json")]) == 0
+    out = capsys.readouterr().out
+    assert "Best performance (GB/sec): read = " in out and "GdsHandle data path: " in out
+    assert list(work.iterdir()) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")

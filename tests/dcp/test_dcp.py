@@ -491,7 +491,8 @@ def test_without_collectives_per_rank_metadata(tmp_path):
 def test_validate_checkpoint_id(tmp_path):
     assert FastPersistWriter.validate_checkpoint_id(str(tmp_path / "new"))
     assert FastPersistReader.validate_checkpoint_id(tmp_path)
-    assert not FastPersistWriter.validate_checkpoint_id("s3://bucket/ckpt")
+    assert FastPersistWriter.validate_checkpoint_id("s3://bucket/ckpt")  # a prefix: tests/objectstore/test_s3_dcp.py
+    assert not FastPersistWriter.validate_checkpoint_id("gs://bucket/ckpt")
 
 
 def test_ring_writer_windows(tmp_path):

@@ -231,7 +231,9 @@ def test_is_pinned_slices_views_and_other_handles():
         assert u.is_pinned(t.narrow(0, 10, 10))
     finally:
         assert a.free_cpu_locked_tensor(t)
-    assert not a.is_pinned(t)  # forgotten after free
+    assert not memory.is_managed_locked_memory(t)  # forgotten after free
+    if not torch.cuda.is_available():  # with CUDA the bytes stay registered (pinned) until t is collected
+        assert not a.is_pinned(t)
 
 
 def test_cast_to_byte_tensor_on_a_list():

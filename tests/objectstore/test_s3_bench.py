@@ -39,8 +39,10 @@ def test_tiny_run_writes_a_verified_document(tmp_path, monkeypatch):
             assert entry["status"] == "ok", entry
             assert entry["seconds"]["n"] == 1 and entry["gb_per_s"]["median"] > 0
             assert entry["peak_extra_rss_bytes"]["max"] >= entry["peak_extra_rss_bytes"]["median"]
-        for method in ("s3fs", "s3torchconnector"):
-            assert document["results"][kind][method]["status"] in ("ok", "skipped")
+        for method in ("s3fs", "s3torchconnector"):  # other libraries: a failure (e.g. against moto) is reported
+            entry = document["results"][kind][method]
+            assert entry["status"] in ("ok", "skipped", "failed"), entry
+            assert entry["status"] == "ok" or entry["reason"], entry
     assert document["results"]["load"]["fastpersist"]["verified"] is True
     assert document["results"]["load"]["boto3"]["verified"] is True
     assert all(outcome is True for outcome in document["cross_reads"].values()) and len(document["cross_reads"]) == 2

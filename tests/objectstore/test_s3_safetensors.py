@@ -201,6 +201,25 @@ def test_an_object_replaced_while_open_fails_the_read(s3):
             f.get_tensor("w")
 
 
+def test_safe_open_reads_through_read_ranges_pinned_to_the_etag_of_its_head(s3, monkeypatch):
+    # One ranged-read mechanism: ObjectReader is a HEAD plus read_ranges calls given that HEAD's ETag.
+    fastpersist.save_file({"a": torch.arange(5), "b": torch.ones(3)}, s3.url("model.safetensors"))
+    real, calls = objectstore.read_ranges, []
+
+    def recording(reads, settings, **options):
+        calls.append((list(reads), dict(options["seen"])))
+        return real(reads, settings, **options)
+
+    monkeypatch.setattr(objectstore, "read_ranges", recording)
+    with fastpersist.safe_open(s3.url("model.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("b"), torch.ones(3))
+    url = objectstore.target(s3.url("model.safetensors"))
+    assert len(calls) == 2  # the header, then "b"
+    for reads, seen in calls:
+        assert [read[0] for read in reads] == [url]
+        assert seen[url][1] == s3.client.head_object(Bucket=s3.bucket, Key="model.safetensors")["ETag"]
+
+
 _PREVIOUS = {"version": torch.tensor([1])}
 _NEXT = {"version": torch.tensor([2]), "weights": torch.randn(16 * _MiB // 4)}  # 4 parts of 5 MiB
 

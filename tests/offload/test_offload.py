@@ -422,11 +422,43 @@ def test_cuda_streaming_equals_the_model_on_the_gpu(host_tier, tmp_path, _close_
     _close_models.append(model)
     offloaded = model.fastpersist_offload
     assert offloaded.describe()["streamed"]
+    misaligned = []
+
+    def note_alignment(module, args):
+        misaligned.extend(n for n, p in module.named_parameters(recurse=False) if p.data_ptr() % 512)
+
+    hooks = [m.register_forward_pre_hook(note_alignment) for m in model.modules()]
     with torch.inference_mode():
         for _ in range(3):
             assert torch.equal(model(IDS.cuda()), want)
+    for hook in hooks:
+        hook.remove()
+    assert misaligned == []  # as aligned as freshly allocated weights: cuBLAS picks the same kernels
     if host_tier:
         assert offloaded.stats().host_tier_hits > 0
+
+
+def test_device_copies_put_each_tensor_at_its_region_start():
+    """Host layout: bytes at the file's offset within the page; device layout: at the region's start."""
+    from fastpersist.offload.index import TensorSource
+    from fastpersist.offload.plan import Binding, Unit
+
+    module = torch.nn.Linear(1, 1)
+
+    def binding(offset, nbytes, name="weight"):
+        source = TensorSource(key=name, path="f", offset=offset, nbytes=nbytes, dtype=torch.uint8, shape=(nbytes,))
+        return Binding(module, name, True, source)
+
+    same_shift = Unit("u", module, [binding(8 + 4096, 8192), binding(8 + 3 * 4096, 100), binding(8 + 5 * 4096, 4096)])
+    same_shift.lay_out()
+    assert [b.region for b in same_shift.reads] == [0, 12288, 16384]
+    assert same_shift.device_copies() == [(8, 0, 16384 + 4096)]  # one copy: the padding travels along
+    mixed = Unit("m", module, [binding(8, 4000), binding(4096 + 100, 50), binding(2 * 4096 + 100, 50)])
+    mixed.lay_out()
+    assert mixed.device_copies() == [(8, 0, 4000), (4096 + 100, 4096, 4096 + 50)]
+    tied = Unit("t", module, [binding(16, 64), binding(16, 64, name="bias")])
+    tied.lay_out()
+    assert tied.device_copies() == [(16, 0, 64)]
 
 
 _EXIT_CHILD = r"""
