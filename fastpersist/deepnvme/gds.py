@@ -61,13 +61,7 @@ import torch
 
 from fastpersist import config
 from fastpersist.deepnvme import cufile
-from fastpersist.deepnvme.handle import (
-    O_DIRECT_ALIGNMENT,
-    AioHandle,
-    _async_flag,
-    _resolve_target,
-    check_file_bytes,
-)
+from fastpersist.deepnvme.handle import O_DIRECT_ALIGNMENT, AioHandle, DeepNVMeCalls, check_file_bytes
 from fastpersist.errors import ConfigError, CudaUnavailableError, CufileError, GdsUnavailableError
 from fastpersist.io import engine as engine_module
 from fastpersist.tensors import cast_to_byte_tensor
@@ -261,7 +255,7 @@ def probe_registration(driver: Any, directory: str) -> str | None:
         os.unlink(name)
 
 
-class GdsHandle:
+class GdsHandle(DeepNVMeCalls):
     """DeepNVMe's ``gds_handle``: tensor reads and writes with CUDA tensors moved by cuFile or a pinned bounce ring.
 
     The first five arguments and their defaults are DeepNVMe's ``gds_handle()``'s.
@@ -498,124 +492,6 @@ class GdsHandle:
             nbytes = buffer.numel() * buffer.element_size()
             return _find_region(_device_index(buffer), buffer.data_ptr(), nbytes) is not None
         return self._aio.is_pinned(buffer)
-
-    # ------------------------------------------------------------------ writes
-    def sync_pwrite(
-        self,
-        buffer: torch.Tensor,
-        filename: Any = None,
-        file_offset: int = 0,
-        *,
-        fd: int | None = None,
-        truncate: bool = False,
-    ) -> int:
-        """Writes ``buffer`` and waits; returns 1."""
-        return self.pwrite(buffer, filename, False, False, file_offset, fd=fd, truncate=truncate)
-
-    def async_pwrite(
-        self,
-        buffer: torch.Tensor,
-        filename: Any = None,
-        file_offset: int = 0,
-        *,
-        fd: int | None = None,
-        truncate: bool = False,
-    ) -> int:
-        """Starts writing ``buffer`` to a path or a descriptor (``fd=``); returns 0. Call :meth:`wait`."""
-        return self.pwrite(buffer, filename, False, True, file_offset, fd=fd, truncate=truncate)
-
-    def pwrite(
-        self,
-        buffer: torch.Tensor,
-        filename: Any = None,
-        validate: bool = False,
-        async_op: bool | None = None,
-        file_offset: int = 0,
-        *,
-        fd: int | None = None,
-        truncate: bool = False,
-        **kwargs: Any,
-    ) -> int:
-        """Writes the bytes of ``buffer`` (a contiguous CUDA or CPU tensor) at ``file_offset``.
-
-        Arguments as ``AioHandle.pwrite`` (``async`` through ``**kwargs``,
-        ``fd=``, ``truncate=``). A write never shortens the file unless ``truncate``.
-
-        Returns:
-            0 when asynchronous, else 1.
-
-        Raises:
-            TypeError: ``buffer`` is not a tensor, or is on neither CPU nor CUDA.
-            ValueError: ``buffer`` is not contiguous; ``file_offset`` < 0.
-            OSError subclasses: open errors at once; I/O errors from :meth:`wait`
-                (or this call when blocking), ``CufileError`` for cuFile statuses
-                on a handle made with ``path="cufile"``.
-        """
-        async_op = _async_flag(async_op, kwargs, "pwrite")
-        target = _resolve_target(filename, fd, "pwrite")
-        return self._transfer(True, buffer, target, validate, async_op, file_offset, truncate)
-
-    def write(
-        self,
-        buffer: torch.Tensor,
-        filename: Any = None,
-        validate: bool = False,
-        file_offset: int = 0,
-        *,
-        fd: int | None = None,
-    ) -> int:
-        """Blocking write; returns 0 like DeepNVMe, raises on error."""
-        target = _resolve_target(filename, fd, "write")
-        self._transfer(True, buffer, target, validate, False, file_offset, False)
-        return 0
-
-    # ------------------------------------------------------------------ reads
-    def sync_pread(
-        self, buffer: torch.Tensor, filename: Any = None, file_offset: int = 0, *, fd: int | None = None
-    ) -> int:
-        """Reads into ``buffer`` and waits; returns 1."""
-        return self.pread(buffer, filename, False, False, file_offset, fd=fd)
-
-    def async_pread(
-        self, buffer: torch.Tensor, filename: Any = None, file_offset: int = 0, *, fd: int | None = None
-    ) -> int:
-        """Starts reading into ``buffer``; returns 0. Call :meth:`wait`."""
-        return self.pread(buffer, filename, False, True, file_offset, fd=fd)
-
-    def pread(
-        self,
-        buffer: torch.Tensor,
-        filename: Any = None,
-        validate: bool = False,
-        async_op: bool | None = None,
-        file_offset: int = 0,
-        *,
-        fd: int | None = None,
-        **kwargs: Any,
-    ) -> int:
-        """Fills ``buffer`` (all of its bytes) from the file at ``file_offset``.
-
-        Raises:
-            as :meth:`pwrite`; ``UnexpectedEndOfFileError`` (an ``OSError`` and
-            ``EOFError``) when the file ends before ``buffer`` is full.
-        """
-        async_op = _async_flag(async_op, kwargs, "pread")
-        target = _resolve_target(filename, fd, "pread")
-        return self._transfer(False, buffer, target, validate, async_op, file_offset, False)
-
-    def read(
-        self,
-        buffer: torch.Tensor,
-        filename: Any = None,
-        validate: bool = False,
-        file_offset: int = 0,
-        *,
-        fd: int | None = None,
-    ) -> int:
-        """Blocking read; returns 0 like DeepNVMe, raises on error."""
-        target = _resolve_target(filename, fd, "read")
-        self._transfer(False, buffer, target, validate, False, file_offset, False)
-        return 0
 
     # ------------------------------------------------------------------ completion
     def wait(self) -> int:

@@ -38,7 +38,7 @@ from fastpersist.io import engine as engine_module
 from fastpersist.io import memory
 from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
 
-__all__ = ["AioHandle", "is_pinned", "check_file_bytes"]
+__all__ = ["AioHandle", "DeepNVMeCalls", "is_pinned", "check_file_bytes"]
 
 PathOrFd = Union[str, "os.PathLike[str]", int]
 
@@ -139,7 +139,170 @@ def _ring_chunk(nbytes: int, limit: int) -> int:
     return min(size, limit)
 
 
-class AioHandle:
+class DeepNVMeCalls:
+    """DeepNVMe's read and write calls, one shape for both handles (``AioHandle``, ``GdsHandle``).
+
+    Subclasses provide ``_transfer(write, buffer, target, validate, async_op,
+    file_offset, truncate)``, which moves the bytes (or queues them when
+    ``async_op``) and returns 0 when asynchronous, else 1, and ``wait()``.
+    """
+
+    def _transfer(
+        self,
+        write: bool,
+        buffer: torch.Tensor,
+        target: PathOrFd,
+        validate: bool,
+        async_op: bool,
+        file_offset: int,
+        truncate: bool,
+    ) -> int:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ writes
+    def sync_pwrite(
+        self,
+        buffer: torch.Tensor,
+        filename: Any = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+        truncate: bool = False,
+    ) -> int:
+        """Writes ``buffer`` and waits; returns 1 (this call's operation)."""
+        return self.pwrite(buffer, filename, False, False, file_offset, fd=fd, truncate=truncate)
+
+    def async_pwrite(
+        self,
+        buffer: torch.Tensor,
+        filename: Any = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+        truncate: bool = False,
+    ) -> int:
+        """Starts writing ``buffer`` to a path or a descriptor (``fd=`` or positional int); returns 0. Call :meth:`wait`."""
+        return self.pwrite(buffer, filename, False, True, file_offset, fd=fd, truncate=truncate)
+
+    def pwrite(
+        self,
+        buffer: torch.Tensor,
+        filename: Any = None,
+        validate: bool = False,
+        async_op: bool | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+        truncate: bool = False,
+        **kwargs: Any,
+    ) -> int:
+        """Writes the bytes of ``buffer`` to ``filename`` (a path or an open fd) at ``file_offset``.
+
+        Args:
+            buffer: a contiguous CPU or CUDA tensor.
+            filename: path (created if missing) or a file descriptor open for writing.
+            validate: read the bytes back after the write and compare (raises ``IOError`` on mismatch).
+            async_op: return at once (0); :meth:`wait` completes it. DeepNVMe's
+                keyword ``async`` is accepted too (``pwrite(..., **{"async": True})``).
+            file_offset: where the first byte goes.
+            fd: an open descriptor instead of ``filename`` (DeepNVMe's keyword).
+            truncate: after the write, set the file size to ``file_offset + nbytes``.
+                Off by default: like DeepNVMe, a write never shortens the file.
+
+        Returns:
+            0 when asynchronous, else 1 (this call's operation only).
+
+        Raises:
+            TypeError: ``buffer`` is not a tensor on the CPU or (where the
+                handle takes them) a CUDA device.
+            ValueError: ``buffer`` is not contiguous; ``file_offset`` < 0.
+            OSError subclasses (FileNotFoundError, PermissionError, ...) for open
+            errors at once, and for I/O errors from :meth:`wait` (or from this
+            call when blocking); ``GdsHandle`` made with ``path="cufile"``:
+            ``CufileError`` for cuFile statuses.
+        """
+        async_op = _async_flag(async_op, kwargs, "pwrite")
+        target = _resolve_target(filename, fd, "pwrite")
+        return self._transfer(True, buffer, target, validate, async_op, file_offset, truncate)
+
+    def write(
+        self,
+        buffer: torch.Tensor,
+        filename: Any = None,
+        validate: bool = False,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+        truncate: bool = False,
+    ) -> int:
+        """Blocking write (DeepNVMe's non-parallel ``write``); returns 0 like DeepNVMe, raises on error."""
+        target = _resolve_target(filename, fd, "write")
+        self._transfer(True, buffer, target, validate, False, file_offset, truncate)
+        return 0
+
+    # ------------------------------------------------------------------ reads
+    def sync_pread(
+        self,
+        buffer: torch.Tensor,
+        filename: Any = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Reads into ``buffer`` and waits; returns 1 (this call's operation)."""
+        return self.pread(buffer, filename, False, False, file_offset, fd=fd)
+
+    def async_pread(
+        self,
+        buffer: torch.Tensor,
+        filename: Any = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Starts reading into ``buffer``; returns 0 at once. Call :meth:`wait`."""
+        return self.pread(buffer, filename, False, True, file_offset, fd=fd)
+
+    def pread(
+        self,
+        buffer: torch.Tensor,
+        filename: Any = None,
+        validate: bool = False,
+        async_op: bool | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+        **kwargs: Any,
+    ) -> int:
+        """Fills ``buffer`` (all of its bytes) from ``filename`` at ``file_offset``.
+
+        ``async`` (through ``**kwargs``) and ``fd=`` work as in :meth:`pwrite`.
+
+        Raises:
+            FileNotFoundError etc. at once; ``UnexpectedEndOfFileError``
+            (an ``OSError`` and ``EOFError``) when the file ends before
+            ``buffer`` is full (the message names file, offset and size).
+        """
+        async_op = _async_flag(async_op, kwargs, "pread")
+        target = _resolve_target(filename, fd, "pread")
+        return self._transfer(False, buffer, target, validate, async_op, file_offset, False)
+
+    def read(
+        self,
+        buffer: torch.Tensor,
+        filename: Any = None,
+        validate: bool = False,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Blocking read (DeepNVMe's non-parallel ``read``); returns 0 like DeepNVMe, raises on error."""
+        target = _resolve_target(filename, fd, "read")
+        self._transfer(False, buffer, target, validate, False, file_offset, False)
+        return 0
+
+
+class AioHandle(DeepNVMeCalls):
     """Asynchronous tensor reads and writes (DeepNVMe ``aio_handle`` parity).
 
     The defaults of the first five arguments are DeepNVMe's own
@@ -283,144 +446,6 @@ class AioHandle:
         handle: the registry is process-wide) count as pinned.
         """
         return is_pinned(buffer)
-
-    # ------------------------------------------------------------------ writes
-    def sync_pwrite(
-        self,
-        buffer: torch.Tensor,
-        filename: Any = None,
-        file_offset: int = 0,
-        *,
-        fd: int | None = None,
-        truncate: bool = False,
-    ) -> int:
-        """Writes ``buffer`` and waits; returns 1 (this call's operation)."""
-        return self.pwrite(buffer, filename, False, False, file_offset, fd=fd, truncate=truncate)
-
-    def async_pwrite(
-        self,
-        buffer: torch.Tensor,
-        filename: Any = None,
-        file_offset: int = 0,
-        *,
-        fd: int | None = None,
-        truncate: bool = False,
-    ) -> int:
-        """Starts writing ``buffer`` to a path or a descriptor (``fd=`` or positional int); returns 0. Call :meth:`wait`."""
-        return self.pwrite(buffer, filename, False, True, file_offset, fd=fd, truncate=truncate)
-
-    def pwrite(
-        self,
-        buffer: torch.Tensor,
-        filename: Any = None,
-        validate: bool = False,
-        async_op: bool | None = None,
-        file_offset: int = 0,
-        *,
-        fd: int | None = None,
-        truncate: bool = False,
-        **kwargs: Any,
-    ) -> int:
-        """Writes the bytes of ``buffer`` to ``filename`` (a path or an open fd) at ``file_offset``.
-
-        Args:
-            buffer: a contiguous CPU or CUDA tensor.
-            filename: path (created if missing) or a file descriptor open for writing.
-            validate: read the bytes back after the write and compare (raises ``IOError`` on mismatch).
-            async_op: return at once (0); :meth:`wait` completes it. DeepNVMe's
-                keyword ``async`` is accepted too (``pwrite(..., **{"async": True})``).
-            file_offset: where the first byte goes.
-            fd: an open descriptor instead of ``filename`` (DeepNVMe's keyword).
-            truncate: after the write, set the file size to ``file_offset + nbytes``.
-                Off by default: like DeepNVMe, a write never shortens the file.
-
-        Returns:
-            0 when asynchronous, else 1 (this call's operation only).
-
-        Raises:
-            OSError subclasses (FileNotFoundError, PermissionError, ...) for open
-            errors at once, and for I/O errors from :meth:`wait` (or from this
-            call when blocking).
-        """
-        async_op = _async_flag(async_op, kwargs, "pwrite")
-        target = _resolve_target(filename, fd, "pwrite")
-        return self._transfer(True, buffer, target, validate, async_op, file_offset, truncate)
-
-    def write(
-        self,
-        buffer: torch.Tensor,
-        filename: Any = None,
-        validate: bool = False,
-        file_offset: int = 0,
-        *,
-        fd: int | None = None,
-        truncate: bool = False,
-    ) -> int:
-        """Blocking write (DeepNVMe's non-parallel ``write``); returns 0 like DeepNVMe, raises on error."""
-        target = _resolve_target(filename, fd, "write")
-        self._transfer(True, buffer, target, validate, False, file_offset, truncate)
-        return 0
-
-    # ------------------------------------------------------------------ reads
-    def sync_pread(
-        self,
-        buffer: torch.Tensor,
-        filename: Any = None,
-        file_offset: int = 0,
-        *,
-        fd: int | None = None,
-    ) -> int:
-        """Reads into ``buffer`` and waits; returns 1 (this call's operation)."""
-        return self.pread(buffer, filename, False, False, file_offset, fd=fd)
-
-    def async_pread(
-        self,
-        buffer: torch.Tensor,
-        filename: Any = None,
-        file_offset: int = 0,
-        *,
-        fd: int | None = None,
-    ) -> int:
-        """Starts reading into ``buffer``; returns 0 at once. Call :meth:`wait`."""
-        return self.pread(buffer, filename, False, True, file_offset, fd=fd)
-
-    def pread(
-        self,
-        buffer: torch.Tensor,
-        filename: Any = None,
-        validate: bool = False,
-        async_op: bool | None = None,
-        file_offset: int = 0,
-        *,
-        fd: int | None = None,
-        **kwargs: Any,
-    ) -> int:
-        """Fills ``buffer`` (all of its bytes) from ``filename`` at ``file_offset``.
-
-        ``async`` (through ``**kwargs``) and ``fd=`` work as in :meth:`pwrite`.
-
-        Raises:
-            FileNotFoundError etc. at once; ``UnexpectedEndOfFileError``
-            (an ``OSError`` and ``EOFError``) when the file ends before
-            ``buffer`` is full (the message names file, offset and size).
-        """
-        async_op = _async_flag(async_op, kwargs, "pread")
-        target = _resolve_target(filename, fd, "pread")
-        return self._transfer(False, buffer, target, validate, async_op, file_offset, False)
-
-    def read(
-        self,
-        buffer: torch.Tensor,
-        filename: Any = None,
-        validate: bool = False,
-        file_offset: int = 0,
-        *,
-        fd: int | None = None,
-    ) -> int:
-        """Blocking read (DeepNVMe's non-parallel ``read``); returns 0 like DeepNVMe, raises on error."""
-        target = _resolve_target(filename, fd, "read")
-        self._transfer(False, buffer, target, validate, False, file_offset, False)
-        return 0
 
     # ------------------------------------------------------------------ completion
     def wait(self) -> int:

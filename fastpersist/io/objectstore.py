@@ -79,7 +79,7 @@ import math
 import os
 import stat
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 from fastpersist.config import Settings
 from fastpersist.errors import (
@@ -641,6 +641,21 @@ class _SinglePut:
         self._body = bytearray()
 
 
+def _abort_and_raise(upload, error: BaseException) -> NoReturn:
+    """Aborts ``upload`` after ``error`` and raises the failure itself.
+
+    Where the writer met a part skipped because another part had failed, the
+    first part's failure is raised in place of the skip.
+    """
+    raised = error
+    if isinstance(error, _PartSkipped) and upload.first_error is not None:
+        raised = upload.first_error
+    upload.abort(raised)
+    if raised is error:
+        raise error
+    raise raised from None
+
+
 def commit_plan(
     plan, destination: ObjectURL, settings: Settings, streams, *, before_commit=None, client=None, byte_range=None
 ) -> list[int]:
@@ -687,14 +702,8 @@ def commit_plan(
         if before_commit is not None:
             before_commit()
         upload.complete()
-    except BaseException as error:
-        raised = error
-        if isinstance(error, _PartSkipped) and upload.first_error is not None:
-            raised = upload.first_error  # the writer met a skipped part first: raise the failure itself
-        upload.abort(raised)
-        if raised is error:
-            raise
-        raise raised from None
+    except BaseException as error:  # noqa: BLE001 - re-raised by _abort_and_raise after the abort
+        _abort_and_raise(upload, error)
     finally:
         upload.close()
     return crcs
@@ -852,16 +861,10 @@ def _upload_file_parts(file: _FileSource, url: ObjectURL, client, part_size: int
             future.result()
         file.check_unchanged()
         upload.complete()
-    except BaseException as error:
+    except BaseException as error:  # noqa: BLE001 - re-raised by _abort_and_raise after the abort
         upload.fail(error)  # parts not started yet are skipped
         upload.close()  # drained: nothing in flight when the abort runs
-        raised = error
-        if isinstance(error, _PartSkipped) and upload.first_error is not None:
-            raised = upload.first_error
-        upload.abort(raised)
-        if raised is error:
-            raise
-        raise raised from None
+        _abort_and_raise(upload, error)
     finally:
         upload.close()
 
