@@ -176,3 +176,19 @@ def test_a_missing_bucket_fails_every_rank_clearly(s3, tmp_path):
         assert all("BucketNotFoundError" in text and "does not exist" in text for text in outcome["failures"].values())
     for per_rank in results:
         assert per_rank[1]["error"] == "BucketNotFoundError" and "does not exist" in per_rank[1]["message"]
+
+
+@pytest.mark.multigpu
+def test_nccl_ranks_upload_their_gpu_shares(s3, tmp_path):
+    """One rank per GPU over NCCL: each rank's state on its own device, each writer uploading its share."""
+    world = min(torch.cuda.device_count(), 4)
+    save = {"op": "save", "url": s3.url("gpu/ckpt.pt"), "big": True, "s3_part_size": "5M", "device": "cuda"}
+    steps = [save, {"op": "load", "url": s3.url("gpu/ckpt.pt"), "big": True}]
+    results = spawn(world, tmp_path, steps, backend="nccl")
+    saved = ok(results, 0)
+    assert saved[0]["writers"] == world and saved[0]["divergent"] == []
+    assert all(r["same"] for r in ok(results, 1))
+    manifest = manifest_of(s3, "gpu/ckpt.pt")
+    assert manifest.world_size == world and len(manifest.parts) == world
+    assert s3.uploads_in_progress() == []
+    assert same(fastpersist.load(s3.url("gpu/ckpt.pt"), map_location="cpu"), expected_state(big=True))
