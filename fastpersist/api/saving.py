@@ -67,6 +67,9 @@ def save(
             storage, plus a manifest at ``f``. Default: ``"file"`` for paths,
             ``"parts"`` for ``s3://`` URLs (part objects and a manifest
             object; ``"file"`` is refused there with ``ValueError``).
+            Collective saves write torch-format checkpoints: with safetensors
+            (``format="safetensors"`` or a ``.safetensors`` path) and a group
+            of more than one rank, ``ValueError``.
         writers: (with ``group``) ``"all"`` ranks write, or one per ``"node"``.
         divergence: (with ``group``) when a rank's tensor has other values
             than rank 0's (same key and size): ``"warn"`` writes rank 0's and
@@ -118,6 +121,14 @@ def save(
         )
         return
     if dispatch.wants_safetensors(f, settings.pop("format", None)):
+        if group is not None and group is not False:
+            from fastpersist.distributed import save as distributed_save
+
+            if distributed_save.is_collective(group):
+                raise ValueError(
+                    f"a collective save (group=...) writes a torch-format checkpoint, not safetensors ({f}): "
+                    "save with format='torch', or save the safetensors file on one rank (if rank == 0: ...)"
+                )
         dispatch.save_safetensors(obj, f, settings)  # format="safetensors" or a .safetensors path
         return
     overrides, _ = config.split_overrides("save", settings, allow_other=False)

@@ -162,3 +162,19 @@ def test_a_lightning_checkpoint_io_inherits_the_format(tmp_path):
     model = Model()
     resumed.fit(model, ckpt_path=path)
     assert resumed.current_epoch == 2 and resumed.global_step == 4
+
+
+def test_a_collective_safetensors_save_is_refused_not_made_by_every_rank(tmp_path, monkeypatch):
+    """group= with safetensors used to be ignored: every rank wrote the file. A group of one rank is a plain save."""
+    from fastpersist.distributed import save as distributed_save
+
+    state = {"w": torch.ones(3)}
+    monkeypatch.setattr(distributed_save, "is_collective", lambda group: True)
+    with pytest.raises(ValueError, match="format='torch'"):
+        fastpersist.save(state, tmp_path / "m.safetensors", group=True)
+    with pytest.raises(ValueError, match="collective save"):
+        fastpersist.save(state, tmp_path / "m.bin", group=True, format="safetensors")
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setattr(distributed_save, "is_collective", lambda group: False)
+    fastpersist.save(state, tmp_path / "m.safetensors", group=True)
+    assert torch.equal(fastpersist.load_file(tmp_path / "m.safetensors")["w"], state["w"])
