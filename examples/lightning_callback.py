@@ -218,6 +218,10 @@ def main() -> None:
         )
         if args.check:
             assert resumed.current_epoch == args.epochs + 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Lightning leaves the process group up; gloo's threads can then abort the interpreter's exit
+        # ("terminate called without an active exception", seen once in CI), as torch's docs warn.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
