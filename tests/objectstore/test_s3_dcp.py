@@ -21,6 +21,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dcp"))
+from test_dcp import _assert_equal, _blank, _describe, _load, _save
+
 from fastpersist import config
 from fastpersist.dcp import FastPersistReader, FastPersistWriter
 from fastpersist.dcp import objectstore as dcp_objectstore
@@ -52,48 +55,6 @@ def _state() -> dict:
 
 def _small_state() -> dict:
     return {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, 3), "step": 1}
-
-
-def _blank(state):
-    if isinstance(state, dict):
-        return {k: _blank(v) for k, v in state.items()}
-    if isinstance(state, torch.Tensor):
-        return torch.zeros_like(state)
-    if isinstance(state, list):
-        return [None] * len(state)
-    return None
-
-
-def _assert_equal(actual, expected, where=""):
-    if isinstance(expected, dict):
-        assert set(actual) == set(expected), where
-        for k in expected:
-            _assert_equal(actual[k], expected[k], f"{where}.{k}")
-    elif isinstance(expected, torch.Tensor):
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
-        assert torch.equal(actual, expected), where
-    else:
-        assert actual == expected, where
-
-
-def _describe(error: BaseException) -> str:
-    """The message of ``error`` and, for DCP's CheckpointException, of every rank's failure."""
-    parts = [f"{type(error).__name__}: {error}"]
-    for failure in getattr(error, "failures", {}).values():
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        parts.append(f"{type(inner).__name__}: {inner}")
-    return "\n".join(parts)
-
-
-def _save(state, location, writer=FastPersistWriter, **kwargs):
-    dcp.save(state, storage_writer=writer(str(location), **kwargs), no_dist=True)
-
-
-def _load(location, expected, reader=FastPersistReader, **kwargs):
-    out = _blank(expected)
-    dcp.load(out, storage_reader=reader(str(location), **kwargs), no_dist=True)
-    _assert_equal(out, expected)
-    return out
 
 
 def _keys(s3, prefix: str) -> list[str]:
