@@ -3,7 +3,7 @@
     checkpointer = fastpersist.Checkpointer(optimizer)                # pipelined by default
     for step, batch in enumerate(loader):
         loss = model(batch).sum(); loss.backward()
-        optimizer.step()                                              # waits for a pending save first
+        optimizer.step()                                              # waits until a pending save has read the state
         optimizer.zero_grad()
         if step % 100 == 0:
             checkpointer.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, "ckpt.pt")
@@ -14,9 +14,22 @@ passes run. The only thing that changes the saved state in a training loop is
 the optimizer step (and, during the forward pass, the running statistics of
 normalization layers): the checkpointer registers an optimizer step pre-hook
 (and a forward pre-hook on those layers of ``model``, when given) that waits
-for the pending save first. The save therefore overlaps forward and backward
-and never sees a half-updated state; if something else modifies a tensor
-anyway, the save fails with ``TensorModifiedError`` and commits nothing.
+until the pending save has *read* the state: its last device-to-host copy is
+queued, and the step's kernels are ordered after it on the GPU. The write
+itself goes on behind the step. For a checkpoint that fits the staging ring
+(``buffer_size * buffer_count``, 512 MiB by default) the reads are queued
+within milliseconds of the save's start; a larger one is read as fast as the
+storage takes the ring's earlier windows. The save never sees a
+half-updated state; if something else modifies a tensor before the release,
+the save fails with ``TensorModifiedError`` and commits nothing.
+
+In snapshot mode the device-to-host copies into the staging area run on a
+side stream beside the next forward pass (not before it, as a bare
+``async_save(mode="snapshot")`` orders them): the same hooks order the
+optimizer step after the copies (``overlap_snapshots=False`` orders the copies
+before the caller's next kernels instead, as ``async_save`` does, so that any
+in-place change after ``save`` returns is safe; so does a checkpointer with no
+optimizer to hook).
 """
 
 from __future__ import annotations
@@ -43,12 +56,18 @@ class Checkpointer:
 
     Args:
         optimizers: an optimizer or several; each gets a step pre-hook that
-            waits for the pending save (pipelined mode) and raises its error.
+            waits until the pending save has read the state (see the module
+            docstring) and raises the errors of saves that failed.
         model: optional; normalization layers with running statistics get a
             forward pre-hook that waits (in training mode) before they update.
         mode: ``"pipelined"`` or ``"snapshot"`` (default: setting ``async_mode``).
-            In snapshot mode nothing needs to wait: the hooks only raise the
-            errors of saves that have finished.
+            In snapshot mode the hooks only order the step after the
+            device-to-host copies (no waiting on the CPU).
+        overlap_snapshots: (snapshot mode) run the device-to-host copies beside
+            the next forward pass, the step ordered after them (default);
+            False: the caller's stream waits for them at once (~5 ms per
+            250 MB), and the state may change in place by any means as soon
+            as ``save`` returns.
         **settings: ``fastpersist.config`` overrides for every save.
 
     Raises (from ``save``, ``wait``, the hooks and ``close``): what the failed
@@ -61,12 +80,15 @@ class Checkpointer:
         *,
         model: torch.nn.Module | None = None,
         mode: str | None = None,
+        overlap_snapshots: bool = True,
         **settings: Any,
     ):
         self.mode = mode
+        self.overlap_snapshots = overlap_snapshots
         self.settings = settings
         self._pending: list[futures.SaveFuture] = []
         self._hooks = []
+        self._hooks_step = False  # an optimizer's step pre-hook releases the state (so snapshots need not)
         self.attach(optimizers, model=model)
 
     def attach(
@@ -80,22 +102,38 @@ class Checkpointer:
             optimizers = [optimizers]
         for optimizer in optimizers:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+            self._hooks_step = True
         if model is not None:
             for layer in _normalization_layers(model):
                 self._hooks.append(layer.register_forward_pre_hook(self._before_forward))
 
     def detach(self) -> None:
-        """Removes every hook (pending saves are not waited for)."""
+        """Removes every hook; pending saves are released first (the state may change) but not waited for."""
+        self._release()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._hooks_step = False
 
     def save(self, obj: object, path: str | os.PathLike[str], **settings: Any) -> futures.SaveFuture:
         """Starts an async save of ``obj`` to ``path``; raises the error of an earlier save first."""
         self._surface_errors()
-        future = futures.async_save(obj, path, mode=self.mode, **{**self.settings, **settings})
+        future = futures.async_save(
+            obj, path, mode=self.mode, _released_by_hooks=self._releases, **{**self.settings, **settings}
+        )
         self._pending.append(future)
         return future
+
+    def prepare(self, obj: object, **settings: Any) -> int:
+        """Allocates and pins now what saving ``obj`` will need, so the first save costs what later ones do.
+
+        Call it once with the state you will save, after the optimizer has its
+        state (Adam's moments appear at the first step): its size is what
+        matters; the values are not kept. Without it the first
+        save allocates and locks its staging memory on the spot (~0.5 s per GiB
+        on the lent GPU machines). Returns the bytes reserved.
+        """
+        return futures.prepare(obj, mode=self.mode, **{**self.settings, **settings})
 
     def wait(self) -> None:
         """Waits for every save started here; raises the first error."""
@@ -117,18 +155,24 @@ class Checkpointer:
         if first is not None:
             raise first
 
-    def _needs_wait(self) -> bool:
-        return any(f.mode == "pipelined" for f in self._pending if not f.done())
+    @property
+    def _releases(self) -> bool:
+        """Whether snapshots may leave the caller's stream free: a step pre-hook will release them."""
+        return self._hooks_step and self.overlap_snapshots
+
+    def _release(self) -> None:
+        """Lets the state change: each pending save has read it (its copies ordered before what comes next)."""
+        for future in self._pending:
+            if future._release is not None and not future.done():
+                future._release.release()
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        if self._needs_wait():
-            self.wait()
-        else:
-            self._surface_errors()
+        self._release()
+        self._surface_errors()
 
     def _before_forward(self, module, args) -> None:
-        if module.training and self._needs_wait():
-            self.wait()
+        if module.training:
+            self._release()
 
     def close(self) -> None:
         """Waits for pending saves (raising the first error) and removes the hooks."""

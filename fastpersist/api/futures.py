@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import types
 from typing import Any
 
@@ -47,7 +48,7 @@ from fastpersist import config
 from fastpersist.api import dispatch, saving
 from fastpersist.errors import TensorModifiedError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
-from fastpersist.io import memory, objectstore, staging
+from fastpersist.io import memory, objectstore, staging, timeline
 from fastpersist.io.commit import commit_plan, target, target_kind
 from fastpersist.io.queue import (
     SaveFuture,
@@ -60,7 +61,15 @@ from fastpersist.io.queue import (
 )
 from fastpersist.io.writer import side_streams
 
-__all__ = ["async_save", "SaveFuture", "wait_all", "release_buffers", "pending_saves", "run_in_order"]
+__all__ = [
+    "async_save",
+    "prepare",
+    "SaveFuture",
+    "wait_all",
+    "release_buffers",
+    "pending_saves",
+    "run_in_order",
+]
 
 
 def release_buffers() -> int:
@@ -95,21 +104,86 @@ class _RecordingPickler:
         self.module = types.SimpleNamespace(Pickler=Pickler, wraps=pickle_module)
 
 
-def _check_unmodified(path: str, recorded: list) -> None:
+def _modification(path: str, recorded: list) -> TensorModifiedError | None:
+    """The error to fail a save with when a recorded tensor changed since it was pickled, else None."""
     changed = []
     for tensor, version in recorded:
         if tensor._version != version:
             changed.append(f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)} on {tensor.device}")
     if changed:
         shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-        raise TensorModifiedError(
-            f"{len(changed)} tensor(s) changed while the pipelined async_save to {path!r} was reading them "
+        return TensorModifiedError(
+            f"{len(changed)} tensor(s) changed while the async_save to {path!r} was still reading them "
             f"({shown}); the checkpoint would mix old and new values, so nothing was written and the "
             "previous file is untouched. Wait for the future (or use fastpersist.Checkpointer, which waits "
             "before optimizer.step()) before modifying the state, or pass mode='snapshot'.",
             path=path,
             names=tuple(changed),
         )
+    return None
+
+
+class _Release:
+    """The moment a save's tensors may change again, and whether they changed before it.
+
+    A pipelined save reads the live tensors on the background thread; a
+    snapshot taken for a :class:`~fastpersist.Checkpointer` copies them on a
+    side stream that the caller's stream does not wait for. In both cases the
+    tensors are free once their last read is queued: the writer reports it
+    (:meth:`reads_queued`, with a CUDA event per side stream) and the
+    Checkpointer's hooks, before the optimizer step, call :meth:`release`,
+    which makes the calling thread's streams wait for those events. The
+    verdict -- did a recorded tensor change before that point, when a copy
+    may not have read it yet? -- is taken once: by the first :meth:`release`,
+    or at commit (:meth:`decide_at_commit`) when nobody released. A changed
+    tensor fails the save with ``TensorModifiedError``; nothing is committed.
+    """
+
+    def __init__(self, path: str, recorded: list):
+        self._path = path
+        self._recorded = recorded
+        self._lock = threading.Lock()
+        self._queued = threading.Event()
+        self._events: list = []
+        self._decided = False
+        self._error: TensorModifiedError | None = None
+
+    def reads_queued(self, events: list) -> None:
+        """(writer) Every read is queued; ``events``: ``[(device, event)]`` after the last copies."""
+        self._events = list(events)
+        timeline.mark("reads released")
+        self._queued.set()
+
+    def abandon(self) -> None:
+        """(writer) The save ended: nothing reads the tensors any more, nothing is left to decide."""
+        with self._lock:
+            self._decided = True
+        self._queued.set()
+
+    def release(self) -> None:
+        """(caller, before changing the tensors) Waits until the reads are queued; orders this thread's streams
+        after them; decides whether the tensors changed before now."""
+        self._queued.wait()
+        with self._lock:
+            if self._decided:
+                return
+            import torch
+
+            for device, event in self._events:
+                torch.cuda.current_stream(device).wait_event(event)
+            self._error = _modification(self._path, self._recorded)
+            self._decided = True
+
+    def decide_at_commit(self) -> None:
+        """(writer, every byte written) Raises TensorModifiedError if the tensors changed before the release
+        (or, when nobody released, before now)."""
+        with self._lock:
+            if not self._decided:
+                self._error = _modification(self._path, self._recorded)
+                self._decided = True
+            error = self._error
+        if error is not None:
+            raise error
 
 
 def async_save(
@@ -120,6 +194,7 @@ def async_save(
     *,
     mode: str | None = None,
     local_copy: str | os.PathLike[str] | None = None,
+    _released_by_hooks: bool = False,
     **settings: Any,
 ) -> SaveFuture:
     """Starts saving ``obj`` to the path ``f`` in the background and returns a future.
@@ -182,40 +257,92 @@ def async_save(
     if not isinstance(f, (str, os.PathLike)):
         raise TypeError(f"async_save needs a file path, got {type(f).__name__}; use save() for file objects")
     report_unchecked_as_warnings()
+    timeline.mark("call")
     destination = objectstore.target(f) if remote else target(f)
     commit = objectstore.commit_plan if remote else commit_plan
     path = destination.path
-    recorder = _RecordingPickler(pickle_module) if resolved.async_mode == "pipelined" else None
+    pipelined = resolved.async_mode == "pipelined"
+    # Versions are recorded when someone must decide whether the tensors changed during the reads.
+    recorder = _RecordingPickler(pickle_module) if pipelined or _released_by_hooks else None
     plan = plan_save(
         obj, archive_name_for(destination.given), recorder.module if recorder else pickle_module, pickle_protocol
     )
+    timeline.mark("pickled")
     future = SaveFuture(path, resolved.async_mode)
     # Wait for a slot before snapshotting, so at most async_max_pending staging areas exist.
     wait_for_slot(resolved.async_max_pending)
-    if resolved.async_mode == "snapshot":
-        snapshot = staging.snapshot_plan(plan)
+    timeline.mark("slot")
+    if not pipelined:
+        # For a Checkpointer, the copies overlap the next forward pass: its hooks order the
+        # optimizer step after them (release). Otherwise the caller's stream waits at once.
+        snapshot = staging.snapshot_plan(plan, caller_waits=not _released_by_hooks)
+        release = _Release(path, recorder.recorded) if _released_by_hooks and snapshot.events else None
+        if release is not None:
+            release.reads_queued(snapshot.events)
 
         def work() -> None:
             try:
                 snapshot.wait_copies()
-                commit(snapshot.plan, destination, resolved, streams={})
+                commit(
+                    snapshot.plan,
+                    destination,
+                    resolved,
+                    streams={},
+                    before_commit=None if release is None else release.decide_at_commit,
+                )
             finally:
                 snapshot.release()
+                if release is not None:
+                    release.abandon()
 
     else:
         # The copies must come after the work queued so far on the caller's streams,
         # which the background thread cannot see: order them here.
         streams = side_streams(plan)
-        recorded = recorder.recorded
+        release = _Release(path, recorder.recorded)
 
         def work() -> None:
-            def check() -> None:
-                _check_unmodified(path, recorded)
+            try:
+                commit(
+                    plan,
+                    destination,
+                    resolved,
+                    streams,
+                    before_commit=release.decide_at_commit,
+                    after_reads=release.reads_queued,
+                )
+            finally:
+                release.abandon()
 
-            commit(plan, destination, resolved, streams, before_commit=check)
-
+    future._release = release
     future._work = work
-    return submit(future)
+    submit(future)
+    timeline.mark("queued")
+    return future
+
+
+def prepare(obj: object, *, mode: str | None = None, **settings: Any) -> int:
+    """Allocates and pins now the host memory an ``async_save(obj, ...)`` will use; returns its bytes.
+
+    The first save of a process otherwise allocates it on the spot: the ring of
+    page-locked buffers (up to ``buffer_size * buffer_count``) and, in snapshot
+    mode, the staging area the size of the checkpoint -- about
+    0.5 s per GiB to lock and register with CUDA on the lent GPU machines. The
+    memory goes to the pools that saves reuse (``release_buffers()`` frees it).
+    ``obj`` is pickled to size it and not kept.
+
+    Raises:
+        MemoryError / OSError: the memory cannot be allocated.
+        UnsupportedObjectError, ConfigError: as :func:`async_save`.
+    """
+    if mode is not None:
+        settings["async_mode"] = mode
+    overrides, _ = config.split_overrides("async_save", settings, allow_other=False)
+    resolved = config.resolve(overrides)
+    plan = plan_save(obj, "prepare")
+    # A snapshot is written through the ring as well.
+    staged = staging.reserve(plan) if resolved.async_mode == "snapshot" else 0
+    return staged + memory.reserve_ring(plan.size, resolved.buffer_size, resolved.buffer_count, resolved.huge_pages)
 
 
 def _save_through_local_copy(

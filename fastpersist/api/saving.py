@@ -12,6 +12,7 @@ from fastpersist import config
 from fastpersist.api import dispatch, objectstore
 from fastpersist.errors import NotWritableError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
+from fastpersist.io import timeline
 from fastpersist.io.commit import commit_plan, fsync_file_object, target
 from fastpersist.io.stream import write_plan_to_stream
 
@@ -161,10 +162,12 @@ def save(
         _TORCH_SAVE(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization, _disable_byteorder_record)
         return
     if isinstance(f, (str, os.PathLike)):
+        timeline.mark("call")
         destination = target(f)
         plan = plan_save(
             obj, archive_name_for(destination.given), pickle_module, pickle_protocol, _disable_byteorder_record
         )
+        timeline.mark("pickled")
         commit_plan(plan, destination, resolved, streams=None)
     else:
         if not callable(getattr(f, "write", None)):

@@ -54,6 +54,8 @@ __all__ = [
 ]
 
 SCHEMA = "fastpersist.bench.checkpoint/1"
+_SETTLE_DEFAULT = 5.0
+"""Seconds between a round's saves and its loads (see ``--settle``)."""
 BASELINES = {"save": "torch.save", "load": "torch.load"}
 
 
@@ -105,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
         "afterwards (default: the current directory)",
     )
     how.add_argument("--no-drop-caches", action="store_true", help="leave the page cache alone (warm loads)")
+    how.add_argument(
+        "--settle",
+        type=float,
+        default=None,
+        help="seconds to wait (after a sync) between a round's saves and its loads, so that every loaded file "
+        "has settled: some virtual disks read a file slowly right after it was written (default: "
+        f"{_SETTLE_DEFAULT:g} s, 0 on tmpfs)",
+    )
     how.add_argument(
         "--order-seed", type=int, default=0, help="seed of the random method order of every round (recorded)"
     )
@@ -325,6 +335,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
             file=sys.stderr,
         )
 
+    settle = args.settle if args.settle is not None else (0.0 if fs.get("type") == "tmpfs" else _SETTLE_DEFAULT)
     code = measure.code_version()  # now: the code that runs, whatever is edited meanwhile
     dropper = system.CacheDropper(enabled=not args.no_drop_caches)
     work = None
@@ -365,6 +376,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
                     state_bytes=state_bytes,
                     order_seed=args.order_seed,
                     schedule=schedule,
+                    settle_seconds=settle,
                 )
             finally:
                 progress.close()
@@ -373,7 +385,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
                 args, spec, layers, state_bytes, len(tensors), results, parent, dropper, ctx, elapsed, build_seconds
             )
             document["machine"]["code"] = code
-            document["order"] = {"seed": args.order_seed, "rounds": schedule}
+            document["order"] = {"seed": args.order_seed, "rounds": schedule, "settle_seconds": settle}
             document["ceiling"] = ceiling
             report.annotate_ceiling(document)
             failed = any(r.status == "FAILED" for r in results)

@@ -91,6 +91,7 @@ def run_benchmark(
     state_bytes: int | None = None,
     order_seed: int = 0,
     schedule: list[dict[str, Any]] | None = None,
+    settle_seconds: float = 0.0,
 ) -> list[MethodResult]:
     """Runs every method ``warmup + repeats`` times, interleaved, and verifies each result.
 
@@ -108,6 +109,12 @@ def run_benchmark(
 
     Load methods whose ``source`` is not among ``save_methods`` get that save
     run untimed each round to produce their input.
+
+    Between a round's saves and its loads everything is synced and then
+    ``settle_seconds`` pass: some (virtual) disks read a file slowly for a
+    while after it was written, which would penalise the load of whichever
+    file was saved last. Each load's sample records its file's age
+    (``file_age_seconds``: from the end of its save to the start of the load).
 
     Returns:
         One :class:`MethodResult` per method: the saves in the given order,
@@ -156,6 +163,7 @@ def run_benchmark(
                 }
             )
         written: dict[str, str] = {}  # save method -> its verified output, for the loads
+        written_at: dict[str, float] = {}  # save method -> when its save ended (perf_counter)
         created: dict[str, str] = {}  # everything to delete at the end of the round
         try:
             for method in save_order:
@@ -181,8 +189,12 @@ def run_benchmark(
                     result.fail(f"verification failed: {problem}")
                     continue
                 written[method.name] = path
+                written_at[method.name] = sample.pop("ended")
                 sample.update(round=round_index, warmup=is_warmup, gbps=state_bytes / sample["seconds"] / 1e9)
                 result.samples.append(sample)
+            if load_order and written:
+                os.sync()
+                time.sleep(settle_seconds)
             for method in load_order:
                 result = results[("load", method.name)]
                 if result.status != "ok":
@@ -198,9 +210,11 @@ def run_benchmark(
                 path = written[method.source]
                 cache = dropper.drop([path])
                 ctx.dist.barrier()
+                age = time.perf_counter() - written_at[method.source]
                 sample, loaded = _measure_load(method, state, path, ctx, result)
                 if sample is None:
                     continue
+                sample["file_age_seconds"] = age
                 try:
                     problem = measure.verify_state(expected, method.flat(loaded), ctx.device)
                 except Exception as e:  # noqa: BLE001 - a failed comparison marks the method FAILED
@@ -241,13 +255,15 @@ def _measure_save(
             extra = method.save(state, path, ctx) or {}
             ctx.synchronize()
             measure.fsync_paths(path)
-            seconds = time.perf_counter() - start
+            ended = time.perf_counter()
+            seconds = ended - start
     except KeyboardInterrupt:
         raise
     except Exception as e:  # noqa: BLE001 - a method's failure is recorded, the run goes on
         _record_failure(result, "save", e)
         return None
     return {
+        "ended": ended,
         "seconds": seconds,
         "blocked_seconds": extra.get("blocked_seconds"),
         "peak_rss_bytes": memory.peak,

@@ -4,11 +4,26 @@
     python -m fastpersist.bench training --report out.json --svg docs/images/async.svg   # table + chart
 
 For each method the same training loop (forward, backward, AdamW step,
-``loss.item()``) runs ``--iterations`` timed iterations after ``--warmup``,
-checkpointing model + optimizer state after every iteration; the time per
-iteration is compared with the same loop without checkpoints, in the same
-run. Each method runs in a fresh process (so pools and caches of one do not
-help or hurt the next), in interleaved order when ``--repeats`` > 1.
+``loss.item()``) runs ``--warmup`` iterations without checkpoints, then
+``--iterations`` timed iterations, checkpointing model + optimizer state
+after the first timed iteration and every ``--every`` after it: the first
+saves of the process are timed. The time per iteration is compared with the
+same loop without checkpoints, in the same run. Each method runs in a fresh
+process (so pools and caches of one do not help or hurt the next), in
+interleaved order when ``--repeats`` > 1. The Checkpointer methods call
+``Checkpointer.prepare`` after the warm-up (``--no-prepare``: not), which
+allocates and pins the staging memory before the loop, as a training script
+should.
+
+**The bound** ("possible"): no checkpointing method can beat
+``max(iteration without checkpoints, one checkpoint's write at the storage
+ceiling)``. The ceiling is measured in the same run, on the same directory,
+with the checkpoint's size (the best of a single-thread and an 8-thread
+``pwrite`` of a fresh file + fsync, O_DIRECT where the filesystem takes it,
+and fio when installed); each method's steady time per iteration is reported
+against that bound. Per save the report also gives where the time goes
+(:mod:`fastpersist.io.timeline`): the caller's share (pickling, waiting for a
+slot, queueing the copies) and the background write's phases.
 
 Methods:
 
@@ -99,6 +114,7 @@ def _run_one(args) -> dict[str, Any]:
 
     import fastpersist
     from fastpersist.bench.measure import PeakMemory
+    from fastpersist.io import timeline
     from fastpersist.system import release_memory
 
     rank, world = int(os.environ.get("RANK", 0)), args.ranks
@@ -152,9 +168,11 @@ def _run_one(args) -> dict[str, Any]:
         elif method == "fastpersist-sync":
             fastpersist.save(state(), path)
         elif method == "torch.save":
+            timeline.mark("call")  # torch marks nothing itself: the whole save is one phase
             torch.save(state(), path)
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
+            timeline.mark("committed")
         elif method == "lightning-async":
             lightning_io.save_checkpoint(state(), path)
         if distributed and method in ("fastpersist-sync", "torch.save"):
@@ -169,26 +187,29 @@ def _run_one(args) -> dict[str, Any]:
 
     for _ in range(args.warmup):
         _iteration(trained, optimizer, tokens, amp)
-        checkpoint()
-    drain()
-    checkpoint_bytes = os.path.getsize(path) if os.path.exists(path) else 0
+    if distributed:
+        dist.barrier()
+    if checkpointer is not None and args.prepare:
+        checkpointer.prepare(state())
     release_memory()
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base_gpu = torch.cuda.memory_allocated()
     blocked.clear()
-    with PeakMemory() as host:
+    with PeakMemory() as host, timeline.recording() as events:
         started = time.perf_counter()
         for index in range(args.iterations):
             _iteration(trained, optimizer, tokens, amp)
-            if (index + 1) % args.every == 0:
+            if index % args.every == 0:
                 checkpoint()
         steady = time.perf_counter() - started
         drain()
         if device.type == "cuda":
             torch.cuda.synchronize()
         drained = time.perf_counter() - started
+    checkpoint_bytes = os.path.getsize(path) if os.path.exists(path) else 0
+    saves = save_phases(events)
     result = {
         "method": method,
         "iterations": args.iterations,
@@ -196,6 +217,8 @@ def _run_one(args) -> dict[str, Any]:
         "drained_s": drained,
         "per_iteration_s": drained / args.iterations,
         "blocked_per_save_s": statistics.median(blocked) if blocked else 0.0,
+        "first_blocked_s": blocked[0] if blocked else 0.0,
+        "saves": saves,
         "checkpoint_bytes": checkpoint_bytes,
         "peak_host_delta_bytes": host.delta,
         "peak_host_bytes": host.peak,
@@ -211,6 +234,137 @@ def _run_one(args) -> dict[str, Any]:
     if os.path.exists(path) and rank == 0:
         os.unlink(path)
     return result
+
+
+_CALLER_LABELS = ("call", "pickled", "slot", "queued")
+_PHASES = (
+    # (name, from label, to label): medians over the saves of a run
+    ("pickle", "call", "pickled"),
+    ("wait for slot", "pickled", "slot"),
+    ("copies queued", "slot", "queued"),
+    ("open", "start", "opened"),
+    ("read", "opened", "reads queued"),
+    ("write", "opened", "written"),
+    ("fsync", "written", "fsynced"),
+    ("rename", "fsynced", "renamed"),
+    ("commit", "renamed", "committed"),
+    ("save", "start", "done"),
+)
+
+
+def save_phases(events: list[tuple[float, str, str]]) -> list[dict[str, float]]:
+    """Seconds of each phase (``_PHASES``) of every save in a :func:`fastpersist.io.timeline.recording`, in order.
+
+    The caller's marks (``call`` ...) are numbered by the ``call`` marks, the background
+    thread's by its ``start`` marks; a synchronous save's write marks follow its ``call``.
+    """
+    caller = next((thread for _, thread, label in events if label == "call"), None)
+    calls = starts = -1
+    marks: dict[int, dict[str, float]] = {}
+    for when, thread, label in events:
+        if label == "call":
+            calls += 1
+        elif label == "start":
+            starts += 1
+        index = calls if thread == caller else starts
+        if index >= 0:
+            marks.setdefault(index, {}).setdefault(label, when)
+    saves = []
+    for index in sorted(marks):
+        seen = marks[index]
+        if "start" not in seen and "call" in seen:  # synchronous: the write runs in the caller
+            seen["start"] = seen.get("pickled", seen["call"])
+            seen.setdefault("done", seen.get("committed", seen["start"]))
+        saves.append({name: seen[b] - seen[a] for name, a, b in _PHASES if a in seen and b in seen})
+    return saves
+
+
+def _phase_medians(samples: list[dict]) -> dict[str, float]:
+    """Median seconds of each phase over every save of every sample, the first saves of each process apart."""
+    later = [save for sample in samples for save in sample.get("saves", [])[1:]]
+    first = [sample["saves"][0] for sample in samples if sample.get("saves")]
+    out: dict[str, float] = {}
+    for name, _, _ in _PHASES:
+        values = [save[name] for save in later if name in save]
+        if values:
+            out[name] = statistics.median(values)
+        values = [save[name] for save in first if name in save]
+        if values:
+            out["first " + name] = statistics.median(values)
+    return out
+
+
+def _write_ceiling(directory: str, nbytes: int, repeats: int = 3) -> dict[str, Any]:
+    """Seconds to write ``nbytes`` into a fresh file of ``directory`` (+ fsync) at the storage's best, several ways.
+
+    ``pwrite-1``/``pwrite-8``: one or eight threads writing 8 MiB blocks from page-aligned memory,
+    O_DIRECT where the filesystem takes it (buffered otherwise); ``fio``: fio's O_DIRECT write
+    (16 MiB, QD 32), when installed. Each is the median of ``repeats``; the previous file is
+    deleted (and the deletion synced) before each run. ``best_s``: the fastest of them.
+    """
+    import concurrent.futures
+
+    from fastpersist import system
+    from fastpersist.bench.shapes import _fio_write
+    from fastpersist.io import memory
+
+    nbytes = max(nbytes, 1 << 20)
+    path = os.path.join(directory, f".fastpersist-ceiling-{os.getpid()}.bin")
+    block = 8 << 20
+    source = memory.aligned_empty(block)
+    source.fill_(7)
+    view = memoryview(source.numpy())
+    direct = _takes_o_direct(directory)
+
+    def pwrite(threads: int) -> float:
+        if os.path.exists(path):
+            os.unlink(path)
+            os.sync()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        started = time.perf_counter()
+        fd = os.open(path, flags, 0o600)
+        try:
+            offsets = range(0, -(-nbytes // block) * block, block)
+
+            def write(offset: int) -> None:
+                os.pwrite(fd, view, offset)
+
+            if threads == 1:
+                for offset in offsets:
+                    write(offset)
+            else:
+                with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(write, offsets))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return time.perf_counter() - started
+
+    ways: dict[str, float] = {}
+    try:
+        for name, run in (("pwrite-1", lambda: pwrite(1)), ("pwrite-8", lambda: pwrite(8))):
+            ways[name] = statistics.median(run() for _ in range(repeats))
+        if system.find_fio():
+            try:
+                ways["fio"] = statistics.median(_fio_write(path, nbytes) for _ in range(repeats))
+            except (RuntimeError, OSError, ValueError):
+                pass
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    best = min(ways, key=ways.get)
+    return {"bytes": nbytes, "direct": direct, "seconds": ways, "best": best, "best_s": ways[best]}
+
+
+def _takes_o_direct(directory: str) -> bool:
+    probe = os.path.join(directory, f".fastpersist-direct-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
 
 
 def _measure_d2h(args) -> float | None:
@@ -250,6 +404,7 @@ _RUN_OPTIONS = (
     "warmup",
     "every",
     "ranks",
+    "prepare",
 )
 
 
@@ -341,12 +496,26 @@ def _orchestrate(args) -> dict[str, Any]:
             }
         )
     checkpoint_bytes = max((r.get("checkpoint_bytes") or 0) for r in results)
+    ceiling = _write_ceiling(args.dir, checkpoint_bytes) if checkpoint_bytes and not args.no_ceiling else None
+    possible = None
+    if ceiling is not None and base_steady:
+        # Every `every` iterations one checkpoint must be written: the storage's share per iteration.
+        possible = max(base_steady, ceiling["best_s"] / args.every)
+    for result in results:
+        if "error" in result:
+            continue
+        result["phases"] = _phase_medians(result["samples"])
+        if possible:
+            result["steady_of_possible"] = result["steady_per_iteration_s"] / possible
+            result["of_possible"] = result["per_iteration_s"] / possible
     return {
         "schema": SCHEMA,
         "machine": machine_info(args.dir, device=args.device),
         "config": {k: getattr(args, k) for k in (*_RUN_OPTIONS, "repeats")},
         "checkpoint_bytes": checkpoint_bytes,
         "d2h_seconds": _measure_d2h(args),
+        "write_ceiling": ceiling,
+        "possible_per_iteration_s": possible,
         "results": results,
     }
 
@@ -356,35 +525,79 @@ def _mib(n) -> str:
 
 
 def to_markdown(document: dict[str, Any]) -> str:
-    """The result as a Markdown table (one row per method)."""
+    """The result as Markdown: one row per method against the bound, then where each save's time goes."""
     config = document["config"]
     base = next((r for r in document["results"] if r["method"] == "none" and "error" not in r), None)
+    ceiling = document.get("write_ceiling")
+    possible = document.get("possible_per_iteration_s")
+    every = config.get("every", 1)
     lines = [
         f"Device `{config['device']}` ({document['machine'].get('device_name')}, "
         f"{document['machine'].get('cpu_count')} CPUs), checkpoint {document['checkpoint_bytes'] / 1e6:,.0f} MB "
-        f"(model + AdamW), {config['iterations']} iterations, checkpoint every {config.get('every', 1)}, "
+        f"(model + AdamW) to `{config['dir']}`, {config['iterations']} iterations, checkpoint every {every} "
+        "(the first after the first timed iteration), "
         + (f"{config['ranks']} data-parallel ranks (DDP, rank 0's times), " if config.get("ranks", 1) > 1 else "")
         + f"median of {config['repeats']}; "
-        f"iteration without checkpoint {base['per_iteration_s'] * 1000:.1f} ms"
+        f"iteration without checkpoint {base['steady_per_iteration_s'] * 1000:.1f} ms"
         + (
             f", device-to-host copy of the state {document['d2h_seconds'] * 1000:.1f} ms"
             if document.get("d2h_seconds")
             else ""
         )
+        + (
+            f"; storage ceiling: one checkpoint written in {ceiling['best_s'] * 1000:.1f} ms "
+            f"({ceiling['bytes'] / ceiling['best_s'] / 1e9:.2f} GB/s, {ceiling['best']}; "
+            + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in ceiling["seconds"].items())
+            + ")"
+            if ceiling
+            else ""
+        )
         + ".",
         "",
-        "| method | ms / iteration | overhead | overhead (steady) | blocked per save (ms) | extra peak GPU (MiB) | extra peak host RSS (MiB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    if possible:
+        lines += [
+            f"Possible (the bound): max(iteration, ceiling write / {every}) = {possible * 1000:.1f} ms per iteration.",
+            "",
+        ]
+    lines += [
+        "| method | ms / iteration (steady) | × possible | with the final wait | overhead (steady) | overhead | "
+        "blocked per save (ms) | first save blocked (ms) | extra peak GPU (MiB) | extra peak host RSS (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in document["results"]:
         if "error" in r:
-            lines.append(f"| {r['method']} | failed | | | | | |")
+            lines.append(f"| {r['method']} | failed | | | | | | | | |")
             continue
+        ratio = f"{r['steady_of_possible']:.2f}" if r.get("steady_of_possible") else "-"
+        first = statistics.median(s.get("first_blocked_s", 0.0) for s in r["samples"]) * 1000
         lines.append(
-            f"| {r['method']} | {r['per_iteration_s'] * 1000:.1f} | {r['overhead_pct']:+.1f}% | "
-            f"{r['steady_overhead_pct']:+.1f}% | {r['blocked_per_save_s'] * 1000:.1f} | {_mib(r['extra_gpu_bytes'])} | "
-            f"{_mib(r['extra_host_bytes'])} |"
+            f"| {r['method']} | {r['steady_per_iteration_s'] * 1000:.1f} | {ratio} | {r['per_iteration_s'] * 1000:.1f} | "
+            f"{r['steady_overhead_pct']:+.1f}% | {r['overhead_pct']:+.1f}% | {r['blocked_per_save_s'] * 1000:.1f} | "
+            f"{first:.1f} | {_mib(r['extra_gpu_bytes'])} | {_mib(r['extra_host_bytes'])} |"
         )
+    names = [name for name, _, _ in _PHASES]
+    phased = [r for r in document["results"] if "error" not in r and r.get("phases")]
+    if phased:
+        lines += [
+            "",
+            "Where a save's time goes (median ms over the saves after the first; the first save's in brackets): "
+            "`pickle`, `wait for slot` and `copies queued` are the caller's; the rest runs in the background "
+            "(in the caller for fastpersist-sync). `read`: until the last device-to-host copy is queued; "
+            "`write`: until the last byte is written.",
+            "",
+            "| method | " + " | ".join(names) + " |",
+            "| --- |" + " ---: |" * len(names),
+        ]
+        for r in phased:
+            cells = []
+            for name in names:
+                value, first = r["phases"].get(name), r["phases"].get("first " + name)
+                cell = "-" if value is None else f"{value * 1000:.1f}"
+                if first is not None:
+                    cell += f" ({first * 1000:.1f})"
+                cells.append(cell)
+            lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -447,6 +660,14 @@ def main(argv: list[str] | None = None) -> int:
         help="data-parallel processes (one per GPU, DDP); methods then: " + ",".join(RANK_METHODS),
     )
     parser.add_argument("--methods", default=None, help=f"comma list (default: all of {','.join(METHODS)})")
+    parser.add_argument(
+        "--prepare",
+        type=lambda text: text.lower() in ("1", "true", "yes", "on"),
+        default=True,
+        help="Checkpointer methods: call Checkpointer.prepare after the warm-up (default true; 'false' times the "
+        "first save's allocation in the loop)",
+    )
+    parser.add_argument("--no-ceiling", action="store_true", help="do not measure the storage's write ceiling")
     parser.add_argument("--json", help="write the result document here")
     parser.add_argument("--report", nargs="+", metavar="JSON", help="print Markdown tables of earlier results")
     parser.add_argument("--svg", help="with --report: write a bar chart of the overheads here")

@@ -249,8 +249,9 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
         training may change it at once. In ``pipelined`` mode nothing is
         copied; the optimizers must then be attached (:meth:`attach`; the
         :class:`FastPersistCheckpoint` callback does it) so that each
-        ``optimizer.step()`` waits for the pending save; a change anyway fails
-        that save (``TensorModifiedError``), never writes a torn file.
+        ``optimizer.step()`` waits until the pending save has read the state
+        (not until it is written); a change anyway fails that save
+        (``TensorModifiedError``), never writes a torn file.
 
         ``remove_checkpoint`` of a path runs after the pending saves (in
         order, on the background thread); ``load_checkpoint`` waits for
@@ -265,7 +266,9 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
         def __init__(self, mode: str = "snapshot", **settings: Any) -> None:
             super().__init__(async_mode=mode, **settings)
             self.mode = mode
-            self._checkpointer = Checkpointer(mode=mode)
+            # Lightning's callbacks (EMA, SWA, ...) may change the state in place between a save and the
+            # next optimizer step: the snapshot's copies are ordered before the caller's next kernels.
+            self._checkpointer = Checkpointer(mode=mode, overlap_snapshots=False)
             self._removals: list[futures.SaveFuture] = []
 
         def attach(self, optimizers: Any = (), model: Any = None) -> None:

@@ -47,7 +47,7 @@ from fastpersist.errors import (
     TargetPermissionError,
     torch_compatible,
 )
-from fastpersist.io import engine, workers
+from fastpersist.io import engine, timeline, workers
 from fastpersist.io.stream import write_plan_to_stream
 from fastpersist.io.writer import write_plan
 
@@ -365,13 +365,16 @@ def _maybe_remove_stale(directory: str) -> None:
 # ----------------------------------------------------------------------------- commit
 
 
-def commit_plan(plan, destination: Target, settings: config.Settings, streams, *, before_commit=None) -> None:
+def commit_plan(
+    plan, destination: Target, settings: config.Settings, streams, *, before_commit=None, after_reads=None
+) -> None:
     """Writes ``plan`` to ``destination`` (from :func:`target`) with the semantics in the module docstring.
 
     ``before_commit``, if given, is called once every byte is written: before the rename of
     an atomic save, whose failure it then aborts (the temporary file is removed, ``path`` is
     untouched); after the write of an in-place save (special targets, ``atomic=False``),
-    where it can only report.
+    where it can only report. ``after_reads``: as :func:`~fastpersist.io.writer.write_plan`'s
+    (called once the plan's tensors have been read; for special targets, after the write).
 
     Raises:
         CheckpointIOError: (an ``OSError`` with ``errno`` and a ``RuntimeError``, as
@@ -381,7 +384,7 @@ def commit_plan(plan, destination: Target, settings: config.Settings, streams, *
     """
     path, directory = destination.path, destination.directory
     try:
-        _commit_plan(plan, path, directory, settings, streams, before_commit)
+        _commit_plan(plan, path, directory, settings, streams, before_commit, after_reads)
     except OSError as error:
         raise torch_compatible(error, saving=True, detail=_explain(error, plan, path, directory, settings)) from None
 
@@ -408,10 +411,14 @@ def _explain(error: OSError, plan, path: str, directory: str, settings: config.S
     )
 
 
-def _commit_plan(plan, path: str, directory: str, settings: config.Settings, streams, before_commit) -> None:
+def _commit_plan(
+    plan, path: str, directory: str, settings: config.Settings, streams, before_commit, after_reads
+) -> None:
     kind = target_kind(path)
     if kind == "special":
         _write_special(plan, path, settings)
+        if after_reads is not None:
+            after_reads([])
         if before_commit is not None:
             before_commit()
         return
@@ -420,7 +427,7 @@ def _commit_plan(plan, path: str, directory: str, settings: config.Settings, str
         _warn_in_place(path, directory)
         atomic = False
     if not atomic:
-        _write_in_place(plan, path, directory, settings, streams)
+        _write_in_place(plan, path, directory, settings, streams, after_reads)
         if before_commit is not None:
             before_commit()
         return
@@ -440,9 +447,11 @@ def _commit_plan(plan, path: str, directory: str, settings: config.Settings, str
                     # disk before any byte is written. On tmpfs (buffered) it would only zero-fill
                     # every page before the copy overwrites it.
                     file.allocate(0, plan.size)
-                write_plan(plan, file, settings, streams=streams)
+                timeline.mark("opened")
+                write_plan(plan, file, settings, streams=streams, after_reads=after_reads)
                 if settings.fsync:
                     file.fsync()
+                    timeline.mark("fsynced")
             finally:
                 file.close()
             _copy_metadata(path, descriptor)
@@ -451,6 +460,7 @@ def _commit_plan(plan, path: str, directory: str, settings: config.Settings, str
         if before_commit is not None:
             before_commit()
         replace_file(temporary, path, directory)
+        timeline.mark("renamed")
     except BaseException as e:
         discard_temporary(temporary)  # never masks the error being raised
         if isinstance(e, OSError) and e.filename == temporary:
@@ -461,6 +471,7 @@ def _commit_plan(plan, path: str, directory: str, settings: config.Settings, str
             _live.discard(temporary)
     if settings.fsync:
         fsync_directory(directory)
+    timeline.mark("committed")
 
 
 def _warn_in_place(path: str, directory: str) -> None:
@@ -478,14 +489,14 @@ def _warn_in_place(path: str, directory: str) -> None:
     )
 
 
-def _write_in_place(plan, path: str, directory: str, settings: config.Settings, streams) -> None:
+def _write_in_place(plan, path: str, directory: str, settings: config.Settings, streams, after_reads=None) -> None:
     """torch.save's way: open (create 0666 & ~umask, or truncate) and write the file itself."""
     created = not os.path.exists(path)
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     try:
         file = engine.File(path, "w", direct=settings.direct, truncate=False, create=False)
         try:
-            write_plan(plan, file, settings, streams=streams)
+            write_plan(plan, file, settings, streams=streams, after_reads=after_reads)
             if settings.fsync:
                 file.fsync()
         finally:

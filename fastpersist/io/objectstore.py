@@ -657,7 +657,15 @@ def _abort_and_raise(upload, error: BaseException) -> NoReturn:
 
 
 def commit_plan(
-    plan, destination: ObjectURL, settings: Settings, streams, *, before_commit=None, client=None, byte_range=None
+    plan,
+    destination: ObjectURL,
+    settings: Settings,
+    streams,
+    *,
+    before_commit=None,
+    client=None,
+    byte_range=None,
+    after_reads=None,
 ) -> list[int]:
     """Uploads ``plan`` to ``destination`` as a multipart upload, committed by its completion (one PutObject
     for an object of at most one part).
@@ -670,6 +678,7 @@ def commit_plan(
     the upload. ``byte_range=(start, end)`` uploads only those bytes of the
     plan, as an object of their own (one writer's part of a collective save,
     :mod:`fastpersist.distributed.objectstore`).
+    ``after_reads``: as :func:`~fastpersist.io.writer.write_plan`'s.
 
     Returns:
         What :func:`~fastpersist.io.writer.write_plan` returns: the CRC-32 of
@@ -698,7 +707,9 @@ def commit_plan(
     try:
         upload.begin()
         ranged = {} if byte_range is None else {"byte_range": tuple(byte_range), "destination_offset": 0}
-        crcs = write_plan(plan, upload, ring, streams=streams, make_handle=upload.handle, **ranged)
+        crcs = write_plan(
+            plan, upload, ring, streams=streams, make_handle=upload.handle, after_reads=after_reads, **ranged
+        )
         if before_commit is not None:
             before_commit()
         upload.complete()

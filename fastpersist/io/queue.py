@@ -28,6 +28,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from fastpersist.io import timeline
+
 __all__ = [
     "SaveFuture",
     "submit",
@@ -63,6 +65,7 @@ class SaveFuture:
         self._warned = False
         self._callbacks: list[Callable[[SaveFuture], Any]] = []
         self._work: Callable[[], None] | None = None
+        self._release: Any = None  # when the tensors may change again (fastpersist.api.futures), if it applies
 
     def result(self, timeout: float | None = None) -> None:
         """Blocks until the checkpoint is durable at ``path``; raises the save's error.
@@ -109,11 +112,13 @@ class SaveFuture:
 
     def _run(self) -> None:
         self._state = _RUNNING
+        timeline.mark("start")
         try:
             assert self._work is not None
             self._work()
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
             self._error = e
+        timeline.mark("done")
         self._finish()
 
     def _finish(self) -> None:

@@ -31,7 +31,7 @@ import torch
 from fastpersist.format.plan import SavePlan, StorageRecord
 from fastpersist.io import memory
 
-__all__ = ["StagingArea", "Snapshot", "snapshot_plan", "release_idle_areas", "staged_bytes"]
+__all__ = ["StagingArea", "Snapshot", "snapshot_plan", "reserve", "release_idle_areas", "staged_bytes"]
 
 _ALIGNMENT = 4096
 
@@ -129,10 +129,11 @@ class Snapshot:
     plan: SavePlan
     area: StagingArea | None
     events: list
+    """``[(device, event)]``: each GPU's copies are done when its event is."""
 
     def wait_copies(self) -> None:
         """Blocks until every device-to-host copy has landed in the area."""
-        for event in self.events:
+        for _, event in self.events:
             event.synchronize()
         self.events.clear()
 
@@ -143,7 +144,7 @@ class Snapshot:
             _pool.release(area)
 
 
-def snapshot_plan(plan: SavePlan) -> Snapshot:
+def snapshot_plan(plan: SavePlan, caller_waits: bool = True) -> Snapshot:
     """Copies the storages of ``plan`` into a staging area; returns the plan over the copies.
 
     CPU storages are copied before this returns. CUDA storages are copied
@@ -153,15 +154,56 @@ def snapshot_plan(plan: SavePlan) -> Snapshot:
     bytes before they are copied; the caller's thread is not blocked.
     :meth:`Snapshot.wait_copies` waits for them (the background writer does).
 
+    With ``caller_waits=False`` the caller's stream does not wait: the copies
+    overlap the kernels queued next (a forward pass), and whoever may change
+    the tensors must first make its stream wait for ``Snapshot.events``
+    (``fastpersist.Checkpointer`` does, before the optimizer step).
+
     Raises:
         MemoryError / OSError: the staging area cannot be allocated.
     """
     storages = plan.storages
     if not storages:
         return Snapshot(plan, None, [])
-    # Where each storage goes in the area: page-aligned, except the small storages of each GPU,
-    # which are packed back to back so that one gather and one copy move them all (a copy per
-    # storage costs ~50 us of the caller's time; a training state has ~100 small ones).
+    offsets, small, regions, total = _layout(storages)
+    area = _pool.acquire(total)
+    events: list = []
+    try:
+        copies = {id(r): area.buffer[offsets[id(r)] : offsets[id(r)] + r.view.numel()] for r in storages}
+        large: dict[torch.device, list[StorageRecord]] = {}
+        for record in storages:
+            if record.device.type != "cuda":
+                copies[id(record)].copy_(record.view)
+            elif record.view.numel() >= _GATHER_BELOW:
+                large.setdefault(record.device, []).append(record)
+        for device in {*large, *small}:
+            region = area.buffer[regions[device] :] if device in regions else None
+            event = _copy_from_device(
+                device, large.get(device, []), small.get(device, []), copies, region, caller_waits
+            )
+            events.append((device, event))
+    except BaseException:
+        for _, event in events:
+            event.synchronize()  # nothing may still copy into the area once it is reused
+        _pool.release(area)
+        raise
+    records = tuple(
+        StorageRecord(record.entry, record.key, view=copies[id(record)])
+        if isinstance(record, StorageRecord)
+        else record
+        for record in plan.records
+    )
+    return Snapshot(SavePlan(plan.layout, records), area, events)
+
+
+def _layout(storages) -> tuple[dict[int, int], dict[torch.device, list[StorageRecord]], dict[torch.device, int], int]:
+    """Where each storage goes in the area: ``(offsets by id(record), small records by device, each device's
+    region of small ones, total bytes)``.
+
+    Page-aligned, except the small storages of each GPU, which are packed back to back so that one
+    gather and one copy move them all (a copy per storage costs ~50 us of the caller's time; a
+    training state has ~100 small ones).
+    """
     offsets: dict[int, int] = {}
     small: dict[torch.device, list[StorageRecord]] = {}
     total = 0
@@ -178,31 +220,19 @@ def snapshot_plan(plan: SavePlan) -> Snapshot:
             offsets[id(record)] = total
             total += record.view.numel()
         total = _round_up(total, _ALIGNMENT)
-    area = _pool.acquire(total)
-    events: list = []
-    try:
-        copies = {id(r): area.buffer[offsets[id(r)] : offsets[id(r)] + r.view.numel()] for r in storages}
-        large: dict[torch.device, list[StorageRecord]] = {}
-        for record in storages:
-            if record.device.type != "cuda":
-                copies[id(record)].copy_(record.view)
-            elif record.view.numel() >= _GATHER_BELOW:
-                large.setdefault(record.device, []).append(record)
-        for device in {*large, *small}:
-            region = area.buffer[regions[device] :] if device in regions else None
-            events.append(_copy_from_device(device, large.get(device, []), small.get(device, []), copies, region))
-    except BaseException:
-        for event in events:
-            event.synchronize()  # nothing may still copy into the area once it is reused
-        _pool.release(area)
-        raise
-    records = tuple(
-        StorageRecord(record.entry, record.key, view=copies[id(record)])
-        if isinstance(record, StorageRecord)
-        else record
-        for record in plan.records
-    )
-    return Snapshot(SavePlan(plan.layout, records), area, events)
+    return offsets, small, regions, total
+
+
+def reserve(plan: SavePlan) -> int:
+    """Makes sure an idle staging area fits a snapshot of ``plan`` (allocated and pinned now, not at the save).
+
+    Returns the bytes of the area that will take it (0 for a plan without storages).
+    """
+    if not plan.storages:
+        return 0
+    area = _pool.acquire(_layout(plan.storages)[3])
+    _pool.release(area)
+    return area.capacity
 
 
 _GATHER_BELOW = 64 << 10
@@ -215,11 +245,12 @@ def _copy_from_device(
     small: list[StorageRecord],
     copies: dict[int, torch.Tensor],
     region: torch.Tensor | None,
+    caller_waits: bool = True,
 ) -> torch.cuda.Event:
     """Queues the device-to-host copies of one GPU's storages on a side stream; returns its event.
 
-    The side stream starts after the work queued so far on the caller's current stream, and the
-    caller's stream waits for the copies, so later kernels cannot change the bytes first.
+    The side stream starts after the work queued so far on the caller's current stream, and (with
+    ``caller_waits``) the caller's stream waits for the copies, so later kernels cannot change the bytes first.
     """
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -236,7 +267,8 @@ def _copy_from_device(
     except BaseException:
         stream.synchronize()  # nothing may still copy into the area once it is reused
         raise
-    torch.cuda.current_stream(device).wait_stream(stream)
+    if caller_waits:
+        torch.cuda.current_stream(device).wait_stream(stream)
     event = torch.cuda.Event()
     event.record(stream)
     return event

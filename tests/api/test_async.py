@@ -242,6 +242,128 @@ def test_checkpointer_raises_a_failed_save_before_the_next_step(tmp_path):
     checkpointer.close()
 
 
+class HeldCommit:
+    """Holds every atomic save between its last written byte and its rename until opened."""
+
+    def __init__(self, monkeypatch):
+        from fastpersist.io import commit
+
+        self.written = threading.Event()
+        self.go = threading.Event()
+        replace = commit.replace_file
+
+        def held(temporary, target, directory):
+            self.written.set()
+            assert self.go.wait(60), "the test never let the save commit"
+            replace(temporary, target, directory)
+
+        monkeypatch.setattr(commit, "replace_file", held)
+
+
+def test_checkpointer_step_waits_for_the_reads_not_the_write(tmp_path, monkeypatch):
+    """The optimizer step goes on once the pending save has read the state; the write lands pre-step values."""
+    held = HeldCommit(monkeypatch)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    checkpointer = fastpersist.Checkpointer(optimizer, **SMALL)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    future = checkpointer.save({"model": model.state_dict()}, tmp_path / "c.pt")
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()  # would wait for the commit (forever) if the hook waited for the whole save
+    assert held.written.wait(60) and not future.done()
+    assert not torch.equal(model.weight, before["weight"])
+    held.go.set()
+    checkpointer.close()
+    loaded = fastpersist.load(tmp_path / "c.pt")["model"]
+    assert all(torch.equal(loaded[k], v) for k, v in before.items())
+
+
+def test_checkpointer_state_larger_than_the_ring_is_read_completely_before_the_step(tmp_path, monkeypatch):
+    held = HeldCommit(monkeypatch)
+    model = torch.nn.Linear(512, 1024)  # 2 MiB of weights against a 512 KiB ring
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    checkpointer = fastpersist.Checkpointer(optimizer, **SMALL)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpointer.save(model.state_dict(), tmp_path / "c.pt")
+    model(torch.randn(4, 512)).sum().backward()
+    optimizer.step()
+    held.go.set()
+    checkpointer.close()
+    loaded = fastpersist.load(tmp_path / "c.pt")
+    assert all(torch.equal(loaded[k], v) for k, v in before.items())
+
+
+def test_checkpointer_change_before_the_release_fails_the_save(tmp_path):
+    """An in-place change the hooks did not order after the reads: the save fails, nothing is committed."""
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpointer = fastpersist.Checkpointer(optimizer, async_max_pending=2)  # the gate holds one
+    gate = Gate()
+    future = checkpointer.save(model.state_dict(), tmp_path / "c.pt")
+    with torch.no_grad():
+        model.bias.add_(1)  # not through the optimizer: no hook runs first
+    gate.open()
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()  # the release decides: the bias changed before it
+    assert isinstance(future.exception(timeout=60), fastpersist.TensorModifiedError)
+    assert not (tmp_path / "c.pt").exists()
+    checkpointer.detach()
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
+def test_checkpointer_hook_returns_when_the_save_failed_before_reading(mode, tmp_path, monkeypatch):
+    from fastpersist.io import commit, engine
+
+    def refused(*args, **kwargs):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(engine, "File", refused)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpointer = fastpersist.Checkpointer(optimizer, mode=mode)
+    checkpointer.save(model.state_dict(), tmp_path / "c.pt")
+    model(torch.randn(2, 8)).sum().backward()
+    for future in futures.pending_saves():
+        future._finished.wait(60)
+    with pytest.raises(OSError):
+        optimizer.step()
+    assert commit.live_temporaries() == set()
+    checkpointer.close()
+
+
+def test_checkpointer_detach_releases_pending_saves(tmp_path, monkeypatch):
+    held = HeldCommit(monkeypatch)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpointer = fastpersist.Checkpointer(optimizer)
+    before = model.weight.clone()
+    future = checkpointer.save({"w": model.weight}, tmp_path / "c.pt")
+    checkpointer.detach()  # returns once the save has read the state (not written it)
+    assert future._release._decided and not future.done()
+    with torch.no_grad():
+        model.weight.add_(1)
+    held.go.set()
+    future.result(timeout=60)
+    assert torch.equal(fastpersist.load(tmp_path / "c.pt")["w"], before)
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
+def test_checkpointer_prepare_allocates_what_the_first_save_uses(mode, tmp_path):
+    from fastpersist.io import memory
+
+    fastpersist.release_buffers()
+    model = torch.nn.Linear(256, 1024)
+    checkpointer = fastpersist.Checkpointer(torch.optim.SGD(model.parameters(), lr=0.1), mode=mode, **SMALL)
+    reserved = checkpointer.prepare(model.state_dict())
+    held = memory.pooled_bytes() + staging.staged_bytes()
+    assert reserved >= sum(t.numel() * t.element_size() for t in model.state_dict().values()) or mode == "pipelined"
+    assert reserved > 0 and held >= reserved
+    checkpointer.save(model.state_dict(), tmp_path / "c.pt")
+    checkpointer.close()
+    assert memory.pooled_bytes() + staging.staged_bytes() == held, "the first save allocated more"
+    assert same(model.state_dict(), fastpersist.load(tmp_path / "c.pt"))
+
+
 def test_pending_saves_complete_at_exit_and_unchecked_errors_fail_the_exit(tmp_path):
     script = textwrap.dedent(
         """
@@ -356,3 +478,23 @@ def test_cuda_snapshot_of_small_and_large_storages(tmp_path):
     assert loaded.keys() == expected.keys()
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
     assert loaded["view"].untyped_storage().data_ptr() == loaded["t6"].untyped_storage().data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
+def test_cuda_checkpointer_step_is_ordered_after_the_reads(mode, tmp_path, monkeypatch):
+    """The step is queued while the save is unwritten (held); its kernels run after the copies, whose values land."""
+    held = HeldCommit(monkeypatch)
+    model = torch.nn.Linear(4096, 4096).cuda()  # 64 MiB of weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    checkpointer = fastpersist.Checkpointer(optimizer, mode=mode)
+    model(torch.randn(8, 4096, device="cuda")).sum().backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    future = checkpointer.save(model.state_dict(), tmp_path / "c.pt")
+    optimizer.step()  # queued at once, before any copy may have run
+    torch.cuda.synchronize()
+    assert not future.done()
+    held.go.set()
+    checkpointer.close()
+    loaded = fastpersist.load(tmp_path / "c.pt", map_location="cuda")
+    assert all(torch.equal(loaded[k], v) for k, v in before.items())

@@ -63,6 +63,15 @@ def test_training_benchmark_json_table_and_chart(methods, tmp_path):
         assert result["per_iteration_s"] > 0 and len(result["samples"]) == 1
         if result["method"] != "none":
             assert result["checkpoint_bytes"] > 0 and result["overhead_pct"] is not None
+            # Each timed save's phases were recorded (2 iterations, a checkpoint after each), the write's included.
+            saves = result["samples"][0]["saves"]
+            assert len(saves) == 2 and all(save["save"] > 0 for save in saves)
+            assert result["steady_of_possible"] > 0
+            if result["method"].startswith("fastpersist"):
+                assert {"pickle", "write", "rename"} <= result["phases"].keys()
+    ceiling = document["write_ceiling"]
+    assert ceiling["best_s"] > 0 and {"pwrite-1", "pwrite-8"} <= ceiling["seconds"].keys()
+    assert document["possible_per_iteration_s"] >= ceiling["best_s"]
     assert os.listdir(tmp_path / "ckpt") == [], "the benchmark removes its checkpoints"
     svg = tmp_path / "chart.svg"
     report = subprocess.run(
@@ -75,3 +84,4 @@ def test_training_benchmark_json_table_and_chart(methods, tmp_path):
     )
     assert report.returncode == 0, report.stderr
     assert "| fastpersist-pipelined |" in report.stdout and svg.read_text().startswith("<svg")
+    assert "Possible (the bound)" in report.stdout and "Where a save's time goes" in report.stdout

@@ -311,7 +311,7 @@ def test_interrupted_save_removes_its_temporary(tmp_path, monkeypatch):
     path = tmp_path / "ckpt.pt"
     old = small_checkpoint(path)
 
-    def interrupted(plan, file, settings, streams=None):
+    def interrupted(plan, file, settings, streams=None, **_):
         file.allocate(0, plan.size)
         raise KeyboardInterrupt
 
