@@ -104,6 +104,25 @@ class _RecordingPickler:
         self.module = types.SimpleNamespace(Pickler=Pickler, wraps=pickle_module)
 
 
+def _plan_recording(obj: object, archive: str, pickle_module: Any, protocol: int, recorded: list | None):
+    """``plan_save``, filling ``recorded`` (when not None) with ``(tensor, version)`` of every tensor pickled.
+
+    The serializer records the plain tensors of its shortcut at no cost; when some storage of the
+    plan is not covered by them (tensor subclasses, a custom pickle module, bare storages), the
+    object is pickled again through a pickler that records every tensor.
+    """
+    if recorded is None:
+        return plan_save(obj, archive, pickle_module, protocol)
+    plan = plan_save(obj, archive, pickle_module, protocol, tensors=recorded)
+    covered = {(t.device, t.untyped_storage().data_ptr()) for t, _ in recorded}
+    if all(r.entry.size == 0 or (r.device, r.data_ptr()) in covered for r in plan.storages):
+        return plan
+    recorder = _RecordingPickler(pickle_module)
+    plan = plan_save(obj, archive, recorder.module, protocol)
+    recorded[:] = recorder.recorded
+    return plan
+
+
 def _modification(path: str, recorded: list) -> TensorModifiedError | None:
     """The error to fail a save with when a recorded tensor changed since it was pickled, else None."""
     changed = []
@@ -263,10 +282,8 @@ def async_save(
     path = destination.path
     pipelined = resolved.async_mode == "pipelined"
     # Versions are recorded when someone must decide whether the tensors changed during the reads.
-    recorder = _RecordingPickler(pickle_module) if pipelined or _released_by_hooks else None
-    plan = plan_save(
-        obj, archive_name_for(destination.given), recorder.module if recorder else pickle_module, pickle_protocol
-    )
+    recorded: list | None = [] if pipelined or _released_by_hooks else None
+    plan = _plan_recording(obj, archive_name_for(destination.given), pickle_module, pickle_protocol, recorded)
     timeline.mark("pickled")
     future = SaveFuture(path, resolved.async_mode)
     # Wait for a slot before snapshotting, so at most async_max_pending staging areas exist.
@@ -276,7 +293,7 @@ def async_save(
         # For a Checkpointer, the copies overlap the next forward pass: its hooks order the
         # optimizer step after them (release). Otherwise the caller's stream waits at once.
         snapshot = staging.snapshot_plan(plan, caller_waits=not _released_by_hooks)
-        release = _Release(path, recorder.recorded) if _released_by_hooks and snapshot.events else None
+        release = _Release(path, recorded) if _released_by_hooks and snapshot.events else None
         if release is not None:
             release.reads_queued(snapshot.events)
 
@@ -299,7 +316,7 @@ def async_save(
         # The copies must come after the work queued so far on the caller's streams,
         # which the background thread cannot see: order them here.
         streams = side_streams(plan)
-        release = _Release(path, recorder.recorded)
+        release = _Release(path, recorded)
 
         def work() -> None:
             try:

@@ -59,6 +59,7 @@ def plan_save(
     pickle_module: Any = pickle,
     pickle_protocol: int = DEFAULT_PROTOCOL,
     disable_byteorder_record: bool = False,
+    tensors: list | None = None,
 ) -> SavePlan:
     """Pickles ``obj`` and lays out the checkpoint file.
 
@@ -66,6 +67,12 @@ def plan_save(
         obj: anything torch.save accepts.
         archive_name: the archive's top-level folder (see archive_name_for).
         pickle_module, pickle_protocol, disable_byteorder_record: as torch.save.
+        tensors: a list that receives ``(tensor, version counter)`` of every
+            plain ``torch.Tensor`` and ``nn.Parameter`` pickled through the
+            shortcut (for detecting changes during an asynchronous save).
+            Tensors of other types, and
+            every tensor when the shortcut does not apply, are not recorded:
+            compare the storages covered with the plan's.
 
     Returns:
         A plan whose storage records refer to the object's storages (no copies):
@@ -78,6 +85,13 @@ def plan_save(
     """
     shortcut = pickle_module is pickle or getattr(pickle_module, "wraps", None) is pickle
     table = _plain_tensor_dispatch_table(pickle_protocol) if shortcut else None
+    if table is not None and tensors is not None:
+        # A Parameter pickles its .data, a tensor with a version counter of its own: record the Parameter.
+        table = {
+            **table,
+            torch.Tensor: _recording(table[torch.Tensor], tensors),
+            torch.nn.Parameter: _recording(lambda parameter: parameter.__reduce_ex__(pickle_protocol), tensors),
+        }
     pickled, storages = _pickle_with_storages(obj, pickle_module, pickle_protocol, table)
 
     prefix = archive_name + "/"
@@ -347,6 +361,19 @@ def _plain_tensor_reducer(protocol: int) -> Callable[[torch.Tensor], tuple]:
         return tensor.__reduce_ex__(protocol)
 
     return reduce
+
+
+def _recording(reduce: Callable[[torch.Tensor], tuple], tensors: list) -> Callable[[torch.Tensor], tuple]:
+    """``reduce`` that first appends ``(tensor, version)`` to ``tensors`` (inference tensors have no version)."""
+
+    def recording(tensor: torch.Tensor) -> tuple:
+        try:
+            tensors.append((tensor, tensor._version))
+        except RuntimeError:
+            pass
+        return reduce(tensor)
+
+    return recording
 
 
 _shortcut_lock = threading.Lock()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 import warnings
 
 import pytest
@@ -84,6 +85,36 @@ def test_pipelined_mutation_fails_the_save_and_commits_nothing(tmp_path):
     assert "float32[200000]" in str(info.value) and info.value.path == str(path)
     assert same(old, fastpersist.load(path)), "the previous checkpoint must stay"
     assert os.listdir(tmp_path) == ["ckpt.pt"], "no temporary file may be left"
+
+
+@pytest.mark.parametrize("kind", ["parameter", "custom pickle module"])
+def test_pipelined_mutation_outside_the_serializers_shortcut_is_detected(kind, tmp_path):
+    """Tensors the serializer does not record itself (subclasses, ...) are recorded by the slower pickler."""
+    import pickle
+
+    model = torch.nn.Linear(300, 300)
+    obj = {"weight": model.weight}  # an nn.Parameter
+    module = (
+        types.SimpleNamespace(Pickler=pickle.Pickler, Unpickler=pickle.Unpickler) if kind.startswith("c") else pickle
+    )
+    gate = Gate()
+    future = fastpersist.async_save(obj, tmp_path / "m.pt", module, async_max_pending=2)
+    with torch.no_grad():
+        model.weight.add_(1)
+    gate.open()
+    with pytest.raises(fastpersist.TensorModifiedError):
+        future.result(timeout=60)
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_the_serializer_records_the_plain_tensors_it_pickles():
+    from fastpersist.format.serializer import plan_save
+
+    a, b = torch.zeros(3), torch.ones(4)
+    b.add_(1)
+    recorded = []
+    plan_save({"a": a, "b": b, "again": a}, "x", tensors=recorded)
+    assert [(t is a or t is b, v) for t, v in recorded] == [(True, 0), (True, 1)]
 
 
 def test_pipelined_mutation_through_a_view_is_detected(tmp_path):
