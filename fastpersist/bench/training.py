@@ -531,11 +531,13 @@ def to_markdown(document: dict[str, Any]) -> str:
     ceiling = document.get("write_ceiling")
     possible = document.get("possible_per_iteration_s")
     every = config.get("every", 1)
+    # Runs before the bound was measured also saved during the warm-up and after every `every`-th iteration.
+    cadence = "the first after the first timed iteration" if "write_ceiling" in document else "warm-up saves untimed"
     lines = [
         f"Device `{config['device']}` ({document['machine'].get('device_name')}, "
         f"{document['machine'].get('cpu_count')} CPUs), checkpoint {document['checkpoint_bytes'] / 1e6:,.0f} MB "
         f"(model + AdamW) to `{config['dir']}`, {config['iterations']} iterations, checkpoint every {every} "
-        "(the first after the first timed iteration), "
+        f"({cadence}), "
         + (f"{config['ranks']} data-parallel ranks (DDP, rank 0's times), " if config.get("ranks", 1) > 1 else "")
         + f"median of {config['repeats']}; "
         f"iteration without checkpoint {base['steady_per_iteration_s'] * 1000:.1f} ms"
@@ -570,11 +572,12 @@ def to_markdown(document: dict[str, Any]) -> str:
             lines.append(f"| {r['method']} | failed | | | | | | | | |")
             continue
         ratio = f"{r['steady_of_possible']:.2f}" if r.get("steady_of_possible") else "-"
-        first = statistics.median(s.get("first_blocked_s", 0.0) for s in r["samples"]) * 1000
+        firsts = [s["first_blocked_s"] * 1000 for s in r["samples"] if "first_blocked_s" in s]
+        first = f"{statistics.median(firsts):.1f}" if firsts else "-"
         lines.append(
             f"| {r['method']} | {r['steady_per_iteration_s'] * 1000:.1f} | {ratio} | {r['per_iteration_s'] * 1000:.1f} | "
             f"{r['steady_overhead_pct']:+.1f}% | {r['overhead_pct']:+.1f}% | {r['blocked_per_save_s'] * 1000:.1f} | "
-            f"{first:.1f} | {_mib(r['extra_gpu_bytes'])} | {_mib(r['extra_host_bytes'])} |"
+            f"{first} | {_mib(r['extra_gpu_bytes'])} | {_mib(r['extra_host_bytes'])} |"
         )
     names = [name for name, _, _ in _PHASES]
     phased = [r for r in document["results"] if "error" not in r and r.get("phases")]
