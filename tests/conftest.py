@@ -46,6 +46,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def saves_checked():
+    """After the test: waits for pending async saves; fails if one failed and nobody checked its error (then marks
+    them checked, so the whole pytest run does not fail at exit)."""
+    yield
+    from fastpersist.api import futures
+    from fastpersist.io import queue
+
+    for future in futures.pending_saves():
+        future._finished.wait(120)
+    left = [f for f in queue._unchecked if not f._checked]
+    for f in left:
+        f.exception()
+    assert not left, f"a test left failed saves unchecked: {left}"
+
+
+@pytest.fixture
 def disk_dir(tmp_path):
     """A directory on the disk the repository lives on (ext4 here: O_DIRECT works)."""
     return tmp_path

@@ -24,14 +24,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(autouse=True)
-def no_error_left_unchecked():
-    yield
-    for future in futures.pending_saves():
-        future._finished.wait(120)
-    left = [f for f in queue._unchecked if not f._checked]
-    for f in left:
-        f.exception()  # do not fail the whole pytest run at exit
-    assert not left, f"a test left failed saves unchecked: {left}"
+def no_error_left_unchecked(saves_checked):
+    """Every test here ends with no async save failed and unchecked (tests/conftest.py)."""
 
 
 @pytest.fixture
