@@ -7,18 +7,23 @@ For each window, in order:
    storage bytes are copied from their tensors: CPU storages by a native copy
    that computes their CRC-32 on the way (the source is read once), GPU
    storages by an asynchronous device-to-host copy on a side CUDA stream;
-2. **finalize** — once the copies have landed, the CRC-32 of each GPU
-   storage slice is folded into its record's running CRC, and the data
-   descriptors and central directory that fall into the window (they need
-   those CRCs) are written in;
-3. **submit** — the window goes to the native engine, which writes it with
+2. **checksum** — once the copies have landed, the CRC-32 of each large GPU
+   storage slice is queued on the CRC pool (:mod:`fastpersist.io.checksum`),
+   computed from zero;
+3. **finalize** — in file order, each slice's CRC-32 is folded into its
+   record's running CRC, and the data descriptors and central directory that
+   fall into the window (they need those CRCs) are written in;
+4. **submit** — the window goes to the native engine, which writes it with
    O_DIRECT while the next windows are filled.
 
-Fill runs on the calling thread; finalize and submit run, window by window
-in file order, on one worker thread, so filling window ``k+1`` (a memcpy or a
-DMA) overlaps the work on window ``k`` (native calls release the GIL). Each ring slot
-has its own native handle, so a slot is reused as soon as *its* write is
-done. Host memory is the ring plus metadata, whatever the checkpoint's size.
+Fill runs on the calling thread; checksum and finalize each run on a worker
+thread of their own, window by window in file order. So filling window
+``k+2`` (a memcpy or a DMA), checksumming window ``k+1`` and finalizing
+window ``k`` overlap (native calls release the GIL), and the CRC pool never
+waits for the finalize of a window before starting on the next one. Each
+ring slot has its own native handle, so a slot is reused as soon as *its*
+write is done. Host memory is the ring plus metadata, whatever the
+checkpoint's size.
 """
 
 from __future__ import annotations
@@ -47,13 +52,15 @@ class _Slot:
         self.handle = handle
         self.events: list[torch.cuda.Event] = []
         self.window: tuple[int, int] = (0, 0)
+        self.checked: concurrent.futures.Future | None = None  # -> (pieces, queued CRCs)
         self.finalized: concurrent.futures.Future | None = None
 
     def wait_idle(self) -> None:
-        """Until this slot's finalize and write are done; raises their first error."""
+        """Until this slot's checksums, finalize and write are done; raises their first error."""
         if self.finalized is not None:
             finalized, self.finalized = self.finalized, None
             finalized.result()
+        self.checked = None  # the finalize waited for it
         self.handle.wait()
 
     def wait_copies(self) -> None:
@@ -142,10 +149,11 @@ def write_plan(
                 make_handle = _SerialWriter.factory(settings)
         slots = [_Slot(buffer, make_handle()) for buffer in buffers]
         fill_cursor = _Cursor(segments)
-        finalize_cursor = _Cursor(segments)
+        checksum_cursor = _Cursor(segments)
         if partial:  # skip the segments that end before the range
-            fill_cursor.first = finalize_cursor.first = bisect.bisect_right([s[1] + s[2] for s in segments], first)
+            fill_cursor.first = checksum_cursor.first = bisect.bisect_right([s[1] + s[2] for s in segments], first)
         trailer: list[tuple[int, bytes]] = []  # (offset, bytes) of the trailer being written
+        checker = workers.executor(1, "fastpersist-crc")
         finalizer = workers.executor(1, "fastpersist-crc")
         try:
             for index, start in enumerate(range(first, size, window_size)):
@@ -155,11 +163,11 @@ def write_plan(
                 _fill(plan, slot, fill_cursor, streams, crcs, settings.checksum)
                 if index == 0:
                     timeline.mark("first window filled")
+                slot.checked = checker.submit(_checksum, plan, slot, checksum_cursor, settings.checksum)
                 slot.finalized = finalizer.submit(
                     _finalize_and_submit,
                     plan,
                     slot,
-                    finalize_cursor,
                     crcs,
                     trailer,
                     settings,
@@ -177,16 +185,18 @@ def write_plan(
             _drain(slots)
             raise
         finally:
+            checker.shutdown(wait=True)
             finalizer.shutdown(wait=True)
     return crcs
 
 
 def _drain(slots: Sequence[_Slot]) -> None:
-    """Leaves nothing in flight (finalizes, copies, writes); the first error is already being raised."""
+    """Leaves nothing in flight (checksums, finalizes, copies, writes); the first error is already being raised."""
     for slot in slots:
         if slot.finalized is not None:
-            concurrent.futures.wait([slot.finalized])
+            concurrent.futures.wait([slot.finalized])  # it waits for the slot's checksums, failed or not
             slot.finalized = None
+        slot.checked = None
         try:
             slot.wait_copies()
         except Exception:  # noqa: BLE001 - a CUDA error here must not mask the original one
@@ -327,10 +337,17 @@ _BYTES, _STORAGE, _DESCRIPTOR, _TRAILER = (
 )
 
 
+def _checksum(plan: SavePlan, slot: _Slot, cursor: _Cursor, checksum: bool):
+    """Checksum stage of a window: waits for its device-to-host copies, then queues the CRC-32 of
+    its large device-storage pieces; returns ``(pieces, queued)`` for the finalize stage."""
+    slot.wait_copies()
+    pieces = list(cursor.overlapping(*slot.window))
+    return pieces, (_queue_device_crcs(plan, slot, pieces) if checksum else {})
+
+
 def _finalize_and_submit(
     plan,
     slot: _Slot,
-    cursor: _Cursor,
     crcs,
     trailer: list[tuple[int, bytes]],
     settings,
@@ -339,9 +356,7 @@ def _finalize_and_submit(
     range_start: int | None = None,
 ) -> None:
     start, end = slot.window
-    slot.wait_copies()
-    pieces = list(cursor.overlapping(start, end))
-    queued = _queue_device_crcs(plan, slot, pieces, crcs) if settings.checksum else {}
+    pieces, queued = slot.checked.result()
     try:
         _finalize_pieces(plan, slot, pieces, queued, crcs, trailer, settings, range_start)
     except BaseException:
@@ -362,8 +377,8 @@ def _finalize_pieces(
             slot.view[lo - start : hi - start] = bytes(hi - lo)  # the committing rank writes these
         elif kind == _STORAGE:
             pending = queued.get(index)
-            if pending is not None:
-                crcs[index] = pending.result()
+            if pending is not None:  # computed from zero: continue the record's running CRC
+                crcs[index] = engine.crc32_combine(crcs[index], pending.result(), hi - lo)
             elif settings.checksum and plan.records[index].device.type != "cpu":
                 crcs[index] = engine.crc32(slot.buffer.data_ptr() + (lo - start), hi - lo, crcs[index])
         elif kind == _DESCRIPTOR:
@@ -382,18 +397,23 @@ _INLINE_CRC = 256 << 10
 """Device storage pieces smaller than this are checksummed on the finalizing thread (a pool task costs ~20 us)."""
 
 
-def _queue_device_crcs(plan: SavePlan, slot: _Slot, pieces, crcs: list[int]) -> dict:
+def _queue_device_crcs(plan: SavePlan, slot: _Slot, pieces) -> dict:
     """Queues, all at once, the CRC-32 of every large device-storage piece of the window on the pool.
 
     One piece after another, the cores sat idle between pieces (the ~35 MB storages of a 4 GB
     GPU save checksummed at ~21 GB/s; queued together, ~47 GB/s). A window holds at most one
-    piece of each record, and the records' running CRCs are final here (windows are finalized
-    in file order), so each piece continues its record's CRC.
+    piece of each record. Each CRC starts from zero: the checksum stage runs ahead of the
+    finalize, which folds it into the record's running CRC in file order.
     """
     start = slot.window[0]
     base = slot.buffer.data_ptr()
     queued = {}
-    for (kind, _, _, index, _), lo, hi in pieces:
-        if kind == _STORAGE and hi - lo >= _INLINE_CRC and plan.records[index].device.type != "cpu":
-            queued[index] = crc_pool.submit_crc32(base + (lo - start), hi - lo, crcs[index])
+    try:
+        for (kind, _, _, index, _), lo, hi in pieces:
+            if kind == _STORAGE and hi - lo >= _INLINE_CRC and plan.records[index].device.type != "cpu":
+                queued[index] = crc_pool.submit_crc32(base + (lo - start), hi - lo)
+    except BaseException:
+        for pending in queued.values():
+            pending.wait()  # the finalize never sees these: do not hand the buffer back under them
+        raise
     return queued
