@@ -17,8 +17,9 @@ Shapes:
 Methods (each timed in every round, rounds interleaved, medians reported):
 
 * saves: ``fastpersist`` (durable), ``torch.save`` (+ fsync), and with
-  ``--fio`` the ceiling ``fio-write`` (O_DIRECT, 16 MiB blocks, QD 32,
-  io_uring, end_fsync, same byte count, written right after);
+  ``--fio`` fio's write on its own row (16 MiB blocks, QD 32, io_uring,
+  O_DIRECT where the filesystem takes it, blocks allocated inside the clock,
+  end_fsync, same byte count, written right after);
 * loads: ``fastpersist`` verified / unverified, ``weights_only`` True /
   False, and ``torch.load`` in both ``weights_only`` modes;
 * ``--sink``: the **pipelines without storage** -- ``fastpersist-sink`` runs
@@ -28,8 +29,23 @@ Methods (each timed in every round, rounds interleaved, medians reported):
   ``/dev/zero`` on an all-zero state of the same shape. They show where the
   software stops, for storage faster than this machine's; they store nothing.
 
-Results are labelled with their kind (``storage`` or ``sink``) in the table
-and the JSON (``--json PATH``).
+**Bounds** (unless ``--no-ceiling``): every round also measures what the
+machine allows for the same bytes with no format
+(:mod:`fastpersist.bench.bounds`), and every result is given as a fraction
+of its bound (``of bound``; 1.00 = as fast as the plain program):
+
+* storage saves: ``ceiling: write``, the best of one and eight ``pwrite``
+  threads and fio (when installed) writing a fresh file + fsync;
+* storage loads: ``ceiling: read``, eight ``pread`` threads reading the saved
+  file back, page cache dropped first (as before every load);
+* sink saves: ``ceiling: copy to host``, the device-to-host copies into a
+  ring of page-locked windows, ``+ CRC-32`` when checksums are on (the
+  windows checksummed on the CRC pool as they land);
+* sink loads: ``ceiling: copy to device``, host-to-device copies out of the
+  ring, ``+ CRC-32`` for verified loads.
+
+Results are labelled with their kind (``storage``, ``sink`` or ``ceiling``)
+in the table and the JSON (``--json PATH``).
 """
 
 from __future__ import annotations
@@ -40,7 +56,6 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -50,7 +65,7 @@ import torch
 
 import fastpersist
 from fastpersist import config, system
-from fastpersist.bench import measure
+from fastpersist.bench import bounds, measure
 from fastpersist.config import parse_size
 from fastpersist.tuning.workloads import format_bytes
 
@@ -243,32 +258,6 @@ def _sink_load(path: str, settings: config.Settings, device: str, verify: bool) 
         zero.close()
 
 
-def _fio_write(path: str, nbytes: int) -> float:
-    """Seconds fio takes to write ``nbytes`` with O_DIRECT, 16 MiB blocks, QD 32, io_uring, end_fsync."""
-    size = max(-(-nbytes // (16 << 20)) * (16 << 20), 16 << 20)
-    if os.path.exists(path):
-        os.unlink(path)  # a fresh file each time, like a checkpoint (overwriting blocks is faster)
-    command = [
-        "fio",
-        "--name=ceiling",
-        f"--filename={path}",
-        "--rw=write",
-        "--bs=16M",
-        "--iodepth=32",
-        "--ioengine=io_uring",
-        "--direct=1",
-        f"--size={size}",
-        "--end_fsync=1",
-        "--output-format=json",
-    ]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"fio failed: {result.stderr.strip()[-500:]}")
-    document = json.loads(result.stdout[result.stdout.index("{") :])
-    job = document["jobs"][0]
-    return (job["job_runtime"] / 1000.0) * nbytes / size  # scaled to the checkpoint's bytes
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fastpersist.bench shapes", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=SHAPES, required=True)
@@ -281,7 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--sink", action="store_true", help="also run the pipelines without storage (labelled sink)")
     parser.add_argument("--sink-only", action="store_true", help="only the sink pipelines (no storage at all)")
-    parser.add_argument("--fio", action="store_true", help="also measure fio's write ceiling for the same bytes")
+    parser.add_argument("--fio", action="store_true", help="also give fio's write of the same bytes a row of its own")
+    parser.add_argument(
+        "--no-ceiling", action="store_true", help="do not measure the bounds (see the module docstring)"
+    )
     parser.add_argument("--no-torch", action="store_true", help="leave the torch baselines out")
     parser.add_argument("--no-loads", action="store_true")
     parser.add_argument("--loads", default="all", help="comma list of load variants to run (default all)")
@@ -309,9 +301,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.no_torch:
             saves["torch.save"] = ("storage", lambda: _torch_save(state, theirs))
         if args.fio and system.find_fio():
-            saves["fio-write (ceiling)"] = ("storage", lambda: _fio_write(ceiling, nbytes))
+            saves["fio-write (ceiling)"] = ("storage", lambda: bounds.fio_write_seconds(ceiling, nbytes))
+        if not args.no_ceiling:
+            saves[_WRITE] = ("ceiling", lambda: bounds.write_ceiling(directory, nbytes, repeats=1)["best_s"])
     if args.sink or args.sink_only:
         saves["fastpersist-sink"] = ("sink", lambda: _sink_save(state, settings))
+        if not args.no_ceiling:
+            copies = bounds.CopyCeiling(_tensors_of(state), settings.buffer_size, settings.buffer_count)
+            saves[_TO_HOST] = ("ceiling", lambda: copies.to_host(crc=False))
+            if settings.checksum:
+                saves[_TO_HOST_CRC] = ("ceiling", lambda: copies.to_host(crc=True))
     if not args.no_loads:
         where = args.device
         if not args.sink_only:
@@ -334,6 +333,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         (lambda w=weights_only: torch.load(theirs, map_location=where, weights_only=w)),
                         theirs,
                     )
+            if not args.no_ceiling:
+                loads[_READ] = ("ceiling", lambda: bounds.read_ceiling(ours), ours)
         if args.sink or args.sink_only:
             zero_path = os.path.join(directory, "zeros.pt")
             fastpersist.save(
@@ -345,9 +346,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     (lambda v=verify: _sink_load(zero_path, settings, where, v)),
                     zero_path,
                 )
+            if not args.no_ceiling:
+                if "copies" not in locals():
+                    copies = bounds.CopyCeiling(_tensors_of(state), settings.buffer_size, settings.read_buffer_count)
+                loads[_TO_DEVICE] = ("ceiling", lambda: copies.to_device(crc=False), zero_path)
+                loads[_TO_DEVICE_CRC] = ("ceiling", lambda: copies.to_device(crc=True), zero_path)
         if args.loads != "all":
             wanted = [w.strip() for w in args.loads.split(",")]
-            loads = {k: v for k, v in loads.items() if any(w in k for w in wanted)}
+            # The bounds stay: they are what the chosen loads are compared with.
+            loads = {k: v for k, v in loads.items() if v[0] == "ceiling" or any(w in k for w in wanted)}
     samples: dict[str, list[float]] = {name: [] for name in list(saves) + list(loads)}
     cpu_samples: dict[str, list[float]] = {name: [] for name in samples}
     peaks: dict[str, int] = {}
@@ -368,8 +375,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     os.sync()
                     time.sleep(_SETTLE_SECONDS)
                 reported, elapsed, cpu, peak = _measured(action, cuda)
-                if name == "fio-write (ceiling)":
-                    elapsed = reported  # fio's own runtime (without its start-up)
+                if name == "fio-write (ceiling)" or saves[name][0] == "ceiling":
+                    elapsed = reported  # their own clocks (fio's runtime without its start-up)
                 if timed:
                     samples[name].append(elapsed)
                     cpu_samples[name].append(cpu)
@@ -387,7 +394,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 system.release_memory()
                 dropper.drop([path])
                 loaded, elapsed, cpu, peak = _measured(action, cuda)
-                if round_index == 0 and "sink" not in name and not _same(state, loaded):
+                if loads[name][0] == "ceiling":
+                    elapsed, loaded = loaded, None  # its own clock
+                elif round_index == 0 and "sink" not in name and not _same(state, loaded):
                     raise RuntimeError(f"{name}: the loaded state differs from the saved one")
                 del loaded
                 if timed:
@@ -423,6 +432,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fio = next((r for r in results if r["method"] == "fio-write (ceiling)"), None)
         if result["op"] == "save" and fio and result["median_s"]:
             result["fraction_of_fio"] = fio["median_s"] / result["median_s"]
+        bound = next((r for r in results if r["method"] == _bound_of(result, settings.checksum)), None)
+        if bound is not None and result["median_s"]:
+            result["bound"] = bound["method"]
+            result["bound_s"] = bound["median_s"]
+            result["of_bound"] = bound["median_s"] / result["median_s"]
     return {
         "benchmark": "shapes",
         "shape": args.shape,
@@ -442,19 +456,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+_WRITE, _READ = "ceiling: write", "ceiling: read"
+_TO_HOST, _TO_HOST_CRC = "ceiling: copy to host", "ceiling: copy to host + CRC-32"
+_TO_DEVICE, _TO_DEVICE_CRC = "ceiling: copy to device", "ceiling: copy to device + CRC-32"
+
+
+def _bound_of(result: dict[str, Any], checksum: bool) -> str | None:
+    """The ceiling row that bounds ``result`` (see the module docstring), or None for the ceilings themselves."""
+    kind, save = result["kind"], result["op"] == "save"
+    if kind == "storage":
+        return _WRITE if save else _READ
+    if kind == "sink":
+        if save:
+            return _TO_HOST_CRC if checksum else _TO_HOST
+        return _TO_DEVICE if "unverified" in result["method"] else _TO_DEVICE_CRC
+    return None
+
+
 def _print(doc: dict[str, Any]) -> None:
     print(f"shape {doc['shape']}: {doc['tensors']} tensors, {format_bytes(doc['state_bytes'])}, device {doc['device']}")
     print(
-        f"{'method':40} {'kind':7} {'median s':>9} {'GB/s':>7} {'x torch':>8} {'x fio':>6} {'peak RSS+':>10} "
-        f"{'CPU s':>6}"
+        f"{'method':45} {'kind':8} {'median s':>9} {'GB/s':>7} {'x torch':>8} {'of bound':>8} {'x fio':>6} "
+        f"{'peak RSS+':>10} {'CPU s':>6}"
     )
     for r in doc["results"]:
         ratio = f"{r['speedup_vs_torch']:.2f}" if r.get("speedup_vs_torch") else "-"
         fio = f"{r['fraction_of_fio']:.2f}" if r.get("fraction_of_fio") else "-"
+        bound = f"{r['of_bound']:.2f}" if r.get("of_bound") else "-"
         rss = format_bytes(r["peak_rss_delta"]) if r.get("peak_rss_delta") is not None else "-"
         print(
-            f"{r['op'] + ' ' + r['method']:40} {r['kind']:7} {r['median_s']:9.3f} {r['gbps'] or 0:7.2f} "
-            f"{ratio:>8} {fio:>6} {rss:>10} {r.get('cpu_seconds_median') or 0:6.2f}"
+            f"{r['op'] + ' ' + r['method']:45} {r['kind']:8} {r['median_s']:9.3f} {r['gbps'] or 0:7.2f} "
+            f"{ratio:>8} {bound:>8} {fio:>6} {rss:>10} {r.get('cpu_seconds_median') or 0:6.2f}"
         )
 
 
@@ -467,19 +499,47 @@ def markdown(doc: dict[str, Any]) -> str:
         f"({machine.get('device_name', '')}), 1-min load average {doc.get('loadavg_start', ['?'])[0]:.1f} at the start, "
         f"{(machine.get('loadavg') or [0])[0]:.1f} at the end",
         "",
-        "| op | method | kind | median s | GB/s | x torch | x fio | peak RSS growth | CPU s |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    bounded = any("of_bound" in r for r in doc["results"])  # documents from before the bounds have none
+    if bounded:
+        lines += [
+            "| op | method | kind | median s | GB/s | x torch | of bound | x fio | peak RSS growth | CPU s |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+    else:
+        lines += [
+            "| op | method | kind | median s | GB/s | x torch | x fio | peak RSS growth | CPU s |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
     for r in doc["results"]:
         ratio = f"{r['speedup_vs_torch']:.2f}" if r.get("speedup_vs_torch") else "-"
         fio = f"{r['fraction_of_fio']:.2f}" if r.get("fraction_of_fio") else "-"
         rss = format_bytes(r["peak_rss_delta"]) if r.get("peak_rss_delta") is not None else "-"
         cpu = f"{r['cpu_seconds_median']:.2f}" if r.get("cpu_seconds_median") is not None else "-"
         gbps = f"{r['gbps']:.2f}" if (r.get("gbps") or 0) >= 0.01 else "-"
+        bound = (f"{r['of_bound']:.2f} | " if r.get("of_bound") else "- | ") if bounded else ""
         lines.append(
             f"| {r['op']} | {r['method']} | {r['kind']} | {r['median_s']:.3f} | {gbps} | "
-            f"{ratio} | {fio} | {rss} | {cpu} |"
+            f"{ratio} | {bound}{fio} | {rss} | {cpu} |"
         )
+    if bounded:
+        pairs = {}
+        for r in doc["results"]:
+            if r.get("bound"):
+                verified = (
+                    " (verified)"
+                    if " verified" in r["method"]
+                    else " (unverified)"
+                    if "unverified" in r["method"]
+                    else ""
+                )
+                label = f"{r['kind']} {r['op']}s" + (verified if r["kind"] == "sink" and r["op"] == "load" else "")
+                pairs[label] = r["bound"]
+        lines += [
+            "",
+            "of bound: the bound's time / the method's; bounds: "
+            + "; ".join(f"{label} `{bound}`" for label, bound in pairs.items()),
+        ]
     return "\n".join(lines)
 
 

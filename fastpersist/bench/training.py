@@ -18,9 +18,11 @@ should.
 **The bound** ("possible"): no checkpointing method can beat
 ``max(iteration without checkpoints, one checkpoint's write at the storage
 ceiling)``. The ceiling is measured in the same run, on the same directory,
-with the checkpoint's size (the best of a single-thread and an 8-thread
-``pwrite`` of a fresh file + fsync, O_DIRECT where the filesystem takes it,
-and fio when installed); each method's steady time per iteration is reported
+with the checkpoint's size (:func:`fastpersist.bench.bounds.write_ceiling`:
+the best of a single-thread and an 8-thread ``pwrite`` of a fresh file +
+fsync, O_DIRECT where the filesystem takes it, and fio when installed, with
+the file's blocks allocated inside the clock as a save's are); each method's
+steady time per iteration is reported
 against that bound. Per save the report also gives where the time goes
 (:mod:`fastpersist.io.timeline`): the caller's share (pickling, waiting for a
 slot, queueing the copies) and the background write's phases.
@@ -294,79 +296,6 @@ def _phase_medians(samples: list[dict]) -> dict[str, float]:
     return out
 
 
-def _write_ceiling(directory: str, nbytes: int, repeats: int = 3) -> dict[str, Any]:
-    """Seconds to write ``nbytes`` into a fresh file of ``directory`` (+ fsync) at the storage's best, several ways.
-
-    ``pwrite-1``/``pwrite-8``: one or eight threads writing 8 MiB blocks from page-aligned memory,
-    O_DIRECT where the filesystem takes it (buffered otherwise); ``fio``: fio's O_DIRECT write
-    (16 MiB, QD 32), when installed. Each is the median of ``repeats``; the previous file is
-    deleted (and the deletion synced) before each run. ``best_s``: the fastest of them.
-    """
-    import concurrent.futures
-
-    from fastpersist import system
-    from fastpersist.bench.shapes import _fio_write
-    from fastpersist.io import memory
-
-    nbytes = max(nbytes, 1 << 20)
-    path = os.path.join(directory, f".fastpersist-ceiling-{os.getpid()}.bin")
-    block = 8 << 20
-    source = memory.aligned_empty(block)
-    source.fill_(7)
-    view = memoryview(source.numpy())
-    direct = _takes_o_direct(directory)
-
-    def pwrite(threads: int) -> float:
-        if os.path.exists(path):
-            os.unlink(path)
-            os.sync()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-        started = time.perf_counter()
-        fd = os.open(path, flags, 0o600)
-        try:
-            offsets = range(0, -(-nbytes // block) * block, block)
-
-            def write(offset: int) -> None:
-                os.pwrite(fd, view, offset)
-
-            if threads == 1:
-                for offset in offsets:
-                    write(offset)
-            else:
-                with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-                    list(pool.map(write, offsets))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return time.perf_counter() - started
-
-    ways: dict[str, float] = {}
-    try:
-        for name, run in (("pwrite-1", lambda: pwrite(1)), ("pwrite-8", lambda: pwrite(8))):
-            ways[name] = statistics.median(run() for _ in range(repeats))
-        if system.find_fio():
-            try:
-                ways["fio"] = statistics.median(_fio_write(path, nbytes) for _ in range(repeats))
-            except (RuntimeError, OSError, ValueError):
-                pass
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
-    best = min(ways, key=ways.get)
-    return {"bytes": nbytes, "direct": direct, "seconds": ways, "best": best, "best_s": ways[best]}
-
-
-def _takes_o_direct(directory: str) -> bool:
-    probe = os.path.join(directory, f".fastpersist-direct-{os.getpid()}")
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(probe)
-    return True
-
-
 def _measure_d2h(args) -> float | None:
     """Seconds to copy the checkpoint's tensors device-to-host into pinned memory (the snapshot's cost)."""
     import torch
@@ -495,8 +424,10 @@ def _orchestrate(args) -> dict[str, Any]:
                 "samples": samples[method],
             }
         )
+    from fastpersist.bench import bounds
+
     checkpoint_bytes = max((r.get("checkpoint_bytes") or 0) for r in results)
-    ceiling = _write_ceiling(args.dir, checkpoint_bytes) if checkpoint_bytes and not args.no_ceiling else None
+    ceiling = bounds.write_ceiling(args.dir, checkpoint_bytes) if checkpoint_bytes and not args.no_ceiling else None
     possible = None
     if ceiling is not None and base_steady:
         # Every `every` iterations one checkpoint must be written: the storage's share per iteration.

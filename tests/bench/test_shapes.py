@@ -106,6 +106,15 @@ def test_shapes_benchmark_with_sink_writes_labelled_json(tmp_path, capsys):
     assert {"torch.save", "torch.load wo=True", "torch.load wo=False", "fastpersist verified wo=False"} <= set(kinds)
     assert all(r["median_s"] > 0 for r in doc["results"])
     assert "sink" in capsys.readouterr().out
+    # Every figure next to its bound, measured in the same rounds.
+    bound_of = {r["method"]: r.get("bound") for r in doc["results"] if r["kind"] != "ceiling"}
+    assert bound_of["fastpersist"] == bound_of["torch.save"] == "ceiling: write"
+    assert bound_of["fastpersist verified wo=True"] == "ceiling: read"
+    assert bound_of["fastpersist-sink"] == "ceiling: copy to host + CRC-32"
+    assert bound_of["fastpersist-sink-load verified"] == "ceiling: copy to device + CRC-32"
+    assert bound_of["fastpersist-sink-load unverified"] == "ceiling: copy to device"
+    assert all(r["of_bound"] > 0 for r in doc["results"] if r["kind"] != "ceiling")
+    assert "| of bound |" in shapes.markdown(doc)
 
 
 def test_checkpoint_benchmark_forwards_shape(tmp_path):

@@ -1,0 +1,268 @@
+"""What this machine allows, measured in the same run: the bounds the benchmarks print next to each figure.
+
+Each function times the same bytes moved with no format and no bookkeeping,
+the way the fastest plain program would:
+
+* :func:`write_ceiling`: a fresh file of the checkpoint's size written and
+  fsync'ed by one and by eight ``pwrite`` threads (O_DIRECT where the
+  filesystem takes it) and by fio when installed; the best of them.
+* :func:`fio_write_seconds`: fio's write of a fresh file. fio allocates a
+  file's blocks before its clock starts unless told not to; a save allocates
+  them inside its own time (on tmpfs that is most of the cost), so the
+  ceiling runs with ``--fallocate=none``.
+* :func:`read_ceiling`: the file read back by eight ``pread`` threads into
+  page-aligned memory (O_DIRECT where the filesystem takes it; the caller
+  drops the page cache first).
+* :class:`CopyCeiling`: the tensors' bytes copied device-to-host into a ring
+  of page-locked windows, or host-to-device out of one, on a side stream;
+  with ``crc`` the windows are also checksummed on the CRC pool, overlapped
+  with the copies (the save and load pipelines' own work, with no file
+  format). For CPU tensors the copy is a memcpy on the CRC pool.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import os
+import statistics
+import subprocess
+import time
+from typing import Any
+
+import torch
+
+from fastpersist import system
+from fastpersist.io import checksum, memory
+
+__all__ = ["CopyCeiling", "fio_write_seconds", "read_ceiling", "takes_o_direct", "write_ceiling"]
+
+_BLOCK = 8 << 20
+_THREADS = 8
+
+
+def takes_o_direct(directory: str) -> bool:
+    """Whether files in ``directory`` can be opened with O_DIRECT (tmpfs: usually not)."""
+    probe = os.path.join(directory, f".fastpersist-direct-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
+def fio_write_seconds(path: str, nbytes: int) -> float:
+    """Seconds fio takes to write a fresh ``path`` of ``nbytes``: 16 MiB blocks, QD 32, io_uring,
+    O_DIRECT where the filesystem takes it, blocks allocated inside the clock, end_fsync.
+
+    Raises:
+        RuntimeError: fio failed (its message included).
+    """
+    size = max(-(-nbytes // (16 << 20)) * (16 << 20), 16 << 20)
+    if os.path.exists(path):
+        os.unlink(path)  # a fresh file each time, like a checkpoint (overwriting blocks is faster)
+    command = [
+        system.find_fio() or "fio",
+        "--name=ceiling",
+        f"--filename={path}",
+        "--rw=write",
+        "--bs=16M",
+        "--iodepth=32",
+        "--ioengine=io_uring",
+        f"--direct={1 if takes_o_direct(os.path.dirname(path) or '.') else 0}",
+        f"--size={size}",
+        "--fallocate=none",
+        "--end_fsync=1",
+        "--output-format=json",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"fio failed: {(result.stderr.strip() or result.stdout)[-500:]}")
+    document = json.loads(result.stdout[result.stdout.index("{") :])
+    job = document["jobs"][0]
+    return (job["job_runtime"] / 1000.0) * nbytes / size  # scaled to the checkpoint's bytes
+
+
+def write_ceiling(directory: str, nbytes: int, repeats: int = 3) -> dict[str, Any]:
+    """Seconds to write ``nbytes`` into a fresh file of ``directory`` (+ fsync) at the storage's best, several ways.
+
+    ``pwrite-1``/``pwrite-8``: one or eight threads writing 8 MiB blocks from page-aligned memory,
+    O_DIRECT where the filesystem takes it (buffered otherwise); ``fio``: :func:`fio_write_seconds`,
+    when fio is installed. Each is the median of ``repeats``; the previous file is deleted (and
+    the deletion synced) before each run. ``best_s``: the fastest of them.
+    """
+    nbytes = max(nbytes, 1 << 20)
+    path = os.path.join(directory, f".fastpersist-ceiling-{os.getpid()}.bin")
+    source = memory.aligned_empty(_BLOCK)
+    source.fill_(7)
+    view = memoryview(source.numpy())
+    direct = takes_o_direct(directory)
+
+    def pwrite(threads: int) -> float:
+        if os.path.exists(path):
+            os.unlink(path)
+            os.sync()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        started = time.perf_counter()
+        fd = os.open(path, flags, 0o600)
+        try:
+            offsets = range(0, -(-nbytes // _BLOCK) * _BLOCK, _BLOCK)
+            if threads == 1:
+                for offset in offsets:
+                    os.pwrite(fd, view, offset)
+            else:
+                with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(lambda offset: os.pwrite(fd, view, offset), offsets))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return time.perf_counter() - started
+
+    ways: dict[str, float] = {}
+    try:
+        for name, threads in (("pwrite-1", 1), ("pwrite-8", _THREADS)):
+            ways[name] = statistics.median(pwrite(threads) for _ in range(repeats))
+        if system.find_fio():
+            try:
+                ways["fio"] = statistics.median(fio_write_seconds(path, nbytes) for _ in range(repeats))
+            except (RuntimeError, OSError, ValueError):
+                pass
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    best = min(ways, key=ways.get)
+    return {"bytes": nbytes, "direct": direct, "seconds": ways, "best": best, "best_s": ways[best]}
+
+
+def read_ceiling(path: str) -> float:
+    """Seconds to read all of ``path`` with eight threads of 8 MiB ``pread`` calls (O_DIRECT where it works).
+
+    The caller drops the file's cached pages first when it wants a cold read.
+    """
+    size = os.path.getsize(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    buffers = [memory.aligned_empty(_BLOCK) for _ in range(_THREADS)]
+    views = [memoryview(b.numpy()) for b in buffers]
+    offsets = list(range(0, size, _BLOCK))
+
+    def read(index: int) -> None:
+        view = views[index % _THREADS]
+        for offset in offsets[index::_THREADS]:
+            os.preadv(fd, [view], offset)
+
+    started = time.perf_counter()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(_THREADS) as pool:
+            list(pool.map(read, range(_THREADS)))
+    finally:
+        os.close(fd)
+    return time.perf_counter() - started
+
+
+class CopyCeiling:
+    """Copies ``tensors``' bytes through a ring of ``slots`` page-locked windows of ``window`` bytes.
+
+    :meth:`to_host` is the save pipeline without its format: device-to-host
+    copies on a side stream (a memcpy on the CRC pool for CPU tensors), and
+    with ``crc`` each window checksummed on the pool as soon as its copy has
+    landed, while the next windows are copied. :meth:`to_device` is the load
+    pipeline's: each window checksummed (``crc``) and copied host-to-device at
+    once, into a ring of device windows (host windows for CPU tensors; the
+    tensors themselves are only read). Both return their seconds.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], window: int = 64 << 20, slots: int = 8):
+        self.sources = [t.detach().reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+        self.window = window
+        self.ring = [memory.new_cpu_locked_tensor(window) for _ in range(slots)]
+        for buffer in self.ring:
+            buffer.fill_(1)
+        self.devices = sorted({s.device for s in self.sources if s.device.type == "cuda"}, key=str)
+        self.targets = {
+            d: [torch.empty(window, dtype=torch.uint8, device=d) for _ in range(slots)] for d in self.devices
+        }
+        self.host_targets = (
+            [memory.aligned_empty(window) for _ in range(slots)]
+            if any(s.device.type == "cpu" for s in self.sources)
+            else []
+        )
+        self.streams = {d: torch.cuda.Stream(d) for d in self.devices}
+
+    def _pieces(self):
+        for source in self.sources:
+            for offset in range(0, source.numel(), self.window):
+                yield source, offset, min(self.window, source.numel() - offset)
+
+    def to_host(self, crc: bool) -> float:
+        started = time.perf_counter()
+        pending: collections.deque = collections.deque()  # (slot, event or None, length)
+        checks: collections.deque = collections.deque()  # (slot, PendingCrc)
+        slots = len(self.ring)
+        for index, (source, offset, length) in enumerate(self._pieces()):
+            slot = index % slots
+            while checks and (len(checks) >= slots - 1 or checks[0][0] == slot):
+                checks.popleft()[1].wait()
+            while pending and (len(pending) >= slots - 1 or pending[0][0] == slot):
+                self._landed(pending.popleft(), crc, checks)
+            buffer = self.ring[slot]
+            if source.device.type == "cuda":
+                stream = self.streams[source.device]
+                with torch.cuda.stream(stream):
+                    buffer[:length].copy_(source[offset : offset + length], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                pending.append((slot, event, length))
+            else:
+                checksum.copy(buffer.data_ptr(), source.data_ptr() + offset, length)
+                pending.append((slot, None, length))
+            if len(pending) > 1:  # the previous window's copy has had a window's time to land
+                self._landed(pending.popleft(), crc, checks)
+        while pending:
+            self._landed(pending.popleft(), crc, checks)
+        for _, check in checks:
+            check.wait()
+        return time.perf_counter() - started
+
+    def _landed(self, item, crc: bool, checks: collections.deque) -> None:
+        slot, event, length = item
+        if event is not None:
+            event.synchronize()
+        if crc:
+            checks.append((slot, checksum.submit_crc32(self.ring[slot].data_ptr(), length)))
+
+    def to_device(self, crc: bool) -> float:
+        started = time.perf_counter()
+        slots = len(self.ring)
+        in_flight: collections.deque = collections.deque()  # (slot, event or None, PendingCrc or None)
+        for index, (source, _, length) in enumerate(self._pieces()):
+            slot = index % slots
+            while in_flight and (len(in_flight) >= slots or in_flight[0][0] == slot):
+                _, event, check = in_flight.popleft()
+                if event is not None:
+                    event.synchronize()
+                if check is not None:
+                    check.wait()
+            buffer = self.ring[slot]
+            check = checksum.submit_crc32(buffer.data_ptr(), length) if crc else None
+            event = None
+            if source.device.type == "cuda":
+                stream = self.streams[source.device]
+                with torch.cuda.stream(stream):
+                    self.targets[source.device][slot][:length].copy_(buffer[:length], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            else:
+                checksum.copy(self.host_targets[slot].data_ptr(), buffer.data_ptr(), length)
+            in_flight.append((slot, event, check))
+        for _, event, check in in_flight:
+            if event is not None:
+                event.synchronize()
+            if check is not None:
+                check.wait()
+        return time.perf_counter() - started
