@@ -17,7 +17,8 @@ the way the fastest plain program would:
   of page-locked windows, or host-to-device out of one, on a side stream;
   with ``crc`` the windows are also checksummed on the CRC pool, overlapped
   with the copies (the save and load pipelines' own work, with no file
-  format). For CPU tensors the copy is a memcpy on the CRC pool.
+  format). For CPU tensors the copy is a memcpy on the CRC pool, fused with
+  the CRC-32 into one pass when saving (as the save does).
 """
 
 from __future__ import annotations
@@ -218,9 +219,12 @@ class CopyCeiling:
                 event = torch.cuda.Event()
                 event.record(stream)
                 pending.append((slot, event, length))
+            elif crc:  # the save's CPU path: copied and checksummed in one pass
+                checksum.copy_with_crc32(buffer.data_ptr(), source.data_ptr() + offset, length)
+                continue
             else:
                 checksum.copy(buffer.data_ptr(), source.data_ptr() + offset, length)
-                pending.append((slot, None, length))
+                continue
             if len(pending) > 1:  # the previous window's copy has had a window's time to land
                 self._landed(pending.popleft(), crc, checks)
         while pending:

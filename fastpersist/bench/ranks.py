@@ -18,6 +18,13 @@ see when they are faster than the pipeline. Each rank's identity check (the
 digests of its storages that decide which bytes it may write, see
 :mod:`fastpersist.distributed.replicas`) is timed as ``digest_seconds``.
 
+With ``--sink`` each N also gets its **bound**, measured in the same run:
+all N ranks at once (after a barrier) copy their share of the state
+(every N-th tensor, from rank's own) into a ring of page-locked windows, each
+window checksummed as it lands when checksums are on
+(:class:`fastpersist.bench.bounds.CopyCeiling`); the end-to-end time of that
+is what the ranks' shared host allows, with no format and no coordination.
+
 With one shared disk, the end-to-end time should not exceed the single
 writer's. With per-rank targets whose rates are independent (one SSD per
 rank; give ``--dir`` one directory per rank with ``--layout parts``), the
@@ -172,10 +179,31 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
                 **check,
             }
         )
+    if args.get("sink"):
+        records += _bound_rounds(rank, world, state, args["repeat"], dist.barrier)
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as handle:
         json.dump(records, handle)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _bound_rounds(rank: int, world: int, state: dict, repeat: int, barrier) -> list[dict[str, Any]]:
+    """This rank's share of the state (every ``world``-th tensor) copied to the host with the save pipeline's
+    work and no format, ``repeat`` times, all ranks started together (see the module docstring)."""
+    from fastpersist.bench import bounds
+
+    settings = config.settings()
+    tensors = list(state.values())[rank::world]
+    ceiling = bounds.CopyCeiling(tensors, settings.buffer_size, settings.buffer_count)
+    ceiling.to_host(settings.checksum)  # untimed: first touches
+    rows = []
+    for index in range(repeat):
+        barrier()
+        start = time.time()
+        ceiling.to_host(settings.checksum)
+        rows.append({"rank": rank, "bound_repeat": index, "start": start, "end": time.time()})
+    barrier()
+    return rows
 
 
 def _sink_save(state: dict) -> int:
@@ -221,6 +249,17 @@ def _run(world: int, args: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
+    bound_rows = [r for r in rows if "bound_repeat" in r]
+    rows = [r for r in rows if "bound_repeat" not in r]
+    bound = None
+    if bound_rows:
+        bound = measure.summarize(
+            [
+                max(r["end"] for r in bound_rows if r["bound_repeat"] == i)
+                - min(r["start"] for r in bound_rows if r["bound_repeat"] == i)
+                for i in sorted({r["bound_repeat"] for r in bound_rows})
+            ]
+        )
     repeats = sorted({r["repeat"] for r in rows})
     end_to_end = []
     slowest_write = []
@@ -258,6 +297,7 @@ def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, A
         }
         if world > 1
         else None,
+        "bound_seconds": bound,
         "file_bytes": checks[0].get("file_bytes"),
         "identity_check_seconds": max(p["digest_seconds"]["median"] for p in per_rank),
         "verified": all(c.get("sink") for c in checks)
@@ -277,6 +317,9 @@ def _project(results: list[dict[str, Any]]) -> None:
         r["projected_independent_seconds"] = projected
         r["projected_speedup"] = baseline / projected
         r["measured_speedup"] = baseline / r["end_to_end_seconds"]["median"]
+        if r.get("bound_seconds") and single.get("bound_seconds"):
+            r["of_bound"] = r["bound_seconds"]["median"] / r["end_to_end_seconds"]["median"]
+            r["bound_speedup"] = single["bound_seconds"]["median"] / r["bound_seconds"]["median"]
 
 
 def _print(document: dict[str, Any]) -> None:
@@ -301,6 +344,12 @@ def _print(document: dict[str, Any]) -> None:
             f"{r['end_to_end_seconds']['median']:>13.3f} {r['end_to_end_GBps']:>6.2f} {r['measured_speedup']:>6.2f}x "
             f"{r['projected_independent_seconds']:>12.3f} {r['projected_speedup']:>7.2f}x {r['verified']}"
         )
+        if r.get("of_bound"):
+            print(
+                f"      bound (the ranks' host, no format): {r['bound_seconds']['median']:.3f} s, "
+                f"{document['size'] / r['bound_seconds']['median'] / 1e9:.2f} GB/s, {r['bound_speedup']:.2f}x the "
+                f"1-rank bound; measured {r['of_bound']:.2f} of it"
+            )
         if r["ranks"] > 1:
             for p in r["per_rank"]:
                 ms = {
@@ -350,6 +399,23 @@ def to_markdown(document: dict[str, Any], title: str | None = None) -> str:
             f"{r['end_to_end_GBps']:.2f} | {r['measured_speedup']:.2f}x | "
             f"{r['projected_independent_seconds']:.3f} | {r['projected_speedup']:.2f}x |"
         )
+    if any(r.get("of_bound") for r in document["results"]):
+        lines += [
+            "",
+            "Bound (all ranks at once copy their share to the host through a ring of page-locked windows"
+            + (", checksummed as it lands" if document.get("checksum", True) else "")
+            + "; no format, no coordination):",
+            "",
+            "| N | bound end-to-end (s) | bound GB/s | bound vs 1 rank | measured, of bound |",
+            "| ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in document["results"]:
+            if r.get("of_bound"):
+                seconds = r["bound_seconds"]["median"]
+                lines.append(
+                    f"| {r['ranks']} | {seconds:.3f} | {document['size'] / seconds / 1e9:.2f} | "
+                    f"{r['bound_speedup']:.2f}x | {r['of_bound']:.2f} |"
+                )
     scale = max(
         max(r["end_to_end_GBps"], document["size"] / r["projected_independent_seconds"] / 1e9)
         for r in document["results"]
@@ -387,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             "timeout": args.timeout,
             "dirs": dirs,
             "sink": args.sink,
+            "checksum": config.settings().checksum,
         }
         results = []
         for world in ranks:

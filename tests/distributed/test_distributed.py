@@ -278,3 +278,18 @@ def test_ranks_benchmark_runs_and_verifies(tmp_path):
     assert two["verified"] and len(two["per_rank"]) == 2
     assert sum(p["bytes"] for p in two["per_rank"]) <= two["file_bytes"]
     assert "| 2 |" in (tmp_path / "ranks.md").read_text()
+
+
+def test_ranks_benchmark_sink_reports_the_hosts_bound(tmp_path):
+    """With --sink every N gets the bound its ranks' shared host allows, measured with all ranks at once."""
+    from fastpersist.bench import ranks
+
+    out = tmp_path / "ranks.json"
+    code = ranks.main(["--ranks", "2", "--size", "3M", "--repeat", "2", "--sink", "--json", str(out)])
+    assert code == 0
+    document = json.loads(out.read_text())
+    one, two = document["results"]
+    assert one["bound_speedup"] == 1.0
+    for result in (one, two):
+        assert result["bound_seconds"]["median"] > 0 and result["of_bound"] > 0
+    assert "| bound end-to-end (s) |" in ranks.to_markdown(document)
