@@ -237,7 +237,11 @@ class CeilingProbe:
         path = self._path(candidate.tool)
         measure.remove_path(path)
         if candidate.tool == "fio":
-            command = fio_command(path, "write", n, candidate.block_size, candidate.queue_depth, direct=self.direct)
+            # Blocks allocated inside fio's clock, as the engine candidates' fallocate and a save's are
+            # (with fio's default layout its clock starts after the allocation).
+            command = fio_command(
+                path, "write", n, candidate.block_size, candidate.queue_depth, direct=self.direct, fallocate=False
+            )
             seconds = n / run_fio(command, "write")
             start = time.perf_counter()
             commit.fsync_directory(self.workdir)
