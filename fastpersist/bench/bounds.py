@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import json
 import os
 import statistics
-import subprocess
 import time
 from typing import Any
 
 import torch
 
 from fastpersist import system
+from fastpersist.bench.methods.ceilings import fio_command, fio_job
 from fastpersist.io import checksum, memory
 
 __all__ = ["CopyCeiling", "fio_write_seconds", "read_ceiling", "takes_o_direct", "write_ceiling"]
@@ -65,25 +64,8 @@ def fio_write_seconds(path: str, nbytes: int) -> float:
     size = max(-(-nbytes // (16 << 20)) * (16 << 20), 16 << 20)
     if os.path.exists(path):
         os.unlink(path)  # a fresh file each time, like a checkpoint (overwriting blocks is faster)
-    command = [
-        system.find_fio() or "fio",
-        "--name=ceiling",
-        f"--filename={path}",
-        "--rw=write",
-        "--bs=16M",
-        "--iodepth=32",
-        "--ioengine=io_uring",
-        f"--direct={1 if takes_o_direct(os.path.dirname(path) or '.') else 0}",
-        f"--size={size}",
-        "--fallocate=none",
-        "--end_fsync=1",
-        "--output-format=json",
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"fio failed: {(result.stderr.strip() or result.stdout)[-500:]}")
-    document = json.loads(result.stdout[result.stdout.index("{") :])
-    job = document["jobs"][0]
+    direct = takes_o_direct(os.path.dirname(path) or ".")
+    job = fio_job(fio_command(path, "write", size, 16 << 20, 32, direct=direct, fallocate=False, verify=False))
     return (job["job_runtime"] / 1000.0) * nbytes / size  # scaled to the checkpoint's bytes
 
 

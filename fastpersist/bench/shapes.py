@@ -304,10 +304,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             saves["fio-write (ceiling)"] = ("storage", lambda: bounds.fio_write_seconds(ceiling, nbytes))
         if not args.no_ceiling:
             saves[_WRITE] = ("ceiling", lambda: bounds.write_ceiling(directory, nbytes, repeats=1)["best_s"])
+    copies = None  # the copy bounds of the sink pipelines, one ring for both directions
+    if (args.sink or args.sink_only) and not args.no_ceiling:
+        copies = bounds.CopyCeiling(_tensors_of(state), settings.buffer_size, settings.buffer_count)
     if args.sink or args.sink_only:
         saves["fastpersist-sink"] = ("sink", lambda: _sink_save(state, settings))
-        if not args.no_ceiling:
-            copies = bounds.CopyCeiling(_tensors_of(state), settings.buffer_size, settings.buffer_count)
+        if copies is not None:
             saves[_TO_HOST] = ("ceiling", lambda: copies.to_host(crc=False))
             if settings.checksum:
                 saves[_TO_HOST_CRC] = ("ceiling", lambda: copies.to_host(crc=True))
@@ -346,9 +348,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     (lambda v=verify: _sink_load(zero_path, settings, where, v)),
                     zero_path,
                 )
-            if not args.no_ceiling:
-                if "copies" not in locals():
-                    copies = bounds.CopyCeiling(_tensors_of(state), settings.buffer_size, settings.read_buffer_count)
+            if copies is not None:
                 loads[_TO_DEVICE] = ("ceiling", lambda: copies.to_device(crc=False), zero_path)
                 loads[_TO_DEVICE_CRC] = ("ceiling", lambda: copies.to_device(crc=True), zero_path)
         if args.loads != "all":

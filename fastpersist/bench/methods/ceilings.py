@@ -34,7 +34,15 @@ from fastpersist.io import commit
 from fastpersist.tensors import host_memoryview
 from fastpersist.tuning import workloads
 
-__all__ = ["Candidate", "CeilingProbe", "CeilingVerificationError", "RawWrite", "fio_command", "measure_ceiling"]
+__all__ = [
+    "Candidate",
+    "CeilingProbe",
+    "CeilingVerificationError",
+    "RawWrite",
+    "fio_command",
+    "fio_job",
+    "measure_ceiling",
+]
 
 
 class RawWrite(SaveMethod):
@@ -151,8 +159,8 @@ def fio_command(
     return command
 
 
-def run_fio(command: list[str], rw: str) -> float:
-    """Runs fio and returns the job's bandwidth in bytes per second (its runtime includes end_fsync).
+def fio_job(command: list[str]) -> dict[str, Any]:
+    """Runs fio (``--output-format=json``) and returns its first job's report.
 
     Raises:
         RuntimeError: fio failed (for reads with verification: a block did not verify).
@@ -163,7 +171,16 @@ def run_fio(command: list[str], rw: str) -> float:
             f"fio failed ({result.returncode}): {(result.stderr.strip() or result.stdout[-2000:])[:2000]}"
         )
     document = json.loads(result.stdout[result.stdout.index("{") :])
-    return float(document["jobs"][0][rw]["bw_bytes"])
+    return document["jobs"][0]
+
+
+def run_fio(command: list[str], rw: str) -> float:
+    """Runs fio and returns the job's bandwidth in bytes per second (its runtime includes end_fsync).
+
+    Raises:
+        RuntimeError: as :func:`fio_job`.
+    """
+    return float(fio_job(command)[rw]["bw_bytes"])
 
 
 def _stamped_pattern(nbytes: int) -> torch.Tensor:
