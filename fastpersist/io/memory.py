@@ -50,13 +50,44 @@ _HUGE_PAGE = 2 << 20
 _warned_unlocked = False
 _warn_lock = threading.Lock()
 
-# data_ptr -> buffer info of tensors made by new_cpu_locked_tensor; lets
-# free_cpu_locked_tensor and is_locked_tensor recognise them.
-_locked_registry: dict[int, bool] = {}
-_registry_lock = threading.Lock()
-# data_ptr -> nbytes of the same tensors, so that slices and views inside a
-# locked allocation are recognised too (is_managed_locked_memory).
-_locked_sizes: dict[int, int] = {}
+
+class _Allocations:
+    """The live allocations made by :func:`new_cpu_locked_tensor`, by base address.
+
+    Lets :func:`free_cpu_locked_tensor`, :func:`is_locked_tensor` and
+    :func:`is_managed_locked_memory` recognise them. An entry goes when the
+    tensor is freed or, at the latest, just before its memory is unmapped
+    (:class:`_Release`), so a later mapping at the same address is never taken
+    for ours. The lock is reentrant: a garbage collection that unmaps a buffer
+    can run inside any block that holds it.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.locked: dict[int, bool] = {}  # base -> whether mlock succeeded
+        self.sizes: dict[int, int] = {}  # base -> nbytes
+
+    def add(self, base: int, nbytes: int, locked: bool) -> None:
+        with self.lock:
+            self.locked[base] = locked
+            self.sizes[base] = nbytes
+
+    def forget(self, base: int) -> bool:
+        with self.lock:
+            self.sizes.pop(base, None)
+            return self.locked.pop(base, None) is not None
+
+    def is_locked(self, base: int) -> bool:
+        with self.lock:
+            return self.locked.get(base, False)
+
+    def covers(self, start: int, end: int) -> bool:
+        with self.lock:
+            allocations = list(self.sizes.items())  # a release hook may change sizes mid-loop
+        return any(base <= start and end <= base + nbytes for base, nbytes in allocations)
+
+
+_allocations = _Allocations()
 
 
 def _warn_unlocked(reason: str) -> None:
@@ -73,29 +104,46 @@ def _warn_unlocked(reason: str) -> None:
     )
 
 
-def _cuda_register(buffer: engine.AlignedBuffer) -> bool:
-    """Registers ``buffer`` with CUDA (pinned for DMA) and arranges unregistering before unmap.
+class _Release:
+    """What a locked buffer undoes just before its memory is unmapped (its release hook).
+
+    It leaves the registry, so that a later mapping at the same address is not
+    taken for ours, and leaves CUDA's registration if it has one. A tensor
+    dropped without :func:`free_cpu_locked_tensor` is forgotten this way too.
+    """
+
+    __slots__ = ("ptr", "nbytes", "unregister", "allocations")
+
+    def __init__(self, buffer: engine.AlignedBuffer) -> None:
+        self.ptr = buffer.ptr
+        self.nbytes = buffer.nbytes
+        self.unregister = None  # cudart.cudaHostUnregister once CUDA registered the memory
+        self.allocations = _allocations  # held: module globals are gone when the last buffers go at exit
+
+    def __call__(self) -> None:
+        if self.unregister is not None:
+            self.unregister(self.ptr)
+        self.allocations.forget(self.ptr)
+
+
+def _cuda_register(release: _Release) -> bool:
+    """Registers the buffer of ``release`` with CUDA (pinned for DMA); the hook unregisters it before unmap.
 
     Only once CUDA is initialized in this process (see the module docstring);
     returns whether the buffer is registered now.
     """
-    if buffer.nbytes == 0 or not torch.cuda.is_initialized():
+    if release.nbytes == 0 or not torch.cuda.is_initialized():
         return False
     cudart = torch.cuda.cudart()
-    result = cudart.cudaHostRegister(buffer.ptr, buffer.nbytes, 0)
+    result = cudart.cudaHostRegister(release.ptr, release.nbytes, 0)
     if int(getattr(result, "value", result)) != 0:
         warnings.warn(
-            f"cudaHostRegister of {buffer.nbytes} bytes failed ({result}); device copies will use pageable memory",
+            f"cudaHostRegister of {release.nbytes} bytes failed ({result}); device copies will use pageable memory",
             RuntimeWarning,
             stacklevel=3,
         )
         return True  # do not try again: the warning said it once
-    ptr = buffer.ptr
-
-    def unregister() -> None:
-        cudart.cudaHostUnregister(ptr)
-
-    buffer.set_release_hook(unregister)
+    release.unregister = cudart.cudaHostUnregister
     return True
 
 
@@ -131,8 +179,8 @@ def new_cpu_locked_tensor(numel: int, dtype: torch.dtype = torch.uint8) -> torch
 
 def _new_locked(
     nbytes: int, dtype: torch.dtype = torch.uint8, huge_pages: bool = True
-) -> tuple[torch.Tensor, engine.AlignedBuffer, bool]:
-    """:func:`new_cpu_locked_tensor` of ``nbytes``: the tensor, its buffer, and whether CUDA registered it.
+) -> tuple[torch.Tensor, _Release, bool]:
+    """:func:`new_cpu_locked_tensor` of ``nbytes``: the tensor, its buffer's release hook, and whether CUDA registered it.
 
     With ``huge_pages`` (from 2 MiB up, best effort) the memory is physically
     contiguous in 2 MiB pieces, so a direct request from it needs few
@@ -146,13 +194,13 @@ def _new_locked(
     buffer = engine.AlignedBuffer(nbytes, lock=True, huge_pages=huge_pages and nbytes >= _HUGE_PAGE)
     if nbytes and not buffer.locked:
         _warn_unlocked(buffer.lock_error)
-    registered = _cuda_register(buffer)
+    release = _Release(buffer)
+    buffer.set_release_hook(release)
+    registered = _cuda_register(release)
     tensor = _tensor_over(buffer, nbytes, dtype)
     if nbytes:
-        with _registry_lock:
-            _locked_registry[tensor.data_ptr()] = buffer.locked
-            _locked_sizes[tensor.data_ptr()] = nbytes
-    return tensor, buffer, registered
+        _allocations.add(tensor.data_ptr(), nbytes, buffer.locked)
+    return tensor, release, registered
 
 
 def free_cpu_locked_tensor(tensor: torch.Tensor) -> bool:
@@ -162,15 +210,12 @@ def free_cpu_locked_tensor(tensor: torch.Tensor) -> bool:
     view of it) is gone; this cannot free memory that is still referenced.
     Returns True if ``tensor`` was one of ours.
     """
-    with _registry_lock:
-        _locked_sizes.pop(tensor.data_ptr(), None)
-        return _locked_registry.pop(tensor.data_ptr(), None) is not None
+    return _allocations.forget(tensor.data_ptr())
 
 
 def is_locked_tensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` was made by :func:`new_cpu_locked_tensor` and its memory is locked."""
-    with _registry_lock:
-        return bool(_locked_registry.get(tensor.data_ptr(), False))
+    return _allocations.is_locked(tensor.data_ptr())
 
 
 def is_managed_locked_memory(tensor: torch.Tensor) -> bool:
@@ -190,11 +235,7 @@ def is_managed_locked_memory(tensor: torch.Tensor) -> bool:
         # Highest byte the view can touch (torch strides are never negative).
         span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size > 0)
         end = start + (span + 1) * tensor.element_size()
-    with _registry_lock:
-        for base, nbytes in _locked_sizes.items():
-            if base <= start and end <= base + nbytes:
-                return True
-    return False
+    return _allocations.covers(start, end)
 
 
 def aligned_empty(nbytes: int, huge_pages: bool = True, lock: bool = False) -> torch.Tensor:
@@ -231,7 +272,7 @@ class _BufferPool:
         self._lock = threading.Lock()
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}  # (size, huge_pages) -> idle buffers
         self._allocated: dict[tuple[int, bool], int] = {}
-        self._unregistered: dict[int, engine.AlignedBuffer] = {}  # data_ptr -> buffer, for those CUDA has not
+        self._unregistered: dict[int, _Release] = {}  # data_ptr -> release hook, of buffers CUDA has not registered
 
     def acquire(self, count: int, size: int, huge_pages: bool = True) -> list[torch.Tensor]:
         key = (size, huge_pages)
@@ -245,11 +286,11 @@ class _BufferPool:
             if self._unregistered and torch.cuda.is_initialized():
                 self._register(taken)
             for _ in range(missing):
-                tensor, buffer, registered = _new_locked(size, huge_pages=huge_pages)
+                tensor, release, registered = _new_locked(size, huge_pages=huge_pages)
                 taken.append(tensor)
                 if not registered and size:
                     with self._lock:
-                        self._unregistered[tensor.data_ptr()] = buffer
+                        self._unregistered[tensor.data_ptr()] = release
         except BaseException:
             with self._lock:
                 self._allocated[key] -= count - len(taken)
@@ -260,10 +301,10 @@ class _BufferPool:
     def _register(self, tensors: list[torch.Tensor]) -> None:
         for tensor in tensors:
             with self._lock:
-                buffer = self._unregistered.pop(tensor.data_ptr(), None)
-            if buffer is not None and not _cuda_register(buffer):
+                release = self._unregistered.pop(tensor.data_ptr(), None)
+            if release is not None and not _cuda_register(release):
                 with self._lock:
-                    self._unregistered[tensor.data_ptr()] = buffer
+                    self._unregistered[tensor.data_ptr()] = release
 
     def release(self, tensors: list[torch.Tensor], size: int, huge_pages: bool = True) -> None:
         with self._lock:
@@ -292,10 +333,10 @@ def _reset_after_fork() -> None:
     """A forked child starts with an empty pool and fresh locks (a lock held by another
     parent thread at fork time would never be released in the child). The parent's
     buffers stay mapped in the child but are not reused: the child's copy is not locked."""
-    global _pool, _warn_lock, _registry_lock
+    global _pool, _warn_lock
     _pool = _BufferPool()
     _warn_lock = threading.Lock()
-    _registry_lock = threading.Lock()
+    _allocations.lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

@@ -74,6 +74,27 @@ def test_new_cpu_locked_tensor(dtype):
     assert z.numel() == 0 and z.dtype == dtype
 
 
+def test_a_locked_tensor_dropped_without_free_is_forgotten_when_unmapped():
+    """The registry follows the mapping: a dropped tensor's address range, reused by a later mapping, is not ours."""
+    sizes = memory._allocations.sizes
+    before = dict(sizes)
+    for _ in range(20):
+        t = memory.new_cpu_locked_tensor(16 << 10)
+        base = t.data_ptr()
+        view = t[100:200]
+        assert base in sizes and memory.is_managed_locked_memory(view)
+        del t
+        gc.collect()
+        assert base in sizes  # the view still holds the mapping
+        del view
+        gc.collect()
+        assert base not in sizes and not memory.is_locked_tensor(torch.empty(0))
+        reused = memory.aligned_empty(16 << 10)  # often lands where the dropped one was
+        assert not memory.is_managed_locked_memory(reused)
+        del reused
+    assert sizes == before  # nothing leaked
+
+
 def test_aligned_empty():
     small = memory.aligned_empty(100)
     assert small.dtype == torch.uint8 and small.numel() == 100 and small.data_ptr() % 4096 == 0
