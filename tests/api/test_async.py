@@ -329,7 +329,10 @@ def test_checkpointer_change_before_the_release_fails_the_save(tmp_path):
         model.bias.add_(1)  # not through the optimizer: no hook runs first
     gate.open()
     model(torch.randn(2, 8)).sum().backward()
-    optimizer.step()  # the release decides: the bias changed before it
+    try:
+        optimizer.step()  # the release decides: the bias changed before it
+    except fastpersist.TensorModifiedError:
+        pass  # the save reached its commit first and decided there; the step's hook reports it
     assert isinstance(future.exception(timeout=60), fastpersist.TensorModifiedError)
     assert not (tmp_path / "c.pt").exists()
     checkpointer.detach()
