@@ -4,7 +4,11 @@ CPU targets: each storage's bytes are read with O_DIRECT straight into
 page-aligned memory that *becomes* the storage (no second copy). The
 destination is placed so that its address and the record's file offset agree
 modulo the page size, which lets the engine read the aligned middle directly
-even for torch.save's 64-byte-aligned files. Small records (below 1 MiB)
+even for torch.save's 64-byte-aligned files. A record's read starts when the
+unpickler asks for its storage, and the records that follow it in the file
+are read ahead into their own future storages (up to the CUDA ring's bytes),
+so a load that waits for each storage (``weights_only=False``, a callable
+``map_location``) keeps the storage busy as a batch load does. Small records (below 1 MiB)
 that sit next to each other in the file share one read into a slab (the next
 slab is read ahead); each is copied out, and checksummed in the same pass, into
 its own allocation as soon as it is asked for, as torch.load makes it. A slab,
@@ -23,7 +27,6 @@ the bytes they read.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 
 import torch
@@ -41,11 +44,19 @@ _SLAB_LIMIT = 4 << 20
 _MAX_GAP = 64 << 10  # bytes of headers we accept reading to merge two small records
 _BATCH_BYTES = 1 << 20  # small record pieces are checksummed in tasks of about this many bytes
 _INLINE_BYTES = 256 << 10  # a last batch smaller than this is checksummed on the calling thread
-_POLL_SECONDS = 0.0002
 
 
 def _align_down(value: int) -> int:
     return value - value % _PAGE
+
+
+@dataclasses.dataclass
+class _Read:
+    """A large record being read in place into the CPU storage that will hold it."""
+
+    record: ZipRecordInfo
+    storage: torch.UntypedStorage
+    requests: list  # (detached native request, [(record, address, record_offset, length)]), in file order
 
 
 @dataclasses.dataclass
@@ -68,7 +79,10 @@ class FileStorageProvider:
 
     Call order: ``storage(...)`` any number of times, then ``flush()``; repeat.
     Small records are filled (and verified) before ``storage`` returns; the
-    others at ``flush``, into zeroed memory until then. One native handle (and,
+    others at ``flush``, into zeroed memory until then. After a large CPU
+    record, the next large records in file order are read ahead (at most
+    ``buffer_size * read_buffer_count`` bytes not yet asked for), each into
+    the storage it becomes when asked for. One native handle (and,
     for CUDA targets, one ring of handles) serves
     every flush of a load: ``load(weights_only=False)`` flushes after each
     storage, and creating a handle per storage made it 13x slower than
@@ -82,16 +96,30 @@ class FileStorageProvider:
         self._settings = settings
         self._verify = verify
         self._path = path
-        self._cpu: list[tuple[ZipRecordInfo, torch.UntypedStorage]] = []
+        self._cpu: list[_Read] = []  # asked for, not yet flushed
         self._device: list[tuple[ZipRecordInfo, torch.UntypedStorage]] = []
         self._slab_of: dict[str, _Slab] = {}
         self._slabs: list[_Slab] = []  # in file order
+        self._large: list[ZipRecordInfo] = []  # records read in place, in file order
+        self._position: dict[str, int] = {}  # name -> index in _large
+        self._next = 0  # in _large: the next record to read ahead
+        self._ahead: dict[str, _Read] = {}  # read ahead, not yet asked for
+        self._ahead_bytes = 0
+        self._ahead_limit = settings.buffer_size * settings.read_buffer_count
         self._handle = None
         self._ring_handles: list = []
-        self._plan_slabs(records)
+        self._plan(records)
 
     def close(self) -> None:
-        """Drops the handles and slabs, once a slab read ahead is no longer in flight."""
+        """Drops the handles, slabs and reads ahead, once no read is in flight into them."""
+        for read in [*self._ahead.values(), *self._cpu]:
+            for request, _ in read.requests:
+                try:
+                    self._handle.wait_request(request)
+                except OSError:
+                    pass  # nobody needs these bytes any more
+        self._ahead.clear()
+        self._cpu.clear()
         for slab in self._slabs:
             if slab.request is not None:
                 try:
@@ -111,19 +139,32 @@ class FileStorageProvider:
         if slab is not None:
             return self._small_storage(record, slab, device)
         if device.type == "cuda":
+            read = self._ahead.pop(record.name, None)
+            if read is not None:  # read ahead after a CPU record: its bytes are (nearly) in memory already
+                self._ahead_bytes -= record.size
+                # Records bound for CUDA follow CPU ones in this file: the ring, not pageable memory,
+                # is their fast way; stop reading ahead (what is in flight still comes from memory).
+                self._ahead_limit = 0
+                self._finish_reads([read])
+                return read.storage.to(device=device)
             storage = torch.empty(record.size, dtype=torch.uint8, device=device).untyped_storage()
             self._device.append((record, storage))
             return storage
         if record.size == 0:
             return torch.UntypedStorage(0)
-        storage = self._cpu_destination(record)
-        self._cpu.append((record, storage))
-        return storage
+        read = self._ahead.pop(record.name, None)
+        if read is None:
+            read = self._start_read(record)
+        else:
+            self._ahead_bytes -= record.size
+        self._read_ahead(record)
+        self._cpu.append(read)
+        return read.storage
 
     def flush(self) -> None:
         if self._cpu:
             cpu, self._cpu = self._cpu, []
-            self._read_cpu(cpu)
+            self._finish_reads(cpu)
         if self._device:
             device, self._device = self._device, []
             self._read_device(device)
@@ -180,12 +221,17 @@ class FileStorageProvider:
 
     # -- CPU ------------------------------------------------------------------
 
-    def _plan_slabs(self, records: Sequence[tuple]) -> None:
-        """Groups small records into slabs; ``records`` are ZipRecordInfo or plain rows of the same
-        fields (``RecordTable.rows()``), read by index."""
+    def _plan(self, records: Sequence[tuple]) -> None:
+        """Groups small records into slabs and lists the large ones in file order; ``records`` are
+        ZipRecordInfo or plain rows of the same fields (``RecordTable.rows()``), read by index."""
         slab = None
-        for name, _, data_offset, size, _ in sorted(records, key=lambda r: r[2]):
-            if size == 0 or size >= _SMALL_RECORD or "/data/" not in name:
+        for row in sorted(records, key=lambda r: r[2]):
+            name, _, data_offset, size, _ = row
+            if size == 0 or "/data/" not in name:
+                continue
+            if size >= _SMALL_RECORD:
+                self._position[name] = len(self._large)
+                self._large.append(ZipRecordInfo(*row))
                 continue
             if (
                 slab is None
@@ -209,39 +255,57 @@ class FileStorageProvider:
             self._handle = engine.make_handle(self._settings)
         return self._handle
 
-    def _read_cpu(self, items: list[tuple[ZipRecordInfo, torch.UntypedStorage]]) -> None:
-        """Reads every item's bytes in place; with verify, CRCs run on the pool as each read lands."""
-        handle = self._io()
+    def _start_read(self, record: ZipRecordInfo) -> _Read:
+        """Allocates ``record``'s storage and starts reading into it, in pieces (checksumming a
+        large record then starts before all of it is in). Piece boundaries keep address == offset
+        (mod page)."""
+        storage = self._cpu_destination(record)
+        handle, address = self._io(), storage.data_ptr()
         piece_size = max(self._settings.buffer_size, _PAGE)
-        # Large records are read in pieces so that checksumming starts before the whole
-        # record is in. Piece boundaries keep address == offset (mod page).
-        reads: list[tuple[object, list[tuple[ZipRecordInfo, int, int, int]]]] = []
-        for record, storage in items:
-            address = storage.data_ptr()
-            for offset in range(0, record.size, piece_size):
-                length = min(piece_size, record.size - offset)
-                request = handle.submit_read(address + offset, length, self._file, record.data_offset + offset, storage)
-                reads.append((request, [(record, address + offset, offset, length)]))
+        requests = []
+        for offset in range(0, record.size, piece_size):
+            length = min(piece_size, record.size - offset)
+            # Detached: only the flush that needs these bytes waits for them and sees their error.
+            request = handle.submit_read(
+                address + offset, length, self._file, record.data_offset + offset, storage, detached=True
+            )
+            requests.append((request, [(record, address + offset, offset, length)]))
+        return _Read(record, storage, requests)
+
+    def _read_ahead(self, record: ZipRecordInfo) -> None:
+        """Starts reading the large records after ``record`` in the file, up to the read-ahead limit."""
+        position = self._position.get(record.name)
+        if position is not None:
+            self._next = max(self._next, position + 1)
+        while self._next < len(self._large) and self._ahead_bytes < self._ahead_limit:
+            following = self._large[self._next]
+            self._next += 1
+            self._ahead[following.name] = self._start_read(following)
+            self._ahead_bytes += following.size
+
+    def _finish_reads(self, reads: list[_Read]) -> None:
+        """Waits for ``reads``; with verify, CRCs run on the pool as each piece lands, and are checked in order."""
+        handle = self._io()
         pending: dict[str, list] = {}
         queued: list = []
+        error = None
         try:
-            if self._verify:
-                # Requests complete roughly in submission (file) order: queue each one's
-                # CRCs as soon as its bytes are in, while later reads are still in flight.
-                for request, pieces in reads:
-                    while not request.done:
-                        time.sleep(_POLL_SECONDS)
-                    if request.failed:
-                        break  # wait() below raises the read error
-                    queued += _queue_crcs(pieces, pending)
+            for read in reads:
+                for request, pieces in read.requests:
+                    try:
+                        handle.wait_request(request)
+                    except OSError as e:  # raised once all are in, so that every request is accounted for
+                        error = error or e
+                        continue
+                    if self._verify and error is None:
+                        queued += _queue_crcs(pieces, pending)
         finally:
-            try:
-                handle.wait()  # raises the first read error once nothing is in flight
-            finally:
-                _wait_all(queued)
+            _wait_all(queued)
+        if error is not None:
+            raise error
         if self._verify:
-            for record, _ in items:  # raises ChecksumMismatchError, in file order
-                self._check(record, _combine(pending.pop(record.name, [])))
+            for read in reads:  # raises ChecksumMismatchError, in file order
+                self._check(read.record, _combine(pending.pop(read.record.name, [])))
 
     # -- CUDA -----------------------------------------------------------------
 

@@ -246,14 +246,16 @@ def test_small_records_are_read_once_per_slab(tmp_path, monkeypatch, weights_onl
     path = tmp_path / "small.pt"
     fastpersist.save(state, path)
     slab_reads, record_reads = [], []
-    submit_slab, read_cpu = reader.FileStorageProvider._submit_slab, reader.FileStorageProvider._read_cpu
+    submit_slab, start_read = reader.FileStorageProvider._submit_slab, reader.FileStorageProvider._start_read
     monkeypatch.setattr(
         reader.FileStorageProvider,
         "_submit_slab",
         lambda self, slab: slab_reads.append(slab.index) or submit_slab(self, slab),
     )
     monkeypatch.setattr(
-        reader.FileStorageProvider, "_read_cpu", lambda self, items: record_reads.extend(items) or read_cpu(self, items)
+        reader.FileStorageProvider,
+        "_start_read",
+        lambda self, record: record_reads.append(record) or start_read(self, record),
     )
     import torch.nested  # noqa: F401 - registers torch's own safe globals
 
