@@ -90,6 +90,26 @@ def any_dir(request, tmp_path):
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _damage_record(path, suffix: str, offset: int = 0, mask: int = 0x40) -> None:
+    """Flips ``mask`` in one payload byte of the checkpoint record whose name ends with ``suffix``:
+    ``offset`` bytes into the payload (negative: from its end)."""
+    from fastpersist.format.zipformat import read_directory
+
+    with open(path, "r+b") as handle:
+        descriptor = handle.fileno()
+        records = read_directory(lambda at, length: os.pread(descriptor, length, at), os.fstat(descriptor).st_size)
+        victim = next(record for record in records if record.name.endswith(suffix))
+        at = victim.data_offset + (offset if offset >= 0 else victim.size + offset)
+        byte = os.pread(descriptor, 1, at)
+        os.pwrite(descriptor, bytes([byte[0] ^ mask]), at)
+
+
+@pytest.fixture
+def damage_record():
+    """``damage_record(path, suffix, offset=0, mask=0x40)``: corrupts one byte of a checkpoint's record."""
+    return _damage_record
+
+
 @contextlib.contextmanager
 def mounted_tmpfs(options: str, prefix: str):
     """A tmpfs mounted with ``options`` on a fresh directory; skips without root or mount(8)."""

@@ -279,21 +279,11 @@ def test_small_records_hold_their_bytes_while_unpickling(tmp_path):
 
 
 @pytest.mark.parametrize("weights_only", [True, False])
-def test_damaged_small_record_is_caught(tmp_path, weights_only):
+def test_damaged_small_record_is_caught(tmp_path, weights_only, damage_record):
     state = _small_state()
     path = tmp_path / "small.pt"
     fastpersist.save(state, path)
-    from fastpersist.format.zipformat import read_directory
-
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        records = read_directory(lambda offset, length: os.pread(handle.fileno(), length, offset), size)
-    victim = next(record for record in records if record.name.endswith("/data/150"))
-    with open(path, "r+b") as handle:
-        handle.seek(victim.data_offset + 1)
-        byte = handle.read(1)
-        handle.seek(victim.data_offset + 1)
-        handle.write(bytes([byte[0] ^ 0xFF]))
+    damage_record(path, "/data/150", offset=1, mask=0xFF)
     with pytest.raises(fastpersist.ChecksumMismatchError, match="data/150"):
         fastpersist.load(path, weights_only=weights_only)
     fastpersist.load(path, weights_only=weights_only, verify=False)  # unverified, it loads

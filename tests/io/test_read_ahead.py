@@ -153,21 +153,11 @@ def test_a_read_error_ahead_fails_the_load_that_needs_it(tmp_path, nth, weights_
 
 
 @pytest.mark.parametrize("weights_only", [True, False])
-def test_damage_in_a_record_read_ahead_is_caught(tmp_path, weights_only):
+def test_damage_in_a_record_read_ahead_is_caught(tmp_path, weights_only, damage_record):
     state = _state()
     path = tmp_path / "ckpt.pt"
     fastpersist.save(state, path)
-    from fastpersist.format.zipformat import read_directory
-
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        records = read_directory(lambda offset, length: os.pread(handle.fileno(), length, offset), size)
-    victim = next(record for record in records if record.name.endswith("/data/5"))
-    with open(path, "r+b") as handle:
-        handle.seek(victim.data_offset + victim.size - 10)
-        byte = handle.read(1)
-        handle.seek(-1, os.SEEK_CUR)
-        handle.write(bytes([byte[0] ^ 0x40]))
+    damage_record(path, "/data/5", offset=-10)
     with pytest.raises(fastpersist.ChecksumMismatchError, match="data/5"):
         fastpersist.load(path, weights_only=weights_only, **LIMITS)
     loaded = fastpersist.load(path, weights_only=weights_only, verify=False, **LIMITS)
