@@ -57,6 +57,7 @@ import resource
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,6 +68,7 @@ import fastpersist
 from fastpersist import config, system
 from fastpersist.bench import bounds, measure
 from fastpersist.config import parse_size
+from fastpersist.io import timeline
 from fastpersist.tuning.workloads import format_bytes
 
 __all__ = ["SHAPES", "build_shape", "main", "build_parser", "run"]
@@ -358,6 +360,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     samples: dict[str, list[float]] = {name: [] for name in list(saves) + list(loads)}
     cpu_samples: dict[str, list[float]] = {name: [] for name in samples}
     peaks: dict[str, int] = {}
+    waited: dict[str, list[dict[str, float]]] = {name: [] for name in loads}  # the caller's waits, per load
     try:
         for round_index in range(args.warmup + args.repeats):
             timed = round_index >= args.warmup
@@ -393,7 +396,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 loaded = None
                 system.release_memory()
                 dropper.drop([path])
-                loaded, elapsed, cpu, peak = _measured(action, cuda)
+                with timeline.recording() as events:
+                    loaded, elapsed, cpu, peak = _measured(action, cuda)
                 if loads[name][0] == "ceiling":
                     elapsed, loaded = loaded, None  # its own clock
                 elif round_index == 0 and "sink" not in name and not _same(state, loaded):
@@ -403,6 +407,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     samples[name].append(elapsed)
                     cpu_samples[name].append(cpu)
                     peaks[name] = max(peaks.get(name, 0), peak)
+                    waits = timeline.waits(events, threading.current_thread().name)
+                    if waits:
+                        waited[name].append({**waits, "other": elapsed - sum(waits.values())})
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     results = []
@@ -423,6 +430,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "cpu_seconds_median": statistics.median(cpu_samples[name]) if cpu_samples[name] else None,
             }
         )
+        if waited.get(name):
+            results[-1]["caller_waits_s"] = _median_waits(waited[name])
     for result in results:
         baseline = {"save": "torch.save", "load": "torch.load wo=True"}[result["op"]]
         if result["op"] == "load" and "wo=False" in result["method"]:
@@ -473,6 +482,16 @@ def _bound_of(result: dict[str, Any], checksum: bool) -> str | None:
     return None
 
 
+_WAITS = ("read", "crc", "copy", "other")
+"""Where a load's calling thread spends its time: waiting for reads, CRC-32s and device copies, and the rest
+(parsing, unpickling, allocating, submitting, copying small records out)."""
+
+
+def _median_waits(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Median seconds per wait label over the timed rounds (0 where a round did not wait for it)."""
+    return {label: statistics.median(r.get(label, 0.0) for r in rounds) for label in _WAITS}
+
+
 def _print(doc: dict[str, Any]) -> None:
     print(f"shape {doc['shape']}: {doc['tensors']} tensors, {format_bytes(doc['state_bytes'])}, device {doc['device']}")
     print(
@@ -488,6 +507,14 @@ def _print(doc: dict[str, Any]) -> None:
             f"{r['op'] + ' ' + r['method']:45} {r['kind']:8} {r['median_s']:9.3f} {r['gbps'] or 0:7.2f} "
             f"{ratio:>8} {bound:>8} {fio:>6} {rss:>10} {r.get('cpu_seconds_median') or 0:6.2f}"
         )
+    waiting = [r for r in doc["results"] if r.get("caller_waits_s")]
+    if waiting:
+        print(
+            "\nwhere a load's calling thread spends its time (medians, seconds): waiting for " + ", ".join(_WAITS[:3])
+        )
+        print(f"{'method':45} " + " ".join(f"{label:>8}" for label in _WAITS))
+        for r in waiting:
+            print(f"{'load ' + r['method']:45} " + " ".join(f"{r['caller_waits_s'][label]:8.3f}" for label in _WAITS))
 
 
 def markdown(doc: dict[str, Any]) -> str:

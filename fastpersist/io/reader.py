@@ -33,7 +33,7 @@ import torch
 
 from fastpersist.config import Settings
 from fastpersist.format.zipformat import ZipRecordInfo, check_record_crc
-from fastpersist.io import checksum, engine, memory
+from fastpersist.io import checksum, engine, memory, timeline
 from fastpersist.tensors import storage_byte_view
 
 __all__ = ["FileStorageProvider", "MemoryStorageProvider", "MmapStorageProvider"]
@@ -206,7 +206,8 @@ class FileStorageProvider:
         if slab.request is not None:
             request, slab.request = slab.request, None
             try:
-                self._handle.wait_request(request)
+                with timeline.waiting("read"):
+                    self._handle.wait_request(request)
             except BaseException:
                 slab.buffer, slab.address = None, 0
                 raise
@@ -293,14 +294,16 @@ class FileStorageProvider:
             for read in reads:
                 for request, pieces in read.requests:
                     try:
-                        handle.wait_request(request)
+                        with timeline.waiting("read"):
+                            handle.wait_request(request)
                     except OSError as e:  # raised once all are in, so that every request is accounted for
                         error = error or e
                         continue
                     if self._verify and error is None:
                         queued += _queue_crcs(pieces, pending)
         finally:
-            _wait_all(queued)
+            with timeline.waiting("crc"):
+                _wait_all(queued)
         if error is not None:
             raise error
         if self._verify:
@@ -331,7 +334,8 @@ class FileStorageProvider:
                     self._submit_window(handles[index], buffers[index], windows[index])
                 for index, window in enumerate(windows):
                     slot = index % count
-                    handles[slot].wait()
+                    with timeline.waiting("read"):
+                        handles[slot].wait()
                     if self._verify:
                         address = buffers[slot].data_ptr()
                         checked[slot] = _queue_crcs(
@@ -363,10 +367,12 @@ class FileStorageProvider:
                         events[slot].append(event)
                     following = index + count
                     if following < len(windows):
-                        for event in events[slot]:
-                            event.synchronize()  # the slot's copies are done
+                        with timeline.waiting("copy"):
+                            for event in events[slot]:
+                                event.synchronize()  # the slot's copies are done
                         events[slot].clear()
-                        _wait_all(checked[slot])  # and so are its checksums: refill it
+                        with timeline.waiting("crc"):
+                            _wait_all(checked[slot])  # and so are its checksums: refill it
                         self._submit_window(handles[slot], buffers[slot], windows[following])
             finally:
                 for handle in handles:
@@ -374,10 +380,12 @@ class FileStorageProvider:
                         handle.wait()
                     except OSError:
                         pass
-                for parts in checked:
-                    _wait_all(parts)
-                for stream in streams.values():
-                    stream.synchronize()
+                with timeline.waiting("crc"):
+                    for parts in checked:
+                        _wait_all(parts)
+                with timeline.waiting("copy"):
+                    for stream in streams.values():
+                        stream.synchronize()
         if self._verify:
             for record, _ in items:
                 self._check(record, _combine(pending.get(record.name, [])))

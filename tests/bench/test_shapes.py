@@ -115,6 +115,12 @@ def test_shapes_benchmark_with_sink_writes_labelled_json(tmp_path, capsys):
     assert bound_of["fastpersist-sink-load unverified"] == "ceiling: copy to device"
     assert all(r["of_bound"] > 0 for r in doc["results"] if r["kind"] != "ceiling")
     assert "| of bound |" in shapes.markdown(doc)
+    # Where each of our loads' time goes on its calling thread: the parts add up to the whole (one round).
+    ours = [r for r in doc["results"] if r["op"] == "load" and r["method"].startswith("fastpersist")]
+    assert ours and all(set(r["caller_waits_s"]) == {"read", "crc", "copy", "other"} for r in ours)
+    assert all(sum(r["caller_waits_s"].values()) == pytest.approx(r["median_s"]) for r in ours)
+    assert all(r["caller_waits_s"]["read"] > 0 for r in ours if "sink" not in r["method"])
+    assert not any("caller_waits_s" in r for r in doc["results"] if r["method"].startswith(("torch", "ceiling")))
 
 
 def test_checkpoint_benchmark_forwards_shape(tmp_path):

@@ -1,0 +1,53 @@
+"""Benchmark timestamps: marks and waits, recorded only inside a recording, from any thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from fastpersist.io import timeline
+
+
+def test_nothing_is_recorded_outside_a_recording():
+    timeline.mark("alone")
+    with timeline.waiting("read"):
+        pass
+    with timeline.recording() as events:
+        pass
+    assert events == []
+
+
+def test_waits_add_up_per_label_and_thread():
+    me = threading.current_thread().name
+    with timeline.recording() as events:
+        timeline.mark("start")
+        for _ in range(3):
+            with timeline.waiting("read"):
+                time.sleep(0.01)
+        with timeline.waiting("crc"):
+            time.sleep(0.02)
+
+        def other():
+            with timeline.waiting("read"):
+                time.sleep(0.05)
+
+        worker = threading.Thread(target=other, name="other-thread")
+        worker.start()
+        worker.join()
+    waits = timeline.waits(events, me)
+    assert set(waits) == {"read", "crc"}
+    assert 0.03 <= waits["read"] < 0.05 + 0.03  # its own three waits, not the other thread's
+    assert 0.02 <= waits["crc"] < 0.2
+    assert 0.05 <= timeline.waits(events, "other-thread")["read"] < 0.5
+    assert [label for _, _, label in events][0] == "start"
+
+
+def test_a_wait_that_raises_is_still_counted():
+    me = threading.current_thread().name
+    with timeline.recording() as events:
+        try:
+            with timeline.waiting("read"):
+                raise OSError("failed read")
+        except OSError:
+            pass
+    assert "read" in timeline.waits(events, me)
