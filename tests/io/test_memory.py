@@ -88,7 +88,7 @@ def test_a_locked_tensor_dropped_without_free_is_forgotten_when_unmapped():
         assert base in sizes  # the view still holds the mapping
         del view
         gc.collect()
-        assert base not in sizes and not memory.is_locked_tensor(torch.empty(0))
+        assert base not in sizes  # forgotten before the unmap, without free_cpu_locked_tensor
         reused = memory.aligned_empty(16 << 10)  # often lands where the dropped one was
         assert not memory.is_managed_locked_memory(reused)
         del reused
