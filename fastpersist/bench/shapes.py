@@ -567,6 +567,20 @@ def markdown(doc: dict[str, Any]) -> str:
             "of bound: the bound's time / the method's; bounds: "
             + "; ".join(f"{label} `{bound}`" for label, bound in pairs.items()),
         ]
+    waiting = [r for r in doc["results"] if r.get("caller_waits_s")]  # documents from before 8555fbf have none
+    if waiting:
+        lines += [
+            "",
+            "Where each load's calling thread spends its time, medians in seconds: waiting for reads, CRC-32s and "
+            "device copies, and the rest (parsing, unpickling, allocating, submitting):",
+            "",
+            "| load | " + " | ".join(_WAITS) + " |",
+            "| --- |" + " ---: |" * len(_WAITS),
+        ]
+        for r in waiting:
+            lines.append(
+                f"| {r['method']} | " + " | ".join(f"{r['caller_waits_s'][label]:.3f}" for label in _WAITS) + " |"
+            )
     return "\n".join(lines)
 
 

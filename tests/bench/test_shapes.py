@@ -121,6 +121,7 @@ def test_shapes_benchmark_with_sink_writes_labelled_json(tmp_path, capsys):
     assert all(sum(r["caller_waits_s"].values()) == pytest.approx(r["median_s"]) for r in ours)
     assert all(r["caller_waits_s"]["read"] > 0 for r in ours if "sink" not in r["method"])
     assert not any("caller_waits_s" in r for r in doc["results"] if r["method"].startswith(("torch", "ceiling")))
+    assert "| load | read | crc | copy | other |" in shapes.markdown(doc)
 
 
 def test_checkpoint_benchmark_forwards_shape(tmp_path):
