@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 import fastpersist
-from fastpersist import config, system
+from fastpersist import config, display, system
 from fastpersist.bench import bounds, measure
 from fastpersist.config import parse_size
 from fastpersist.io import timeline
@@ -569,18 +569,12 @@ def markdown(doc: dict[str, Any]) -> str:
         ]
     waiting = [r for r in doc["results"] if r.get("caller_waits_s")]  # documents from before 8555fbf have none
     if waiting:
-        lines += [
-            "",
+        lines += display.markdown_section(
             "Where each load's calling thread spends its time, medians in seconds: waiting for reads, CRC-32s and "
             "device copies, and the rest (parsing, unpickling, allocating, submitting):",
-            "",
-            "| load | " + " | ".join(_WAITS) + " |",
-            "| --- |" + " ---: |" * len(_WAITS),
-        ]
-        for r in waiting:
-            lines.append(
-                f"| {r['method']} | " + " | ".join(f"{r['caller_waits_s'][label]:.3f}" for label in _WAITS) + " |"
-            )
+            ["load", *_WAITS],
+            [[r["method"], *(f"{r['caller_waits_s'][label]:.3f}" for label in _WAITS)] for r in waiting],
+        )
     return "\n".join(lines)
 
 

@@ -457,6 +457,8 @@ def _mib(n) -> str:
 
 def to_markdown(document: dict[str, Any]) -> str:
     """The result as Markdown: one row per method against the bound, then where each save's time goes."""
+    from fastpersist import display
+
     config = document["config"]
     base = next((r for r in document["results"] if r["method"] == "none" and "error" not in r), None)
     ceiling = document.get("write_ceiling")
@@ -513,25 +515,24 @@ def to_markdown(document: dict[str, Any]) -> str:
     names = [name for name, _, _ in _PHASES]
     phased = [r for r in document["results"] if "error" not in r and r.get("phases")]
     if phased:
-        lines += [
-            "",
-            "Where a save's time goes (median ms over the saves after the first; the first save's in brackets): "
-            "`pickle`, `wait for slot` and `copies queued` are the caller's; the rest runs in the background "
-            "(in the caller for fastpersist-sync). `read`: until the last device-to-host copy is queued; "
-            "`write`: until the last byte is written.",
-            "",
-            "| method | " + " | ".join(names) + " |",
-            "| --- |" + " ---: |" * len(names),
-        ]
+        rows = []
         for r in phased:
-            cells = []
+            cells = [r["method"]]
             for name in names:
                 value, first = r["phases"].get(name), r["phases"].get("first " + name)
                 cell = "-" if value is None else f"{value * 1000:.1f}"
                 if first is not None:
                     cell += f" ({first * 1000:.1f})"
                 cells.append(cell)
-            lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
+            rows.append(cells)
+        lines += display.markdown_section(
+            "Where a save's time goes (median ms over the saves after the first; the first save's in brackets): "
+            "`pickle`, `wait for slot` and `copies queued` are the caller's; the rest runs in the background "
+            "(in the caller for fastpersist-sync). `read`: until the last device-to-host copy is queued; "
+            "`write`: until the last byte is written.",
+            ["method", *names],
+            rows,
+        )
     return "\n".join(lines) + "\n"
 
 
