@@ -112,22 +112,17 @@ class FileStorageProvider:
 
     def close(self) -> None:
         """Drops the handles, slabs and reads ahead, once no read is in flight into them."""
-        for read in [*self._ahead.values(), *self._cpu]:
-            for request, _ in read.requests:
-                try:
-                    self._handle.wait_request(request)
-                except OSError:
-                    pass  # nobody needs these bytes any more
+        requests = [request for read in [*self._ahead.values(), *self._cpu] for request, _ in read.requests]
+        requests += [slab.request for slab in self._slabs if slab.request is not None]
+        for request in requests:
+            try:
+                self._handle.wait_request(request)
+            except OSError:
+                pass  # nobody needs these bytes any more
         self._ahead.clear()
         self._cpu.clear()
         for slab in self._slabs:
-            if slab.request is not None:
-                try:
-                    self._handle.wait_request(slab.request)
-                except OSError:
-                    pass  # nobody needs these bytes any more
-                slab.request = None
-            slab.buffer, slab.address = None, 0
+            slab.request, slab.buffer, slab.address = None, None, 0
         self._handle = None
         self._ring_handles = []
 
@@ -139,9 +134,8 @@ class FileStorageProvider:
         if slab is not None:
             return self._small_storage(record, slab, device)
         if device.type == "cuda":
-            read = self._ahead.pop(record.name, None)
+            read = self._take_ahead(record)
             if read is not None:  # read ahead after a CPU record: its bytes are (nearly) in memory already
-                self._ahead_bytes -= record.size
                 # Records bound for CUDA follow CPU ones in this file: the ring, not pageable memory,
                 # is their fast way; stop reading ahead (what is in flight still comes from memory).
                 self._ahead_limit = 0
@@ -152,11 +146,7 @@ class FileStorageProvider:
             return storage
         if record.size == 0:
             return torch.UntypedStorage(0)
-        read = self._ahead.pop(record.name, None)
-        if read is None:
-            read = self._start_read(record)
-        else:
-            self._ahead_bytes -= record.size
+        read = self._take_ahead(record) or self._start_read(record)
         self._read_ahead(record)
         self._cpu.append(read)
         return read.storage
@@ -283,6 +273,13 @@ class FileStorageProvider:
             self._next += 1
             self._ahead[following.name] = self._start_read(following)
             self._ahead_bytes += following.size
+
+    def _take_ahead(self, record: ZipRecordInfo) -> _Read | None:
+        """``record``'s read ahead, now asked for (it leaves the read-ahead's count), or None."""
+        read = self._ahead.pop(record.name, None)
+        if read is not None:
+            self._ahead_bytes -= record.size
+        return read
 
     def _finish_reads(self, reads: list[_Read]) -> None:
         """Waits for ``reads``; with verify, CRCs run on the pool as each piece lands, and are checked in order."""
