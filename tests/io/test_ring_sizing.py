@@ -49,3 +49,17 @@ def test_pool_holds_few_size_classes(tmp_path):
     # Power-of-two classes: at most 1+2+4 MiB here, not one buffer per size.
     assert memory.pooled_bytes() <= 8 * MiB
     fastpersist.release_buffers()
+
+
+def test_a_cuda_load_smaller_than_its_ring_spreads_over_every_buffer():
+    """One storage waited for on its own (weights_only=False) is read by all the ring's handles, not one."""
+    from fastpersist import config
+    from fastpersist.io.reader import _window_size
+
+    settings = config.resolve({})  # 64 MiB x 8 by default
+    assert _window_size(36 * MiB, settings) == 36 * MiB // 8  # a 36 MB record: 8 windows of 4.5 MiB
+    assert _window_size(10 << 30, settings) == 64 * MiB  # a batch larger than the ring: full windows
+    assert _window_size(2 * MiB, settings) == MiB  # never below 1 MiB
+    assert _window_size(36 * MiB + 1, settings) % 4096 == 0
+    small = config.resolve({"buffer_size": "256K", "block_size": "256K"})
+    assert _window_size(100 * MiB, small) == 256 << 10 and _window_size(10, small) == 256 << 10
