@@ -87,6 +87,8 @@ class UringEngine final : public Engine {
     if (fd < 0) throw EngineUnavailable(uring_setup_reason(fd));
     ring_fd_ = static_cast<int>(fd);
     defer_taskrun_ = params_.flags & IORING_SETUP_DEFER_TASKRUN;
+    // IOSQE_ASYNC came with kernel 5.6, as did this feature bit; an older kernel fails such SQEs.
+    async_buffered_reads_ = params_.features & IORING_FEAT_RW_CUR_POS;
     capacity_ = params_.sq_entries;
     if (options.queue_depth && options.queue_depth < capacity_) capacity_ = options.queue_depth;
     try {
@@ -123,6 +125,9 @@ class UringEngine final : public Engine {
     sqe->len = static_cast<uint32_t>(op.length);
     sqe->off = op.offset;
     sqe->user_data = op.tag;
+    // A buffered read of cached pages completes inline, in io_uring_enter on this lane's thread: one
+    // memcpy at a time. Forced async, the kernel's workers copy the blocks in flight side by side.
+    if (op.buffered && !op.write && async_buffered_reads_) sqe->flags |= IOSQE_ASYNC;
     sq_array_[index] = index;
     local_tail_ = tail + 1;
     ++unsubmitted_;
@@ -226,6 +231,7 @@ class UringEngine final : public Engine {
   int ring_fd_ = -1;
   bool single_submit_;
   bool defer_taskrun_ = false;
+  bool async_buffered_reads_ = false;
   size_t capacity_ = 0;
   size_t in_flight_ = 0;
   unsigned unsubmitted_ = 0;

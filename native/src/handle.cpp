@@ -153,6 +153,7 @@ class Lane {
     free_slots_.pop_back();
     IoOp op;
     op.fd = chunk.direct ? file.direct_fd() : file.fd();
+    op.buffered = !chunk.direct;
     op.write = chunk.request->is_write();
     op.buffer = chunk.buffer;
     op.length = chunk.length;

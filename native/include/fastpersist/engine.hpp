@@ -28,6 +28,7 @@ struct IoOp {
   size_t length = 0;     ///< bytes (<= 1 GiB)
   uint64_t offset = 0;   ///< file offset
   uint64_t tag = 0;      ///< returned unchanged in the completion
+  bool buffered = false;  ///< through the page cache (fd opened without O_DIRECT)
 };
 
 /** @brief The result of one IoOp. */
