@@ -1,8 +1,11 @@
-"""Zero-copy byte views of tensors and storages (pure PyTorch).
+"""Zero-copy byte views of tensors and storages (pure PyTorch), and torch's serialization settings.
 
 Both the serializer (``format``) and the I/O layer (``io``) need to see a
 tensor's memory as bytes without copying it; this module is the one place
-that knows how.
+that knows how. It also imports ``torch.utils.serialization.config`` once, at
+import time: an import inside a save or load would hold that module's import
+lock, which a child forked meanwhile by another thread would never see
+released.
 """
 
 from __future__ import annotations
@@ -11,7 +14,12 @@ import ctypes
 
 import torch
 
-__all__ = ["cast_to_byte_tensor", "storage_byte_view", "host_memoryview"]
+try:
+    from torch.utils.serialization import config as torch_serialization_config
+except ImportError:  # a torch without these settings (set_crc32_options and the like)
+    torch_serialization_config = None
+
+__all__ = ["cast_to_byte_tensor", "storage_byte_view", "host_memoryview", "torch_serialization_config"]
 
 
 def storage_byte_view(storage: torch.UntypedStorage | torch.TypedStorage) -> torch.Tensor:

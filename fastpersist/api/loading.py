@@ -15,13 +15,16 @@ import torch
 from fastpersist import config
 from fastpersist.api import archive, dispatch, objectstore
 from fastpersist.api.verification import verify_file_object
+from fastpersist.distributed import load as distributed_load
+from fastpersist.distributed import save as distributed_save
+from fastpersist.distributed.manifest import is_manifest
 from fastpersist.errors import CorruptCheckpointError, FastPersistError, TruncatedCheckpointError, torch_compatible
 from fastpersist.format.deserializer import archive_prefix
 from fastpersist.format.zipformat import MissingEndRecordError, RecordTable, read_directory, read_rows
 from fastpersist.io import engine
 from fastpersist.io.reader import FileStorageProvider, MmapStorageProvider
 from fastpersist.io.records import HeaderCache
-from fastpersist.tensors import host_memoryview
+from fastpersist.tensors import host_memoryview, torch_serialization_config
 
 __all__ = ["load"]
 
@@ -120,9 +123,7 @@ def load(
     explicit = verify is not None
     weights_only = _resolve_weights_only(weights_only, pickle_module)
     if mmap is None:
-        from torch.utils.serialization import config as torch_config
-
-        mmap = torch_config.load.mmap
+        mmap = getattr(getattr(torch_serialization_config, "load", None), "mmap", False)
     if verify is None:
         verify = resolved.verify and not mmap
     torch_kwargs = dict(weights_only=weights_only, mmap=mmap, **pickle_load_args)
@@ -185,12 +186,7 @@ _NOT_SHARDED = object()
 
 def _load_sharded(path: str, group: Any, timeout: float | None, verify: bool, load_kwargs: dict) -> Any:
     """A sharded checkpoint (manifest + parts), or a collective load; else _NOT_SHARDED."""
-    from fastpersist.distributed import load as distributed_load
-    from fastpersist.distributed.manifest import is_manifest
-
     if group is not None and group is not False:
-        from fastpersist.distributed import save as distributed_save
-
         if distributed_save.is_collective(group):
             data = distributed_load.read_collective(
                 path,

@@ -10,11 +10,13 @@ import torch
 
 from fastpersist import config
 from fastpersist.api import dispatch, objectstore
+from fastpersist.distributed import save as distributed_save
 from fastpersist.errors import NotWritableError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io import timeline
 from fastpersist.io.commit import commit_plan, fsync_file_object, target
 from fastpersist.io.stream import write_plan_to_stream
+from fastpersist.tensors import torch_serialization_config
 
 __all__ = ["save"]
 
@@ -123,8 +125,6 @@ def save(
         return
     if dispatch.wants_safetensors(f, settings.pop("format", None)):
         if group is not None and group is not False:
-            from fastpersist.distributed import save as distributed_save
-
             if distributed_save.is_collective(group):
                 raise ValueError(
                     f"a collective save (group=...) writes a torch-format checkpoint, not safetensors ({f}): "
@@ -137,8 +137,6 @@ def save(
     if resolved.checksum and not _torch_compute_crc32():
         resolved = resolved.replace(checksum=False)  # torch.serialization.set_crc32_options(False)
     if group is not None and group is not False:
-        from fastpersist.distributed import save as distributed_save
-
         if distributed_save.is_collective(group):
             if not isinstance(f, (str, os.PathLike)):
                 raise TypeError("a collective save (group=...) needs a path, not a file object")
@@ -193,8 +191,6 @@ def _torch_skip_data() -> bool:
 def _torch_compute_crc32() -> bool:
     """torch's ``config.save.compute_crc32`` (``torch.serialization.set_crc32_options``)."""
     try:
-        from torch.utils.serialization import config as torch_config
-
-        return bool(torch_config.save.compute_crc32)
-    except (ImportError, AttributeError):
+        return bool(torch_serialization_config.save.compute_crc32)
+    except AttributeError:
         return True

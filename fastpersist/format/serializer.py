@@ -37,6 +37,7 @@ from torch.serialization import location_tag, normalize_storage_type
 from fastpersist.errors import MixedDtypeViewsError, UnsupportedObjectError, unsupported_object_error
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
 from fastpersist.format.zipformat import PAYLOAD_ALIGNMENT, is_packed_storage, layout_archive, storage_alignment_claim
+from fastpersist.tensors import torch_serialization_config
 
 __all__ = ["plan_save", "archive_name_for"]
 
@@ -140,10 +141,8 @@ _TORCH_DEFAULT_ALIGNMENT = 64
 def _requested_alignment() -> int | None:
     """torch's ``config.save.storage_alignment`` (None where this torch has no such setting)."""
     try:
-        from torch.utils.serialization import config as torch_config
-
-        return int(torch_config.save.storage_alignment)
-    except (ImportError, AttributeError, TypeError, ValueError):
+        return int(torch_serialization_config.save.storage_alignment)
+    except (AttributeError, TypeError, ValueError):
         return None
 
 
@@ -378,6 +377,16 @@ def _recording(reduce: Callable[[torch.Tensor], tuple], tensors: list) -> Callab
 
 _shortcut_lock = threading.Lock()
 _shortcut_checked: dict[int, bool] = {}  # protocol -> whether the shortcut pickles as torch does
+
+
+def _reset_after_fork() -> None:
+    """A forked child gets a fresh lock: one held by another parent thread at fork time (its first
+    save's one-time check) would never be released in the child."""
+    global _shortcut_lock
+    _shortcut_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _plain_tensor_dispatch_table(protocol: int) -> dict | None:

@@ -155,6 +155,50 @@ def test_fork_child_saves_and_loads_parent_unaffected(tmp_path):
     assert same(state(4), fastpersist.load(tmp_path / "parent.pt"))
 
 
+def test_save_and_load_import_nothing_when_called(tmp_path):
+    """A module imported inside a save or load holds its import lock meanwhile; a child forked by another
+    thread at that moment deadlocks at its own first save or load. Everything is imported with fastpersist."""
+    script = textwrap.dedent(
+        """
+        import sys, torch, fastpersist
+        path = sys.argv[1]
+        before = set(sys.modules)
+        fastpersist.save({"a": torch.randn(300_000), "b": [torch.arange(3)]}, path)
+        fastpersist.load(path)
+        fastpersist.load(path, weights_only=False, map_location=lambda storage, location: storage)
+        fastpersist.load(path, mmap=True)
+        print(sorted(set(sys.modules) - before))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "a.pt")], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_fork_while_the_serializer_lock_is_held_leaves_the_child_able_to_save(tmp_path):
+    from fastpersist.format import serializer
+
+    protocol = 4
+    serializer._shortcut_checked.pop(protocol, None)  # not checked yet: the child's save takes the lock
+    with serializer._shortcut_lock, warnings.catch_warnings():  # as a parent thread's first save would hold it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.alarm(60)  # a deadlock fails the test instead of hanging it
+                fastpersist.save(state(5), tmp_path / "child.pt", pickle_protocol=protocol)
+                loaded = fastpersist.load(tmp_path / "child.pt", weights_only=False)  # protocol 4 frames
+                code = 0 if same(state(5), loaded) else 2
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_concurrent_saves_to_one_path_all_succeed(tmp_path):
     path = tmp_path / "ckpt.pt"
     errors = []
