@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -40,7 +42,24 @@ from fastpersist.io import checksum as crc_pool
 from fastpersist.io import engine, memory, timeline, workers
 from fastpersist.tensors import host_memoryview
 
-__all__ = ["write_plan", "side_streams", "read_events", "initial_crcs"]
+__all__ = ["write_plan", "side_streams", "read_events", "initial_crcs", "idle_work"]
+
+_idle = threading.local()
+
+
+@contextlib.contextmanager
+def idle_work(step: Callable[[], bool]) -> Iterator[None]:
+    """Inside the block, :func:`write_plan` on this thread calls ``step()`` whenever it would otherwise
+    wait for a ring buffer (its copies, checksums and write still running), until ``step`` returns
+    False (nothing left to do). Work that must run on the writing thread goes there instead of before
+    the first copy: the collective save queues its digest kernels this way. Thread-local; blocks nest.
+    """
+    previous = getattr(_idle, "step", None)
+    _idle.step = step
+    try:
+        yield
+    finally:
+        _idle.step = previous
 
 
 class _Slot:
@@ -62,6 +81,10 @@ class _Slot:
             finalized.result()
         self.checked = None  # the finalize waited for it
         self.handle.wait()
+
+    def busy(self) -> bool:
+        """Whether :meth:`wait_idle` would still wait for this slot's checksums and finalize."""
+        return self.finalized is not None and not self.finalized.done()
 
     def wait_copies(self) -> None:
         for event in self.events:
@@ -120,6 +143,9 @@ def write_plan(
             may change the tensors (pipelined saves release the state here:
             :mod:`fastpersist.api.futures`).
 
+    Inside :func:`idle_work` on the calling thread, its step runs whenever the
+    writer would wait for a ring buffer.
+
     Returns:
         The CRC-32 of every record, in plan order (zeros when checksums are off).
         With ``byte_range``: the CRC-32 of each storage record's bytes inside
@@ -155,9 +181,13 @@ def write_plan(
         trailer: list[tuple[int, bytes]] = []  # (offset, bytes) of the trailer being written
         checker = workers.executor(1, "fastpersist-crc")
         finalizer = workers.executor(1, "fastpersist-crc")
+        idle = getattr(_idle, "step", None)
         try:
             for index, start in enumerate(range(first, size, window_size)):
                 slot = slots[index % len(slots)]
+                while idle is not None and slot.busy():
+                    if not idle():
+                        idle = None
                 slot.wait_idle()
                 slot.window = (start, min(start + window_size, size))
                 _fill(plan, slot, fill_cursor, streams, crcs, settings.checksum)
