@@ -32,7 +32,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +39,7 @@ from typing import Any
 import torch
 
 from fastpersist import config, system
+from fastpersist.bench import measure
 from fastpersist.bench.io import _file_problem
 from fastpersist.io import engine, memory
 
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     samples: dict[str, dict[str, list[float]]] = {m.name: {"write": [], "read": []} for m in methods}
     verified: dict[str, bool] = {}
     live = [m for m in methods if m.error is None]
-    work = tempfile.mkdtemp(prefix=".fastpersist-bench-gds-", dir=args.dir)
+    work = measure.scratch_dir(args.dir, ".fastpersist-bench-gds-")
     try:
         for round_index in range(args.repeats):
             shift = round_index % max(len(live), 1)

@@ -48,13 +48,13 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
 import torch
 
 from fastpersist import config, display, system
+from fastpersist.bench import measure
 from fastpersist.bench.methods import ceilings
 from fastpersist.io import engine, memory
 
@@ -473,7 +473,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if device_destination is not None:
             device_destination.zero_()
 
-    workdir = tempfile.mkdtemp(prefix=".fastpersist-bench-", dir=args.dir)
+    workdir = measure.scratch_dir(args.dir, ".fastpersist-bench-")
     path = os.path.join(workdir, "engine.bin")
     fio_path = os.path.join(workdir, "fio.bin")
     samples: dict[str, list[float]] = {"engine_write": [], "engine_read": [], "fio_write": [], "fio_read": []}

@@ -11,6 +11,7 @@ benchmarks' modules.
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from typing import Any
 
@@ -48,6 +49,13 @@ __all__ = [
 
 def _kib_field(text: str | None) -> int | None:
     return int(text.split()[0]) * 1024 if text else None
+
+
+def scratch_dir(parent: str | None, prefix: str) -> str:
+    """A new temporary directory for a benchmark's files, in ``parent`` (made if missing; None: the system's)."""
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=prefix, dir=parent)
 
 
 def current_rss() -> int:

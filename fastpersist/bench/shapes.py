@@ -292,7 +292,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = config.resolve(overrides)
     state = build_shape(args.shape, args.tensors, args.tensor_bytes, size, args.device)
     nbytes = _state_bytes(state)
-    directory = tempfile.mkdtemp(prefix="fastpersist-shapes-", dir=args.dir)
+    directory = measure.scratch_dir(args.dir, "fastpersist-shapes-")
     ours, theirs, ceiling = (os.path.join(directory, n) for n in ("fastpersist.pt", "torch.pt", "fio.bin"))
     dropper = system.CacheDropper(enabled=not args.no_drop_caches)
     cuda = args.device.startswith("cuda")

@@ -92,7 +92,7 @@ def test_shapes_benchmark_with_sink_writes_labelled_json(tmp_path, capsys):
             "0",
             "--sink",
             "--dir",
-            str(tmp_path),
+            str(tmp_path / "made" / "here"),  # made if missing
             "--json",
             str(out),
             "--no-drop-caches",
