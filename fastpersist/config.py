@@ -93,7 +93,8 @@ class Settings:
     ``fastpersist.release_buffers()`` frees idle buffers."""
     read_buffer_count: int = 8
     """Buffers in the ring of CUDA loads (2 to 64): a buffer is refilled only after its host-to-device copy and
-    checksum, so loads need more reads in flight than saves. Host memory: ``buffer_size * read_buffer_count``. CPU
+    checksum, so loads need more reads in flight than saves; a storage loaded on its own (``weights_only=False``) is cut
+    over all of them. Host memory: ``buffer_size * read_buffer_count``. CPU
     loads read straight into the tensors and use no ring; those that wait for each storage (``weights_only=False``, a
     callable ``map_location``) read up to ``buffer_size * read_buffer_count`` bytes of the next tensors ahead."""
     fsync: bool = True
