@@ -276,10 +276,14 @@ class PendingDigests:
                 self._failed.add(batch)
         return True
 
-    def result(self) -> list[Digest]:
+    def launch_all(self) -> None:
+        """Queues the digest kernels of every large device storage not queued yet."""
         while self.launch_next():
             pass
         self._launches.clear()
+
+    def result(self) -> list[Digest]:
+        self.launch_all()
         records, out = self._records, self._out
         for batch, (stream, large, partials, small, (gathered, done)) in enumerate(self._device):
             if batch in self._failed:
