@@ -435,7 +435,7 @@ def _measure_ceiling(
                 nbytes,
                 engine_name=settings.engine,
                 use_fio=not args.no_fio,
-                read_buffers=(settings.buffer_size, settings.read_buffer_count),
+                read_buffers=(settings.read_buffer_size, settings.read_buffer_count),
                 grid_bytes=grid_bytes,
                 passes=2,
                 seed=args.order_seed,

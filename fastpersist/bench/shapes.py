@@ -482,14 +482,19 @@ def _bound_of(result: dict[str, Any], checksum: bool) -> str | None:
     return None
 
 
-_WAITS = ("read", "crc", "copy", "other")
-"""Where a load's calling thread spends its time: waiting for reads, CRC-32s and device copies, and the rest
+_WAITS = ("read", "slot", "crc", "copy", "other")
+"""Where a load's calling thread spends its time: waiting for reads, for a ring slot to be refilled (its
+copies and CRC-32s done on the refill thread), for the last CRC-32s and device copies, and the rest
 (parsing, unpickling, allocating, submitting, copying small records out)."""
 
 
 def _median_waits(rounds: list[dict[str, float]]) -> dict[str, float]:
     """Median seconds per wait label over the timed rounds (0 where a round did not wait for it)."""
     return {label: statistics.median(r.get(label, 0.0) for r in rounds) for label in _WAITS}
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _print(doc: dict[str, Any]) -> None:
@@ -510,11 +515,14 @@ def _print(doc: dict[str, Any]) -> None:
     waiting = [r for r in doc["results"] if r.get("caller_waits_s")]
     if waiting:
         print(
-            "\nwhere a load's calling thread spends its time (medians, seconds): waiting for " + ", ".join(_WAITS[:3])
+            "\nwhere a load's calling thread spends its time (medians, seconds): waiting for " + ", ".join(_WAITS[:4])
         )
         print(f"{'method':45} " + " ".join(f"{label:>8}" for label in _WAITS))
         for r in waiting:
-            print(f"{'load ' + r['method']:45} " + " ".join(f"{r['caller_waits_s'][label]:8.3f}" for label in _WAITS))
+            print(
+                f"{'load ' + r['method']:45} "
+                + " ".join(f"{r['caller_waits_s'].get(label, 0.0):8.3f}" for label in _WAITS)
+            )
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -570,10 +578,11 @@ def markdown(doc: dict[str, Any]) -> str:
     waiting = [r for r in doc["results"] if r.get("caller_waits_s")]  # documents from before 8555fbf have none
     if waiting:
         lines += display.markdown_section(
-            "Where each load's calling thread spends its time, medians in seconds: waiting for reads, CRC-32s and "
-            "device copies, and the rest (parsing, unpickling, allocating, submitting):",
+            "Where each load's calling thread spends its time, medians in seconds: waiting for reads, for a ring "
+            "slot's refill (its copies and CRC-32s), for the last CRC-32s and device copies, and the rest (parsing, "
+            "unpickling, allocating, submitting); `-`: not recorded by that run's code:",
             ["load", *_WAITS],
-            [[r["method"], *(f"{r['caller_waits_s'][label]:.3f}" for label in _WAITS)] for r in waiting],
+            [[r["method"], *(_seconds(r["caller_waits_s"].get(label)) for label in _WAITS)] for r in waiting],
         )
     return "\n".join(lines)
 

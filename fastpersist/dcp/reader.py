@@ -90,7 +90,7 @@ class FastPersistReader(StorageReader):
             ``verify`` setting (on).
         **settings: ``fastpersist.config`` overrides (``engine``, ``direct``,
             ``block_size``, ``queue_depth``, ``intra_op_parallelism``,
-            ``buffer_size``, ``read_buffer_count``, ``huge_pages``; for
+            ``read_buffer_size``, ``read_buffer_count``, ``huge_pages``; for
             ``s3://``: ``s3_part_size``, ``s3_concurrency``).
 
     Raises:
@@ -623,7 +623,7 @@ def _stream_to_device(pieces: list, settings, verify: bool) -> list[int]:
     Returns:
         The CRC-32 of each payload (0 when ``verify`` is off).
     """
-    window = settings.buffer_size
+    window = settings.read_buffer_size
     windows = []  # (piece index, file, window start, window end, payload start)
     for number, (file, offset, nbytes, _) in enumerate(pieces):
         end = offset + nbytes

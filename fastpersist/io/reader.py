@@ -17,8 +17,10 @@ out.
 
 CUDA targets: file windows stream through a ring of page-locked buffers
 (one native handle per buffer, reads issued ahead), and each window is copied
-host-to-device on a side stream into storages allocated on the device. Host
-memory stays at the ring's size.
+host-to-device on a side stream into storages allocated on the device. The
+calling thread only waits for reads and queues copies; a helper thread
+refills each buffer once its copies and checksums are done. Host memory stays
+at the ring's size.
 
 Both paths can verify each record's CRC-32 against the central directory on
 the bytes they read.
@@ -26,14 +28,16 @@ the bytes they read.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
 from collections.abc import Sequence
 
 import torch
 
 from fastpersist.config import Settings
 from fastpersist.format.zipformat import ZipRecordInfo, check_record_crc
-from fastpersist.io import checksum, engine, memory, timeline
+from fastpersist.io import checksum, engine, memory, timeline, workers
 from fastpersist.tensors import storage_byte_view
 
 __all__ = ["FileStorageProvider", "MemoryStorageProvider", "MmapStorageProvider"]
@@ -45,6 +49,7 @@ _MAX_GAP = 64 << 10  # bytes of headers we accept reading to merge two small rec
 _BATCH_BYTES = 1 << 20  # small record pieces are checksummed in tasks of about this many bytes
 _INLINE_BYTES = 256 << 10  # a last batch smaller than this is checksummed on the calling thread
 _MIN_WINDOW = 1 << 20  # CUDA ring windows are not cut smaller than this
+_RING_CRC_PIECE = 16 << 20  # bytes per CRC-32 task in the CUDA ring
 
 
 def _align_down(value: int) -> int:
@@ -82,7 +87,7 @@ class FileStorageProvider:
     Small records are filled (and verified) before ``storage`` returns; the
     others at ``flush``, into zeroed memory until then. After a large CPU
     record, the next large records in file order are read ahead (at most
-    ``buffer_size * read_buffer_count`` bytes not yet asked for), each into
+    ``read_buffer_size * read_buffer_count`` bytes not yet asked for), each into
     the storage it becomes when asked for. One native handle (and,
     for CUDA targets, one ring of handles) serves
     every flush of a load: ``load(weights_only=False)`` flushes after each
@@ -106,7 +111,7 @@ class FileStorageProvider:
         self._next = 0  # in _large: the next record to read ahead
         self._ahead: dict[str, _Read] = {}  # read ahead, not yet asked for
         self._ahead_bytes = 0
-        self._ahead_limit = settings.buffer_size * settings.read_buffer_count
+        self._ahead_limit = settings.read_buffer_size * settings.read_buffer_count
         self._handle = None
         self._ring_handles: list = []
         self._plan(records)
@@ -315,88 +320,24 @@ class FileStorageProvider:
         windows = _windows(sorted(items, key=lambda item: item[0].data_offset), _window_size(total, self._settings))
         if not windows:
             return
-        streams: dict[torch.device, torch.cuda.Stream] = {}
         pending: dict[str, list] = {}
         count = min(self._settings.read_buffer_count, len(windows))
-        # Windows are at most buffer_size; lease buffers no larger than the largest one needs.
-        _, buffer_size = memory.ring_shape(max(w.end - w.start for w in windows), self._settings.buffer_size, 1)
-        # Each window's CRCs go to the pool as soon as its read lands, while this thread
-        # queues its host-to-device copies; a slot is refilled only once both are done.
+        # Windows are at most read_buffer_size; lease buffers no larger than the largest one needs.
+        _, buffer_size = memory.ring_shape(max(w.end - w.start for w in windows), self._settings.read_buffer_size, 1)
         with memory.lease_buffers(count, buffer_size, self._settings.huge_pages) as buffers:
             while len(self._ring_handles) < count:
                 self._ring_handles.append(engine.make_handle(self._settings))
-            handles = self._ring_handles[:count]
-            events: list[list[torch.cuda.Event]] = [[] for _ in buffers]
-            checked: list[list] = [[] for _ in buffers]
-            try:
-                for index in range(count):
-                    self._submit_window(handles[index], buffers[index], windows[index])
-                for index, window in enumerate(windows):
-                    slot = index % count
-                    with timeline.waiting("read"):
-                        handles[slot].wait()
-                    if self._verify:
-                        address = buffers[slot].data_ptr()
-                        checked[slot] = _queue_crcs(
-                            [
-                                (record, address + buffer_offset, record_offset, length)
-                                for record, _, record_offset, buffer_offset, length in window.pieces
-                            ],
-                            pending,
-                        )
-                    copies: dict = {}  # stream -> pieces: one stream context per window, not per piece
-                    for _record, destination, record_offset, buffer_offset, length in window.pieces:
-                        stream = streams.get(destination.device)
-                        if stream is None:
-                            stream = streams[destination.device] = torch.cuda.Stream(destination.device)
-                            stream.wait_stream(torch.cuda.current_stream(destination.device))
-                        copies.setdefault(stream, []).append(
-                            (
-                                destination[record_offset : record_offset + length],
-                                buffers[slot][buffer_offset : buffer_offset + length],
-                            )
-                        )
-                    for stream, pairs in copies.items():
-                        with torch.cuda.stream(stream):
-                            for target, source in pairs:
-                                target.copy_(source, non_blocking=True)
-                    for stream in streams.values():
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                        events[slot].append(event)
-                    following = index + count
-                    if following < len(windows):
-                        with timeline.waiting("copy"):
-                            for event in events[slot]:
-                                event.synchronize()  # the slot's copies are done
-                        events[slot].clear()
-                        with timeline.waiting("crc"):
-                            _wait_all(checked[slot])  # and so are its checksums: refill it
-                        self._submit_window(handles[slot], buffers[slot], windows[following])
-            finally:
-                for handle in handles:
-                    try:
-                        handle.wait()
-                    except OSError:
-                        pass
-                with timeline.waiting("crc"):
-                    for parts in checked:
-                        _wait_all(parts)
-                with timeline.waiting("copy"):
-                    for stream in streams.values():
-                        stream.synchronize()
+            ring = list(zip(self._ring_handles, buffers))
+            _stream_windows(windows, ring, self._file, pending if self._verify else None)
         if self._verify:
             for record, _ in items:
                 self._check(record, _combine(pending.get(record.name, [])))
-
-    def _submit_window(self, handle, buffer: torch.Tensor, window: _Window) -> None:
-        handle.submit_read(buffer.data_ptr(), window.end - window.start, self._file, window.start, buffer)
 
     def _check(self, record: ZipRecordInfo, crc: int) -> None:
         check_record_crc(record, crc, self._path)
 
 
-def _queue_crcs(pieces, pending: dict[str, list]) -> list:
+def _queue_crcs(pieces, pending: dict[str, list], piece_size: int = checksum.PIECE_SIZE) -> list:
     """Queues the CRC-32 of record pieces ``(record, address, record_offset, length)`` on the pool.
 
     Many small pieces share one task (a task per 64-byte tensor would cost more
@@ -414,7 +355,7 @@ def _queue_crcs(pieces, pending: dict[str, list]) -> list:
         if parts is None:
             parts = pending[record.name] = []
         if length >= _BATCH_BYTES:
-            part = checksum.submit_crc32(address, length)
+            part = checksum.submit_crc32(address, length, piece_size=piece_size)
             queued.append(part)
             parts.append((part, length))
             continue
@@ -500,7 +441,7 @@ class MmapStorageProvider(MemoryStorageProvider):
 
 
 def _window_size(total: int, settings: Settings) -> int:
-    """Bytes per ring window for moving ``total`` bytes: ``buffer_size``, or less, so that a flush
+    """Bytes per ring window for moving ``total`` bytes: ``read_buffer_size``, or less, so that a flush
     smaller than the ring still spreads over all of it.
 
     Each ring buffer has its own handle. A load that waits for each storage (``weights_only=False``)
@@ -511,7 +452,7 @@ def _window_size(total: int, settings: Settings) -> int:
     """
     share = -(-total // settings.read_buffer_count)
     share = -(-share // _PAGE) * _PAGE
-    return max(min(settings.buffer_size, share), min(settings.buffer_size, _MIN_WINDOW))
+    return max(min(settings.read_buffer_size, share), min(settings.read_buffer_size, _MIN_WINDOW))
 
 
 @dataclasses.dataclass
@@ -537,3 +478,118 @@ def _windows(items, window_size: int) -> list[_Window]:
             position += take
             current.end = position
     return windows
+
+
+def _stream_windows(windows: list[_Window], ring: list[tuple], file, pending: dict[str, list] | None) -> None:
+    """Moves every window's bytes from ``file`` into its destinations through ``ring``'s
+    ``(native handle, page-locked buffer)`` slots; with ``pending``, queues each piece's CRC-32 into it.
+
+    Stages of a window: read into its slot (the handle's threads), then host-to-device copies on a
+    side stream per device (queued by this thread) beside CRC-32s on the pool, then the slot's
+    refill with the window ``len(ring)`` later. Refills run on a helper thread, in window order, each
+    once its window's copies and checksums are done; this thread only waits for the next window's
+    read. So the copy engine always has the next window queued, and no read waits for the copies
+    and checksums of other slots: on one thread, waiting for each slot in turn, a load from a
+    discarding source reached half the host-to-device copy bound (docs/benchmarks.md).
+
+    Returns once every read, copy and checksum of the ring is done, also when raising (the buffers
+    go back to the pool then). The first error raises: a read's, a refill's or a copy's.
+    """
+    count = len(ring)
+    streams: dict[torch.device, torch.cuda.Stream] = {}
+    stopping = threading.Event()  # no refill submits once set
+    refills = workers.executor(1, "fastpersist-refill") if len(windows) > count else None
+    refilled: list[concurrent.futures.Future | None] = [None] * count
+    last: list[tuple[list, list]] = [([], [])] * count  # events and CRCs of each slot's last window
+
+    def submit(slot: int, window: _Window) -> None:
+        handle, buffer = ring[slot]
+        handle.submit_read(buffer.data_ptr(), window.end - window.start, file, window.start, buffer)
+
+    def refill(slot: int, events: list, crcs: list, window: _Window) -> None:
+        try:
+            for event in events:
+                event.synchronize()  # the slot's copies are done
+        finally:
+            _wait_all(crcs)  # and so are its checksums (also before the buffer goes back, on errors)
+        if not stopping.is_set():
+            submit(slot, window)
+
+    try:
+        for slot in range(count):
+            submit(slot, windows[slot])
+        for index, window in enumerate(windows):
+            slot = index % count
+            handle, buffer = ring[slot]
+            if refilled[slot] is not None:
+                future, refilled[slot] = refilled[slot], None
+                with timeline.waiting("slot"):
+                    future.result()  # the slot's read of this window was submitted (or raises why not)
+            with timeline.waiting("read"):
+                handle.wait()
+            crcs = []
+            if pending is not None:
+                address = buffer.data_ptr()
+                crcs = _queue_crcs(
+                    [
+                        (record, address + offset, record_offset, n)
+                        for record, _, record_offset, offset, n in window.pieces
+                    ],
+                    pending,
+                    _RING_CRC_PIECE,
+                )
+            events = _queue_copies(window, buffer, streams)
+            following = index + count
+            if following < len(windows):
+                refilled[slot] = refills.submit(refill, slot, events, crcs, windows[following])
+            else:
+                last[slot] = (events, crcs)
+    finally:
+        stopping.set()
+        concurrent.futures.wait([future for future in refilled if future is not None])
+        if refills is not None:
+            refills.shutdown(wait=True)
+        for handle, _ in ring:
+            try:
+                handle.wait()
+            except OSError:
+                pass  # the error that matters is being raised already
+        with timeline.waiting("crc"):
+            for _, crcs in last:
+                _wait_all(crcs)
+        with timeline.waiting("copy"):
+            for stream in streams.values():
+                stream.synchronize()
+
+
+def _queue_copies(window: _Window, buffer: torch.Tensor, streams: dict) -> list:
+    """Queues the copies of ``window``'s pieces out of ``buffer`` into their destinations; returns an
+    event per stream used, recorded after them.
+
+    CUDA destinations copy on a side stream of their device (made on first use, after the device's
+    current stream: nothing queued before the load can land after it), one stream context per window.
+    CPU destinations copy now (the ring's tests run without a GPU).
+    """
+    copies: dict = {}  # stream (None: copy now) -> pairs
+    for _record, destination, record_offset, buffer_offset, length in window.pieces:
+        stream = None
+        if destination.device.type == "cuda":
+            stream = streams.get(destination.device)
+            if stream is None:
+                stream = streams[destination.device] = torch.cuda.Stream(destination.device)
+                stream.wait_stream(torch.cuda.current_stream(destination.device))
+        pair = (destination[record_offset : record_offset + length], buffer[buffer_offset : buffer_offset + length])
+        copies.setdefault(stream, []).append(pair)
+    events = []
+    for stream, pairs in copies.items():
+        if stream is None:
+            for target, source in pairs:
+                target.copy_(source)
+            continue
+        with torch.cuda.stream(stream):
+            for target, source in pairs:
+                target.copy_(source, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+        events.append(event)
+    return events

@@ -70,3 +70,13 @@ def test_every_size_option_of_the_benchmarks_uses_the_one_parser():
         assert module._size("1.5G") == config.size_argument("1.5G") == 3 << 29
         with pytest.raises(argparse.ArgumentTypeError, match="units are binary"):
             module._size("lots")
+
+
+@pytest.mark.parametrize("name", ["buffer_size", "read_buffer_size"])
+def test_ring_buffer_sizes_are_page_multiples_that_fit_the_block_size(name):
+    assert config.resolve({name: "4M", "block_size": "8M"}).as_dict()[name] == 4 << 20  # divides the block
+    assert config.resolve({name: "24M", "block_size": "8M"}).as_dict()[name] == 24 << 20  # a multiple of it
+    with pytest.raises(ConfigError, match=f"{name} must be a positive multiple of 4096"):
+        config.resolve({name: 5000})
+    with pytest.raises(ConfigError, match=f"{name} \\(12582912\\) must be a multiple of block_size"):
+        config.resolve({name: "12M", "block_size": "8M"})

@@ -117,11 +117,11 @@ def test_shapes_benchmark_with_sink_writes_labelled_json(tmp_path, capsys):
     assert "| of bound |" in shapes.markdown(doc)
     # Where each of our loads' time goes on its calling thread: the parts add up to the whole (one round).
     ours = [r for r in doc["results"] if r["op"] == "load" and r["method"].startswith("fastpersist")]
-    assert ours and all(set(r["caller_waits_s"]) == {"read", "crc", "copy", "other"} for r in ours)
+    assert ours and all(set(r["caller_waits_s"]) == {"read", "slot", "crc", "copy", "other"} for r in ours)
     assert all(sum(r["caller_waits_s"].values()) == pytest.approx(r["median_s"]) for r in ours)
     assert all(r["caller_waits_s"]["read"] > 0 for r in ours if "sink" not in r["method"])
     assert not any("caller_waits_s" in r for r in doc["results"] if r["method"].startswith(("torch", "ceiling")))
-    assert "| load | read | crc | copy | other |" in shapes.markdown(doc)
+    assert "| load | read | slot | crc | copy | other |" in shapes.markdown(doc)
 
 
 def test_checkpoint_benchmark_forwards_shape(tmp_path):

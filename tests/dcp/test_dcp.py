@@ -403,7 +403,7 @@ def _to(state, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"buffer_size": 1 << 20, "buffer_count": 2, "read_buffer_count": 2}],
+    [{}, {"buffer_size": 1 << 20, "buffer_count": 2, "read_buffer_size": 1 << 20, "read_buffer_count": 2}],
 )
 def test_cuda_round_trip(tmp_path, settings):
     """GPU shards through the pinned ring; loads into CUDA and CPU tensors, and by FileSystemReader."""

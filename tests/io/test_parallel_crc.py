@@ -114,6 +114,6 @@ def test_verified_cuda_load_with_small_windows(tmp_path):
     state = {"big": torch.randn(3 << 20), "small": [torch.randn(3) for _ in range(100)]}
     path = tmp_path / "ckpt.pt"
     fastpersist.save(state, path)
-    loaded = fastpersist.load(path, map_location="cuda", buffer_size=1 << 20)
+    loaded = fastpersist.load(path, map_location="cuda", read_buffer_size=1 << 20)
     assert torch.equal(loaded["big"].cpu(), state["big"])
     assert all(torch.equal(a.cpu(), b) for a, b in zip(loaded["small"], state["small"]))

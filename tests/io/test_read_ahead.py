@@ -12,7 +12,7 @@ import fastpersist
 from fastpersist.io import engine, reader
 
 # Records of 1.2 MB (large: read in place); a read ahead limit of 4 MiB (1 MiB x 4) holds about 3 of them.
-LIMITS = dict(buffer_size="1M", read_buffer_count=4)
+LIMITS = dict(read_buffer_size="1M", read_buffer_count=4)
 
 
 def _state(count: int = 8) -> dict:

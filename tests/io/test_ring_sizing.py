@@ -56,10 +56,10 @@ def test_a_cuda_load_smaller_than_its_ring_spreads_over_every_buffer():
     from fastpersist import config
     from fastpersist.io.reader import _window_size
 
-    settings = config.resolve({})  # 64 MiB x 8 by default
-    assert _window_size(36 * MiB, settings) == 36 * MiB // 8  # a 36 MB record: 8 windows of 4.5 MiB
-    assert _window_size(10 << 30, settings) == 64 * MiB  # a batch larger than the ring: full windows
+    settings = config.resolve({})  # 16 MiB x 16 by default
+    assert _window_size(36 * MiB, settings) == 36 * MiB // 16  # a 36 MB record: 16 windows of 2.25 MiB
+    assert _window_size(10 << 30, settings) == 16 * MiB  # a batch larger than the ring: full windows
     assert _window_size(2 * MiB, settings) == MiB  # never below 1 MiB
     assert _window_size(36 * MiB + 1, settings) % 4096 == 0
-    small = config.resolve({"buffer_size": "256K", "block_size": "256K"})
+    small = config.resolve({"read_buffer_size": "256K", "block_size": "256K"})
     assert _window_size(100 * MiB, small) == 256 << 10 and _window_size(10, small) == 256 << 10

@@ -5,7 +5,7 @@ path: the best of fio (when installed) and of the engine's single-request mode
 (one request over the whole file, split by the engine into ``block_size``
 chunks with ``queue_depth`` in flight) over a small grid of block sizes and
 queue depths, plus, for reads, the in-flight depth loads use
-(``read_buffer_count`` buffers of ``buffer_size``). Every file is written from
+(``read_buffer_count`` buffers of ``read_buffer_size``). Every file is written from
 a random pattern in which each 4 KiB block carries its own index, fsync'ed
 with its directory (as a save is), and every read is compared byte for byte
 with the pattern (fio reads check fio's own per-block CRC32C headers), so a
@@ -241,7 +241,7 @@ class CeilingProbe:
 
     def candidates(self, op: str, read_buffers: tuple[int, int] | None = None) -> list[Candidate]:
         """The grid for ``op``: engine (and fio) at every block size x queue depth; reads also at ``read_buffers``
-        (``(buffer_size, read_buffer_count)``, the depth CUDA loads keep in flight)."""
+        (``(read_buffer_size, read_buffer_count)``, the depth CUDA loads keep in flight)."""
         tools = ["engine"] + (["fio"] if self.fio else [])
         points = [(b, q) for b in GRID_BLOCK_SIZES for q in GRID_QUEUE_DEPTHS]
         if op == "read" and read_buffers and read_buffers not in points:

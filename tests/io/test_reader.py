@@ -1,0 +1,138 @@
+"""The ring that streams file windows into device storages (``reader._stream_windows``), driven on CPU.
+
+The ring serves CUDA targets; its scheduling (which slot reads which window, refills on a helper
+thread, errors, nothing left in flight) does not depend on the device, so these tests run it with CPU
+destinations, which it copies into at once. The CUDA copies themselves are covered by the GPU tests
+(tests/api/test_save_load.py, tests/io/test_parallel_crc.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist import config
+from fastpersist.errors import ChecksumMismatchError
+from fastpersist.format.zipformat import read_directory
+from fastpersist.io import engine, reader
+from fastpersist.tensors import storage_byte_view
+
+# 1 MiB windows, two slots: six 1.2 MB records make seven windows, so each slot is refilled twice or more.
+SETTINGS = config.resolve({"read_buffer_size": "1M", "block_size": "1M", "read_buffer_count": 2})
+
+
+class _Handle:
+    """A native handle that records what it is asked to read, from which thread, and can fail."""
+
+    def __init__(self, slot: int, log: list, fail_submit: int | None = None, fail_wait: int | None = None):
+        self.real = engine.make_handle(SETTINGS, direct=False)
+        self.slot, self.log = slot, log
+        self.submits = 0
+        self.waits = 0
+        self.fail_submit, self.fail_wait = fail_submit, fail_wait
+
+    def submit_read(self, ptr, nbytes, target, file_offset, keepalive):
+        self.submits += 1
+        if self.submits == self.fail_submit:
+            raise OSError(errno.EIO, "injected submit failure")
+        self.log.append((self.slot, file_offset, threading.current_thread().name))
+        return self.real.submit_read(ptr, nbytes, target, file_offset, keepalive)
+
+    def wait(self):
+        self.waits += 1
+        done = self.real.wait()
+        if self.waits == self.fail_wait:
+            raise OSError(errno.EIO, "injected read failure")
+        return done
+
+    def pending(self):
+        return self.real.pending()
+
+
+def _checkpoint(tmp_path, count: int = 6):
+    generator = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(300_000, generator=generator) for i in range(count)}
+    path = str(tmp_path / "ring.pt")
+    fastpersist.save(state, path)
+    with open(path, "rb") as handle:
+        fd = handle.fileno()
+        records = read_directory(lambda offset, n: os.pread(fd, n, offset), os.fstat(fd).st_size)
+    return path, state, [record for record in records if "/data/" in record.name]
+
+
+def _load(path, records, handles, *, verify=True):
+    """Reads every record through the ring of ``handles`` into fresh CPU storages; returns them."""
+    file = engine.File(path, "r", direct=False)
+    provider = reader.FileStorageProvider(file, records, SETTINGS, verify=verify, path=path)
+    provider._ring_handles = handles
+    items = [(record, torch.UntypedStorage(record.size)) for record in records]
+    try:
+        provider._read_device(items)
+    finally:
+        provider.close()
+        file.close()
+    return items
+
+
+def _refill_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("fastpersist-refill")]
+
+
+def test_every_window_lands_and_each_slot_is_refilled_in_order_off_the_calling_thread(tmp_path):
+    path, state, records = _checkpoint(tmp_path)
+    log: list = []
+    handles = [_Handle(slot, log) for slot in range(2)]
+    items = _load(path, records, handles)
+
+    by_name = {record.name.rsplit("/", 1)[-1]: storage for record, storage in items}
+    for index, tensor in enumerate(state.values()):  # saved in order: key i is record "i"
+        assert torch.equal(storage_byte_view(by_name[str(index)]), storage_byte_view(tensor.untyped_storage()))
+
+    windows = reader._windows(sorted(items, key=lambda item: item[0].data_offset), 1 << 20)
+    assert len(windows) >= 6  # several refills per slot
+    offsets = [offset for _, offset, _ in log]
+    assert sorted(offsets) == [w.start for w in windows]  # each window read once
+    for slot in range(2):  # slot s reads windows s, s + 2, s + 4, ...
+        assert [o for s, o, _ in log if s == slot] == [w.start for w in windows[slot::2]]
+    caller = threading.current_thread().name
+    assert [name for _, _, name in log[:2]] == [caller, caller]  # the first fill
+    assert all(name.startswith("fastpersist-refill") for _, _, name in log[2:])  # refills
+    assert not _refill_threads()
+
+
+def test_a_corrupted_byte_in_a_later_window_is_found(tmp_path):
+    path, _, records = _checkpoint(tmp_path)
+    last = max(records, key=lambda record: record.data_offset)
+    with open(path, "r+b") as handle:
+        handle.seek(last.data_offset + last.size // 2)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ChecksumMismatchError, match=last.name.rsplit("/", 1)[-1]):
+        _load(path, records, [_Handle(slot, []) for slot in range(2)])
+    _load(path, records, [_Handle(slot, []) for slot in range(2)], verify=False)  # unverified: no check
+
+
+@pytest.mark.parametrize("failure", ["refill", "read"])
+def test_a_failure_mid_ring_raises_once_everything_in_flight_is_done(tmp_path, failure):
+    """A refill that cannot submit, or a read that fails: the load raises that error, no slot is
+    refilled after it, no read is left in flight and the helper thread is gone."""
+    path, _, records = _checkpoint(tmp_path)
+    log: list = []
+    if failure == "refill":  # slot 1's third read (window 5) cannot be submitted
+        handles = [_Handle(0, log), _Handle(1, log, fail_submit=3)]
+    else:  # slot 0's second read (window 2) fails
+        handles = [_Handle(0, log, fail_wait=2), _Handle(1, log)]
+    with pytest.raises(OSError, match="injected"):
+        _load(path, records, handles)
+    assert all(handle.pending() == 0 for handle in handles)
+    assert not _refill_threads()
+    windows_read = len(log)
+    assert windows_read < 7  # stopped before the end
+    # Every window the ring read was a window of this load, each once.
+    assert len({offset for _, offset, _ in log}) == windows_read
