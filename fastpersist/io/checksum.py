@@ -12,13 +12,20 @@ Submission never blocks and tasks never wait on other tasks, so callers can
 queue the CRC of a window right after its read completes and keep reading
 and copying while the pool works (:class:`PendingCrc`).
 
-The pool is created on first use, sized to the CPUs this process may run on
-(``FASTPERSIST_CRC_THREADS`` overrides), reused by every save and load, and
-recreated after ``fork`` (threads do not survive it).
+CRC-32s of memory ranges (:func:`submit_crc32`, :func:`submit_crc32_many`)
+run on a native pool (``engine.CrcPool``) whose threads never take the
+interpreter lock: with Python threads each task took it to start and to
+finish, and a loading thread queued behind them for it (docs/performance.md).
+Other work (copies fused with their CRC-32, :func:`executor`'s users) runs on
+a pool of Python threads. Both pools are created on first use, sized to the
+CPUs this process may run on (``FASTPERSIST_CRC_THREADS`` overrides), reused
+by every save and load, recreated after ``fork`` (threads do not survive it)
+and stopped at interpreter exit (later work runs on the calling thread).
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import ctypes
 import os
@@ -36,6 +43,7 @@ __all__ = [
     "crc32",
     "copy_with_crc32",
     "copy",
+    "part_value",
     "threads",
     "PIECE_SIZE",
     "shutdown",
@@ -47,6 +55,9 @@ PIECE_SIZE = 4 << 20
 _lock = threading.Lock()
 _pool: concurrent.futures.Executor | None = None
 _pool_pid = 0
+_native_pool = None  # engine.CrcPool of process _native_pid
+_native_pid = 0
+_forked_pools: list = []  # pools of the parent, kept from their destructor in a forked child
 
 
 def threads() -> int:
@@ -80,11 +91,39 @@ def executor() -> concurrent.futures.Executor:
         return _pool
 
 
+def _crc_pool():
+    """The process-wide native CRC-32 pool (made on first use, again after ``fork``); one without threads,
+    which computes on the caller's thread, once the interpreter is shutting down."""
+    global _native_pool, _native_pid
+    pid = os.getpid()
+    pool = _native_pool
+    if pool is not None and _native_pid == pid:
+        return pool
+    with _lock:
+        if _native_pool is None or _native_pid != pid:
+            _native_pool = engine.CrcPool(threads() if workers.threads_allowed() else 0)
+            _native_pid = pid
+        return _native_pool
+
+
 def _forget_after_fork() -> None:
     # The parent's threads do not exist in the child, and its lock may have been held.
-    global _pool, _lock
+    global _pool, _lock, _native_pool
     _lock = threading.Lock()
     _pool = None
+    if _native_pool is not None:
+        _forked_pools.append(_native_pool)  # never destroyed here: it would join the parent's threads
+        _native_pool = None
+
+
+def _stop_native_pool() -> None:
+    """At interpreter exit: the native pool's threads are joined (work queued still runs first)."""
+    pool = _native_pool
+    if pool is not None and _native_pid == os.getpid():
+        pool.shutdown()
+
+
+atexit.register(_stop_native_pool)
 
 
 if hasattr(os, "register_at_fork"):
@@ -92,59 +131,74 @@ if hasattr(os, "register_at_fork"):
 
 
 def shutdown() -> None:
-    """Stops the pool's threads (a later call starts a new pool). Waits for queued work."""
-    global _pool
+    """Stops the pools' threads (a later call starts new pools). Waits for queued work."""
+    global _pool, _native_pool
     with _lock:
         pool, _pool = _pool, None
+        native, _native_pool = _native_pool, None
     if pool is not None and _pool_pid == os.getpid():
         pool.shutdown(wait=True)
+    if native is not None and _native_pid == os.getpid():
+        native.shutdown()
 
 
 class PendingCrc:
-    """The CRC-32 of a range whose pieces are being checksummed on the pool.
+    """The CRC-32 of a range whose pieces are being checksummed on the pools.
 
     :meth:`result` waits for every piece and returns the CRC-32 of the
     range continued from the ``crc`` given at submission (raises what a task
-    raised). :meth:`done` tells without waiting.
+    raised). :meth:`done` tells without waiting. Each piece is ``(part, length)``
+    with ``part`` as :func:`part_value` takes it.
     """
 
     __slots__ = ("_crc", "_pieces", "_value")
 
-    def __init__(self, crc: int, pieces: list[tuple[concurrent.futures.Future | int, int]]):
+    def __init__(self, crc: int, pieces: list[tuple[object, int]]):
         self._crc = crc
         self._pieces = pieces
         self._value: int | None = None
 
-    def _futures(self) -> list[concurrent.futures.Future]:
-        futures = []
+    def _waitables(self) -> list:
+        found = []
         for piece, _ in self._pieces:
             if isinstance(piece, tuple):
                 piece = piece[0]
-            if isinstance(piece, concurrent.futures.Future):
-                futures.append(piece)
-        return futures
+            if isinstance(piece, (concurrent.futures.Future, engine.CrcJob)):
+                found.append(piece)
+        return found
 
     def done(self) -> bool:
-        return self._value is not None or all(f.done() for f in self._futures())
+        return self._value is not None or all(w.done() for w in self._waitables())
 
     def result(self) -> int:
         if self._value is None:
             crc = self._crc
             for piece, length in self._pieces:
-                if isinstance(piece, tuple):  # (future of a batch, index in its results)
-                    value = piece[0].result()[piece[1]]
-                elif isinstance(piece, concurrent.futures.Future):
-                    value = piece.result()
-                else:
-                    value = piece
-                crc = engine.crc32_combine(crc, value, length)
+                crc = engine.crc32_combine(crc, part_value(piece), length)
             self._value = crc
             self._pieces = []
         return self._value
 
     def wait(self) -> None:
         """Waits for every piece without combining (before reusing the memory); never raises."""
-        concurrent.futures.wait(self._futures())
+        futures = []
+        for waitable in self._waitables():
+            if isinstance(waitable, engine.CrcJob):
+                waitable.wait()
+            else:
+                futures.append(waitable)
+        concurrent.futures.wait(futures)
+
+
+def part_value(part) -> int:
+    """The CRC-32 a queued part stands for, waiting for it: an int; a Future of one; a ``(CrcJob, index)``
+    or ``(Future of a list, index)`` pair, for one range of a submission of several."""
+    if isinstance(part, tuple):
+        source, index = part
+        return source.crc(index) if isinstance(source, engine.CrcJob) else source.result()[index]
+    if isinstance(part, concurrent.futures.Future):
+        return part.result()
+    return part
 
 
 def _split(length: int, piece_size: int) -> list[tuple[int, int]]:
@@ -152,22 +206,19 @@ def _split(length: int, piece_size: int) -> list[tuple[int, int]]:
 
 
 def submit_crc32(address: int, length: int, crc: int = 0, *, piece_size: int = PIECE_SIZE) -> PendingCrc:
-    """Queues the CRC-32 of ``length`` bytes at ``address`` (kept alive by the caller until :meth:`result`)."""
+    """Queues the CRC-32 of ``length`` bytes at ``address`` (kept alive by the caller until :meth:`result`),
+    in pieces of ``piece_size`` on the native pool."""
     if length <= 0:
         return PendingCrc(crc, [])
-    if length <= piece_size:
-        return PendingCrc(crc, [(executor().submit(engine.crc32, address, length), length)])
-    pool = executor()
-    return PendingCrc(crc, [(pool.submit(engine.crc32, address + o, n), n) for o, n in _split(length, piece_size)])
+    pieces = _split(length, piece_size)
+    job = _crc_pool().submit([address + o for o, _ in pieces], [n for _, n in pieces])
+    return PendingCrc(crc, [((job, index), n) for index, (_, n) in enumerate(pieces)])
 
 
-def submit_crc32_many(ranges: list[tuple[int, int]]) -> concurrent.futures.Future:
-    """Queues one task computing the CRC-32 of each small ``(address, length)`` range; a list in order.
-
-    The task is one ``engine.copy_many`` call, which runs without the GIL.
-    """
-    addresses = [address for address, _ in ranges]
-    return executor().submit(engine.copy_many, [0] * len(addresses), addresses, [n for _, n in ranges], True)
+def submit_crc32_many(ranges: list[tuple[int, int]]):
+    """Queues the CRC-32 of each small ``(address, length)`` range on the native pool; returns an
+    ``engine.CrcJob`` (``crc(i)`` is range ``i``'s)."""
+    return _crc_pool().submit([address for address, _ in ranges], [n for _, n in ranges])
 
 
 def submit_copy_with_crc32(

@@ -51,6 +51,8 @@ __all__ = [
     "crc32_accelerated",
     "crc32_combine",
     "copy_many",
+    "CrcPool",
+    "CrcJob",
     "hash64",
     "hash64_many",
 ]
@@ -71,6 +73,10 @@ copy_with_crc32 = _native.copy_with_crc32
 copy_many = _native.copy_many
 """``copy_many(destinations, sources, lengths, checksum)``: many small copies in one call, without the GIL
 (a destination of 0 only checksums); returns each range's CRC-32 with ``checksum``, else ``[]``."""
+CrcPool = _native.CrcPool
+"""``CrcPool(threads)``: native threads computing CRC-32s of memory ranges without the GIL; ``submit(addresses,
+lengths)`` returns a ``CrcJob`` (``done()``, ``wait()``, ``crc(index)``) at once. Owned by :mod:`fastpersist.io.checksum`."""
+CrcJob = _native.CrcJob
 crc32_accelerated = _native.crc32_accelerated
 crc32_combine = _native.crc32_combine
 """``crc32_combine(crc_first, crc_second, length_second)``: CRC-32 of two ranges back to back (zlib's)."""

@@ -344,7 +344,7 @@ def _queue_crcs(pieces, pending: dict[str, list], piece_size: int = checksum.PIE
     than its CRC); large pieces are split over the pool's threads. Appends
     ``(part, length)`` to ``pending[record.name]`` in the given order (file
     order per record), where ``part`` is an int, a PendingCrc or a (batch
-    future, index) pair (see :func:`_combine`). Returns what was queued, which
+    job, index) pair (see :func:`_combine`). Returns what was queued, which
     the caller waits for before reusing the memory.
     """
     queued = []
@@ -376,10 +376,10 @@ def _queue_crcs(pieces, pending: dict[str, list], piece_size: int = checksum.PIE
 
 
 def _queue_batch(batch: list[tuple[list, int, int, int]]) -> checksum.PendingCrc:
-    future = checksum.submit_crc32_many([(address, length) for _, _, address, length in batch])
+    job = checksum.submit_crc32_many([(address, length) for _, _, address, length in batch])
     for position, (parts, index, _, length) in enumerate(batch):
-        parts[index] = ((future, position), length)
-    return checksum.PendingCrc(0, [(future, 0)])
+        parts[index] = ((job, position), length)
+    return checksum.PendingCrc(0, [(job, 0)])
 
 
 def _wait_all(queued: list) -> None:
@@ -390,12 +390,7 @@ def _wait_all(queued: list) -> None:
 def _combine(parts: list) -> int:
     crc = None
     for part, length in parts:
-        if isinstance(part, tuple):
-            value = part[0].result()[part[1]]
-        elif isinstance(part, checksum.PendingCrc):
-            value = part.result()
-        else:
-            value = part
+        value = part.result() if isinstance(part, checksum.PendingCrc) else checksum.part_value(part)
         crc = value if crc is None else engine.crc32_combine(crc, value, length)
     return crc or 0
 

@@ -18,6 +18,7 @@
 
 #include "fastpersist/buffer.hpp"
 #include "fastpersist/checksum.hpp"
+#include "fastpersist/crc_pool.hpp"
 #include "fastpersist/engine.hpp"
 #include "fastpersist/error.hpp"
 #include "fastpersist/file.hpp"
@@ -497,6 +498,45 @@ own request and sees only its own error, whatever other threads do on the handle
   m.def("crc32_combine", &crc32_combine, py::arg("crc_first"), py::arg("crc_second"), py::arg("length_second"),
         "CRC-32 of two ranges back to back from each one's CRC-32 (zlib's crc32_combine).");
   m.def("crc32_accelerated", &crc32_accelerated, "Whether CRC-32 uses carry-less multiplication on this CPU.");
+
+  py::class_<CrcJob, std::shared_ptr<CrcJob>>(m, "CrcJob", "The CRC-32s of one CrcPool.submit(), filled in by the pool.")
+      .def("done", &CrcJob::done, "Whether every range's CRC-32 is known (never blocks).")
+      .def("wait", &CrcJob::wait, py::call_guard<py::gil_scoped_release>(), "Blocks (GIL released) until done().")
+      .def(
+          "crc",
+          [](const CrcJob& job, size_t index) {
+            if (index >= job.size()) throw py::index_error("CrcJob.crc: no range " + std::to_string(index));
+            if (!job.done()) {
+              py::gil_scoped_release release;
+              job.wait();
+            }
+            return job.crc(index);
+          },
+          py::arg("index"), "Range ``index``'s CRC-32, waiting (GIL released) for the job if needed.")
+      .def("__len__", &CrcJob::size);
+  py::class_<CrcPool>(m, "CrcPool", R"(Native threads computing CRC-32s of memory ranges, without the GIL.
+
+submit() queues one task per range and returns a CrcJob at once; the caller keeps
+the memory alive until the job is done. shutdown() runs what is queued and joins
+the threads; later submissions (and any in a process forked after the pool
+started) are computed on the calling thread.)")
+      .def(py::init([](size_t threads) {
+             py::gil_scoped_release release;
+             return std::make_unique<CrcPool>(threads);
+           }),
+           py::arg("threads"))
+      .def(
+          "submit",
+          [](CrcPool& pool, const std::vector<uintptr_t>& addresses, const std::vector<size_t>& lengths) {
+            // Kept: queueing takes microseconds, and giving the GIL away here hands the interpreter to
+            // another thread at every submission (computed here only after shutdown(), at exit).
+            return pool.submit(addresses, lengths);
+          },
+          py::arg("addresses"), py::arg("lengths"),
+          "Queues the CRC-32 of each range (addresses[i], lengths[i]); returns their CrcJob.")
+      .def("shutdown", &CrcPool::shutdown, py::call_guard<py::gil_scoped_release>(),
+           "Runs what is queued, then stops and joins the threads (idempotent).")
+      .def_property_readonly("threads", &CrcPool::threads);
 
   // ---------------------------------------------------------------- 64-bit hashes
   m.def(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import zlib
 
@@ -11,6 +13,12 @@ import torch
 
 import fastpersist
 from fastpersist.io import checksum, engine
+
+
+def _env() -> dict:
+    """The environment for a child script: this checkout's fastpersist even when built in place."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
 
 
 def _random_bytes(n: int, seed: int = 0) -> torch.Tensor:
@@ -52,9 +60,49 @@ def test_parallel_copy_with_crc(length):
 def test_batched_small_crcs():
     data = _random_bytes(10_000, 4)
     ranges = [(data.data_ptr() + o, n) for o, n in [(0, 0), (0, 1), (5, 64), (100, 9000)]]
-    result = checksum.submit_crc32_many(ranges).result()
+    job = checksum.submit_crc32_many(ranges)
     raw = bytes(data.numpy())
-    assert result == [zlib.crc32(raw[o : o + n]) for o, n in [(0, 0), (0, 1), (5, 64), (100, 9000)]]
+    assert [job.crc(i) for i in range(len(job))] == [
+        zlib.crc32(raw[o : o + n]) for o, n in [(0, 0), (0, 1), (5, 64), (100, 9000)]
+    ]
+    assert job.done()
+    with pytest.raises(IndexError):
+        job.crc(4)
+
+
+def test_native_pool_threads_are_stopped_and_restarted():
+    """checksum.shutdown() joins the native pool's threads; the next CRC starts a new pool."""
+    data = _random_bytes(2 << 20, 6)
+    expected = zlib.crc32(bytes(data.numpy()))
+    assert checksum.crc32(data.data_ptr(), data.numel(), piece_size=1 << 18) == expected
+    pool = checksum._crc_pool()
+    assert pool.threads == checksum.threads()
+    checksum.shutdown()
+    assert pool.threads == 0
+    assert pool.submit([data.data_ptr()], [data.numel()]).crc(0) == expected  # a stopped pool computes here
+    assert checksum.crc32(data.data_ptr(), data.numel(), piece_size=1 << 18) == expected
+    assert checksum._crc_pool() is not pool and checksum._crc_pool().threads == checksum.threads()
+
+
+def test_crcs_at_interpreter_exit_run_on_the_calling_thread(tmp_path):
+    """An atexit handler that runs after fastpersist's own (registered before the import) still gets CRC-32s;
+    the process exits cleanly, its pool's threads joined."""
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import atexit, ctypes, sys, zlib\n"
+        "data = bytes(range(256)) * 20000\n"
+        "buffer = ctypes.create_string_buffer(data, len(data))\n"
+        "def late():\n"
+        "    from fastpersist.io import checksum\n"
+        "    ok = checksum.crc32(ctypes.addressof(buffer), len(data), piece_size=1 << 16) == zlib.crc32(data)\n"
+        "    print('late', ok, flush=True)\n"
+        "atexit.register(late)\n"
+        "from fastpersist.io import checksum\n"
+        "print('early', checksum.crc32(ctypes.addressof(buffer), len(data), piece_size=1 << 16) == zlib.crc32(data))\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["early", "True", "late", "True"]
 
 
 def test_pool_is_reused_and_sized():
