@@ -185,9 +185,10 @@ class PendingDigests:
     moments (:func:`fastpersist.io.writer.idle_work`) when checksums are off:
     queued all at once before the first copy, they took 11-15 ms of a 2.15 GB
     rank's 55-58 ms write to the sink on an H200. With checksums on it queues
-    them first: the CRC-32 pool's threads then compete for the GIL, and
-    launches during the write (or on a helper thread) finished ~18 ms after
-    it, later than the old order. :meth:`result` queues what is
+    them first: launches during the write (or on a helper thread) finished
+    ~18 ms after it, later than the old order, with the CRC-32s on Python
+    threads and again (17.5-19 ms) on the native pool, so the interpreter
+    lock is not why. :meth:`result` queues what is
     left, waits for everything and returns ``(nbytes, kind, value)`` per
     record, in order. Until then the caller must keep the storages unchanged
     (they are being read).
