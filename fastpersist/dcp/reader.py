@@ -69,8 +69,9 @@ from fastpersist.dcp.writer import METADATA_FILE, validate_checkpoint_path
 from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, ObjectNotFoundError
 from fastpersist.format.deserializer import archive_prefix, deserialize
 from fastpersist.format.zipformat import read_directory
-from fastpersist.io import engine, memory
+from fastpersist.io import engine
 from fastpersist.io import objectstore as s3_io
+from fastpersist.io.reader import stream_to_device
 from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
 
 __all__ = ["FastPersistReader"]
@@ -378,7 +379,7 @@ class _PlanReader:
             )
             for _, destination, info, extension in entries
         ]
-        crcs = _stream_to_device(pieces, self.settings, self.verify)
+        crcs = stream_to_device(pieces, self.settings, verify=self.verify)
         for (request, destination, info, extension), crc in zip(entries, crcs):
             if self.verify:
                 self._check(crc, extension, info, request)
@@ -607,69 +608,3 @@ def _dtype(extension: dict) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise CorruptCheckpointError(f"unknown dtype {extension['dtype']!r} in checkpoint metadata")
     return dtype
-
-
-def _stream_to_device(pieces: list, settings, verify: bool) -> list[int]:
-    """Reads payloads into CUDA uint8 tensors through one ring of page-locked buffers.
-
-    Args:
-        pieces: ``(file, offset, nbytes, destination)``; ``destination`` a CUDA uint8 tensor of ``nbytes``.
-
-    Every payload is cut into windows that start on a page, so the ring's
-    aligned buffers are read with O_DIRECT; ``read_buffer_count`` windows are
-    in flight while earlier ones are checksummed and copied host-to-device on
-    a side stream; a buffer is refilled once its copy is done.
-
-    Returns:
-        The CRC-32 of each payload (0 when ``verify`` is off).
-    """
-    window = settings.read_buffer_size
-    windows = []  # (piece index, file, window start, window end, payload start)
-    for number, (file, offset, nbytes, _) in enumerate(pieces):
-        end = offset + nbytes
-        for start in range(offset - offset % PAGE, end, window):
-            windows.append((number, file, start, min(start + window, end), offset))
-    crcs = [0] * len(pieces)
-    if not windows:
-        return crcs
-    count = max(1, min(settings.read_buffer_count, len(windows)))
-    streams: dict = {}
-    for _, _, _, destination in pieces:
-        if destination.device not in streams:
-            stream = streams[destination.device] = torch.cuda.Stream(destination.device)
-            stream.wait_stream(torch.cuda.current_stream(destination.device))
-    with memory.lease_buffers(count, window, settings.huge_pages) as buffers:
-        handles = [engine.make_handle(settings) for _ in buffers]
-
-        def submit(slot: int, number: int) -> None:
-            _, file, lo, hi, _ = windows[number]
-            handles[slot].submit_read(buffers[slot].data_ptr(), hi - lo, file, lo, buffers[slot])
-
-        try:
-            for number in range(count):
-                submit(number, number)
-            for number, (index, _, lo, hi, offset) in enumerate(windows):
-                slot = number % count
-                handles[slot].wait()
-                first = max(lo, offset)
-                piece = buffers[slot][first - lo : hi - lo]
-                if verify:
-                    crcs[index] = engine.crc32(piece.data_ptr(), hi - first, crcs[index])
-                destination = pieces[index][3]
-                stream = streams[destination.device]
-                with torch.cuda.stream(stream):
-                    destination[first - offset : hi - offset].copy_(piece, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                if number + count < len(windows):
-                    event.synchronize()  # the buffer's copy is done: refill it
-                    submit(slot, number + count)
-        finally:
-            for handle in handles:
-                try:
-                    handle.wait()
-                except OSError:
-                    pass
-            for stream in streams.values():
-                stream.synchronize()
-    return crcs

@@ -20,7 +20,8 @@ CUDA targets: file windows stream through a ring of page-locked buffers
 host-to-device on a side stream into storages allocated on the device. The
 calling thread only waits for reads and queues copies; a helper thread
 refills each buffer once its copies and checksums are done. Host memory stays
-at the ring's size.
+at the ring's size. DCP's reader streams its CUDA items through the same ring
+(:func:`stream_to_device`).
 
 Both paths can verify each record's CRC-32 against the central directory on
 the bytes they read.
@@ -40,7 +41,7 @@ from fastpersist.format.zipformat import ZipRecordInfo, check_record_crc
 from fastpersist.io import checksum, engine, memory, timeline, workers
 from fastpersist.tensors import storage_byte_view
 
-__all__ = ["FileStorageProvider", "MemoryStorageProvider", "MmapStorageProvider"]
+__all__ = ["FileStorageProvider", "MemoryStorageProvider", "MmapStorageProvider", "stream_to_device"]
 
 _PAGE = 4096
 _SMALL_RECORD = 1 << 20  # records below this share allocations and reads
@@ -316,22 +317,13 @@ class FileStorageProvider:
     # -- CUDA -----------------------------------------------------------------
 
     def _read_device(self, items: list[tuple[ZipRecordInfo, torch.UntypedStorage]]) -> None:
-        total = sum(record.size for record, _ in items)
-        windows = _windows(sorted(items, key=lambda item: item[0].data_offset), _window_size(total, self._settings))
-        if not windows:
-            return
-        pending: dict[str, list] = {}
-        count = min(self._settings.read_buffer_count, len(windows))
-        # Windows are at most read_buffer_size; lease buffers no larger than the largest one needs.
-        _, buffer_size = memory.ring_shape(max(w.end - w.start for w in windows), self._settings.read_buffer_size, 1)
-        with memory.lease_buffers(count, buffer_size, self._settings.huge_pages) as buffers:
-            while len(self._ring_handles) < count:
-                self._ring_handles.append(engine.make_handle(self._settings))
-            ring = list(zip(self._ring_handles, buffers))
-            _stream_windows(windows, ring, self._file, pending if self._verify else None)
+        payloads = [
+            (self._file, record.data_offset, record.size, storage_byte_view(storage)) for record, storage in items
+        ]
+        crcs = stream_to_device(payloads, self._settings, verify=self._verify, handles=self._ring_handles)
         if self._verify:
-            for record, _ in items:
-                self._check(record, _combine(pending.get(record.name, [])))
+            for (record, _), crc in zip(items, crcs):
+                self._check(record, crc)
 
     def _check(self, record: ZipRecordInfo, crc: int) -> None:
         check_record_crc(record, crc, self._path)
@@ -454,19 +446,20 @@ def _window_size(total: int, settings: Settings) -> int:
 class _Window:
     start: int  # page-aligned file offset
     end: int
+    file: object  # the native File read
     pieces: list = dataclasses.field(default_factory=list)  # (record, dest uint8 view, record_off, buf_off, len)
 
 
-def _windows(items, window_size: int) -> list[_Window]:
-    """Cuts the records' file ranges into reads of at most ``window_size`` bytes."""
+def _windows(items, window_size: int, file) -> list[_Window]:
+    """Cuts the file ranges of ``items`` (``(record, destination uint8 tensor)``, in file order) into reads of
+    ``file`` of at most ``window_size`` bytes."""
     windows: list[_Window] = []
     current = None
-    for record, storage in items:
-        destination = storage_byte_view(storage)
+    for record, destination in items:
         position, stop = record.data_offset, record.data_offset + record.size
         while position < stop:
             if current is None or position >= current.start + window_size or position - current.end > _MAX_GAP:
-                current = _Window(_align_down(position), position)
+                current = _Window(_align_down(position), position, file)
                 windows.append(current)
             take = min(stop, current.start + window_size) - position
             current.pieces.append((record, destination, position - record.data_offset, position - current.start, take))
@@ -475,8 +468,45 @@ def _windows(items, window_size: int) -> list[_Window]:
     return windows
 
 
-def _stream_windows(windows: list[_Window], ring: list[tuple], file, pending: dict[str, list] | None) -> None:
-    """Moves every window's bytes from ``file`` into its destinations through ``ring``'s
+def stream_to_device(
+    payloads: list[tuple], settings: Settings, *, verify: bool, handles: list | None = None
+) -> list[int]:
+    """Reads payloads ``(file, offset, nbytes, destination)`` into device memory through one ring of
+    page-locked buffers; returns each payload's CRC-32 (0 without ``verify``).
+
+    ``file`` is a native File opened for reading, ``destination`` a uint8 tensor of ``nbytes`` on a CUDA
+    device. Payloads of one file are read in file order, in windows of at most ``read_buffer_size``
+    (smaller when all of them fit the ring, so that they still spread over it: :func:`_window_size`), which
+    start on a page (O_DIRECT reads into the aligned buffers). ``handles``: native handles to reuse, one
+    per buffer; the list is extended with the handles made here. The one ring of CUDA loads, used by
+    ``load`` (:class:`FileStorageProvider`) and by DCP's reader.
+    """
+    records = [ZipRecordInfo(str(index), 0, offset, nbytes, 0) for index, (_, offset, nbytes, _) in enumerate(payloads)]
+    size = _window_size(sum(nbytes for _, _, nbytes, _ in payloads), settings)
+    by_file: dict[int, list] = {}
+    for record, (file, _, _, destination) in zip(records, payloads):
+        by_file.setdefault(id(file), [file, []])[1].append((record, destination))
+    windows = []
+    for file, items in by_file.values():
+        windows += _windows(sorted(items, key=lambda item: item[0].data_offset), size, file)
+    if not windows:
+        return [0] * len(payloads)
+    pending: dict[str, list] = {}
+    count = min(settings.read_buffer_count, len(windows))
+    handles = [] if handles is None else handles
+    # Windows are at most read_buffer_size; lease buffers no larger than the largest one needs.
+    _, buffer_size = memory.ring_shape(max(w.end - w.start for w in windows), settings.read_buffer_size, 1)
+    with memory.lease_buffers(count, buffer_size, settings.huge_pages) as buffers:
+        while len(handles) < count:
+            handles.append(engine.make_handle(settings))
+        _stream_windows(windows, list(zip(handles, buffers)), pending if verify else None)
+    if not verify:
+        return [0] * len(payloads)
+    return [_combine(pending.get(record.name, [])) for record in records]
+
+
+def _stream_windows(windows: list[_Window], ring: list[tuple], pending: dict[str, list] | None) -> None:
+    """Moves every window's bytes from its file into its destinations through ``ring``'s
     ``(native handle, page-locked buffer)`` slots; with ``pending``, queues each piece's CRC-32 into it.
 
     Stages of a window: read into its slot (the handle's threads), then host-to-device copies on a
@@ -499,7 +529,7 @@ def _stream_windows(windows: list[_Window], ring: list[tuple], file, pending: di
 
     def submit(slot: int, window: _Window) -> None:
         handle, buffer = ring[slot]
-        handle.submit_read(buffer.data_ptr(), window.end - window.start, file, window.start, buffer)
+        handle.submit_read(buffer.data_ptr(), window.end - window.start, window.file, window.start, buffer)
 
     def refill(slot: int, events: list, crcs: list, window: _Window) -> None:
         try:

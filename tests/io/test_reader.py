@@ -93,7 +93,8 @@ def test_every_window_lands_and_each_slot_is_refilled_in_order_off_the_calling_t
     for index, tensor in enumerate(state.values()):  # saved in order: key i is record "i"
         assert torch.equal(storage_byte_view(by_name[str(index)]), storage_byte_view(tensor.untyped_storage()))
 
-    windows = reader._windows(sorted(items, key=lambda item: item[0].data_offset), 1 << 20)
+    in_order = sorted(((r, storage_byte_view(s)) for r, s in items), key=lambda item: item[0].data_offset)
+    windows = reader._windows(in_order, 1 << 20, None)
     assert len(windows) >= 6  # several refills per slot
     offsets = [offset for _, offset, _ in log]
     assert sorted(offsets) == [w.start for w in windows]  # each window read once
@@ -136,3 +137,30 @@ def test_a_failure_mid_ring_raises_once_everything_in_flight_is_done(tmp_path, f
     assert windows_read < 7  # stopped before the end
     # Every window the ring read was a window of this load, each once.
     assert len({offset for _, offset, _ in log}) == windows_read
+
+
+def test_stream_to_device_reads_payloads_of_several_files_and_returns_their_crcs(tmp_path):
+    """The ring's entry point for DCP: payloads at any offset of several files, interleaved, some empty."""
+    import zlib
+
+    generator = torch.Generator().manual_seed(1)
+    blobs, files = [], []
+    for name in ("a.bin", "b.bin"):
+        blob = torch.randint(0, 256, (5 << 20,), dtype=torch.uint8, generator=generator)
+        (tmp_path / name).write_bytes(blob.numpy().tobytes())
+        blobs.append(blob)
+        files.append(engine.File(str(tmp_path / name), "r", direct=False))
+    spans = [(1, 4097, 3 << 20), (0, 123, 1_500_000), (1, 0, 0), (0, 2 << 20, 2 << 20), (1, (3 << 20) + 4097, 5)]
+    payloads = [(files[f], offset, n, torch.empty(n, dtype=torch.uint8)) for f, offset, n in spans]
+    try:
+        crcs = reader.stream_to_device(payloads, SETTINGS, verify=True)
+        unverified = reader.stream_to_device(payloads, SETTINGS, verify=False)
+    finally:
+        for file in files:
+            file.close()
+    for (f, offset, n), (_, _, _, destination), crc in zip(spans, payloads, crcs):
+        expected = blobs[f][offset : offset + n]
+        assert torch.equal(destination, expected)
+        assert crc == zlib.crc32(expected.numpy().tobytes())
+    assert unverified == [0] * len(spans)
+    assert not _refill_threads()
