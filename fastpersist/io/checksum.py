@@ -52,12 +52,40 @@ __all__ = [
 PIECE_SIZE = 4 << 20
 """Bytes per task: large enough that task overhead (~20 us) is < 1% at 14 GB/s a core."""
 
-_lock = threading.Lock()
-_pool: concurrent.futures.Executor | None = None
-_pool_pid = 0
-_native_pool = None  # engine.CrcPool of process _native_pid
-_native_pid = 0
-_forked_pools: list = []  # pools of the parent, kept from their destructor in a forked child
+_forked_pools: list = []  # native pools of the parent, kept from their destructor in a forked child
+
+
+class _PerProcess:
+    """A pool of this process: made on first use, and again in a forked child (the parent's threads are
+    not there; ``forget`` hands the parent's object back)."""
+
+    def __init__(self, make, stop):
+        self._make, self._stop = make, stop
+        self._lock = threading.Lock()
+        self._pool = None
+        self._pid = 0
+
+    def get(self):
+        pool = self._pool
+        if pool is not None and self._pid == os.getpid():
+            return pool
+        with self._lock:
+            if self._pool is None or self._pid != os.getpid():
+                self._pool, self._pid = self._make(), os.getpid()
+            return self._pool
+
+    def forget(self):
+        """In a forked child: the parent's lock may have been held, and its pool has no threads here."""
+        self._lock = threading.Lock()
+        pool, self._pool = self._pool, None
+        return pool
+
+    def stop(self) -> None:
+        """Stops this process's pool (waiting for its queued work); the next ``get`` makes a new one."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None and self._pid == os.getpid():
+            self._stop(pool)
 
 
 def threads() -> int:
@@ -75,71 +103,40 @@ def threads() -> int:
     return max(1, min(32, available))
 
 
+# During interpreter shutdown (atexit saves) new pools run tasks on the caller's thread.
+_python_pool = _PerProcess(lambda: workers.executor(threads(), "fastpersist-crc"), lambda p: p.shutdown(wait=True))
+_native_pool = _PerProcess(
+    lambda: engine.CrcPool(threads() if workers.threads_allowed() else 0), lambda p: p.shutdown()
+)
+
+
 def executor() -> concurrent.futures.Executor:
     """The process-wide pool (made on first use, again after ``fork``), for other native work on every core."""
-    global _pool, _pool_pid
-    pid = os.getpid()
-    pool = _pool
-    if pool is not None and _pool_pid == pid:
-        return pool
-    with _lock:
-        if _pool is None or _pool_pid != pid:
-            # After fork the parent's threads are gone: start a new pool (the old object is dropped).
-            # During interpreter shutdown (atexit saves) the tasks run on the caller's thread.
-            _pool = workers.executor(threads(), "fastpersist-crc")
-            _pool_pid = pid
-        return _pool
+    return _python_pool.get()
 
 
 def _crc_pool():
     """The process-wide native CRC-32 pool (made on first use, again after ``fork``); one without threads,
     which computes on the caller's thread, once the interpreter is shutting down."""
-    global _native_pool, _native_pid
-    pid = os.getpid()
-    pool = _native_pool
-    if pool is not None and _native_pid == pid:
-        return pool
-    with _lock:
-        if _native_pool is None or _native_pid != pid:
-            _native_pool = engine.CrcPool(threads() if workers.threads_allowed() else 0)
-            _native_pid = pid
-        return _native_pool
+    return _native_pool.get()
 
 
 def _forget_after_fork() -> None:
-    # The parent's threads do not exist in the child, and its lock may have been held.
-    global _pool, _lock, _native_pool
-    _lock = threading.Lock()
-    _pool = None
-    if _native_pool is not None:
-        _forked_pools.append(_native_pool)  # never destroyed here: it would join the parent's threads
-        _native_pool = None
-
-
-def _stop_native_pool() -> None:
-    """At interpreter exit: the native pool's threads are joined (work queued still runs first)."""
-    pool = _native_pool
-    if pool is not None and _native_pid == os.getpid():
-        pool.shutdown()
-
-
-atexit.register(_stop_native_pool)
+    _python_pool.forget()
+    parent = _native_pool.forget()
+    if parent is not None:
+        _forked_pools.append(parent)  # never destroyed here: it would join the parent's threads
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
+atexit.register(_native_pool.stop)  # its threads are joined at exit; later CRC-32s run on the caller's thread
 
 
 def shutdown() -> None:
     """Stops the pools' threads (a later call starts new pools). Waits for queued work."""
-    global _pool, _native_pool
-    with _lock:
-        pool, _pool = _pool, None
-        native, _native_pool = _native_pool, None
-    if pool is not None and _pool_pid == os.getpid():
-        pool.shutdown(wait=True)
-    if native is not None and _native_pid == os.getpid():
-        native.shutdown()
+    _python_pool.stop()
+    _native_pool.stop()
 
 
 class PendingCrc:
