@@ -526,6 +526,7 @@ def _stream_windows(windows: list[_Window], ring: list[tuple], pending: dict[str
     refills = workers.executor(1, "fastpersist-refill") if len(windows) > count else None
     refilled: list[concurrent.futures.Future | None] = [None] * count
     last: list[tuple[list, list]] = [([], [])] * count  # events and CRCs of each slot's last window
+    crcs: list = []  # the current window's, until a refill or ``last`` holds them
 
     def submit(slot: int, window: _Window) -> None:
         handle, buffer = ring[slot]
@@ -552,7 +553,6 @@ def _stream_windows(windows: list[_Window], ring: list[tuple], pending: dict[str
                     future.result()  # the slot's read of this window was submitted (or raises why not)
             with timeline.waiting("read"):
                 handle.wait()
-            crcs = []
             if pending is not None:
                 address = buffer.data_ptr()
                 crcs = _queue_crcs(
@@ -569,6 +569,7 @@ def _stream_windows(windows: list[_Window], ring: list[tuple], pending: dict[str
                 refilled[slot] = refills.submit(refill, slot, events, crcs, windows[following])
             else:
                 last[slot] = (events, crcs)
+            crcs = []
     finally:
         stopping.set()
         concurrent.futures.wait([future for future in refilled if future is not None])
@@ -580,8 +581,9 @@ def _stream_windows(windows: list[_Window], ring: list[tuple], pending: dict[str
             except OSError:
                 pass  # the error that matters is being raised already
         with timeline.waiting("crc"):
-            for _, crcs in last:
-                _wait_all(crcs)
+            _wait_all(crcs)  # queued for a window that raised before handing them on
+            for _, queued in last:
+                _wait_all(queued)
         with timeline.waiting("copy"):
             for stream in streams.values():
                 stream.synchronize()

@@ -164,3 +164,32 @@ def test_stream_to_device_reads_payloads_of_several_files_and_returns_their_crcs
         assert crc == zlib.crc32(expected.numpy().tobytes())
     assert unverified == [0] * len(spans)
     assert not _refill_threads()
+
+
+def test_checksums_of_a_window_whose_copies_fail_are_waited_for(tmp_path, monkeypatch):
+    """The buffer goes back to the pool only once nothing reads it: the CRC-32s queued for a window
+    whose copies raise are waited for before the error leaves the ring."""
+    import time
+
+    class SlowCrc:
+        finished = False
+
+        def wait(self):
+            time.sleep(0.2)
+            self.finished = True
+
+    queued: list = []
+    monkeypatch.setattr(reader, "_queue_crcs", lambda *args: queued.append(SlowCrc()) or [queued[-1]])
+    real_copies = reader._queue_copies
+
+    def failing_copies(window, buffer, streams):
+        if len(queued) == 3:
+            raise RuntimeError("injected copy failure")
+        return real_copies(window, buffer, streams)
+
+    monkeypatch.setattr(reader, "_queue_copies", failing_copies)
+    path, _, records = _checkpoint(tmp_path)
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        _load(path, records, [_Handle(slot, []) for slot in range(2)])
+    assert len(queued) == 3 and all(crc.finished for crc in queued)
+    assert not _refill_threads()
