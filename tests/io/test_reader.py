@@ -193,3 +193,40 @@ def test_checksums_of_a_window_whose_copies_fail_are_waited_for(tmp_path, monkey
         _load(path, records, [_Handle(slot, []) for slot in range(2)])
     assert len(queued) == 3 and all(crc.finished for crc in queued)
     assert not _refill_threads()
+
+
+def test_two_threads_stream_through_rings_of_their_own_at_once(tmp_path):
+    """Each load leases its own buffers and handles: two threads reading at once both get their bytes."""
+    import concurrent.futures as futures
+
+    path, state, records = _checkpoint(tmp_path)
+    expected = [storage_byte_view(t.untyped_storage()) for t in state.values()]
+
+    def one_load(_):
+        items = _load(path, records, [_Handle(slot, []) for slot in range(2)])
+        by_name = {record.name.rsplit("/", 1)[-1]: storage for record, storage in items}
+        return all(torch.equal(storage_byte_view(by_name[str(i)]), e) for i, e in enumerate(expected))
+
+    with futures.ThreadPoolExecutor(2) as pool:
+        assert all(pool.map(one_load, range(6)))
+    assert not _refill_threads()
+
+
+def test_ctrl_c_in_the_ring_leaves_nothing_in_flight(tmp_path, monkeypatch):
+    """A KeyboardInterrupt while the ring runs raises once every read and refill is done."""
+    real_copies = reader._queue_copies
+    calls = []
+
+    def interrupted_copies(window, buffer, streams):
+        calls.append(window)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_copies(window, buffer, streams)
+
+    monkeypatch.setattr(reader, "_queue_copies", interrupted_copies)
+    path, _, records = _checkpoint(tmp_path)
+    handles = [_Handle(slot, []) for slot in range(2)]
+    with pytest.raises(KeyboardInterrupt):
+        _load(path, records, handles)
+    assert all(handle.pending() == 0 for handle in handles)
+    assert not _refill_threads()
