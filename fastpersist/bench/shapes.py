@@ -521,7 +521,7 @@ def _print(doc: dict[str, Any]) -> None:
         for r in waiting:
             print(
                 f"{'load ' + r['method']:45} "
-                + " ".join(f"{r['caller_waits_s'].get(label, 0.0):8.3f}" for label in _WAITS)
+                + " ".join(f"{_seconds(r['caller_waits_s'].get(label)):>8}" for label in _WAITS)
             )
 
 
