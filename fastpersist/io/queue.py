@@ -36,6 +36,7 @@ __all__ = [
     "run_in_order",
     "wait_all",
     "pending_saves",
+    "queue_idle",
     "wait_for_slot",
     "report_unchecked_as_warnings",
 ]
@@ -238,6 +239,12 @@ def wait_for_slot(max_pending: int) -> None:
                 return
             oldest = _in_flight[0]
         oldest._finished.wait()
+
+
+def queue_idle() -> bool:
+    """Whether no save is queued or running: work submitted now starts at once."""
+    with _lock:
+        return not any(not f._finished.is_set() for f in _in_flight)
 
 
 def pending_saves() -> list[SaveFuture]:

@@ -31,7 +31,16 @@ import torch
 from fastpersist.format.plan import SavePlan, StorageRecord
 from fastpersist.io import memory
 
-__all__ = ["StagingArea", "Snapshot", "snapshot_plan", "reserve", "release_idle_areas", "staged_bytes"]
+__all__ = [
+    "StagingArea",
+    "Snapshot",
+    "Lease",
+    "lease",
+    "snapshot_plan",
+    "reserve",
+    "release_idle_areas",
+    "staged_bytes",
+]
 
 _ALIGNMENT = 4096
 
@@ -144,7 +153,46 @@ class Snapshot:
             _pool.release(area)
 
 
-def snapshot_plan(plan: SavePlan, caller_waits: bool = True) -> Snapshot:
+@dataclasses.dataclass
+class Lease:
+    """A staging area taken for one plan, and where each of its storages goes in it (see :func:`lease`)."""
+
+    area: StagingArea | None
+    offsets: dict[int, int]
+    small: dict[torch.device, list[StorageRecord]]
+    regions: dict[torch.device, int]
+
+    def release(self) -> None:
+        """Gives the area back unused (a snapshot that was never taken)."""
+        if self.area is not None:
+            area, self.area = self.area, None
+            _pool.release(area)
+
+
+def lease(plan: SavePlan) -> Lease | None:
+    """Takes a staging area that fits the storages of ``plan`` (None when it has none).
+
+    The area is the expensive part of a snapshot to fail on (allocation,
+    pinning): a caller that hands the copies to another thread leases on its
+    own thread, so the error reaches it, then passes the lease to
+    :func:`snapshot_plan`.
+
+    Raises:
+        MemoryError / OSError: the staging area cannot be allocated.
+    """
+    if not plan.storages:
+        return None
+    offsets, small, regions, total = _layout(plan.storages)
+    return Lease(_pool.acquire(total), offsets, small, regions)
+
+
+def snapshot_plan(
+    plan: SavePlan,
+    caller_waits: bool = True,
+    *,
+    leased: Lease | None = None,
+    streams: dict[torch.device, torch.cuda.Stream] | None = None,
+) -> Snapshot:
     """Copies the storages of ``plan`` into a staging area; returns the plan over the copies.
 
     CPU storages are copied before this returns. CUDA storages are copied
@@ -159,14 +207,25 @@ def snapshot_plan(plan: SavePlan, caller_waits: bool = True) -> Snapshot:
     the tensors must first make its stream wait for ``Snapshot.events``
     (``fastpersist.Checkpointer`` does, before the optimizer step).
 
+    Another thread may take the snapshot for the caller: it passes the
+    caller's :func:`lease` as ``leased`` and, as ``streams``, side streams the
+    caller made and ordered after its own work
+    (:func:`fastpersist.io.writer.side_streams`); the copies then go on those
+    streams, and nobody's stream is made to wait (``caller_waits`` must be False).
+    The lease is consumed: it is released here on failure, by the snapshot otherwise.
+
     Raises:
         MemoryError / OSError: the staging area cannot be allocated.
+        ValueError: ``streams`` with ``caller_waits``.
     """
+    if streams is not None and caller_waits:
+        raise ValueError("a snapshot on the caller's own side streams cannot make the caller's stream wait")
     storages = plan.storages
     if not storages:
         return Snapshot(plan, None, [])
-    offsets, small, regions, total = _layout(storages)
-    area = _pool.acquire(total)
+    if leased is None:
+        leased = lease(plan)
+    offsets, small, regions, area = leased.offsets, leased.small, leased.regions, leased.area
     events: list = []
     try:
         copies = {id(r): area.buffer[offsets[id(r)] : offsets[id(r)] + r.view.numel()] for r in storages}
@@ -178,14 +237,15 @@ def snapshot_plan(plan: SavePlan, caller_waits: bool = True) -> Snapshot:
                 large.setdefault(record.device, []).append(record)
         for device in {*large, *small}:
             region = area.buffer[regions[device] :] if device in regions else None
+            stream = streams[device] if streams is not None else None
             event = _copy_from_device(
-                device, large.get(device, []), small.get(device, []), copies, region, caller_waits
+                device, large.get(device, []), small.get(device, []), copies, region, caller_waits, stream
             )
             events.append((device, event))
     except BaseException:
         for _, event in events:
             event.synchronize()  # nothing may still copy into the area once it is reused
-        _pool.release(area)
+        leased.release()
         raise
     records = tuple(
         StorageRecord(record.entry, record.key, view=copies[id(record)])
@@ -193,6 +253,7 @@ def snapshot_plan(plan: SavePlan, caller_waits: bool = True) -> Snapshot:
         else record
         for record in plan.records
     )
+    leased.area = None  # the snapshot owns it now
     return Snapshot(SavePlan(plan.layout, records), area, events)
 
 
@@ -246,14 +307,17 @@ def _copy_from_device(
     copies: dict[int, torch.Tensor],
     region: torch.Tensor | None,
     caller_waits: bool = True,
+    stream: torch.cuda.Stream | None = None,
 ) -> torch.cuda.Event:
     """Queues the device-to-host copies of one GPU's storages on a side stream; returns its event.
 
     The side stream starts after the work queued so far on the caller's current stream, and (with
     ``caller_waits``) the caller's stream waits for the copies, so later kernels cannot change the bytes first.
+    A ``stream`` given is already ordered after the caller's work (made on the caller's thread) and is used as is.
     """
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
+    if stream is None:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
     try:
         with torch.cuda.stream(stream):
             for record in large:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import types
 import warnings
 
@@ -17,6 +18,7 @@ import torch
 
 import fastpersist
 from fastpersist.api import futures
+from fastpersist.format.serializer import plan_save
 from fastpersist.io import queue, staging
 
 SMALL = {"buffer_size": "64K", "block_size": "64K"}
@@ -526,3 +528,120 @@ def test_cuda_checkpointer_step_is_ordered_after_the_reads(mode, tmp_path, monke
     checkpointer.close()
     loaded = fastpersist.load(tmp_path / "c.pt", map_location="cuda")
     assert all(torch.equal(loaded[k], v) for k, v in before.items())
+
+
+def _snapshot_threads(monkeypatch, delay: float = 0.0) -> list[str]:
+    """Records the thread of every snapshot taken (slowed by ``delay`` seconds); returns the list it fills."""
+    threads: list[str] = []
+    take = staging.snapshot_plan
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        time.sleep(delay)
+        return take(*args, **kwargs)
+
+    monkeypatch.setattr(staging, "snapshot_plan", recording)
+    return threads
+
+
+def test_snapshot_on_caller_streams_needs_caller_waits_off():
+    plan = plan_save({"x": torch.ones(4)}, "a")
+    with pytest.raises(ValueError, match="caller's stream"):
+        staging.snapshot_plan(plan, caller_waits=True, streams={})
+
+
+def test_snapshot_lease_is_given_back_when_the_copies_fail(monkeypatch):
+    """A lease handed to snapshot_plan is consumed: back in the pool after a failed snapshot, not lent twice."""
+    staging.release_idle_areas()
+    plan = plan_save({"x": torch.ones(1 << 16)}, "a")
+    leased = staging.lease(plan)
+    area, capacity = leased.area, leased.area.capacity
+    assert staging.staged_bytes() == capacity
+
+    def failing_copy(self, *args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "copy_", failing_copy)
+        with pytest.raises(RuntimeError, match="copy failed"):
+            staging.snapshot_plan(plan, leased=leased)
+    leased.release()  # a second release of a consumed lease does nothing
+    again = staging.lease(plan)
+    assert again.area is area, "the failed snapshot's area went back to the pool once"
+    again.release()
+    assert staging.release_idle_areas() == capacity
+
+
+@pytest.mark.gpu
+def test_cuda_checkpointer_snapshot_copies_on_the_save_thread(tmp_path, monkeypatch):
+    """With the save queue idle, a Checkpointer's snapshot is taken by the save thread; a step issued at once waits
+    for its copies to be queued and runs after them, so the file holds the pre-step values."""
+    threads = _snapshot_threads(monkeypatch, delay=0.3)  # the step is issued long before the copies are queued
+    model = torch.nn.Linear(4096, 4096).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    checkpointer = fastpersist.Checkpointer(optimizer, mode="snapshot")
+    model(torch.randn(8, 4096, device="cuda")).sum().backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpointer.save(model.state_dict(), tmp_path / "c.pt")
+    optimizer.step()
+    checkpointer.close()
+    assert threads == ["fastpersist-save"]
+    loaded = fastpersist.load(tmp_path / "c.pt", map_location="cuda")
+    assert all(torch.equal(loaded[k], v) for k, v in before.items())
+    assert not all(torch.equal(model.state_dict()[k], v) for k, v in before.items()), "the step ran"
+
+
+@pytest.mark.gpu
+def test_cuda_checkpointer_snapshot_behind_a_pending_save_copies_at_once(tmp_path, monkeypatch):
+    """A snapshot queued behind a pending save is taken by the caller: the step must not wait for that write."""
+    held = HeldCommit(monkeypatch)
+    threads = _snapshot_threads(monkeypatch)
+    model = torch.nn.Linear(1024, 1024).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    checkpointer = fastpersist.Checkpointer(optimizer, mode="snapshot", async_max_pending=2)
+    first = checkpointer.save(model.state_dict(), tmp_path / "a.pt")
+    assert held.written.wait(60)
+    second_state = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpointer.save(model.state_dict(), tmp_path / "b.pt")
+    model(torch.randn(8, 1024, device="cuda")).sum().backward()
+    optimizer.step()  # returns although the first save is still held before its commit
+    assert not first.done()
+    held.go.set()
+    checkpointer.close()
+    assert threads == ["fastpersist-save", threading.current_thread().name]
+    loaded = fastpersist.load(tmp_path / "b.pt", map_location="cuda")
+    assert all(torch.equal(loaded[k], v) for k, v in second_state.items())
+
+
+@pytest.mark.gpu
+def test_cuda_checkpointer_snapshot_failures(tmp_path, monkeypatch):
+    """No staging area: the caller gets the error, nothing is queued. Copies failing on the save thread: the
+    future raises, the step is not held up, and the area goes back to the pool."""
+    model = torch.nn.Linear(256, 256).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    checkpointer = fastpersist.Checkpointer(optimizer, mode="snapshot")
+    staging.release_idle_areas()
+
+    def no_memory(self, nbytes):
+        raise MemoryError("no pinned memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(staging._Pool, "acquire", no_memory)
+        with pytest.raises(MemoryError, match="no pinned memory"):
+            checkpointer.save(model.state_dict(), tmp_path / "c.pt")
+    assert not fastpersist.pending_saves() and not (tmp_path / "c.pt").exists()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copies failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(staging, "_copy_from_device", broken)
+        future = checkpointer.save(model.state_dict(), tmp_path / "c.pt")
+        model(torch.randn(8, 256, device="cuda")).sum().backward()
+        checkpointer._release()  # what the step's hook does first: it must not wait forever
+        assert isinstance(future.exception(timeout=60), RuntimeError)
+        with pytest.raises(RuntimeError, match="copies failed"):
+            optimizer.step()  # the hook raises the failed save's error before the step
+    assert not (tmp_path / "c.pt").exists()
+    assert staging.staged_bytes() == staging.release_idle_areas(), "no area is still lent"
+    checkpointer.detach()
