@@ -316,17 +316,18 @@ def save(
         return payload
 
     try:
-        reports = coordinator.run("plan", prepare)
+        reports = coordinator.run("plan", prepare, last=False)
         marks = {"plan": time.perf_counter() - began}
         skeleton, token = reports[0]["skeleton"], reports[0]["token"]
-        writer_list = writer_ranks([r["host"] for r in reports], writers)
-        ranges = shard_ranges(skeleton[0].central_directory_offset, len(writer_list), alignment)
-        mine = ranges[writer_list.index(rank)] if rank in writer_list else None
-        state["units"] = max(1, -(-skeleton[0].central_directory_offset // alignment))
         timing: dict[str, float] = {}
 
         def write() -> dict[str, Any]:
-            # Everything here may fail on one rank only: inside the step, the others hear of it at once.
+            # Everything here may fail (on one rank or all): inside the step the others hear of it, which the
+            # plan step, exchanged without waiting for every rank to read it (last=False), relies on.
+            writer_list = state["writer_list"] = writer_ranks([r["host"] for r in reports], writers)
+            ranges = shard_ranges(skeleton[0].central_directory_offset, len(writer_list), alignment)
+            state["units"] = max(1, -(-skeleton[0].central_directory_offset // alignment))
+            mine = ranges[writer_list.index(rank)] if rank in writer_list else None
             if mine is None:
                 return {}
             start = time.perf_counter()
@@ -365,14 +366,14 @@ def save(
                 "digests": digests,
             }
 
-        written = state["written"] = coordinator.run("write", write)
+        written = state["written"] = coordinator.run("write", write, last=False)
         marks["write"] = time.perf_counter() - began
 
         def finish() -> dict[str, Any]:
             if rank != 0:
                 return {}
             return _commit(
-                obj, state, written, writer_list, layout, divergence, token, coordinator.size, settings, _sink
+                obj, state, written, state["writer_list"], layout, divergence, token, coordinator.size, settings, _sink
             )
 
         state["committing"] = True  # from here a part may be referenced by a committed manifest
@@ -392,6 +393,7 @@ def save(
     store = state.get("parts")
     if store is not None and not _sink and (rank == 0 or not store.seen_by_every_rank):
         store.remove_old(token)
+    writer_list = state["writer_list"]
     report = written[rank] if rank in writer_list else {}
     wrote = sum(end - start for _, start, end in report.get("pieces", ()))
     unequal = set(outcome.get("differ", {}).get(rank, ()))

@@ -196,6 +196,25 @@ def _do(rank: int, world: int, directory: str, step: dict):
         if step.get("big"):
             expected["big"] = make_big(step.get("seed", 0))
         return {"same": same(_to_cpu(loaded), expected), "devices": devices}
+    if kind == "exchange":  # the coordinator alone: which steps leave every rank's "read" mark in the store
+        from fastpersist.distributed.coordinator import Coordinator
+
+        coordinator = Coordinator(dist.group.WORLD, 20, "exchange", step.get("name", ""))
+        assert coordinator.exchange("first", rank, last=False) == list(range(world))
+        assert coordinator.exchange("last", rank) == list(range(world))
+        failed = None
+        try:
+            coordinator.exchange("failing", rank, error=ValueError("bad") if rank == world - 1 else None, last=False)
+        except fastpersist.errors.DistributedCheckpointError as error:
+            failed = sorted(error.failures)
+        dist.barrier()
+        prefix = f"{coordinator.namespace}/{coordinator.call}/"
+        marks = {
+            name: bool(coordinator.store.check([f"{prefix}{name}/read/{r}" for r in range(world)]))
+            for name in ("first", "last", "failing")
+        }
+        dist.barrier()  # rank 0 hosts the store: it stays until every rank has looked
+        return {"marks": marks, "failed": failed}
     raise ValueError(kind)
 
 

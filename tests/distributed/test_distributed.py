@@ -113,6 +113,14 @@ def test_both_layouts_and_reload_at_any_world_size(world, tmp_path):
     assert temporaries(tmp_path) == []
 
 
+def test_intermediate_steps_skip_the_read_marks(tmp_path):
+    """A step followed by another (last=False) goes on without every rank's read mark; the last step and a
+    failed one wait for them, so the store's host cannot leave before the others have read."""
+    results = spawn(2, tmp_path, [{"op": "exchange"}])
+    for outcome in ok(results, 0):
+        assert outcome == {"marks": {"first": False, "last": True, "failing": True}, "failed": [1]}
+
+
 def test_single_rank_group_is_the_plain_save(tmp_path):
     results = spawn(1, tmp_path, [{"op": "save", "layout": "parts"}])
     assert ok(results, 0) == [{"plain": True}]  # no collective-save statistics: the plain save ran
