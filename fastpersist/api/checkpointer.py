@@ -61,8 +61,9 @@ class Checkpointer:
         model: optional; normalization layers with running statistics get a
             forward pre-hook that waits (in training mode) before they update.
         mode: ``"pipelined"`` or ``"snapshot"`` (default: setting ``async_mode``).
-            In snapshot mode the hooks only order the step after the
-            device-to-host copies (no waiting on the CPU).
+            In snapshot mode the hooks order the step after the
+            device-to-host copies; the CPU waits only until they are queued
+            (by the save thread when it was idle, see docs/async.md).
         overlap_snapshots: (snapshot mode) run the device-to-host copies beside
             the next forward pass, the step ordered after them (default);
             False: the caller's stream waits for them at once (~5 ms per

@@ -15,7 +15,10 @@ thread, call order, errors never lost). Two modes (setting
 * ``snapshot`` -- the storages are first copied into a reusable staging area
   (pinned host memory the size of the checkpoint; device-to-host copies are
   queued on a side stream and the caller's stream waits for them), then
-  ``async_save`` returns; the state may change at once.
+  ``async_save`` returns; the state may change at once. For a
+  :class:`fastpersist.Checkpointer` with GPU state and an idle save queue,
+  the save thread queues the copies and the optimizer step's hook waits
+  until they are queued.
 
 At most ``async_max_pending`` saves are in flight: a new one first waits for
 the oldest. Errors are never lost: ``result()``/``wait()`` re-raise them; a
