@@ -322,6 +322,9 @@ def test_config_override_in_two_threads_does_not_leak():
 SIGNAL_CHILD = """
 import os, signal, sys, threading, time, torch, fastpersist
 path, how = sys.argv[1], sys.argv[2]
+# Python's own Ctrl-C handler, even when this process was started with SIGINT ignored (a background job of a
+# shell without job control): Python installs it only where SIGINT is not ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 if how == "term-handler":
     def on_term(signum, frame):
         raise SystemExit(143)

@@ -224,9 +224,12 @@ def _child_environment(s3) -> dict:
 
 _CHILD = textwrap.dedent(
     """
-    import os, sys, time, torch, fastpersist
+    import os, signal, sys, time, torch, fastpersist
     from fastpersist.io import objectstore
     url, local, go, wait_forever = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+    # Ctrl-C raises KeyboardInterrupt even in a process started with SIGINT ignored (a background job of a
+    # shell without job control), where Python would not install its handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     real = objectstore.make_client
 
     def held(concurrency):  # the upload waits until the parent says go: it is surely pending until then
