@@ -92,9 +92,10 @@ class Settings:
     reused; a checkpoint smaller than that leases only what it needs (``memory.ring_shape``), and
     ``fastpersist.release_buffers()`` frees idle buffers."""
     read_buffer_size: int = 16 * _MiB
-    """Bytes in each page-locked buffer of the ring of CUDA loads. A multiple of 4096. Many small buffers keep the storage busier than a few large ones: a buffer idles from its read's
-    end until its copy and checksum are done (on the H200 machine 16 x 16 MiB loaded 1.3-1.4x faster than 8 x 64 MiB
-    unverified, 1.1-1.2x verified, with half the memory; docs/performance.md)."""
+    """Bytes in each page-locked buffer of the ring of CUDA loads. A multiple of 4096. Many small buffers keep the
+    storage busier than a few large ones: a buffer idles from its read's end until its copy and checksum are done (on
+    the H200 machine 16 x 16 MiB loaded 1.3-1.4x faster than 8 x 64 MiB unverified, 1.1-1.2x verified, with half the
+    memory; docs/performance.md)."""
     read_buffer_count: int = 16
     """Buffers in the ring of CUDA loads (2 to 64): a buffer is refilled only after its host-to-device copy and
     checksum, so loads need more reads in flight than saves; a storage loaded on its own (``weights_only=False``) is cut

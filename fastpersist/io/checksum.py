@@ -189,10 +189,10 @@ class PendingCrc:
 
 def part_value(part) -> int:
     """The CRC-32 a queued part stands for, waiting for it: an int; a Future of one; a ``(CrcJob, index)``
-    or ``(Future of a list, index)`` pair, for one range of a submission of several."""
+    pair, for one range of a submission of several."""
     if isinstance(part, tuple):
-        source, index = part
-        return source.crc(index) if isinstance(source, engine.CrcJob) else source.result()[index]
+        job, index = part
+        return job.crc(index)
     if isinstance(part, concurrent.futures.Future):
         return part.result()
     return part

@@ -75,7 +75,8 @@ copy_many = _native.copy_many
 (a destination of 0 only checksums); returns each range's CRC-32 with ``checksum``, else ``[]``."""
 CrcPool = _native.CrcPool
 """``CrcPool(threads)``: native threads computing CRC-32s of memory ranges without the GIL; ``submit(addresses,
-lengths)`` returns a ``CrcJob`` (``done()``, ``wait()``, ``crc(index)``) at once. Owned by :mod:`fastpersist.io.checksum`."""
+lengths)`` returns a ``CrcJob`` (``done()``, ``wait()``, ``crc(index)``) at once. Owned by
+:mod:`fastpersist.io.checksum`."""
 CrcJob = _native.CrcJob
 crc32_accelerated = _native.crc32_accelerated
 crc32_combine = _native.crc32_combine
