@@ -645,3 +645,61 @@ def test_cuda_checkpointer_snapshot_failures(tmp_path, monkeypatch):
     assert not (tmp_path / "c.pt").exists()
     assert staging.staged_bytes() == staging.release_idle_areas(), "no area is still lent"
     checkpointer.detach()
+
+
+@pytest.mark.gpu
+def test_cuda_checkpointer_snapshots_from_two_threads(tmp_path):
+    """Two training threads, each with its own Checkpointer in snapshot mode, save at once: every file holds its
+    thread's pre-step values, whichever thread's snapshot the save thread took."""
+    errors = []
+
+    def train(name: str) -> None:
+        try:
+            torch.manual_seed(len(name))
+            model = torch.nn.Linear(1024, 1024).cuda()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+            checkpointer = fastpersist.Checkpointer(optimizer, mode="snapshot")
+            for step in range(6):
+                model(torch.randn(8, 1024, device="cuda")).sum().backward()
+                before = {k: v.clone() for k, v in model.state_dict().items()}
+                checkpointer.save(model.state_dict(), tmp_path / f"{name}-{step}.pt")
+                optimizer.step()
+                optimizer.zero_grad()
+                checkpointer.wait()
+                loaded = fastpersist.load(tmp_path / f"{name}-{step}.pt", map_location="cuda")
+                assert all(torch.equal(loaded[k], v) for k, v in before.items()), (name, step)
+            checkpointer.close()
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(name,)) for name in ("a", "bb")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+
+
+@pytest.mark.gpu
+def test_cuda_checkpointer_snapshot_in_an_atexit_handler(tmp_path):
+    """A Checkpointer snapshot saved by an atexit handler (no save thread any more) is taken and written there."""
+    script = textwrap.dedent(
+        """
+        import atexit, sys, torch, fastpersist
+        model = torch.nn.Linear(256, 256).cuda()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        checkpointer = fastpersist.Checkpointer(optimizer, mode="snapshot")
+        def last_words():
+            checkpointer.save(model.state_dict(), sys.argv[1])
+            checkpointer.close()
+        atexit.register(last_words)
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, sys.argv[1] + ".expected")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": REPO}
+    path = tmp_path / "c.pt"
+    done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    expected = torch.load(str(path) + ".expected")
+    loaded = fastpersist.load(path, map_location="cpu")
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
