@@ -104,7 +104,7 @@ def collect_info(directory: str = ".") -> dict[str, Any]:
     import torch
 
     from fastpersist import config, system
-    from fastpersist.io import engine
+    from fastpersist.io import checksum, engine
 
     status = engine.engine_status()
     try:
@@ -138,11 +138,19 @@ def collect_info(directory: str = ".") -> dict[str, Any]:
             "cap_ipc_lock": system.effective_capability(14),
             "transparent_huge_pages": system.transparent_huge_pages(),
         },
+        "checksums": {"crc32_method": engine.crc32_method(), "crc32_threads": checksum.threads()},
         "cuda": cuda,
         "gds": gds_info(cuda["available"], directory=directory),
         "tools": {"fio": system.find_fio(), "fio_note": None if system.find_fio() else system.FIO_INSTALL_HINT},
         "settings": config.settings().as_dict(),
     }
+
+
+_CRC32_METHODS = {
+    "vpclmul": "256-bit carry-less multiplication (VPCLMULQDQ)",
+    "pclmul": "128-bit carry-less multiplication (PCLMULQDQ)",
+    "table": "slice-by-8 table (no carry-less multiplication on this CPU)",
+}
 
 
 def _limit_text(value: int | None) -> str:
@@ -175,6 +183,11 @@ def _print_info(info: dict[str, Any]) -> None:
     print(f"  memlock limit     {_limit_text(m['memlock_soft_bytes'])} (hard {_limit_text(m['memlock_hard_bytes'])})")
     print(f"  CAP_IPC_LOCK      {cap}" + ("   (locking is not limited by the memlock limit)" if cap == "yes" else ""))
     print(f"  transparent huge pages  {m['transparent_huge_pages']}")
+    k = info["checksums"]
+    print("\nChecksums")
+    print(
+        f"  CRC-32            {_CRC32_METHODS.get(k['crc32_method'], k['crc32_method'])}, {k['crc32_threads']} threads"
+    )
     fio = info["tools"]["fio"]
     print("\nBenchmark tools")
     print(f"  fio               {fio or 'not installed: ' + info['tools']['fio_note'].split('; ', 1)[1]}")

@@ -49,6 +49,9 @@ __all__ = [
     "crc32_of",
     "copy_with_crc32",
     "crc32_accelerated",
+    "crc32_method",
+    "crc32_methods",
+    "crc32_with",
     "crc32_combine",
     "copy_many",
     "CrcPool",
@@ -79,6 +82,14 @@ lengths)`` returns a ``CrcJob`` (``done()``, ``wait()``, ``crc(index)``) at once
 :mod:`fastpersist.io.checksum`."""
 CrcJob = _native.CrcJob
 crc32_accelerated = _native.crc32_accelerated
+crc32_method = _native.crc32_method
+"""``crc32_method()``: the CRC-32 method in use, the fastest this CPU has: ``"vpclmul"`` (256-bit carry-less
+multiplication, 128 bytes a step), ``"pclmul"`` (128-bit, 64 bytes a step) or ``"table"`` (slice-by-8)."""
+crc32_methods = _native.crc32_methods
+"""``crc32_methods()``: every CRC-32 method this CPU can run, slowest first."""
+crc32_with = _native.crc32_with
+"""``crc32_with(method, address, length, crc=0, copy_to=0)``: ``crc32`` by the named method (with ``copy_to``,
+also the copy of ``copy_with_crc32``); for tests and benchmarks comparing methods on one machine."""
 crc32_combine = _native.crc32_combine
 """``crc32_combine(crc_first, crc_second, length_second)``: CRC-32 of two ranges back to back (zlib's)."""
 hash64 = _native.hash64

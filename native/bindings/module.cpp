@@ -498,6 +498,18 @@ own request and sees only its own error, whatever other threads do on the handle
   m.def("crc32_combine", &crc32_combine, py::arg("crc_first"), py::arg("crc_second"), py::arg("length_second"),
         "CRC-32 of two ranges back to back from each one's CRC-32 (zlib's crc32_combine).");
   m.def("crc32_accelerated", &crc32_accelerated, "Whether CRC-32 uses carry-less multiplication on this CPU.");
+  m.def("crc32_method", &crc32_method, "The CRC-32 method in use on this CPU: 'vpclmul', 'pclmul' or 'table'.");
+  m.def("crc32_methods", &crc32_methods, "Every CRC-32 method this CPU can run, slowest first.");
+  m.def(
+      "crc32_with",
+      [](const std::string& method, uintptr_t address, size_t length, uint32_t crc, uintptr_t copy_to) {
+        py::gil_scoped_release release;
+        return crc32_update_with(method, crc, reinterpret_cast<const void*>(address), length,
+                                 reinterpret_cast<void*>(copy_to));
+      },
+      py::arg("method"), py::arg("address"), py::arg("length"), py::arg("crc") = 0, py::arg("copy_to") = 0,
+      "``crc32`` (with ``copy_to``, ``copy_with_crc32``) by the named method, for tests and benchmarks; "
+      "ValueError where this CPU cannot run it.");
 
   py::class_<CrcJob, std::shared_ptr<CrcJob>>(m, "CrcJob", "The CRC-32s of one CrcPool.submit(), filled in by the pool.")
       .def("done", &CrcJob::done, "Whether every range's CRC-32 is known (never blocks).")

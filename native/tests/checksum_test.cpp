@@ -1,7 +1,10 @@
 // Tests of the CRC-32 component (checksum.hpp) without Python: known values, every length around the
-// folding's 64-byte steps against the table path, the fused copy, combination of pieces:
+// folding's 64- and 128-byte steps by each method the CPU has against a bitwise reference, the fused
+// copy, combination of pieces:
 //   g++ -std=c++17 -Inative/include -Inative/src native/src/*.cpp native/tests/checksum_test.cpp && ./a.out
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "check.hpp"
@@ -40,6 +43,26 @@ int main() {
       }
     }
   }
-  std::printf("checksum: ok (%s)\n", crc32_accelerated() ? "carry-less multiplication" : "table");
+  for (const std::string& method : crc32_methods()) {  // each method, not only the fastest
+    for (size_t n = 0; n <= 1100; ++n) {
+      for (size_t shift : {size_t(0), size_t(3)}) {
+        const uint32_t want = reference(data.data() + shift, n);
+        EXPECT(crc32_update_with(method, 0, data.data() + shift, n) == want);
+        std::vector<unsigned char> copy(n + 1, 0xAB);
+        EXPECT(crc32_update_with(method, 0, data.data() + shift, n, copy.data()) == want);
+        EXPECT(std::memcmp(copy.data(), data.data() + shift, n) == 0 && copy[n] == 0xAB);
+      }
+    }
+    const uint32_t first = crc32_update_with(method, 0, data.data(), 777);
+    EXPECT(crc32_update_with(method, first, data.data() + 777, 4000) == reference(data.data(), 4777));
+  }
+  bool refused = false;
+  try {
+    crc32_update_with("no-such-method", 0, data.data(), 1);
+  } catch (const std::invalid_argument&) {
+    refused = true;
+  }
+  EXPECT(refused);
+  std::printf("checksum: ok (%s)\n", crc32_method().c_str());
   return 0;
 }

@@ -24,6 +24,9 @@ def test_info_json_in_process(tmp_path, capsys):
     d = info["directory"]
     assert d["path"] == str(tmp_path) and isinstance(d["direct"], bool) and d["alignment"] >= 4096 and d["fs_type"]
     assert "memlock_soft_bytes" in info["memory"]
+    from fastpersist.io import checksum, engine
+
+    assert info["checksums"] == {"crc32_method": engine.crc32_method(), "crc32_threads": checksum.threads()}
     import torch
 
     assert info["cuda"]["available"] is torch.cuda.is_available()

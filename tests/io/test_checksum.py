@@ -62,6 +62,50 @@ def test_acceleration_is_reported_as_the_cpu_allows():
     with open("/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith("flags")).split()
     assert engine.crc32_accelerated() is ("pclmulqdq" in flags and "sse4_1" in flags)
+    expected = "table"
+    if engine.crc32_accelerated():
+        expected = "vpclmul" if "vpclmulqdq" in flags and "avx2" in flags else "pclmul"
+    assert engine.crc32_method() == expected
+    assert engine.crc32_methods()[-1] == expected and engine.crc32_methods()[0] == "table"
+
+
+@pytest.mark.parametrize("method", engine.crc32_methods())
+@pytest.mark.parametrize("offset", [0, 5, 16])
+def test_every_method_the_cpu_has_matches_zlib(data, method, offset):
+    # The fastest method is what crc32 uses; the slower ones still run on CPUs without the newer instructions.
+    for length in list(range(0, 300)) + [511, 512, 513, 4096 + 48, 65536 + 15, (1 << 20) + 7]:
+        piece = data[offset : offset + length]
+        payload = raw(piece)
+        assert engine.crc32_with(method, piece.data_ptr(), length) == zlib.crc32(payload), length
+        assert engine.crc32_with(method, piece.data_ptr(), length, 77) == zlib.crc32(payload, 77), length
+        copy = torch.full((length + 1,), 0xAB, dtype=torch.uint8)
+        assert engine.crc32_with(method, piece.data_ptr(), length, copy_to=copy.data_ptr()) == zlib.crc32(payload)
+        assert raw(copy[:length]) == payload and int(copy[length]) == 0xAB, length
+
+
+def test_an_unknown_crc32_method_is_refused(data):
+    with pytest.raises(ValueError, match="not available on this CPU"):
+        engine.crc32_with("sse9", data.data_ptr(), 16)
+
+
+def test_folding_constants_are_the_derived_ones():
+    import pathlib
+    import re
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "tools"))
+    try:
+        import crc32_constants
+    finally:
+        sys.path.pop(0)
+    source = (root / "native" / "src" / "checksum.cpp").read_text()
+    for distance in (128, 512, 1024):
+        for half, value in crc32_constants.constants(distance).items():
+            name = f"kFold{distance}{half.capitalize()}"
+            found = re.search(name + r" = (0x[0-9a-fA-F]+)LL", source)
+            assert found is not None, name
+            assert int(found.group(1), 16) == value, name
 
 
 @pytest.mark.parametrize("make", [bytes, bytearray, memoryview, lambda b: memoryview(b"xx" + b)[2:]])
