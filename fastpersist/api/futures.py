@@ -181,6 +181,7 @@ class _Release:
         """(writer) The save ended: nothing reads the tensors any more, nothing is left to decide."""
         with self._lock:
             self._decided = True
+            self._recorded = []  # the future outlives the save: it must not keep the state alive
         self._queued.set()
 
     def release(self) -> None:
@@ -314,6 +315,7 @@ def async_save(
                 release.reads_queued(snapshot.events)
 
         def work() -> None:
+            nonlocal plan, snapshot, leased, streams
             taken = snapshot
             try:
                 if taken is None:
@@ -334,6 +336,9 @@ def async_save(
                     leased.release()
                 if release is not None:
                     release.abandon()
+                # The future outlives the save, and a failure's traceback holds this frame's function:
+                # its closure must not keep the state (a model's GPU memory) alive.
+                plan = snapshot = taken = leased = streams = None
 
     else:
         # The copies must come after the work queued so far on the caller's streams,
@@ -342,6 +347,7 @@ def async_save(
         release = _Release(path, recorded)
 
         def work() -> None:
+            nonlocal plan, streams
             try:
                 commit(
                     plan,
@@ -353,6 +359,7 @@ def async_save(
                 )
             finally:
                 release.abandon()
+                plan = streams = None  # as above: nothing the future keeps may hold the state
 
     future._release = release
     future._work = work

@@ -118,6 +118,10 @@ class SaveFuture:
             assert self._work is not None
             self._work()
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            # The finished frames' locals hold the state (a model's GPU tensors), and this frame holds
+            # the future, which holds the error: a cycle that kept the state alive until a garbage
+            # collection. Their file and line stay in the traceback; only their locals go.
+            traceback.clear_frames(e.__traceback__)
             self._error = e
         timeline.mark("done")
         self._finish()

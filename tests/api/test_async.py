@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 import types
 import warnings
 
@@ -459,6 +460,7 @@ def test_invalid_mode_and_bound_raise_at_once(tmp_path):
 def test_cuda_mutation_right_after_the_call(mode, tmp_path):
     path = tmp_path / "ckpt.pt"
     x = torch.zeros(16 << 20, device="cuda")
+    gc.collect()  # an earlier test's garbage freed in the middle would make the count below drop
     before = torch.cuda.memory_allocated()
     future = fastpersist.async_save({"x": x}, path, mode=mode)
     assert torch.cuda.memory_allocated() == before, "no GPU copy of the state"
@@ -703,3 +705,32 @@ def test_cuda_checkpointer_snapshot_in_an_atexit_handler(tmp_path):
     expected = torch.load(str(path) + ".expected")
     loaded = fastpersist.load(path, map_location="cpu")
     assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
+def test_a_failed_save_lets_go_of_the_state_without_waiting_for_the_garbage_collector(tmp_path, mode):
+    # The future outlives the save, and its error's traceback held the frames that held the plan: the
+    # state's memory (a model's GPU tensors) stayed taken after the failure until some later collection.
+    import weakref
+
+    import numpy
+
+    from fastpersist.io import engine
+
+    memory = numpy.ones(300_000, dtype=numpy.float32)  # the storage below keeps it alive, and only that
+    freed = weakref.ref(memory)
+    obj = {"w": torch.from_numpy(memory), "step": 3}
+    del memory
+    gc.collect()
+    gc.disable()
+    try:
+        with engine.inject_fault(nth=1, errno=5, op="write"):
+            future = fastpersist.async_save(obj, tmp_path / "x.pt", mode=mode)
+            error = future.exception(timeout=60)
+        assert isinstance(error, OSError) and error.errno == 5
+        assert "fastpersist" in "".join(traceback.format_exception(error))  # still says where it failed
+        del obj
+        assert freed() is None, "the failed save still holds the state"
+        assert future.exception() is error  # the future itself stays usable
+    finally:
+        gc.enable()
