@@ -212,18 +212,15 @@ const char* method_name(Method m) {
 
 uint32_t crc_raw_with(Method method, uint32_t c, const unsigned char* p, size_t n, unsigned char* dst) {
 #if FASTPERSIST_HAVE_PCLMUL
+  // The folding covers the 16-byte blocks; the table finishes the last few bytes.
+  uint32_t (*folding)(uint32_t, const unsigned char*, size_t, unsigned char*) = nullptr;
 #if FASTPERSIST_HAVE_VPCLMUL
-  if (method == Method::vpclmul && n >= 256) {
-    const size_t body = n & ~static_cast<size_t>(15);
-    c = crc_vpclmul(c, p, body, dst);
-    p += body;
-    if (dst) dst += body;
-    n -= body;
-  } else
+  if (method == Method::vpclmul && n >= 256) folding = crc_vpclmul;
 #endif
-  if (method != Method::table && n >= 64) {
+  if (folding == nullptr && method != Method::table && n >= 64) folding = crc_pclmul;
+  if (folding != nullptr) {
     const size_t body = n & ~static_cast<size_t>(15);
-    c = crc_pclmul(c, p, body, dst);
+    c = folding(c, p, body, dst);
     p += body;
     if (dst) dst += body;
     n -= body;
