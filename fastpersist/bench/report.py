@@ -565,6 +565,7 @@ RENDERERS: dict[str, Any] = {
     "shapes": _per_document("fastpersist.bench.shapes", "markdown"),
     "aio_handle": _per_document("fastpersist.bench.aio_handle", "to_markdown"),
     "gds": _per_document("fastpersist.bench.gds", "to_markdown"),
+    "stages": _per_document("fastpersist.bench.stages", "to_markdown"),
     "offload": _per_document("fastpersist.bench.offload", "to_markdown"),
     "s3": _per_document("fastpersist.bench.s3", "to_markdown"),
 }

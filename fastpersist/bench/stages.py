@@ -1,0 +1,283 @@
+"""Where a CUDA load's time goes: ``python -m fastpersist.bench stages [--source PATH | --sink] [--json OUT]``.
+
+A load moves each window of its file through one ring of page-locked
+buffers (:func:`fastpersist.io.reader.stream_to_device`): the read (a native
+handle per buffer), the CRC-32 (the native pool) and the host-to-device copy
+(a side stream). This runs the same ring with the stages added one at a
+time, on the calling thread, each buffer refilled as soon as the stages named
+are done for it (in window order), and in between plain ``pread`` threads
+into the same buffers, with no engine:
+
+* ``read``, ``read + CRC-32``, and with a GPU ``read + copy`` and
+  ``read + copy + CRC-32`` (what a verified load does);
+* ``pread x 8``, ``pread x 16``: what the source gives to plain threads.
+
+The source is a file (``--source``; by default a fresh one of ``--size``
+random bytes in ``--dir``, removed afterwards), read buffered (from the page
+cache, or tmpfs), or ``--sink``: ``/dev/zero``, the load pipeline without
+storage. Each stage moves the same whole windows
+(``--size`` rounded down), ``--rounds`` times after one untimed round, the
+stages alternating within a round; GB/s are medians. Every CRC-32 stage's
+checksums, joined, must equal the CRC-32 of the bytes the source holds
+(``crc_checked`` in the results), so a fast stage is a correct one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from fastpersist import config
+from fastpersist.bench.measure import code_version, machine_info
+from fastpersist.io import checksum, engine, memory
+
+__all__ = ["main", "run", "to_markdown"]
+
+_SINK = "/dev/zero"
+_STAGES = ("read", "read + CRC-32", "read + copy", "read + copy + CRC-32")
+_THREADS = (8, 16)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fastpersist.bench stages", description=__doc__.split("\n")[0])
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--source", default=None, help="a file to read (its first --size bytes); kept")
+    where.add_argument("--sink", action="store_true", help="read /dev/zero: the load pipeline without storage")
+    p.add_argument("--dir", default=None, help="where the fresh source file goes (default: the temporary directory)")
+    p.add_argument("--size", type=config.size_argument, default=4 << 30, help="bytes per stage (default 4GiB)")
+    p.add_argument("--window", type=config.size_argument, default=None, help="default: read_buffer_size")
+    p.add_argument("--slots", type=int, default=None, help="ring buffers (default: read_buffer_count)")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--no-cuda", action="store_true", help="leave out the copies even when a GPU is present")
+    p.add_argument("--json", default=None, help="write the results document to this path")
+    return p
+
+
+def _write_source(directory: str, size: int) -> str:
+    """A fresh file of ``size`` bytes (a random 64 MiB block repeated) in ``directory``."""
+    path = os.path.join(directory, f".fastpersist-stages-{os.getpid()}.bin")
+    block = os.urandom(64 << 20)
+    with open(path, "wb") as out:
+        for offset in range(0, size, len(block)):
+            out.write(block[: min(len(block), size - offset)])
+    return path
+
+
+def _source_crc(path: str, size: int, buffer: torch.Tensor) -> int:
+    """CRC-32 of the first ``size`` bytes ``path`` gives, read with plain ``pread``."""
+    view = memoryview(buffer.numpy())
+    crc = 0
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        for offset in range(0, size, buffer.numel()):
+            n = min(buffer.numel(), size - offset)
+            if os.preadv(descriptor, [view[:n]], offset) != n:
+                raise OSError(f"{path}: short read at {offset}")
+            crc = checksum.crc32(buffer.data_ptr(), n, crc)
+    finally:
+        os.close(descriptor)
+    return crc
+
+
+class _Ring:
+    """The load's ring with a chosen set of stages, refilled from the calling thread in window order."""
+
+    def __init__(self, path: str, windows: int, window: int, buffers: list, handles: list, device):
+        self.path, self.windows, self.window = path, windows, window
+        self.buffers, self.handles = buffers, handles
+        self.target = torch.empty(len(buffers) * window, dtype=torch.uint8, device=device) if device else None
+        self.stream = torch.cuda.Stream(device) if device else None
+
+    def run(self, stage: str) -> tuple[float, int | None]:
+        """Seconds for every window through ``stage``; the joined CRC-32 when the stage has one."""
+        crc_wanted, copy_wanted = "CRC-32" in stage, "copy" in stage
+        count, window = len(self.buffers), self.window
+        source = engine.File(self.path, "r", direct=False)
+        owed: collections.deque = collections.deque()  # (slot, event, crc job, next window), window order
+        jobs: list = []
+
+        def submit(slot: int, index: int) -> None:
+            buffer = self.buffers[slot]
+            self.handles[slot].submit_read(buffer.data_ptr(), window, source, index * window, buffer)
+
+        def done(entry) -> bool:
+            _, event, job, _ = entry
+            return (event is None or event.query()) and (job is None or job.done())
+
+        def refill(entry) -> None:
+            slot, event, job, following = entry
+            if event is not None:
+                event.synchronize()
+            if job is not None:
+                job.wait()
+            submit(slot, following)
+
+        try:
+            started = time.perf_counter()
+            for slot in range(min(count, self.windows)):
+                submit(slot, slot)
+            for index in range(self.windows):
+                slot = index % count
+                while owed and (owed[0][0] == slot or done(owed[0])):
+                    refill(owed.popleft())
+                self.handles[slot].wait()
+                buffer, event, job = self.buffers[slot], None, None
+                if crc_wanted:
+                    job = checksum.submit_crc32(buffer.data_ptr(), window, piece_size=window)
+                    jobs.append(job)
+                if copy_wanted:
+                    with torch.cuda.stream(self.stream):
+                        self.target[slot * window : (slot + 1) * window].copy_(buffer, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self.stream)
+                if index + count < self.windows:
+                    owed.append((slot, event, job, index + count))
+                else:
+                    if event is not None:
+                        event.synchronize()
+                    if job is not None:
+                        job.wait()
+            elapsed = time.perf_counter() - started
+        finally:
+            for handle in self.handles:
+                try:
+                    handle.wait()
+                except OSError:
+                    pass  # the error being raised is the one that matters
+            source.close()
+        if not crc_wanted:
+            return elapsed, None
+        crc = None
+        for job in jobs:
+            value = job.result()
+            crc = value if crc is None else engine.crc32_combine(crc, value, window)
+        return elapsed, crc
+
+
+def _pread_threads(path: str, windows: int, window: int, buffers: list, threads: int) -> float:
+    """Seconds for ``threads`` threads of ``pread`` to read the windows, each into its own buffer."""
+    views = [memoryview(b.numpy()) for b in buffers]
+    descriptor = os.open(path, os.O_RDONLY)
+
+    def work(k: int) -> None:
+        view = views[k % len(views)]
+        for index in range(k, windows, threads):
+            if os.preadv(descriptor, [view], index * window) != window:
+                raise OSError(f"{path}: short read of window {index}")
+
+    try:
+        started = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(work, range(threads)))
+        return time.perf_counter() - started
+    finally:
+        os.close(descriptor)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    settings = config.settings()
+    window = args.window or settings.read_buffer_size
+    slots = args.slots or settings.read_buffer_count
+    windows = args.size // window
+    if windows < 1:
+        raise ValueError(f"--size {args.size} is smaller than one window ({window} bytes)")
+    nbytes = windows * window
+    device = torch.device("cuda") if torch.cuda.is_available() and not args.no_cuda else None
+    stages = [s for s in _STAGES if device is not None or "copy" not in s]
+    made = None
+    if args.sink:
+        path = _SINK
+    elif args.source:
+        path = args.source
+        if os.path.getsize(path) < nbytes:
+            raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, fewer than --size ({nbytes})")
+    else:
+        path = made = _write_source(args.dir or tempfile.gettempdir(), nbytes)
+    samples: dict[str, list[float]] = {name: [] for name in stages + [f"pread x {t}" for t in _THREADS]}
+    crc_checked: dict[str, bool] = {}
+    try:
+        with memory.lease_buffers(max(slots, max(_THREADS)), window, settings.huge_pages) as buffers:
+            expected = _source_crc(path, nbytes, buffers[0])
+            handles = [engine.make_handle(settings) for _ in range(slots)]
+            ring = _Ring(path, windows, window, buffers[:slots], handles, device)
+            for round_index in range(args.rounds + 1):
+                for name in samples:
+                    if name.startswith("pread"):
+                        seconds, crc = _pread_threads(path, windows, window, buffers, int(name.split()[-1])), None
+                    else:
+                        seconds, crc = ring.run(name)
+                    if crc is not None:
+                        crc_checked[name] = crc_checked.get(name, True) and crc == expected
+                    if round_index:
+                        samples[name].append(seconds)
+    finally:
+        if made is not None:
+            os.unlink(made)
+    if not all(crc_checked.values()):
+        raise RuntimeError(f"a stage's CRC-32 differs from the source's: {crc_checked}")
+    results = []
+    for name, seconds in samples.items():
+        rates = [nbytes / s / 1e9 for s in seconds]
+        results.append(
+            {
+                "stage": name,
+                "gbps": statistics.median(rates),
+                "gbps_min": min(rates),
+                "gbps_max": max(rates),
+                "seconds": seconds,
+                "crc_checked": crc_checked.get(name),
+            }
+        )
+    return {
+        "benchmark": "stages",
+        "config": {
+            "source": "sink (/dev/zero)" if args.sink else ("file" if args.source else "fresh file"),
+            "path": None if made else path,
+            "bytes": nbytes,
+            "window_bytes": window,
+            "slots": slots,
+            "rounds": args.rounds,
+            "device": str(device) if device else "cpu",
+        },
+        "settings": settings.as_dict(),
+        "code": code_version(),
+        "machine": machine_info(os.path.dirname(path) if not args.sink else None, "cuda" if device else "cpu"),
+        "results": results,
+    }
+
+
+def to_markdown(document: dict[str, Any]) -> str:
+    """The stages' GB/s, each against the ring's read alone."""
+    c = document["config"]
+    read = next((r["gbps"] for r in document["results"] if r["stage"] == "read"), None)
+    lines = [
+        f"{c['bytes'] / 1e9:.1f} GB from {c['source']}, ring of {c['slots']} x {c['window_bytes'] >> 20} MiB, "
+        f"device {c['device']}, median of {c['rounds']} rounds",
+        "",
+        "| stage | GB/s | range | of the ring's read alone |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for r in document["results"]:
+        ratio = f"{r['gbps'] / read:.2f}" if read else "-"
+        lines.append(f"| {r['stage']} | {r['gbps']:.1f} | {r['gbps_min']:.1f}-{r['gbps_max']:.1f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    document = run(args)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(document, f, indent=2, default=str)
+    print(to_markdown(document))
+    return 0

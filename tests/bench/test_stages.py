@@ -1,0 +1,44 @@
+"""The stage-by-stage ring benchmark: every stage moves the source's bytes, and its CRC-32s are the source's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastpersist.bench import report, stages
+
+SMALL = ["--size", "8M", "--window", "1M", "--slots", "4", "--rounds", "1", "--no-cuda"]
+
+
+def test_stages_of_a_fresh_file(tmp_path, capsys):
+    out = tmp_path / "stages.json"
+    assert stages.main(SMALL + ["--dir", str(tmp_path), "--json", str(out)]) == 0
+    document = json.loads(out.read_text())
+    rows = {r["stage"]: r for r in document["results"]}
+    assert list(rows) == ["read", "read + CRC-32", "pread x 8", "pread x 16"]
+    assert rows["read + CRC-32"]["crc_checked"] is True and rows["read"]["crc_checked"] is None
+    assert all(r["gbps"] > 0 and len(r["seconds"]) == 1 for r in rows.values())
+    assert document["config"]["bytes"] == 8 << 20 and document["machine"]["code"]
+    assert list(tmp_path.iterdir()) == [out]  # the fresh source is removed
+    assert "| read + CRC-32 |" in capsys.readouterr().out
+    assert report.benchmark_of(document) == "stages" and "| pread x 16 |" in stages.to_markdown(document)
+
+
+def test_stages_of_the_sink():
+    document = stages.run(stages.build_parser().parse_args(SMALL + ["--sink"]))
+    assert document["config"]["source"] == "sink (/dev/zero)"
+    assert next(r for r in document["results"] if r["stage"] == "read + CRC-32")["crc_checked"] is True
+
+
+def test_a_wrong_crc_fails_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(stages, "_source_crc", lambda *a: 12345)
+    with pytest.raises(RuntimeError, match="differs from the source"):
+        stages.main(SMALL + ["--dir", str(tmp_path)])
+
+
+def test_a_source_shorter_than_the_size_is_refused(tmp_path):
+    short = tmp_path / "short.bin"
+    short.write_bytes(b"x" * 4096)
+    with pytest.raises(ValueError, match="fewer than --size"):
+        stages.main(SMALL + ["--source", str(short)])
