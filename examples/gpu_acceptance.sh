@@ -4,7 +4,7 @@
 #
 #   bash examples/gpu_acceptance.sh OUTDIR tests        # build, GPU tests, DeepSpeed + safetensors peers (~5 min)
 #   bash examples/gpu_acceptance.sh OUTDIR checkpoint   # checkpoint benchmark: 4 GB disk, 4 GB /dev/shm, 16 GB (~6 min)
-#   bash examples/gpu_acceptance.sh OUTDIR shapes       # shapes + sink, AioHandle ring, DP ranks (~6 min)
+#   bash examples/gpu_acceptance.sh OUTDIR shapes       # shapes + sink, load stages, AioHandle ring, DP ranks (~6 min)
 #   bash examples/gpu_acceptance.sh OUTDIR features     # safetensors, DCP, training overhead (~8 min)
 #   bash examples/gpu_acceptance.sh OUTDIR gds          # GdsHandle: tests, DeepSpeed test_gds.py per path, bench gds (~6 min)
 #   bash examples/gpu_acceptance.sh OUTDIR multigpu     # 2+ GPUs: multigpu tests, DDP + Lightning examples (~8 min)
@@ -95,6 +95,10 @@ part_shapes() {
     --device cuda --dir "$scratch" --repeats 2 --warmup 1 --json "$out/$machine-shapes-medium-4g-disk.json"
   step "$machine-shapes-small-100k" 120 python3 -m fastpersist.bench shapes --shape many-small --tensors 100000 \
     --tensor-bytes 16-256 --dir "$scratch" --repeats 2 --warmup 1 --json "$out/$machine-shapes-small-100k.json"
+  step "$machine-stages-4g-shm" 90 python3 -m fastpersist.bench stages --dir /dev/shm --size 4G --rounds 5 \
+    --json "$out/$machine-stages-4g-shm.json"
+  step "$machine-stages-4g-sink" 60 python3 -m fastpersist.bench stages --sink --size 4G --rounds 5 \
+    --json "$out/$machine-stages-4g-sink.json"
   step "$machine-aio-handle" 90 python3 -m fastpersist.bench aio_handle --dir "$scratch/aio" --size 1G --repeat 3 \
     --json "$out/$machine-aio-handle.json"
   step "$machine-ranks-file" 150 python3 -m fastpersist.bench ranks --ranks 1,2,4 --size 2G --device cuda --dir "$scratch" \

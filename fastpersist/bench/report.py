@@ -487,11 +487,6 @@ def dcp_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(parts)
 
 
-_BLOCK = re.compile(
-    r"(<!-- fastpersist:(summary|results|dcp|ranks|training|safetensors|shapes|aio_handle|gds|offload|s3) -->\n)(.*?)"
-    r"(<!-- /fastpersist -->)",
-    re.DOTALL,
-)
 RESULTS_DIR = os.path.join("docs", "results")
 
 
@@ -583,7 +578,12 @@ def render_docs(text: str, documents: Sequence[tuple[str, dict[str, Any]]]) -> s
             body = "_No results in docs/results/ yet: run examples/gpu_acceptance.sh or the benchmark with --json._\n"
         return match.group(1) + body + match.group(4)
 
-    return _BLOCK.sub(fill, text)
+    # One block name per renderer: a benchmark registered there has its block (no second list to keep).
+    block = re.compile(
+        r"(<!-- fastpersist:(" + "|".join(map(re.escape, RENDERERS)) + r") -->\n)(.*?)(<!-- /fastpersist -->)",
+        re.DOTALL,
+    )
+    return block.sub(fill, text)
 
 
 def doc_files(root: str) -> list[str]:
