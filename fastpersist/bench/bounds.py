@@ -120,29 +120,50 @@ def write_ceiling(directory: str, nbytes: int, repeats: int = 3) -> dict[str, An
     return {"bytes": nbytes, "direct": direct, "seconds": ways, "best": best, "best_s": ways[best]}
 
 
-def read_ceiling(path: str) -> float:
-    """Seconds to read all of ``path`` with eight threads of 8 MiB ``pread`` calls (O_DIRECT where it works).
+def read_ceiling(
+    path: str,
+    threads: int = _THREADS,
+    block: int = _BLOCK,
+    *,
+    size: int | None = None,
+    buffers: list | None = None,
+    direct: bool = True,
+) -> float:
+    """Seconds for ``threads`` threads of ``block``-byte ``pread`` calls to read ``path`` (O_DIRECT where it works).
 
-    The caller drops the file's cached pages first when it wants a cold read.
+    ``size``: the first bytes only (default: the whole file; ``/dev/zero`` needs it). ``buffers``: page-aligned
+    uint8 tensors of at least ``block`` bytes to read into, thread ``k`` into ``buffers[k % len(buffers)]``
+    (default: one new buffer per thread). ``direct=False`` reads through the page cache, as a buffered load
+    does. A read shorter than asked raises OSError. The caller drops the file's cached pages first when it
+    wants a cold read.
     """
-    size = os.path.getsize(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
+    size = os.path.getsize(path) if size is None else size
+    fd = None
+    if direct:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            fd = None
+    if fd is None:
         fd = os.open(path, os.O_RDONLY)
-    buffers = [memory.aligned_empty(_BLOCK) for _ in range(_THREADS)]
-    views = [memoryview(b.numpy()) for b in buffers]
-    offsets = list(range(0, size, _BLOCK))
+    if buffers is None:
+        buffers = [memory.aligned_empty(block) for _ in range(threads)]
+    views = [memoryview(b.numpy())[:block] for b in buffers]
+    offsets = list(range(0, size, block))
 
     def read(index: int) -> None:
-        view = views[index % _THREADS]
-        for offset in offsets[index::_THREADS]:
-            os.preadv(fd, [view], offset)
+        view = views[index % len(views)]
+        for offset in offsets[index::threads]:
+            wanted = min(block, size - offset)
+            # O_DIRECT reads whole blocks (the file's tail is short by itself); buffered ones ask for what is left.
+            got = os.preadv(fd, [view if direct else view[:wanted]], offset)
+            if got < wanted:
+                raise OSError(f"{path}: {got} bytes read at offset {offset}, {wanted} expected")
 
     started = time.perf_counter()
     try:
-        with concurrent.futures.ThreadPoolExecutor(_THREADS) as pool:
-            list(pool.map(read, range(_THREADS)))
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, range(threads)))
     finally:
         os.close(fd)
     return time.perf_counter() - started

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import json
 import os
 import statistics
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 
 from fastpersist import config
+from fastpersist.bench import bounds
 from fastpersist.bench.measure import code_version, machine_info
 from fastpersist.io import checksum, engine, memory
 
@@ -162,26 +162,6 @@ class _Ring:
         return elapsed, crc
 
 
-def _pread_threads(path: str, windows: int, window: int, buffers: list, threads: int) -> float:
-    """Seconds for ``threads`` threads of ``pread`` to read the windows, each into its own buffer."""
-    views = [memoryview(b.numpy()) for b in buffers]
-    descriptor = os.open(path, os.O_RDONLY)
-
-    def work(k: int) -> None:
-        view = views[k % len(views)]
-        for index in range(k, windows, threads):
-            if os.preadv(descriptor, [view], index * window) != window:
-                raise OSError(f"{path}: short read of window {index}")
-
-    try:
-        started = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(work, range(threads)))
-        return time.perf_counter() - started
-    finally:
-        os.close(descriptor)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = config.settings()
     window = args.window or settings.read_buffer_size
@@ -215,7 +195,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for round_index in range(args.rounds + 1):
                 for name in samples:
                     if name.startswith("pread"):
-                        seconds, crc = _pread_threads(path, windows, window, buffers, int(name.split()[-1])), None
+                        threads = int(name.split()[-1])
+                        seconds = bounds.read_ceiling(path, threads, window, size=nbytes, buffers=buffers, direct=False)
+                        crc = None
                     else:
                         seconds, crc = ring.run(name)
                     if crc is not None:

@@ -36,6 +36,11 @@ def test_read_ceiling_reads_a_file_of_any_length(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom((9 << 20) + 123))
     assert bounds.read_ceiling(str(path)) > 0
+    assert bounds.read_ceiling(str(path), 16, 1 << 20, size=5 << 20, direct=False) > 0  # the stages' pread rows
+    with pytest.raises(OSError, match="expected"):
+        bounds.read_ceiling(
+            str(path), 2, 1 << 20, size=12 << 20, direct=False
+        )  # past the end: never a silent short read
 
 
 def test_write_ceiling_writes_fresh_files_and_cleans_up(tmp_path):
