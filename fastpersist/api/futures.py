@@ -51,7 +51,7 @@ from fastpersist import config
 from fastpersist.api import dispatch, saving
 from fastpersist.errors import TensorModifiedError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
-from fastpersist.io import memory, objectstore, staging, timeline
+from fastpersist.io import device_crc, memory, objectstore, staging, timeline
 from fastpersist.io.commit import commit_plan, target, target_kind
 from fastpersist.io.queue import (
     SaveFuture,
@@ -77,12 +77,14 @@ __all__ = [
 
 
 def release_buffers() -> int:
-    """Frees the pinned host memory kept for reuse: idle ring buffers and idle snapshot areas.
+    """Frees the memory kept for reuse: idle ring buffers and idle snapshot areas (pinned host memory), and
+    the idle CUDA graphs of verified loads' device checksums (their device memory goes back to torch's
+    caching allocator).
 
     Memory in use by a pending save is kept (call :func:`wait_all` first to
-    free everything). The next save allocates again. Returns the bytes freed.
+    free everything). The next save or load allocates again. Returns the bytes freed.
     """
-    return memory.release_pooled_buffers() + staging.release_idle_areas()
+    return memory.release_pooled_buffers() + staging.release_idle_areas() + device_crc.release()
 
 
 class _RecordingPickler:

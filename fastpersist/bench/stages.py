@@ -8,8 +8,11 @@ time, on the calling thread, each buffer refilled as soon as the stages named
 are done for it (in window order), and in between plain ``pread`` threads
 into the same buffers, with no engine:
 
-* ``read``, ``read + CRC-32``, and with a GPU ``read + copy`` and
-  ``read + copy + CRC-32`` (what a verified load does);
+* ``read``, ``read + CRC-32``, and with a GPU ``read + copy``,
+  ``read + copy + CRC-32`` (the CRC-32 on the CPU pool from the buffer) and
+  ``read + copy + device CRC-32`` (on the GPU after the copy, as a verified
+  load does by default: :mod:`fastpersist.io.device_crc`; a window's tail
+  shorter than a segment on the CPU);
 * ``pread x 8``, ``pread x 16``: what the source gives to plain threads.
 
 The source is a file (``--source``; by default a fresh one of ``--size``
@@ -39,11 +42,12 @@ from fastpersist import config
 from fastpersist.bench import bounds
 from fastpersist.bench.measure import code_version, machine_info
 from fastpersist.io import checksum, engine, memory
+from fastpersist.io.device_crc import DeviceCrc, Part
 
 __all__ = ["main", "run", "to_markdown"]
 
 _SINK = "/dev/zero"
-_STAGES = ("read", "read + CRC-32", "read + copy", "read + copy + CRC-32")
+_STAGES = ("read", "read + CRC-32", "read + copy", "read + copy + CRC-32", "read + copy + device CRC-32")
 _THREADS = (8, 16)
 
 
@@ -98,8 +102,14 @@ class _Ring:
 
     def run(self, stage: str) -> tuple[float, int | None]:
         """Seconds for every window through ``stage``; the joined CRC-32 when the stage has one."""
-        crc_wanted, copy_wanted = "CRC-32" in stage, "copy" in stage
         count, window = len(self.buffers), self.window
+        copy_wanted = "copy" in stage
+        on_device = "device CRC-32" in stage
+        crc_wanted = "CRC-32" in stage and not on_device
+        checker = DeviceCrc(self.target.device, self.windows * DeviceCrc.count(window)) if on_device else None
+        sizes, tail = DeviceCrc.split(window)
+        parts: list = []  # (part, length) in file order: device segments, then a tail job
+        checked: list = [None] * count  # per slot: an event after its last window's device CRC-32
         source = engine.File(self.path, "r", direct=False)
         owed: collections.deque = collections.deque()  # (slot, event, crc job, next window), window order
         jobs: list = []
@@ -134,10 +144,20 @@ class _Ring:
                     job = checksum.submit_crc32(buffer.data_ptr(), window, piece_size=window)
                     jobs.append(job)
                 if copy_wanted:
+                    target = self.target[slot * window : (slot + 1) * window]
+                    if checked[slot] is not None:
+                        self.stream.wait_event(checked[slot])  # the slot's last CRC-32 has read it
                     with torch.cuda.stream(self.stream):
-                        self.target[slot * window : (slot + 1) * window].copy_(buffer, non_blocking=True)
+                        target.copy_(buffer, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(self.stream)
+                if checker is not None:
+                    parts += zip(checker.queue(target, sizes, event), sizes)
+                    checked[slot] = torch.cuda.Event()
+                    checked[slot].record(checker.stream)
+                    if tail:
+                        job = checksum.submit_crc32(buffer.data_ptr() + window - tail, tail, piece_size=window)
+                        parts.append((job, tail))  # reads the buffer: the refill waits for it
                 if index + count < self.windows:
                     owed.append((slot, event, job, index + count))
                 else:
@@ -146,6 +166,9 @@ class _Ring:
                     if job is not None:
                         job.wait()
             elapsed = time.perf_counter() - started
+            if checker is not None:
+                checker.values()  # waits for the device's checksums
+                elapsed = time.perf_counter() - started
         finally:
             for handle in self.handles:
                 try:
@@ -153,6 +176,14 @@ class _Ring:
                 except OSError:
                     pass  # the error being raised is the one that matters
             source.close()
+            if checker is not None:
+                checker.close()
+        if checker is not None:
+            crc = 0
+            for part, length in parts:
+                value = part.value() if isinstance(part, Part) else part.result()
+                crc = engine.crc32_combine(crc, value, length)
+            return elapsed, crc
         if not crc_wanted:
             return elapsed, None
         crc = None

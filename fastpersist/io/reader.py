@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 from collections.abc import Sequence
 
@@ -39,6 +40,7 @@ import torch
 from fastpersist.config import Settings
 from fastpersist.format.zipformat import ZipRecordInfo, check_record_crc
 from fastpersist.io import checksum, engine, memory, timeline, workers
+from fastpersist.io.device_crc import DeviceCrc, Part
 from fastpersist.tensors import storage_byte_view
 
 __all__ = ["FileStorageProvider", "MemoryStorageProvider", "MmapStorageProvider", "stream_to_device"]
@@ -51,6 +53,8 @@ _BATCH_BYTES = 1 << 20  # small record pieces are checksummed in tasks of about 
 _INLINE_BYTES = 256 << 10  # a last batch smaller than this is checksummed on the calling thread
 _MIN_WINDOW = 1 << 20  # CUDA ring windows are not cut smaller than this
 _RING_CRC_PIECE = 16 << 20  # bytes per CRC-32 task in the CUDA ring
+_CHECKSUM_ON_DEVICE = ("cuda",)  # destination device types whose pieces the device checksums (tests add "cpu")
+_log = logging.getLogger("fastpersist")
 
 
 def _align_down(value: int) -> int:
@@ -382,7 +386,12 @@ def _wait_all(queued: list) -> None:
 def _combine(parts: list) -> int:
     crc = None
     for part, length in parts:
-        value = part.result() if isinstance(part, checksum.PendingCrc) else checksum.part_value(part)
+        if isinstance(part, Part):
+            value = part.value()
+        elif isinstance(part, checksum.PendingCrc):
+            value = part.result()
+        else:
+            value = checksum.part_value(part)
         crc = value if crc is None else engine.crc32_combine(crc, value, length)
     return crc or 0
 
@@ -499,15 +508,21 @@ def stream_to_device(
     with memory.lease_buffers(count, buffer_size, settings.huge_pages) as buffers:
         while len(handles) < count:
             handles.append(engine.make_handle(settings))
-        _stream_windows(windows, list(zip(handles, buffers)), pending if verify else None)
+        _stream_windows(
+            windows, list(zip(handles, buffers)), pending if verify else None, on_device=settings.device_checksum
+        )
     if not verify:
         return [0] * len(payloads)
     return [_combine(pending.get(record.name, [])) for record in records]
 
 
-def _stream_windows(windows: list[_Window], ring: list[tuple], pending: dict[str, list] | None) -> None:
+def _stream_windows(
+    windows: list[_Window], ring: list[tuple], pending: dict[str, list] | None, *, on_device: bool = False
+) -> None:
     """Moves every window's bytes from its file into its destinations through ``ring``'s
-    ``(native handle, page-locked buffer)`` slots; with ``pending``, queues each piece's CRC-32 into it.
+    ``(native handle, page-locked buffer)`` slots; with ``pending``, queues each piece's CRC-32 into it:
+    with ``on_device``, the whole segments of pieces in CUDA memory on their device after their copy
+    (:mod:`fastpersist.io.device_crc`), the rest on the CPU pool from the buffer.
 
     Stages of a window: read into its slot (the handle's threads), then host-to-device copies on a
     side stream per device (queued by this thread) beside CRC-32s on the pool, then the slot's
@@ -525,16 +540,17 @@ def _stream_windows(windows: list[_Window], ring: list[tuple], pending: dict[str
     stopping = threading.Event()  # no refill submits once set
     refills = workers.executor(1, "fastpersist-refill") if len(windows) > count else None
     refilled: list[concurrent.futures.Future | None] = [None] * count
-    last: list[tuple[list, list]] = [([], [])] * count  # events and CRCs of each slot's last window
+    last: list[tuple[dict, list]] = [({}, [])] * count  # events and CRCs of each slot's last window
     crcs: list = []  # the current window's, until a refill or ``last`` holds them
+    checkers = _device_checkers(windows) if pending is not None and on_device else {}
 
     def submit(slot: int, window: _Window) -> None:
         handle, buffer = ring[slot]
         handle.submit_read(buffer.data_ptr(), window.end - window.start, window.file, window.start, buffer)
 
-    def refill(slot: int, events: list, crcs: list, window: _Window) -> None:
+    def refill(slot: int, events: dict, crcs: list, window: _Window) -> None:
         try:
-            for event in events:
+            for event in events.values():
                 event.synchronize()  # the slot's copies are done
         finally:
             _wait_all(crcs)  # and so are its checksums (also before the buffer goes back, on errors)
@@ -554,16 +570,10 @@ def _stream_windows(windows: list[_Window], ring: list[tuple], pending: dict[str
             with timeline.waiting("read"):
                 handle.wait()
             if pending is not None:
-                address = buffer.data_ptr()
-                crcs = _queue_crcs(
-                    [
-                        (record, address + offset, record_offset, n)
-                        for record, _, record_offset, offset, n in window.pieces
-                    ],
-                    pending,
-                    _RING_CRC_PIECE,
-                )
+                crcs, device_work = _queue_window_crcs(window, buffer.data_ptr(), checkers, pending)
             events = _queue_copies(window, buffer, streams)
+            if pending is not None and device_work:
+                _queue_device_crcs(device_work, events)
             following = index + count
             if following < len(windows):
                 refilled[slot] = refills.submit(refill, slot, events, crcs, windows[following])
@@ -587,11 +597,62 @@ def _stream_windows(windows: list[_Window], ring: list[tuple], pending: dict[str
         with timeline.waiting("copy"):
             for stream in streams.values():
                 stream.synchronize()
+        with timeline.waiting("crc"):
+            for checker in checkers.values():
+                checker.close()
 
 
-def _queue_copies(window: _Window, buffer: torch.Tensor, streams: dict) -> list:
+def _device_checkers(windows: list[_Window]) -> dict[torch.device, DeviceCrc]:
+    """A :class:`DeviceCrc` per device that holds whole segments of the windows' pieces. A device where one
+    cannot be made (its memory is full, capture failed) is left out: its pieces are checksummed on the CPU."""
+    segments: dict[torch.device, int] = {}
+    for window in windows:
+        for _, destination, _, _, length in window.pieces:
+            if destination.device.type in _CHECKSUM_ON_DEVICE:
+                segments[destination.device] = segments.get(destination.device, 0) + DeviceCrc.count(length)
+    checkers = {}
+    for device, count in segments.items():
+        if not count:
+            continue
+        try:
+            checkers[device] = DeviceCrc(device, count)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
+            _log.warning("checksums of %s stay on the CPU for this load: %s", device, error)
+    return checkers
+
+
+def _queue_window_crcs(window: _Window, address: int, checkers: dict, pending: dict) -> tuple[list, list]:
+    """Queues the CRC-32s of ``window``'s pieces (in the buffer at ``address``) that the CPU computes: all of a
+    piece, or the tail after the whole segments that its device's checker takes (:func:`_queue_device_crcs`,
+    once the copies are queued). Parts go to ``pending`` in file order: a record has one piece per window,
+    whose segments hold places before its tail. Returns what the CPU queued, which must finish before the
+    buffer is reused, and the device work ``(checker, destination, sizes, parts, index)``."""
+    host, on_device = [], []
+    for record, destination, record_offset, offset, length in window.pieces:
+        checker = checkers.get(destination.device)
+        sizes, tail = DeviceCrc.split(length) if checker is not None else ([], length)
+        if sizes:
+            parts = pending.setdefault(record.name, [])
+            on_device.append(
+                (checker, destination[record_offset : record_offset + length - tail], sizes, parts, len(parts))
+            )
+            parts.extend((0, size) for size in sizes)  # places for the device's parts
+        if tail:
+            host.append((record, address + offset + length - tail, record_offset + length - tail, tail))
+    return _queue_crcs(host, pending, _RING_CRC_PIECE), on_device
+
+
+def _queue_device_crcs(on_device: list, events: dict) -> None:
+    """Queues the segments :func:`_queue_window_crcs` left to the devices, each after its device's copies
+    (``events``), into the places it kept."""
+    for checker, destination, sizes, parts, index in on_device:
+        queued = checker.queue(destination, sizes, events.get(destination.device))
+        parts[index : index + len(sizes)] = zip(queued, sizes)
+
+
+def _queue_copies(window: _Window, buffer: torch.Tensor, streams: dict) -> dict:
     """Queues the copies of ``window``'s pieces out of ``buffer`` into their destinations; returns an
-    event per stream used, recorded after them.
+    event per CUDA device used, recorded after them, by device.
 
     CUDA destinations copy on a side stream of their device (made on first use, after the device's
     current stream: nothing queued before the load can land after it), one stream context per window.
@@ -607,7 +668,7 @@ def _queue_copies(window: _Window, buffer: torch.Tensor, streams: dict) -> list:
                 stream.wait_stream(torch.cuda.current_stream(destination.device))
         pair = (destination[record_offset : record_offset + length], buffer[buffer_offset : buffer_offset + length])
         copies.setdefault(stream, []).append(pair)
-    events = []
+    events = {}
     for stream, pairs in copies.items():
         if stream is None:
             for target, source in pairs:
@@ -618,5 +679,5 @@ def _queue_copies(window: _Window, buffer: torch.Tensor, streams: dict) -> list:
                 target.copy_(source, non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
-        events.append(event)
+        events[stream.device] = event
     return events

@@ -65,10 +65,10 @@ def _checkpoint(tmp_path, count: int = 6):
     return path, state, [record for record in records if "/data/" in record.name]
 
 
-def _load(path, records, handles, *, verify=True):
+def _load(path, records, handles, *, verify=True, settings=SETTINGS):
     """Reads every record through the ring of ``handles`` into fresh CPU storages; returns them."""
     file = engine.File(path, "r", direct=False)
-    provider = reader.FileStorageProvider(file, records, SETTINGS, verify=verify, path=path)
+    provider = reader.FileStorageProvider(file, records, settings, verify=verify, path=path)
     provider._ring_handles = handles
     items = [(record, torch.UntypedStorage(record.size)) for record in records]
     try:
@@ -230,3 +230,77 @@ def test_ctrl_c_in_the_ring_leaves_nothing_in_flight(tmp_path, monkeypatch):
         _load(path, records, handles)
     assert all(handle.pending() == 0 for handle in handles)
     assert not _refill_threads()
+
+
+def _on_device(monkeypatch, segments=(256 << 10, 64 << 10)):
+    """The device's checksums, for the CPU destinations these tests use, with segments small enough that
+    the 1.2 MB records' pieces hold some of each and a tail."""
+    from fastpersist.io import device_crc
+
+    monkeypatch.setattr(reader, "_CHECKSUM_ON_DEVICE", ("cpu",))
+    monkeypatch.setattr(device_crc, "SEGMENTS", segments)
+
+
+def _load_on_device(path, records, handles):
+    return _load(path, records, handles, settings=config.resolve({**SETTINGS.as_dict(), "device_checksum": True}))
+
+
+def test_device_checksums_take_the_whole_segments_and_the_cpu_the_tails(tmp_path, monkeypatch):
+    from fastpersist.io.device_crc import DeviceCrc
+
+    _on_device(monkeypatch)
+    queued = []
+    real_queue = DeviceCrc.queue
+    monkeypatch.setattr(DeviceCrc, "queue", lambda self, *a: queued.append(a[1]) or real_queue(self, *a))
+    path, state, records = _checkpoint(tmp_path)
+    items = _load_on_device(path, records, [_Handle(slot, []) for slot in range(2)])
+    by_name = {record.name.rsplit("/", 1)[-1]: storage for record, storage in items}
+    for index, tensor in enumerate(state.values()):
+        assert torch.equal(storage_byte_view(by_name[str(index)]), storage_byte_view(tensor.untyped_storage()))
+    assert {size for sizes in queued for size in sizes} == {256 << 10, 64 << 10}
+    assert sum(map(sum, queued)) < sum(record.size for record in records)  # the tails went to the CPU
+
+
+@pytest.mark.parametrize("part", ["segment", "tail"])
+def test_the_device_checksums_find_a_changed_byte_in_a_segment_or_a_tail(tmp_path, monkeypatch, part):
+    from fastpersist.io.device_crc import DeviceCrc
+
+    _on_device(monkeypatch)
+    path, _, records = _checkpoint(tmp_path)
+    last = max(records, key=lambda record: record.data_offset)
+    in_order = sorted(records, key=lambda record: record.data_offset)
+    windows = reader._windows([(r, torch.empty(r.size, dtype=torch.uint8)) for r in in_order], 1 << 20, None)
+    pieces = [p for w in windows for p in w.pieces if p[0] is last and all(DeviceCrc.split(p[4]))]
+    _, _, record_offset, _, length = pieces[0]  # a piece with segments and a tail
+    _, tail = DeviceCrc.split(length)
+    where = record_offset + (10 if part == "segment" else length - tail + 10)
+    with open(path, "r+b") as handle:
+        handle.seek(last.data_offset + where)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ChecksumMismatchError, match=last.name.rsplit("/", 1)[-1]):
+        _load_on_device(path, records, [_Handle(slot, []) for slot in range(2)])
+
+
+def test_a_device_without_room_for_its_checker_is_checksummed_on_the_cpu(tmp_path, monkeypatch, caplog):
+    from fastpersist.io.device_crc import DeviceCrc
+
+    _on_device(monkeypatch)
+
+    def no_room(self, device, segments):
+        raise torch.cuda.OutOfMemoryError("injected: no room for the graphs")
+
+    monkeypatch.setattr(DeviceCrc, "__init__", no_room)
+    monkeypatch.setattr(DeviceCrc, "queue", lambda *a: pytest.fail("nothing may be queued on the device"))
+    path, _, records = _checkpoint(tmp_path)
+    last = max(records, key=lambda record: record.data_offset)
+    _load_on_device(path, records, [_Handle(slot, []) for slot in range(2)])
+    assert "stay on the CPU" in caplog.text and "injected" in caplog.text
+    with open(path, "r+b") as handle:
+        handle.seek(last.data_offset + 10)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ChecksumMismatchError):
+        _load_on_device(path, records, [_Handle(slot, []) for slot in range(2)])
