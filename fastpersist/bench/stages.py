@@ -11,7 +11,7 @@ into the same buffers, with no engine:
 * ``read``, ``read + CRC-32``, and with a GPU ``read + copy``,
   ``read + copy + CRC-32`` (the CRC-32 on the CPU pool from the buffer) and
   ``read + copy + device CRC-32`` (on the GPU after the copy, as a verified
-  load does by default: :mod:`fastpersist.io.device_crc`; a window's tail
+  load does with the ``device_checksum`` setting: :mod:`fastpersist.io.device_crc`; a window's tail
   shorter than a segment on the CPU);
 * ``pread x 8``, ``pread x 16``: what the source gives to plain threads.
 
@@ -106,7 +106,7 @@ class _Ring:
         copy_wanted = "copy" in stage
         on_device = "device CRC-32" in stage
         crc_wanted = "CRC-32" in stage and not on_device
-        checker = DeviceCrc(self.target.device, self.windows * DeviceCrc.count(window)) if on_device else None
+        checker = None
         sizes, tail = DeviceCrc.split(window)
         parts: list = []  # (part, length) in file order: device segments, then a tail job
         checked: list = [None] * count  # per slot: an event after its last window's device CRC-32
@@ -131,6 +131,8 @@ class _Ring:
             submit(slot, following)
 
         try:
+            if on_device:
+                checker = DeviceCrc(self.target.device, self.windows * DeviceCrc.count(window))
             started = time.perf_counter()
             for slot in range(min(count, self.windows)):
                 submit(slot, slot)
