@@ -304,3 +304,50 @@ def test_a_device_without_room_for_its_checker_is_checksummed_on_the_cpu(tmp_pat
         handle.write(bytes([byte[0] ^ 0x01]))
     with pytest.raises(ChecksumMismatchError):
         _load_on_device(path, records, [_Handle(slot, []) for slot in range(2)])
+
+
+def test_two_threads_load_with_device_checksums_at_once(tmp_path, monkeypatch):
+    """Each load makes its own checkers: two threads checksumming on the device at once both get their bytes."""
+    import concurrent.futures as futures
+
+    _on_device(monkeypatch)
+    path, state, records = _checkpoint(tmp_path)
+    expected = [storage_byte_view(t.untyped_storage()) for t in state.values()]
+
+    def one_load(_):
+        items = _load_on_device(path, records, [_Handle(slot, []) for slot in range(2)])
+        by_name = {record.name.rsplit("/", 1)[-1]: storage for record, storage in items}
+        return all(torch.equal(storage_byte_view(by_name[str(i)]), e) for i, e in enumerate(expected))
+
+    with futures.ThreadPoolExecutor(2) as pool:
+        assert all(pool.map(one_load, range(6)))
+    assert not _refill_threads()
+
+
+def test_ctrl_c_with_device_checksums_closes_every_checker(tmp_path, monkeypatch):
+    """A KeyboardInterrupt while the ring runs: every read is done and every checker closed (on CUDA: its stream
+    waited for and its graphs given back) before it leaves."""
+    from fastpersist.io.device_crc import DeviceCrc
+
+    _on_device(monkeypatch)
+    made, closed = [], []
+    real_init, real_close = DeviceCrc.__init__, DeviceCrc.close
+    monkeypatch.setattr(DeviceCrc, "__init__", lambda self, *a: made.append(self) or real_init(self, *a))
+    monkeypatch.setattr(DeviceCrc, "close", lambda self: closed.append(self) or real_close(self))
+    real_copies = reader._queue_copies
+    calls = []
+
+    def interrupted_copies(window, buffer, streams):
+        calls.append(window)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_copies(window, buffer, streams)
+
+    monkeypatch.setattr(reader, "_queue_copies", interrupted_copies)
+    path, _, records = _checkpoint(tmp_path)
+    handles = [_Handle(slot, []) for slot in range(2)]
+    with pytest.raises(KeyboardInterrupt):
+        _load_on_device(path, records, handles)
+    assert made and closed == made
+    assert all(handle.pending() == 0 for handle in handles)
+    assert not _refill_threads()
