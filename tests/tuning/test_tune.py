@@ -10,14 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import types
 
 import pytest
 import torch
 
 from fastpersist import config, system
 from fastpersist.errors import EngineUnavailableError
-from fastpersist.tuning import measure, workloads
 from fastpersist.tuning import tuner as tune
+from fastpersist.tuning import workloads
 
 
 class TorchBackend(tune.Backend):
@@ -132,16 +133,18 @@ def test_values_that_fail_or_corrupt_are_never_chosen(tmp_path):
 
 
 def test_a_clear_winner_is_adopted_and_noise_is_not(tmp_path, monkeypatch):
-    # fsync of a tiny file can take longer than the effect under test on a busy disk; time sleeps only
-    monkeypatch.setattr(measure, "fsync_paths", lambda path: None)
+    # the sweep reads a clock the backend advances: a busy machine cannot change what it measures
+    now = [0.0]
+    monkeypatch.setattr(tune, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
     class BlockSizeMatters(TorchBackend):
         def save(self, state, path, settings):
-            import time
-
-            # 0.1 s for everything dwarfs the millisecond noise of a tiny save; 0.3 s off the winner
-            time.sleep(0.1 if settings["block_size"] == 2 << 20 else 0.3)
+            now[0] += 0.1 if settings["block_size"] == 2 << 20 else 0.3
             torch.save(state, path)
+
+        def load(self, path, settings, device):
+            now[0] += 0.05
+            return super().load(path, settings, device)
 
     knobs = [k for k in tune.QUICK_KNOBS if k.name in ("block_size", "buffer_count")]
     result = tune.sweep(
