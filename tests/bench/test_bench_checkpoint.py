@@ -282,6 +282,8 @@ def test_tiny_end_to_end_run_with_baselines_json_and_markdown(tmp_path, capsys):
             "1M",
             "--order-seed",
             "5",
+            "--settle",
+            "0.2",
         ]
     )
     printed = capsys.readouterr().out
@@ -294,6 +296,7 @@ def test_tiny_end_to_end_run_with_baselines_json_and_markdown(tmp_path, capsys):
     assert document["settings"]["cache"] in ("drop_caches", "fadvise", "none")
     assert len(document["machine"]["code"]["commit"]) == 40  # which code produced the figures
     assert document["order"]["seed"] == 5 and len(document["order"]["rounds"]) == 3
+    assert document["order"]["settle_seconds"] == 0.2
     assert sorted(document["order"]["rounds"][0]["save"]) == sorted(BASELINE_METHODS.split(",")[:4])
     for op in ("write", "read"):
         part = document["ceiling"][op]
@@ -315,6 +318,7 @@ def test_tiny_end_to_end_run_with_baselines_json_and_markdown(tmp_path, capsys):
     for r in ops.values():
         if r["op"] == "load":
             assert all(s["cache"] == document["settings"]["cache"] for s in r["samples"])
+            assert all(s["file_age_seconds"] >= 0.2 for s in r["samples"])  # every loaded file settled first
     assert "torch.save + fsync" in printed and "verified" in printed
 
     markdown = report.to_markdown([document, document])
@@ -379,6 +383,8 @@ def test_png_is_written_or_skipped_with_a_note(tmp_path):
             "--no-progress",
             "--no-drop-caches",
             "--no-ceiling",
+            "--settle",
+            "0",
         ]
     )
     note = report.save_png(report.load_result(document_path), tmp_path / "c.png")

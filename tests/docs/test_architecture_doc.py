@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import re
@@ -17,6 +18,17 @@ import gen_architecture
 
 DOC = os.path.join(ROOT, "docs", "architecture.md")
 PACKAGES = {"format", "io", "cli", "bench", "integrations", "distributed", "dcp", "api", "deepnvme", "tuning"}
+
+
+@functools.cache
+def _module_graph() -> dict[str, set[str]]:
+    """The tree's import graph, parsed once for every test below that reads it (each parse takes seconds)."""
+    return gen_architecture.module_graph(ROOT)
+
+
+@functools.cache
+def _layer_graph() -> dict[str, set[str]]:
+    return gen_architecture.layer_graph(ROOT)
 
 
 def _doc() -> str:
@@ -115,12 +127,12 @@ def test_names_in_the_prose_exist():
     ],
 )
 def test_dependencies_run_one_way(layer, forbidden):
-    assert forbidden not in gen_architecture.layer_graph(ROOT).get(layer, set())
+    assert forbidden not in _layer_graph().get(layer, set())
 
 
 def test_every_layer_imports_only_layers_below_it():
     rank = {name: index for index, name in enumerate(gen_architecture.LAYER_ORDER)}
-    graph = gen_architecture.layer_graph(ROOT)
+    graph = _layer_graph()
     assert set(graph) <= set(rank), f"layers missing from LAYER_ORDER: {sorted(set(graph) - set(rank))}"
     upward = {layer: sorted(t for t in targets if rank[t] <= rank[layer]) for layer, targets in graph.items()}
     assert {layer: t for layer, t in upward.items() if t} == {}
@@ -135,7 +147,7 @@ def test_the_benchmarks_are_a_leaf():
     """The product never imports fastpersist.bench; only the `fastpersist bench` command dispatches to it."""
     importers = {
         module
-        for module, targets in gen_architecture.module_graph(ROOT).items()
+        for module, targets in _module_graph().items()
         if not module.startswith("fastpersist.bench") and any(t.startswith("fastpersist.bench") for t in targets)
     }
     assert importers == {"fastpersist.cli.bench"}

@@ -68,7 +68,7 @@ def test_a_checker_gives_each_segments_crc32_in_queue_order(monkeypatch):
     parts = checker.queue(first, [4 * BLOCK, BLOCK], None) + checker.queue(second, [BLOCK], None)
     checker.close()
     pieces = [first[: 4 * BLOCK], first[4 * BLOCK : 5 * BLOCK], second]
-    assert [part.value() for part in parts] == [zlib.crc32(p.numpy().tobytes()) for p in pieces]
+    assert [part.result() for part in parts] == [zlib.crc32(p.numpy().tobytes()) for p in pieces]
 
 
 @pytest.mark.gpu
@@ -87,7 +87,7 @@ def test_graphs_on_the_gpu_give_zlibs_crc32():
         expected.append(zlib.crc32(host[offset : offset + size].numpy().tobytes()))
         offset += size
     expected.append(zlib.crc32(host[:small].numpy().tobytes()))
-    assert [part.value() for part in parts] == expected
+    assert [part.result() for part in parts] == expected
 
 
 def _event_now() -> torch.cuda.Event:
