@@ -42,7 +42,7 @@ from fastpersist import config
 from fastpersist.bench import bounds
 from fastpersist.bench.measure import code_version, machine_info
 from fastpersist.io import checksum, engine, memory
-from fastpersist.io.device_crc import DeviceCrc, Part
+from fastpersist.io.device_crc import DeviceCrc
 
 __all__ = ["main", "run", "to_markdown"]
 
@@ -181,18 +181,8 @@ class _Ring:
             if checker is not None:
                 checker.close()
         if checker is not None:
-            crc = 0
-            for part, length in parts:
-                value = part.value() if isinstance(part, Part) else part.result()
-                crc = engine.crc32_combine(crc, value, length)
-            return elapsed, crc
-        if not crc_wanted:
-            return elapsed, None
-        crc = None
-        for job in jobs:
-            value = job.result()
-            crc = value if crc is None else engine.crc32_combine(crc, value, window)
-        return elapsed, crc
+            return elapsed, checksum.crc32_combine_all(parts)
+        return elapsed, checksum.crc32_combine_all([(job, window) for job in jobs]) if crc_wanted else None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -169,10 +169,7 @@ class PendingCrc:
 
     def result(self) -> int:
         if self._value is None:
-            crc = self._crc
-            for piece, length in self._pieces:
-                crc = engine.crc32_combine(crc, part_value(piece), length)
-            self._value = crc
+            self._value = crc32_combine_all(self._pieces, self._crc)
             self._pieces = []
         return self._value
 
@@ -188,14 +185,14 @@ class PendingCrc:
 
 
 def part_value(part) -> int:
-    """The CRC-32 a queued part stands for, waiting for it: an int; a Future of one; a ``(CrcJob, index)``
-    pair, for one range of a submission of several."""
+    """The CRC-32 a queued part stands for, waiting for it: an int; a ``(CrcJob, index)`` pair, for one range
+    of a submission of several; anything with ``result()`` (a Future, a :class:`PendingCrc`, a device part)."""
     if isinstance(part, tuple):
         job, index = part
         return job.crc(index)
-    if isinstance(part, concurrent.futures.Future):
-        return part.result()
-    return part
+    if isinstance(part, int):
+        return part
+    return part.result()
 
 
 def _split(length: int, piece_size: int) -> list[tuple[int, int]]:
@@ -262,10 +259,10 @@ def copy(destination: int, source: int, length: int, *, piece_size: int = PIECE_
         future.result()
 
 
-def crc32_combine_all(pieces) -> int:
-    """CRC-32 of the concatenation of pieces given in order as ``(crc32(piece), len(piece))``
-    (e.g. the slices of one record written by several ranks)."""
-    crc = 0
-    for piece_crc, length in pieces:
-        crc = engine.crc32_combine(crc, piece_crc, length)
+def crc32_combine_all(pieces, crc: int = 0) -> int:
+    """CRC-32 of consecutive ranges given in order as ``(part, length)``, continued from ``crc``: ``part`` is
+    the range's CRC-32 or anything :func:`part_value` takes (then waited for). E.g. the slices of one record
+    written by several ranks, or the pieces a load queued."""
+    for part, length in pieces:
+        crc = engine.crc32_combine(crc, part_value(part), length)
     return crc

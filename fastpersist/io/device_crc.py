@@ -144,7 +144,7 @@ class Part:
     def __init__(self, owner: DeviceCrc, index: int):
         self.owner, self.index = owner, index
 
-    def value(self) -> int:
+    def result(self) -> int:
         return self.owner.values()[self.index]
 
 

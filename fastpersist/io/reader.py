@@ -40,7 +40,7 @@ import torch
 from fastpersist.config import Settings
 from fastpersist.format.zipformat import ZipRecordInfo, check_record_crc
 from fastpersist.io import checksum, engine, memory, timeline, workers
-from fastpersist.io.device_crc import DeviceCrc, Part
+from fastpersist.io.device_crc import DeviceCrc
 from fastpersist.tensors import storage_byte_view
 
 __all__ = ["FileStorageProvider", "MemoryStorageProvider", "MmapStorageProvider", "stream_to_device"]
@@ -316,7 +316,7 @@ class FileStorageProvider:
             raise error
         if self._verify:
             for read in reads:  # raises ChecksumMismatchError, in file order
-                self._check(read.record, _combine(pending.pop(read.record.name, [])))
+                self._check(read.record, checksum.crc32_combine_all(pending.pop(read.record.name, [])))
 
     # -- CUDA -----------------------------------------------------------------
 
@@ -340,7 +340,7 @@ def _queue_crcs(pieces, pending: dict[str, list], piece_size: int = checksum.PIE
     than its CRC); large pieces are split over the pool's threads. Appends
     ``(part, length)`` to ``pending[record.name]`` in the given order (file
     order per record), where ``part`` is an int, a PendingCrc or a (batch
-    job, index) pair (see :func:`_combine`). Returns what was queued, which
+    job, index) pair (see :func:`checksum.part_value`). Returns what was queued, which
     the caller waits for before reusing the memory.
     """
     queued = []
@@ -381,19 +381,6 @@ def _queue_batch(batch: list[tuple[list, int, int, int]]) -> checksum.PendingCrc
 def _wait_all(queued: list) -> None:
     for part in queued:
         part.wait()
-
-
-def _combine(parts: list) -> int:
-    crc = None
-    for part, length in parts:
-        if isinstance(part, Part):
-            value = part.value()
-        elif isinstance(part, checksum.PendingCrc):
-            value = part.result()
-        else:
-            value = checksum.part_value(part)
-        crc = value if crc is None else engine.crc32_combine(crc, value, length)
-    return crc or 0
 
 
 class MemoryStorageProvider:
@@ -513,7 +500,7 @@ def stream_to_device(
         )
     if not verify:
         return [0] * len(payloads)
-    return [_combine(pending.get(record.name, [])) for record in records]
+    return [checksum.crc32_combine_all(pending.get(record.name, [])) for record in records]
 
 
 def _stream_windows(
