@@ -195,43 +195,6 @@ def test_checksums_of_a_window_whose_copies_fail_are_waited_for(tmp_path, monkey
     assert not _refill_threads()
 
 
-def test_two_threads_stream_through_rings_of_their_own_at_once(tmp_path):
-    """Each load leases its own buffers and handles: two threads reading at once both get their bytes."""
-    import concurrent.futures as futures
-
-    path, state, records = _checkpoint(tmp_path)
-    expected = [storage_byte_view(t.untyped_storage()) for t in state.values()]
-
-    def one_load(_):
-        items = _load(path, records, [_Handle(slot, []) for slot in range(2)])
-        by_name = {record.name.rsplit("/", 1)[-1]: storage for record, storage in items}
-        return all(torch.equal(storage_byte_view(by_name[str(i)]), e) for i, e in enumerate(expected))
-
-    with futures.ThreadPoolExecutor(2) as pool:
-        assert all(pool.map(one_load, range(6)))
-    assert not _refill_threads()
-
-
-def test_ctrl_c_in_the_ring_leaves_nothing_in_flight(tmp_path, monkeypatch):
-    """A KeyboardInterrupt while the ring runs raises once every read and refill is done."""
-    real_copies = reader._queue_copies
-    calls = []
-
-    def interrupted_copies(window, buffer, streams):
-        calls.append(window)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_copies(window, buffer, streams)
-
-    monkeypatch.setattr(reader, "_queue_copies", interrupted_copies)
-    path, _, records = _checkpoint(tmp_path)
-    handles = [_Handle(slot, []) for slot in range(2)]
-    with pytest.raises(KeyboardInterrupt):
-        _load(path, records, handles)
-    assert all(handle.pending() == 0 for handle in handles)
-    assert not _refill_threads()
-
-
 def _on_device(monkeypatch, segments=(256 << 10, 64 << 10)):
     """The device's checksums, for the CPU destinations these tests use, with segments small enough that
     the 1.2 MB records' pieces hold some of each and a tail."""
@@ -306,16 +269,20 @@ def test_a_device_without_room_for_its_checker_is_checksummed_on_the_cpu(tmp_pat
         _load_on_device(path, records, [_Handle(slot, []) for slot in range(2)])
 
 
-def test_two_threads_load_with_device_checksums_at_once(tmp_path, monkeypatch):
-    """Each load makes its own checkers: two threads checksumming on the device at once both get their bytes."""
+@pytest.mark.parametrize("device_checksums", [False, True], ids=["host-crc", "device-crc"])
+def test_two_threads_stream_through_rings_of_their_own_at_once(tmp_path, monkeypatch, device_checksums):
+    """Each load leases its own buffers and handles, and makes its own device checkers: two threads reading at
+    once both get their bytes."""
     import concurrent.futures as futures
 
-    _on_device(monkeypatch)
+    load = _load_on_device if device_checksums else _load
+    if device_checksums:
+        _on_device(monkeypatch)
     path, state, records = _checkpoint(tmp_path)
     expected = [storage_byte_view(t.untyped_storage()) for t in state.values()]
 
     def one_load(_):
-        items = _load_on_device(path, records, [_Handle(slot, []) for slot in range(2)])
+        items = load(path, records, [_Handle(slot, []) for slot in range(2)])
         by_name = {record.name.rsplit("/", 1)[-1]: storage for record, storage in items}
         return all(torch.equal(storage_byte_view(by_name[str(i)]), e) for i, e in enumerate(expected))
 
@@ -324,12 +291,15 @@ def test_two_threads_load_with_device_checksums_at_once(tmp_path, monkeypatch):
     assert not _refill_threads()
 
 
-def test_ctrl_c_with_device_checksums_closes_every_checker(tmp_path, monkeypatch):
-    """A KeyboardInterrupt while the ring runs: every read is done and every checker closed (on CUDA: its stream
-    waited for and its graphs given back) before it leaves."""
+@pytest.mark.parametrize("device_checksums", [False, True], ids=["host-crc", "device-crc"])
+def test_ctrl_c_in_the_ring_leaves_nothing_in_flight(tmp_path, monkeypatch, device_checksums):
+    """A KeyboardInterrupt while the ring runs raises once every read and refill is done and every device
+    checker closed (on CUDA: its stream waited for and its graphs given back)."""
     from fastpersist.io.device_crc import DeviceCrc
 
-    _on_device(monkeypatch)
+    load = _load_on_device if device_checksums else _load
+    if device_checksums:
+        _on_device(monkeypatch)
     made, closed = [], []
     real_init, real_close = DeviceCrc.__init__, DeviceCrc.close
     monkeypatch.setattr(DeviceCrc, "__init__", lambda self, *a: made.append(self) or real_init(self, *a))
@@ -347,7 +317,7 @@ def test_ctrl_c_with_device_checksums_closes_every_checker(tmp_path, monkeypatch
     path, _, records = _checkpoint(tmp_path)
     handles = [_Handle(slot, []) for slot in range(2)]
     with pytest.raises(KeyboardInterrupt):
-        _load_on_device(path, records, handles)
-    assert made and closed == made
+        load(path, records, handles)
+    assert closed == made and bool(made) == device_checksums
     assert all(handle.pending() == 0 for handle in handles)
     assert not _refill_threads()
