@@ -56,6 +56,8 @@ __all__ = [
 SCHEMA = "fastpersist.bench.checkpoint/1"
 _SETTLE_DEFAULT = 5.0
 """Seconds between a round's saves and its loads (see ``--settle``)."""
+_LOAD_REPEATS_DEFAULT = 2
+"""Cold loads of each method per timed round (see ``--load-repeats``)."""
 BASELINES = {"save": "torch.save", "load": "torch.load"}
 
 
@@ -99,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     how.add_argument("--skip", default="", help="comma-separated methods to leave out")
     how.add_argument("--repeats", type=int, default=3, help="timed rounds (medians and min-max are reported)")
+    how.add_argument(
+        "--load-repeats",
+        type=int,
+        default=_LOAD_REPEATS_DEFAULT,
+        help="cold loads of each load method per timed round, each after its own cache drop (default: "
+        f"{_LOAD_REPEATS_DEFAULT}: loads are cheap next to saves, and a noisy disk bends a median of few loads)",
+    )
     how.add_argument("--warmup", type=int, default=1, help="untimed rounds first (still verified)")
     how.add_argument(
         "--dir",
@@ -278,8 +287,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
         torch.cuda.set_device(device)
     elif device.type != "cpu":
         parser.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
-    if args.repeats < 1 or args.warmup < 0:
-        parser.error("--repeats must be at least 1 and --warmup at least 0")
+    if args.repeats < 1 or args.load_repeats < 1 or args.warmup < 0:
+        parser.error("--repeats and --load-repeats must be at least 1 and --warmup at least 0")
 
     try:
         overrides = _parse_fp_settings(args.fp_setting)
@@ -357,7 +366,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
             tensors, _objects = workloads.flatten_state(state)
             state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             build_seconds = time.perf_counter() - build_start
-            ops = (args.repeats + args.warmup) * (len(saves) + len(loads))
+            loads_per_method = args.repeats * args.load_repeats + args.warmup
+            ops = (args.repeats + args.warmup) * len(saves) + loads_per_method * len(loads)
             progress = display.Progress(ops, enabled=dist.is_main and not args.no_progress)
             started = time.perf_counter()
             schedule: list[dict[str, Any]] = []
@@ -377,6 +387,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
                     order_seed=args.order_seed,
                     schedule=schedule,
                     settle_seconds=settle,
+                    load_repeats=args.load_repeats,
                 )
             finally:
                 progress.close()
@@ -476,6 +487,7 @@ def _document(
             "device": str(ctx.device),
             "training_state": args.training_state,
             "repeats": args.repeats,
+            "load_repeats": args.load_repeats,
             "warmup": args.warmup,
             "dir": parent,
             "seed": args.seed,

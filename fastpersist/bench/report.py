@@ -230,7 +230,12 @@ def _headline(document: dict[str, Any]) -> list[str]:
     )
     order = document.get("order")
     rounds = (
-        f"median of {se['repeats']} rounds after {se['warmup']} warm-up, "
+        f"median of {se['repeats']} rounds after {se['warmup']} warm-up"
+        + (
+            f" (loads: {se['load_repeats']} per round, {se['repeats'] * se['load_repeats']} in all), "
+            if se.get("load_repeats", 1) > 1
+            else ", "
+        )
         + (f"methods in random order (seed {order['seed']})" if order else "methods interleaved")
         + "; range is min-max"
     )

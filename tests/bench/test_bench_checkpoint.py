@@ -296,6 +296,7 @@ def test_tiny_end_to_end_run_with_baselines_json_and_markdown(tmp_path, capsys):
     assert document["settings"]["cache"] in ("drop_caches", "fadvise", "none")
     assert len(document["machine"]["code"]["commit"]) == 40  # which code produced the figures
     assert document["order"]["seed"] == 5 and len(document["order"]["rounds"]) == 3
+    assert [len(r["load"]) for r in document["order"]["rounds"]] == [4, 8, 8]  # warm-up: one load each
     assert document["order"]["settle_seconds"] == 0.2
     assert sorted(document["order"]["rounds"][0]["save"]) == sorted(BASELINE_METHODS.split(",")[:4])
     for op in ("write", "read"):
@@ -309,10 +310,13 @@ def test_tiny_end_to_end_run_with_baselines_json_and_markdown(tmp_path, capsys):
     assert set(ops) == {("save", n) for n in ("torch.save", "torch.save-fast", "safetensors", "dcp")} | {
         ("load", n) for n in ("torch.load", "torch.load-mmap", "safetensors.load", "dcp.load")
     }
+    assert document["settings"]["load_repeats"] == 2  # the default
     for r in ops.values():
         assert r["status"] == "ok", r
-        assert len(r["samples"]) == 3 and sum(1 for s in r["samples"] if s["warmup"]) == 1
-        assert r["summary"]["gbps"]["n"] == 2
+        timed = 2 * (2 if r["op"] == "load" else 1)  # 2 rounds; each load method twice a round
+        assert len(r["samples"]) == 1 + timed and sum(1 for s in r["samples"] if s["warmup"]) == 1
+        assert sorted(s["round"] for s in r["samples"] if not s["warmup"]) == sorted([1, 2] * (timed // 2))
+        assert r["summary"]["gbps"]["n"] == timed
         assert r["summary"]["gbps"]["min"] <= r["summary"]["gbps"]["median"] <= r["summary"]["gbps"]["max"]
         assert r["summary"]["peak_rss_bytes"]["median"] > 0
     for r in ops.values():
@@ -320,6 +324,7 @@ def test_tiny_end_to_end_run_with_baselines_json_and_markdown(tmp_path, capsys):
             assert all(s["cache"] == document["settings"]["cache"] for s in r["samples"])
             assert all(s["file_age_seconds"] >= 0.2 for s in r["samples"])  # every loaded file settled first
     assert "torch.save + fsync" in printed and "verified" in printed
+    assert "median of 2 rounds after 1 warm-up (loads: 2 per round, 4 in all)" in printed
 
     markdown = report.to_markdown([document, document])
     assert markdown.count("| op | method | GB/s |") == 2
@@ -353,6 +358,11 @@ def test_bad_arguments_are_rejected(tmp_path, capsys):
         checkpoint.main(["--model", "nonexistent", "--dir", str(tmp_path)])
     with pytest.raises(SystemExit):
         checkpoint.main(["--methods", "torch.save,nope", "--dir", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        checkpoint.main(["--load-repeats", "0", "--dir", str(tmp_path)])
+    assert "--load-repeats must be at least 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="load_repeats"):
+        checkpoint.run_benchmark({}, [], [], str(tmp_path), load_repeats=0)
     assert checkpoint.main(["--list-models"]) == 0
     assert "llama-3-8b" in capsys.readouterr().out
 
