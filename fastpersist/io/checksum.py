@@ -190,9 +190,8 @@ def part_value(part) -> int:
     if isinstance(part, tuple):
         job, index = part
         return job.crc(index)
-    if isinstance(part, int):
-        return part
-    return part.result()
+    result = getattr(part, "result", None)
+    return part if result is None else result()  # an int of any kind (a rank's gathered CRC) has no result()
 
 
 def _split(length: int, piece_size: int) -> list[tuple[int, int]]:
