@@ -10,7 +10,10 @@ raise in the same situation, so existing ``except`` clauses keep working.
 
 from __future__ import annotations
 
+import os
 import pickle
+import sys
+import warnings
 
 __all__ = [
     "FastPersistError",
@@ -38,6 +41,7 @@ __all__ = [
     "ObjectNotFoundError",
     "ObjectStoreUnavailableError",
     "ReplicaDivergenceWarning",
+    "warn_at_caller",
     "torch_compatible",
     "unsupported_object_error",
 ]
@@ -162,6 +166,21 @@ class ReplicaDivergenceWarning(UserWarning):
     Silence it with ``divergence="ignore"``, or make it an error with
     ``divergence="error"`` (docs/distributed.md).
     """
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first frame outside fastpersist: the user's line, not ours.
+
+    (On the background save thread every frame is ours or the thread's: the
+    warning then names where that thread started.)
+    """
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class TensorModifiedError(FastPersistError, RuntimeError):

@@ -11,6 +11,8 @@ released.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -19,7 +21,7 @@ try:
 except ImportError:  # a torch without these settings (set_crc32_options and the like)
     torch_serialization_config = None
 
-__all__ = ["cast_to_byte_tensor", "storage_byte_view", "host_memoryview", "torch_serialization_config"]
+__all__ = ["cast_to_byte_tensor", "storage_byte_view", "host_memoryview", "named_tensors", "torch_serialization_config"]
 
 
 def storage_byte_view(storage: torch.UntypedStorage | torch.TypedStorage) -> torch.Tensor:
@@ -80,3 +82,38 @@ def host_memoryview(tensor: torch.Tensor) -> memoryview:
     array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
     array.tensor = tensor  # from_address does not own the memory: the exporter keeps its owner
     return memoryview(array).cast("B")
+
+
+def named_tensors(obj: Any, limit: int = 100_000) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key path, tensor)`` for each tensor in ``obj``, depth first, each object once.
+
+    Walks dicts, lists, tuples and objects' ``__dict__`` (at most ``limit``
+    items), and names each tensor by its path: ``optimizer.state.0.exp_avg``,
+    ``weights[2]``; the object itself is ``(the object)``. The one walker of
+    every message that names tensors (divergent replicas, tensors modified
+    during a save) and of the collective save's value comparison.
+    """
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [("", obj)]
+    visited = 0
+    while stack and visited < limit:
+        path, item = stack.pop()
+        visited += 1
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            yield path or "(the object)", item
+            continue
+        try:
+            if isinstance(item, dict):
+                children = [(f"{path}.{k}" if path else str(k), v) for k, v in item.items()]
+            elif isinstance(item, (list, tuple)):
+                children = [(f"{path}[{i}]", v) for i, v in enumerate(item)]
+            elif hasattr(item, "__dict__") and not isinstance(item, type):
+                children = [(f"{path}.{k}" if path else k, v) for k, v in vars(item).items()]
+            else:
+                continue
+        except Exception:  # noqa: BLE001 - a name is a courtesy; an odd object must not fail the caller
+            continue
+        stack.extend(reversed(children))

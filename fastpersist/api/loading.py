@@ -186,15 +186,14 @@ _NOT_SHARDED = object()
 
 def _load_sharded(path: str, group: Any, timeout: float | None, verify: bool, load_kwargs: dict) -> Any:
     """A sharded checkpoint (manifest + parts), or a collective load; else _NOT_SHARDED."""
-    if group is not None and group is not False:
-        if distributed_save.is_collective(group):
-            data = distributed_load.read_collective(
-                path,
-                None if group is True else group,
-                verify=verify,
-                timeout=distributed_save.DEFAULT_TIMEOUT if timeout is None else timeout,
-            )
-            return _NOT_SHARDED if data is None else load(io.BytesIO(host_memoryview(data)), **load_kwargs)
+    if distributed_save.is_collective(group):
+        data = distributed_load.read_collective(
+            path,
+            None if group is True else group,
+            verify=verify,
+            timeout=distributed_save.DEFAULT_TIMEOUT if timeout is None else timeout,
+        )
+        return _NOT_SHARDED if data is None else load(io.BytesIO(host_memoryview(data)), **load_kwargs)
     if os.path.isfile(path) and is_manifest(path):
         data = distributed_load.read_parts(path, verify=verify)
         return load(io.BytesIO(host_memoryview(data)), **load_kwargs)

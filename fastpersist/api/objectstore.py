@@ -83,8 +83,10 @@ def save(
             "save() has no local_copy: a two-tier save is fastpersist.async_save(obj, url, local_copy=path) (call "
             "result() on its future to wait for the upload)"
         )
+    from fastpersist.distributed import save as distributed_save
+
     if dispatch.wants_safetensors(url, settings.pop("format", None)):
-        if group is not None and group is not False:
+        if distributed_save.wants_group(group):
             raise ValueError(
                 f"collective saves (group=...) of safetensors to an object store are not supported yet ({url}); "
                 "save with format='torch' for a collective save, or without group= from one rank"
@@ -98,24 +100,18 @@ def save(
     if resolved.checksum and not torch_crc32:
         resolved = resolved.replace(checksum=False)
     destination = objectstore.target(url)
-    if group is not None and group is not False:
-        from fastpersist.distributed import save as distributed_save
-
-        if distributed_save.is_collective(group):
-            options = dict(collective or {})
-            timeout = options.pop("timeout", None)
-            distributed_save.save(
-                obj,
-                url,
-                group=None if group is True else group,
-                timeout=distributed_save.DEFAULT_TIMEOUT if timeout is None else timeout,
-                pickle_module=pickle_module,
-                pickle_protocol=pickle_protocol,
-                disable_byteorder_record=disable_byteorder_record,
-                settings=resolved,
-                **options,
-            )
-            return
+    if distributed_save.is_collective(group):
+        distributed_save.save(
+            obj,
+            url,
+            group=group,
+            pickle_module=pickle_module,
+            pickle_protocol=pickle_protocol,
+            disable_byteorder_record=disable_byteorder_record,
+            settings=resolved,
+            **(collective or {}),
+        )
+        return
     plan = plan_save(obj, archive_name_for(destination.given), pickle_module, pickle_protocol, disable_byteorder_record)
     objectstore.commit_plan(plan, destination, resolved, streams=None)
 

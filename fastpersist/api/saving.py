@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Iterable
 from typing import Any, BinaryIO
 
 import torch
@@ -35,6 +36,7 @@ def save(
     layout: str | None = None,
     writers: str = "all",
     divergence: str = "warn",
+    per_rank: Iterable[str] = (),
     timeout: float | None = None,
     **settings: Any,
 ) -> None:
@@ -78,6 +80,12 @@ def save(
             than rank 0's (same key and size): ``"warn"`` writes rank 0's and
             warns (:class:`~fastpersist.errors.ReplicaDivergenceWarning`),
             ``"error"`` raises on every rank, ``"ignore"`` writes rank 0's.
+            Tensors whose bytes differ but whose values are the same (another
+            memory layout) are not divergent.
+        per_rank: (with ``group``) key paths of per-rank state (``"rng"``,
+            ``"callbacks"``, ``"loops.fit_loop"``): their values are expected
+            to differ between ranks, are saved as rank 0's and never warned
+            about or refused.
         timeout: (with ``group``) seconds a rank waits for the others at each
             step before raising (default 600).
         **settings: per-call overrides of any ``fastpersist.config`` setting
@@ -120,40 +128,39 @@ def save(
             group=group,
             torch_crc32=_torch_compute_crc32(),
             settings=settings,
-            collective=dict(layout=layout, writers=writers, divergence=divergence, timeout=timeout),
+            collective=dict(layout=layout, writers=writers, divergence=divergence, per_rank=per_rank, timeout=timeout),
         )
         return
     if dispatch.wants_safetensors(f, settings.pop("format", None)):
-        if group is not None and group is not False:
-            if distributed_save.is_collective(group):
-                raise ValueError(
-                    f"a collective save (group=...) writes a torch-format checkpoint, not safetensors ({f}): "
-                    "save with format='torch', or save the safetensors file on one rank (if rank == 0: ...)"
-                )
+        if distributed_save.is_collective(group):
+            raise ValueError(
+                f"a collective save (group=...) writes a torch-format checkpoint, not safetensors ({f}): "
+                "save with format='torch', or save the safetensors file on one rank (if rank == 0: ...)"
+            )
         dispatch.save_safetensors(obj, f, settings)  # format="safetensors" or a .safetensors path
         return
     overrides, _ = config.split_overrides("save", settings, allow_other=False)
     resolved = config.resolve(overrides)
     if resolved.checksum and not _torch_compute_crc32():
         resolved = resolved.replace(checksum=False)  # torch.serialization.set_crc32_options(False)
-    if group is not None and group is not False:
-        if distributed_save.is_collective(group):
-            if not isinstance(f, (str, os.PathLike)):
-                raise TypeError("a collective save (group=...) needs a path, not a file object")
-            distributed_save.save(
-                obj,
-                f,
-                group=None if group is True else group,
-                layout=layout,
-                writers=writers,
-                divergence=divergence,
-                timeout=distributed_save.DEFAULT_TIMEOUT if timeout is None else timeout,
-                pickle_module=pickle_module,
-                pickle_protocol=pickle_protocol,
-                disable_byteorder_record=_disable_byteorder_record,
-                settings=resolved,
-            )
-            return
+    if distributed_save.is_collective(group):
+        if not isinstance(f, (str, os.PathLike)):
+            raise TypeError("a collective save (group=...) needs a path, not a file object")
+        distributed_save.save(
+            obj,
+            f,
+            group=group,
+            layout=layout,
+            writers=writers,
+            divergence=divergence,
+            per_rank=per_rank,
+            timeout=timeout,
+            pickle_module=pickle_module,
+            pickle_protocol=pickle_protocol,
+            disable_byteorder_record=_disable_byteorder_record,
+            settings=resolved,
+        )
+        return
     if not _use_new_zipfile_serialization or _torch_skip_data():
         # The legacy (pre-1.6) format has no aligned records, and skip_data() files are
         # headers around holes (torch's fake-tensor workflow): torch writes both.

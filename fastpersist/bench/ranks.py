@@ -137,7 +137,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
             write_seconds = time.perf_counter() - began
             steps = {}
         else:
-            dsave.save(
+            stats = dsave.save(
                 state,
                 path,
                 group=dist.group.WORLD,
@@ -145,9 +145,8 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
                 writers=args["writers"],
                 timeout=args["timeout"],
                 settings=config.settings(),
-                _sink=bool(args.get("sink")),
+                sink=bool(args.get("sink")),
             )
-            stats = dsave.last_stats()
             write_seconds, written = stats.write_seconds, stats.bytes_written
             steps, digest_seconds = stats.steps, stats.digest_seconds
             prepare_seconds, launch_seconds = stats.prepare_seconds, stats.launch_seconds

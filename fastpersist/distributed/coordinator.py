@@ -26,14 +26,22 @@ seen, in order, and joins the first that describes its own call:
 * a call that was abandoned (its rank 0 timed out, failed or was
   interrupted; the call is then marked *aborted* in the store) is skipped;
 * a call that describes another operation (rank 0 saving ``a.pt`` while this
-  rank saves ``b.pt``) is waited out: rank 0 abandons it at its timeout, then
-  opens the call that matches;
-* if rank 0 opens nothing that matches within the timeout, this rank raises.
+  rank saves ``b.pt``, another layout, a load) is a mistake in the program
+  (per-rank paths, a call inside ``if rank == 0:``): this rank marks it
+  aborted, saying what it is doing instead, and raises at once; rank 0,
+  waiting in that call, sees the mark and raises too, naming both calls;
+* if rank 0 opens nothing within the timeout, this rank raises.
 
-So an unmatched call fails once, on the ranks that made it, after the
-timeout, and the next matched call works. A rank that gives up on a call
-(timeout, error, Ctrl-C) marks it aborted, and ranks waiting in it notice
-within a second instead of waiting out their own timeout.
+So mismatched calls fail within a moment on the ranks that made them, not
+after the timeout, and the next matched call works. A rank that gives up on
+a call (timeout, error, Ctrl-C) marks it aborted, and ranks waiting in it
+notice within a second instead of waiting out their own timeout.
+
+Calls of one group follow each other in a process: a collective call first
+waits for the asynchronous collective saves still pending in this process
+(:func:`fastpersist.io.queue.wait_collective`), whose steps run on the
+background save thread through this same store (never through a collective
+of the group's backend, which must not be issued from a second thread).
 
 The store carries metadata only (sizes, digests, names, status). It is used
 instead of ``all_gather_object`` because a collective of the group's backend
@@ -55,6 +63,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fastpersist.errors import DistributedCheckpointError
+from fastpersist.io import queue
 
 __all__ = ["Coordinator", "DEFAULT_TIMEOUT"]
 
@@ -116,6 +125,7 @@ class Coordinator:
                 "a collective fastpersist call needs torch.distributed initialized "
                 "(torch.distributed.init_process_group); call it on every rank"
             )
+        queue.wait_collective()  # calls of a group follow each other (see the module docstring)
         if group is None:
             group = dist.group.WORLD
         self.group = group
@@ -188,11 +198,23 @@ class Coordinator:
             what, description = pickle.loads(self.store.get(key))
             if (what, description) == (self.what, self.description):
                 return call
-            # Rank 0 is in another call (one this rank does not make): it will abandon it at its timeout.
-            self._wait_for(
-                [self._aborted_key(call)], deadline, step, waiting_for_open=True, other=f"{what} {description}".strip()
-            )
-            call += 1
+            self._refuse(call, f"{what} ({description})")
+
+    def _refuse(self, call: int, theirs: str) -> None:
+        """Rank 0 opened another call than this rank's: marks it aborted (rank 0 raises on seeing it), raises."""
+        mine = f"{self.what} ({self.description})"
+        advice = (
+            "Every rank must make the same collective calls in the same order, with the same path, layout and "
+            "writers (not per-rank paths, not inside `if rank == 0:`)"
+        )
+        self.call = call
+        self.abort(f"called {mine} while rank 0 called {theirs}. {advice}", {self.rank: f"called {mine}"})
+        self.call = None
+        raise DistributedCheckpointError(
+            f"collective {self.what} failed: rank 0 of the group is in another call, {theirs}, while this rank "
+            f"(rank {self.rank}) called {mine}. {advice}; nothing was committed",
+            {0: f"called {theirs}", self.rank: f"called {mine}"},
+        )
 
     def abort(self, reason: str, failures: dict[int, str] | None = None, step: str | None = None) -> None:
         """Marks this call abandoned, so the ranks still in it stop waiting (best effort, never raises).
@@ -221,9 +243,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ waiting
 
-    def _wait_for(
-        self, keys: list[str], deadline: float, step: str, *, waiting_for_open: bool = False, other: str | None = None
-    ) -> None:
+    def _wait_for(self, keys: list[str], deadline: float, step: str, *, waiting_for_open: bool = False) -> None:
         """Waits until every key exists; raises at the deadline or when the call was abandoned.
 
         Polls with ``store.check`` (a sleep between looks, from 0.1 ms growing
@@ -241,7 +261,7 @@ class Coordinator:
                     raise _Abandoned(mark)
             if time.monotonic() >= deadline:
                 if waiting_for_open:
-                    raise _NotOpened(other)
+                    raise _NotOpened()
                 raise _TimedOut()
             time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
             # Fine at first (ranks usually arrive within milliseconds), then calm. Growing by a quarter, a look
@@ -296,12 +316,11 @@ class Coordinator:
         except (KeyboardInterrupt, SystemExit) as e:
             self.abort(f"was interrupted ({type(e).__name__}) at step {step!r}", {self.rank: "interrupted"}, step)
             raise
-        except _NotOpened as e:
-            doing = f"; rank 0 is in another call ({self.what if e.other else ''} {e.other})" if e.other else ""
+        except _NotOpened:
             this = f" ({self.what} {self.description})" if self.description else ""
             raise DistributedCheckpointError(
                 f"collective {self.what} failed at step {step!r}: rank 0 of the group did not make this call{this} "
-                f"within {self.timeout:g} s{doing}. Every rank must call fastpersist.{self.what} with the same "
+                f"within {self.timeout:g} s. Every rank must call fastpersist.{self.what} with the same "
                 "path, in the same order (not inside `if rank == 0:`); nothing was committed",
                 {0: "did not make this call"},
             ) from error
@@ -397,9 +416,7 @@ class _Abandoned(Exception):
 
 
 class _NotOpened(Exception):
-    def __init__(self, other: str | None):
-        super().__init__(other)
-        self.other = other
+    pass
 
 
 def _poll_cap(size: int) -> float:

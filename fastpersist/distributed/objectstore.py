@@ -92,8 +92,10 @@ class ObjectParts:
         """The key: parts are named after it (``<key>.<token>.part-<U>-of-<N>``)."""
         return self.url.key
 
-    def write(self, plan, name: str, byte_range, settings: Settings, streams) -> list[int]:
+    def write(self, plan, name: str, byte_range, settings: Settings, streams, after_reads=None) -> list[int]:
         """Uploads ``byte_range`` of ``plan`` as the part object ``name``; returns its records' CRC-32s.
+
+        ``after_reads``: as :func:`~fastpersist.io.writer.write_plan`'s.
 
         Raises:
             ObjectStoreError and its subclasses: the upload failed and was
@@ -106,6 +108,7 @@ class ObjectParts:
             streams,
             client=self.client,
             byte_range=(byte_range.start, byte_range.end),
+            after_reads=after_reads,
         )
 
     def commit(self, manifest: bytes, settings: Settings) -> None:

@@ -34,6 +34,7 @@ digest here, or no scratch memory) never matches, so rank 0 writes those bytes.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ import torch
 
 from fastpersist.format.plan import SavePlan, StorageRecord
 from fastpersist.io import checksum, engine
+from fastpersist.tensors import named_tensors
 
 __all__ = [
     "HOST",
@@ -50,6 +52,7 @@ __all__ = [
     "Digest",
     "storage_digests",
     "storage_names",
+    "value_digests",
     "device_digest",
     "device_digests",
     "PendingDigests",
@@ -349,42 +352,62 @@ def mismatches(reference: dict[int, Digest], theirs: dict[int, Digest]) -> tuple
 def storage_names(obj: Any, keys: Iterable[str], plan: SavePlan, limit: int = 100_000) -> dict[str, str]:
     """A readable name for each storage key of ``plan``: the path of a tensor in ``obj`` using it.
 
-    Walks dicts, lists, tuples and objects' ``__dict__`` (at most ``limit``
-    items); a storage found nowhere is named ``data/<key>``.
+    (:func:`fastpersist.tensors.named_tensors`, at most ``limit`` items); a
+    storage found nowhere is named ``data/<key>``.
     """
-    wanted = {}
-    for record in plan.storages:
-        if record.key in keys:
-            wanted[(record.device, record.data_ptr())] = record.key
+    keys = list(keys)
+    wanted = {(r.device, r.data_ptr()): r.key for r in plan.storages if r.key in keys}
     names: dict[str, str] = {}
-    seen: set[int] = set()
-    stack: list[tuple[str, Any]] = [("", obj)]
-    visited = 0
-    while stack and visited < limit and len(names) < len(wanted):
-        path, item = stack.pop()
-        visited += 1
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, torch.Tensor):
-            try:
-                storage = item.untyped_storage()
-                key = wanted.get((item.device, storage.data_ptr()))
-            except Exception:  # noqa: BLE001 - sparse, nested and other layouts have no plain storage
-                key = None
-            if key is not None and key not in names:
-                names[key] = path or "(the object)"
-            continue
-        try:
-            if isinstance(item, dict):
-                children = [(f"{path}.{k}" if path else str(k), v) for k, v in item.items()]
-            elif isinstance(item, (list, tuple)):
-                children = [(f"{path}[{i}]", v) for i, v in enumerate(item)]
-            elif hasattr(item, "__dict__") and not isinstance(item, type):
-                children = [(f"{path}.{k}" if path else k, v) for k, v in vars(item).items()]
-            else:
-                continue
-        except Exception:  # noqa: BLE001 - a name is a courtesy; an odd object must not fail the save
-            continue
-        stack.extend(reversed(children))
+    for path, tensor in named_tensors(obj, limit):
+        key = wanted.get(_storage_of(tensor))
+        if key is not None and key not in names:
+            names[key] = path
+            if len(names) == len(wanted):
+                break
     return {key: names.get(key, f"data/{key}") for key in keys}
+
+
+def value_digests(obj: Any, records: dict[int, StorageRecord], limit: int = 100_000) -> dict[int, int | None]:
+    """For each ordinal of ``records``: a 64-bit digest of the values ``obj``'s tensors see in that storage.
+
+    Two ranks whose storages differ byte for byte may hold the same values:
+    a weight kept column-major on one rank (``w.t().contiguous().t()``) and
+    row-major on the other. The digest covers, for every tensor of ``obj``
+    viewing the storage (in key-path order), its path, dtype, shape and the
+    bytes of its values in row-major order (:func:`device_digest` of
+    ``tensor.contiguous()``, on its device), so it is the same on two ranks
+    exactly when their tensors hold the same values. None where no tensor of
+    ``obj`` views the storage, or its values cannot be read (never equal).
+    Only for the few storages whose bytes differ: it copies non-contiguous tensors.
+    """
+    by_storage = {(r.device, r.data_ptr()): ordinal for ordinal, r in records.items() if r.entry.size}
+    found: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for path, tensor in named_tensors(obj, limit):
+        ordinal = by_storage.get(_storage_of(tensor))
+        if ordinal is not None:
+            found.setdefault(ordinal, []).append((path, tensor))
+    digests: dict[int, int | None] = {}
+    for ordinal in records:
+        tensors = sorted(found.get(ordinal, ()), key=lambda item: item[0])
+        if not tensors:
+            digests[ordinal] = None
+            continue
+        summary = hashlib.blake2b(digest_size=8)
+        try:
+            for path, tensor in tensors:
+                summary.update(repr((path, str(tensor.dtype), tuple(tensor.shape))).encode())
+                if tensor.numel():
+                    values = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+                    summary.update(int(device_digest(values)).to_bytes(8, "little", signed=True))
+        except Exception:  # noqa: BLE001 - sparse, quantized, ...: values this cannot read are never equal
+            digests[ordinal] = None
+            continue
+        digests[ordinal] = int.from_bytes(summary.digest(), "little")
+    return digests
+
+
+def _storage_of(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
+    try:
+        return tensor.device, tensor.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - sparse, nested and other layouts have no plain storage
+        return None

@@ -24,6 +24,8 @@ from fastpersist.tensors import storage_byte_view
 
 __all__ = ["BytesRecord", "StorageRecord", "SavePlan", "SegmentKind", "Segment"]
 
+_NOTHING = torch.empty(0, dtype=torch.uint8)
+
 
 @dataclasses.dataclass(frozen=True)
 class BytesRecord:
@@ -41,9 +43,14 @@ class StorageRecord:
     view per storage was a fifth of the time to plan a checkpoint of many
     small tensors. ``StorageRecord(entry, key, view=view)`` takes a ready view
     (a staging copy, for example). Treat records as immutable.
+
+    A ready view may hold only part of the payload (a collective save's
+    snapshot of one rank's share): ``offset`` is the payload byte its first
+    byte is, and it holds :attr:`nbytes` bytes from there. Writers read only
+    the bytes of their range, which must lie inside.
     """
 
-    __slots__ = ("entry", "key", "_storage", "_view")
+    __slots__ = ("entry", "key", "offset", "_storage", "_view")
 
     def __init__(
         self,
@@ -52,11 +59,15 @@ class StorageRecord:
         storage: torch.UntypedStorage | None = None,
         *,
         view: torch.Tensor | None = None,
+        offset: int = 0,
     ):
         if (storage is None) == (view is None):
             raise TypeError("a StorageRecord needs either a storage or a view")
+        if offset and view is None:
+            raise TypeError("only a ready view may start inside the payload (offset=)")
         self.entry = entry
         self.key = key
+        self.offset = offset
         self._storage = storage
         self._view = view
 
@@ -69,13 +80,24 @@ class StorageRecord:
         return view
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the payload the record holds (all of it, unless a ready view holds a part)."""
+        return self.entry.size if self._view is None else self._view.numel()
+
+    def cropped(self, start: int, end: int) -> StorageRecord:
+        """The same record holding only the payload's bytes ``[start, end)`` (offsets in the payload)."""
+        return StorageRecord(
+            self.entry, self.key, view=self.view[start - self.offset : end - self.offset], offset=start
+        )
+
+    @property
     def device(self) -> torch.device:
         return self._storage.device if self._view is None else self._view.device
 
     def placed(self, entry: ZipEntry) -> StorageRecord:
         """The same storage (or view) as the record of another layout's ``entry``."""
         if self._view is not None:  # a ready view (also once made from the storage): keep using it
-            return StorageRecord(entry, self.key, view=self._view)
+            return StorageRecord(entry, self.key, view=self._view, offset=self.offset)
         return StorageRecord(entry, self.key, self._storage)
 
     def data_ptr(self) -> int:
@@ -137,6 +159,29 @@ class SavePlan:
 
     def trailer(self, crcs: Sequence[int]) -> bytes:
         return self.layout.trailer(crcs)
+
+    def cropped(self, ranges: Sequence[tuple[int, int]]) -> SavePlan:
+        """The same plan, its storage records holding only their bytes inside ``ranges`` (file offsets).
+
+        What one rank of a collective save writes is a few ranges of the file:
+        a snapshot of this plan copies those bytes only. Each storage keeps
+        the span from its first to its last byte inside the ranges (one view,
+        :meth:`StorageRecord.cropped`); one with none holds nothing. Executing
+        the plan outside ``ranges`` is then an error.
+        """
+        spans = sorted((start, end) for start, end in ranges if end > start)
+        records = []
+        for record in self.records:
+            if not isinstance(record, StorageRecord) or not record.entry.size:
+                records.append(record)
+                continue
+            lo, hi = record.entry.data_offset, record.entry.data_offset + record.entry.size
+            inside = [(max(start, lo), min(end, hi)) for start, end in spans if start < hi and end > lo]
+            if inside:
+                records.append(record.cropped(inside[0][0] - lo, max(end for _, end in inside) - lo))
+            else:
+                records.append(StorageRecord(record.entry, record.key, view=_NOTHING))
+        return SavePlan(self.layout, tuple(records))
 
     def segments(self) -> list[Segment]:
         """Contiguous pieces covering ``[0, size)`` in file order."""

@@ -25,6 +25,7 @@ import json
 import math
 import struct
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import torch
 
@@ -379,6 +380,7 @@ class _TensorRecord:
 
     name: str
     view: torch.Tensor
+    offset: ClassVar[int] = 0  # the view holds the whole payload (writers ask, as of a StorageRecord)
 
     @property
     def device(self) -> torch.device:

@@ -38,6 +38,7 @@ __all__ = [
     "pending_saves",
     "queue_idle",
     "wait_for_slot",
+    "wait_collective",
     "report_unchecked_as_warnings",
 ]
 
@@ -53,12 +54,17 @@ class SaveFuture:
             a two-tier save (its state is already on local disk); ``"call"``
             for :func:`run_in_order`.
         local_copy: the local file of a two-tier save (None otherwise).
+        collective: whether it is a collective save's background part (its
+            ranks exchange through the group's store: see :func:`wait_collective`).
+        stats: what a finished collective save did (a ``SaveStats``), else None.
     """
 
     def __init__(self, path: str, mode: str):
         self.path = path
         self.mode = mode
         self.local_copy: str | None = None
+        self.collective = False
+        self.stats: Any = None
         self._state = _PENDING
         self._error: BaseException | None = None
         self._finished = threading.Event()
@@ -243,6 +249,25 @@ def wait_for_slot(max_pending: int) -> None:
                 return
             oldest = _in_flight[0]
         oldest._finished.wait()
+
+
+def wait_collective() -> None:
+    """Waits until no collective save of this process is pending (their errors stay with their futures).
+
+    A collective call (save or load, ``group=``) opens or joins a numbered call
+    in the group's store, and every rank must take its calls in the same
+    order; an asynchronous collective save takes part in its call from the
+    background thread. So a collective call made on the caller's thread first
+    lets the pending ones finish. On the save thread itself it returns at once.
+    """
+    if threading.current_thread() is _worker.thread:
+        return
+    while True:
+        with _lock:
+            pending = [f for f in _in_flight if f.collective and not f._finished.is_set()]
+        if not pending:
+            return
+        pending[0]._finished.wait()
 
 
 def queue_idle() -> bool:

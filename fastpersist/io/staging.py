@@ -248,7 +248,7 @@ def snapshot_plan(
         leased.release()
         raise
     records = tuple(
-        StorageRecord(record.entry, record.key, view=copies[id(record)])
+        StorageRecord(record.entry, record.key, view=copies[id(record)], offset=record.offset)
         if isinstance(record, StorageRecord)
         else record
         for record in plan.records
@@ -270,17 +270,17 @@ def _layout(storages) -> tuple[dict[int, int], dict[torch.device, list[StorageRe
     small: dict[torch.device, list[StorageRecord]] = {}
     total = 0
     for record in storages:
-        if record.device.type == "cuda" and record.entry.size < _GATHER_BELOW:
+        if record.device.type == "cuda" and record.nbytes < _GATHER_BELOW:
             small.setdefault(record.device, []).append(record)
         else:
             offsets[id(record)] = total
-            total += _round_up(record.entry.size, _ALIGNMENT)
+            total += _round_up(record.nbytes, _ALIGNMENT)
     regions: dict[torch.device, int] = {}
     for device, records in small.items():
         regions[device] = total
         for record in records:
             offsets[id(record)] = total
-            total += record.entry.size
+            total += record.nbytes
         total = _round_up(total, _ALIGNMENT)
     return offsets, small, regions, total
 

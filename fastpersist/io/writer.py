@@ -333,7 +333,7 @@ def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams, crcs: list[int]
                 # Pointer arithmetic, not tensor slices: with 100,000 small storages the
                 # slicing cost more than the copies. Large pieces are copied (and
                 # checksummed) by several cores at once.
-                destination, source = base + (lo - start), record.data_ptr() + (lo - offset)
+                destination, source = base + (lo - start), record.data_ptr() + (lo - offset - record.offset)
                 if checksum:
                     # Records are filled in file order, so this running CRC is complete
                     # before finalize (on the worker) writes the record's descriptor.
@@ -341,8 +341,8 @@ def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams, crcs: list[int]
                 else:
                     crc_pool.copy(destination, source, hi - lo)
                 continue
-            view = record.view
-            source = view[lo - offset : hi - offset]
+            held = offset + record.offset  # file offset of the view's first byte
+            source = record.view[lo - held : hi - held]
             destination = slot.buffer[lo - start : hi - start]
             if source.device.type == "cuda":
                 device_copies.setdefault(streams[source.device], []).append((destination, source))

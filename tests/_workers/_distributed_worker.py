@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 import traceback
 import warnings
 
@@ -23,7 +24,8 @@ def make_state(seed: int = 0, rank: int = 0, variant: str | None = None) -> dict
     ``variant``: ``"per_rank"`` adds what differs between real data-parallel
     ranks: a per-rank 4 MiB permutation and a tiny RNG-like tensor (same key
     and size, other values), a per-rank Python int, and the same values held
-    with another ``requires_grad``, storage offset or memory layout;
+    with another ``requires_grad``, storage offset or memory layout (one of
+    them column-major on rank 1: same key, size and values, other bytes);
     ``"drift"`` does that and also makes one replicated weight drift.
     """
     generator = torch.Generator().manual_seed(seed)
@@ -46,6 +48,8 @@ def make_state(seed: int = 0, rank: int = 0, variant: str | None = None) -> dict
         state["flagged"] = state["weights"][0].clone().requires_grad_(rank == 1)
         state["shifted"] = torch.cat([torch.zeros(7 * rank), base.flatten()])[7 * rank :]
         state["layout"] = base.t().contiguous() if rank == 0 else base.t()
+        # Same key and size, same values, other bytes: rank 1 keeps this weight column-major.
+        state["colmajor"] = state["weights"][1] * 2 if rank == 0 else (state["weights"][1] * 2).t().contiguous().t()
     if variant == "drift":
         state["weights"][2] = state["weights"][2] + rank * 1e-3
     return state
@@ -96,13 +100,57 @@ class FaultyClient:
 
 
 _REAL_MAKE_CLIENT: dict = {}
+_PENDING: list = []  # async saves a step left pending on purpose
+
+
+def _on_device(state: dict, step: dict, rank: int) -> dict:
+    if step.get("device") != "cuda":
+        return state
+    # Every rank's tensors on its GPU (ranks share GPUs when there are fewer).
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    state = {
+        k: v.cuda() if isinstance(v, torch.Tensor) else [t.cuda() for t in v] if isinstance(v, list) else v
+        for k, v in state.items()
+    }
+    if "base" in state:
+        state["view"] = state["base"][10:20]  # still a view of "base" (one storage), as on the CPU
+    return state
+
+
+def _burst(rank: int, directory: str, step: dict, options: dict, overrides: dict) -> dict:
+    """``count`` asynchronous collective saves in a row, modes alternating, not waited for one by one; after
+    every ``every``-th a synchronous collective save and a collective load of the last async one."""
+    import fastpersist
+
+    group = dist.group.WORLD
+    futures, loads = [], []
+    for i in range(step["count"]):
+        state = _on_device(make_state(100 + i), step, rank)
+        mode = "pipelined" if i % 2 else "snapshot"
+        where = os.path.join(directory, f"burst-{i}.pt")
+        futures.append(fastpersist.async_save(state, where, group=group, mode=mode, **options, **overrides))
+        if (i + 1) % step["every"] == 0:
+            k = (i + 1) // step["every"] - 1
+            state = _on_device(make_state(200 + k), step, rank)
+            fastpersist.save(state, os.path.join(directory, f"sync-{k}.pt"), group=group, **options, **overrides)
+            loaded = fastpersist.load(where, group=group, timeout=options["timeout"], map_location="cpu")
+            loads.append(same(_to_cpu(loaded), make_state(100 + i)))
+    for future in futures:
+        future.result()
+    return {"loads": loads}
 
 
 def _path(directory: str, rank: int, step: dict) -> str:
     if "url" in step:  # s3://bucket/key (tests/objectstore): the same on every rank
         return step["url"]
     where = step.get("dirs")
-    return os.path.join(where[rank] if where else directory, step.get("name", "ckpt.pt"))
+    name = step.get("name", "ckpt.pt").format(rank=rank)  # "r{rank}.pt": per-rank paths (a mistake)
+    return os.path.join(where[rank] if where else directory, name)
+
+
+def _per_rank(value, rank: int):
+    """A step's option, or (a list) each rank's own value of it (a mistake a test makes on purpose)."""
+    return value[rank] if isinstance(value, list) else value
 
 
 def _do(rank: int, world: int, directory: str, step: dict):
@@ -118,26 +166,21 @@ def _do(rank: int, world: int, directory: str, step: dict):
         state["big"] = make_big(seed)
     if step.get("only") is not None and step["only"] != rank:
         return {"skipped": True}  # a call made on one rank only (inside `if rank == ...:`)
-    if step.get("device") == "cuda":  # every rank's tensors on its GPU (ranks share GPUs when there are fewer)
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        state = {
-            k: v.cuda() if isinstance(v, torch.Tensor) else [t.cuda() for t in v] if isinstance(v, list) else v
-            for k, v in state.items()
-        }
-        if "base" in state:
-            state["view"] = state["base"][10:20]  # still a view of "base" (one storage), as on the CPU
+    state = _on_device(state, step, rank)
     options = dict(
-        group=dist.group.WORLD,
-        layout=step.get("layout", None if "url" in step else "file"),
-        writers=step.get("writers", "all"),
+        layout=_per_rank(step.get("layout", None if "url" in step else "file"), rank),
+        writers=_per_rank(step.get("writers", "all"), rank),
         timeout=step.get("timeout", 20),
-        buffer_size=256 << 10,
-        block_size=64 << 10,
     )
+    if options["timeout"] is None:
+        del options["timeout"]  # the default (600 s)
     if "divergence" in step:
         options["divergence"] = step["divergence"]
+    if "per_rank" in step:
+        options["per_rank"] = step["per_rank"]
+    overrides = dict(buffer_size=256 << 10, block_size=64 << 10)
     if "s3_part_size" in step:
-        options["s3_part_size"] = step["s3_part_size"]
+        overrides["s3_part_size"] = step["s3_part_size"]
     if "url" in step:
         from fastpersist.io import objectstore
 
@@ -162,17 +205,52 @@ def _do(rank: int, world: int, directory: str, step: dict):
                 raise KeyboardInterrupt
 
             dsave.write_plan = interrupt
+
+        gate = None
+        if bad == rank and step.get("fault") == "modify":  # the write waits until the caller changed a tensor
+            import threading
+
+            gate, real = threading.Event(), dsave.write_plan
+
+            def held(*args, **kwargs):
+                gate.wait(30)
+                return real(*args, **kwargs)
+
+            dsave.write_plan = held
+
+        def save():
+            if not dsave.is_collective(dist.group.WORLD):  # a group of one rank: the public save, a plain one
+                fastpersist.save(state, path, group=dist.group.WORLD, **options, **overrides)
+                return None
+            if step.get("async"):  # fastpersist.async_save(group=...): its future carries the stats
+                future = fastpersist.async_save(
+                    state, path, group=dist.group.WORLD, mode=step["async"], **options, **overrides
+                )
+                if gate is not None:
+                    with torch.no_grad():
+                        state["weights"][0].add_(1)  # the optimizer step, too early
+                    gate.set()
+                if step.get("pending"):  # leave it pending: the process exits next (see run)
+                    _PENDING.append(future)
+                    return None
+                future.result()
+                return future.stats
+            settings = fastpersist.config.resolve(overrides)
+            return dsave.save(state, path, group=dist.group.WORLD, settings=settings, **options)
+
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            if bad == rank and step.get("fault") == "enospc":
-                with engine.inject_fault(nth=1, errno=errno.ENOSPC, op="write"):
-                    fastpersist.save(state, path, **options)
-            else:
-                fastpersist.save(state, path, **options)
-        stats = dsave.last_stats()
+            try:
+                if bad == rank and step.get("fault") == "enospc":
+                    with engine.inject_fault(nth=1, errno=errno.ENOSPC, op="write"):
+                        stats = save()
+                else:
+                    stats = save()
+            finally:
+                if gate is not None:
+                    dsave.write_plan = real
         if stats is None:
             return {"plain": True}
-        dsave._last.clear()
         return {
             "bytes": stats.bytes_written,
             "size": stats.file_size,
@@ -185,7 +263,14 @@ def _do(rank: int, world: int, directory: str, step: dict):
                 for w in caught
                 if issubclass(w.category, fastpersist.errors.ReplicaDivergenceWarning)
             ],
+            "warned_at": [
+                os.path.basename(w.filename)
+                for w in caught
+                if issubclass(w.category, fastpersist.errors.ReplicaDivergenceWarning)
+            ],
         }
+    if kind == "burst":
+        return _burst(rank, directory, step, options, overrides)
     if kind == "load":
         where = step.get("map_location", "cpu")
         if where == "own":  # this rank's GPU, whatever device the file names (as torch.load(map_location=...))
@@ -257,6 +342,7 @@ def run(
             tag_as_cuda(rank)
         dist.init_process_group(backend, rank=rank, world_size=world)
         for step in steps:
+            began = time.monotonic()
             try:
                 results.append({"ok": _do(rank, world, directory, step)})
             except BaseException as e:  # noqa: BLE001 - reported to the test (KeyboardInterrupt too)
@@ -269,8 +355,12 @@ def run(
                     }
                 )
                 if step.get("stop_on_error"):
+                    results[-1]["seconds"] = time.monotonic() - began
                     break
+            results[-1]["seconds"] = time.monotonic() - began
     finally:
         with open(os.path.join(directory, f"result-{rank}.json"), "w") as handle:
             json.dump(results, handle)
+    if _PENDING:
+        return  # an ordinary exit, with a save pending: the interpreter's exit must complete it
     os._exit(0)  # no teardown: a peer may be dead, and the group's shutdown is not under test

@@ -80,6 +80,7 @@ def test_pipelined_mutation_fails_the_save_and_commits_nothing(tmp_path):
     with pytest.raises(fastpersist.TensorModifiedError) as info:
         future.result(timeout=60)
     assert "float32[200000]" in str(info.value) and info.value.path == str(path)
+    assert info.value.names == ("w (float32[200000] on cpu)",)  # named by its key path, as the divergence warning
     assert same(old, fastpersist.load(path)), "the previous checkpoint must stay"
     assert os.listdir(tmp_path) == ["ckpt.pt"], "no temporary file may be left"
 

@@ -11,6 +11,7 @@ in ``test_nccl_*`` (multigpu).
 
 from __future__ import annotations
 
+import glob
 import os
 import time
 import zipfile
@@ -55,6 +56,8 @@ def test_device_tags_and_per_rank_state_are_rank_zeros(layout, tmp_path):
     assert saved[1]["bytes"] > 0 and 0 < saved[1]["shared"] < saved[0]["shared"]
     assert sorted(saved[0]["divergent"]) == sorted(saved[1]["divergent"]) and len(saved[0]["divergent"]) == 2
     assert len(saved[0]["warnings"]) == 1 and "sampler" in saved[0]["warnings"][0] and "rng" in saved[0]["warnings"][0]
+    assert "colmajor" not in saved[0]["warnings"][0]  # another memory layout of the same values: not divergence
+    assert saved[0]["warned_at"] == ["_distributed_worker.py"]  # the caller's line, not fastpersist's
     assert saved[1]["warnings"] == []  # warned once, on rank 0
     assert all(r["same"] for r in ok(results, 1))  # the collective load gives rank 0's object on every rank
     assert temporaries(tmp_path) == []
@@ -82,6 +85,28 @@ def test_drifted_replica_policies(tmp_path):
     assert temporaries(tmp_path) == []
 
 
+@pytest.mark.parametrize("layout", ["file", "parts"])
+def test_layout_only_differences_and_per_rank_state_are_not_divergence(layout, tmp_path):
+    """A column-major replica is not divergence, even with divergence='error'; per_rank= key paths are expected to
+    differ: no warning, no refusal; the file is rank 0's object either way."""
+    steps = [
+        {"op": "save", "layout": layout, "variant": "per_rank", "divergence": "error", "per_rank": ["sampler", "rng"]},
+        {"op": "save", "layout": layout, "variant": "per_rank", "per_rank": ["sampler"], "name": "warned.pt"},
+    ]
+    results = spawn(2, tmp_path, steps, tag_cuda=True)
+    saved = ok(results, 0)
+    assert saved[0]["warnings"] == [] and saved[1]["warnings"] == []
+    assert sorted(saved[0]["divergent"]) == sorted(saved[1]["divergent"]) and len(saved[0]["divergent"]) == 2
+    expected = make_state(0, 0, "per_rank")
+    assert same(fastpersist.load(tmp_path / "ckpt.pt", map_location="cpu"), expected)
+    assert fastpersist.load(tmp_path / "ckpt.pt", map_location="cpu")["colmajor"].is_contiguous()  # rank 0's layout
+    warned = ok(results, 1)
+    assert len(warned[0]["warnings"]) == 1 and "rng" in warned[0]["warnings"][0]
+    assert "sampler" not in warned[0]["warnings"][0] and "colmajor" not in warned[0]["warnings"][0]
+    assert same(fastpersist.load(tmp_path / "warned.pt", map_location="cpu"), expected)
+    assert temporaries(tmp_path) == []
+
+
 def test_wholly_different_rank_gives_rank_zeros_file(tmp_path):
     """A rank whose values all differ from rank 0's: rank 0 rewrites what it wrote; the file is rank 0's object."""
     results = spawn(2, tmp_path, [{"op": "save", "seed": "rank", "divergence": "ignore"}])
@@ -99,27 +124,48 @@ def test_writers_node_with_per_rank_state(tmp_path):
     assert same(load_cpu(tmp_path / "ckpt.pt"), make_state(0, 0, "per_rank"))
 
 
-def test_unmatched_call_fails_once_then_saves_work(tmp_path):
-    """A save on rank 0 only fails after its timeout; the next collective save works; no temporaries stay."""
+def test_mismatched_calls_fail_at_once_on_every_rank_then_saves_work(tmp_path):
+    """Per-rank paths, layouts or writers, and a save on one rank only: every rank that made the mismatched
+    call raises within seconds with the default 600 s timeout, naming both calls; the next matched save works."""
     steps = [
-        {"op": "save", "only": 0, "timeout": 3, "name": "stray.pt"},
+        {"op": "save", "name": "r{rank}.pt", "timeout": None},  # per-rank paths
+        {"op": "save", "name": "layout.pt", "layout": ["file", "parts"], "timeout": None},
+        {"op": "save", "name": "writers.pt", "writers": ["all", "node"], "timeout": None},
         {"op": "save", "name": "good.pt"},
-        {"op": "save", "only": 1, "timeout": 3, "name": "stray.pt"},
+        {"op": "save", "only": 0, "name": "stray.pt", "timeout": None},  # inside `if rank == 0:`
+        {"op": "save", "only": 1, "name": "other.pt", "timeout": None},  # ... and rank 1's next save
         {"op": "save", "name": "again.pt", "seed": 1},
         {"op": "load", "name": "again.pt", "seed": 1},
     ]
     results = spawn(2, tmp_path, steps, deadline=90)
+    for step, (mine, theirs) in {0: ("r1.pt", "r0.pt"), 1: ("parts", "file"), 2: ("node", "all")}.items():
+        for rank in range(2):
+            outcome = results[rank][step]
+            assert outcome.get("error") == "DistributedCheckpointError", outcome
+            assert outcome["seconds"] < 5, outcome  # not after the 600 s timeout
+            assert mine in outcome["message"] and theirs in outcome["message"], outcome
+            assert "same path, layout and writers" in outcome["message"]
+            assert "save save" not in outcome["message"]
+    ok(results, 3)
+    assert same(load_cpu(tmp_path / "good.pt"), make_state(0))
+    stray, other = results[0][4], results[1][5]
+    for outcome in (stray, other):
+        assert outcome.get("error") == "DistributedCheckpointError" and outcome["seconds"] < 5, outcome
+        assert "stray.pt" in outcome["message"] and "other.pt" in outcome["message"], outcome
+    assert results[1][4]["ok"] == {"skipped": True} and results[0][5]["ok"] == {"skipped": True}
+    ok(results, 6)
+    assert all(r["same"] for r in ok(results, 7))
+    assert same(load_cpu(tmp_path / "again.pt"), make_state(1))
+    for name in ("r0.pt", "r1.pt", "layout.pt", "writers.pt", "stray.pt", "other.pt"):
+        assert not os.path.exists(tmp_path / name)
+    assert temporaries(tmp_path) == [] and glob.glob(str(tmp_path / "*.part-*")) == []
+
+
+def test_a_call_on_one_rank_alone_fails_after_its_timeout(tmp_path):
+    """Rank 0 saves alone and nobody else calls: it raises after its timeout, saying which ranks did not report."""
+    results = spawn(2, tmp_path, [{"op": "save", "only": 0, "timeout": 3, "name": "stray.pt"}], deadline=60)
     stray = results[0][0]
     assert stray.get("error") == "DistributedCheckpointError" and "did not report" in stray["message"], stray
-    assert results[1][0] == {"ok": {"skipped": True}}
-    ok(results, 1)
-    assert same(load_cpu(tmp_path / "good.pt"), make_state(0))
-    lone = results[1][2]
-    assert lone.get("error") == "DistributedCheckpointError", lone
-    assert "rank 0 of the group did not make this call" in lone["message"] and "stray.pt" in lone["message"]
-    ok(results, 3)
-    assert all(r["same"] for r in ok(results, 4))
-    assert same(load_cpu(tmp_path / "again.pt"), make_state(1))
     assert not os.path.exists(tmp_path / "stray.pt") and temporaries(tmp_path) == []
 
 
@@ -157,7 +203,7 @@ def test_lightning_default_map_location_reads_a_cuda1_checkpoint(tmp_path):
 @pytest.mark.parametrize("layout", ["file", "parts"])
 def test_nccl_one_gpu_per_rank(layout, tmp_path):
     """NCCL, each rank's state on its own GPU: rank 0's object (device tags cuda:0), per-rank tensors, drift,
-    one writer per node, the collective load onto each rank's own device, an unmatched call then good saves."""
+    one writer per node, the collective load onto each rank's own device, per-rank paths then good saves."""
     steps = [
         {"op": "save", "layout": layout, "variant": "per_rank", "device": "cuda"},
         {"op": "load", "variant": "per_rank", "map_location": "own"},
@@ -170,7 +216,7 @@ def test_nccl_one_gpu_per_rank(layout, tmp_path):
             "divergence": "error",
         },
         {"op": "save", "layout": layout, "device": "cuda", "writers": "node", "name": "node.pt"},
-        {"op": "save", "layout": layout, "device": "cuda", "only": 0, "timeout": 5, "name": "stray.pt"},
+        {"op": "save", "layout": layout, "device": "cuda", "name": "r{rank}.pt", "timeout": None},
         {"op": "save", "layout": layout, "device": "cuda", "seed": 1, "name": "after.pt"},
         {"op": "load", "seed": 1, "name": "after.pt", "map_location": "own"},
     ]
@@ -190,7 +236,9 @@ def test_nccl_one_gpu_per_rank(layout, tmp_path):
             and "weights[2]" in results[rank][2]["message"]
         )
     assert ok(results, 3)[1]["bytes"] == 0  # one machine: rank 0 writes it all
-    assert results[0][4].get("error") == "DistributedCheckpointError" and results[1][4] == {"ok": {"skipped": True}}
+    for rank in range(2):  # per-rank paths: both ranks refuse at once
+        outcome = results[rank][4]
+        assert outcome.get("error") == "DistributedCheckpointError" and outcome["seconds"] < 5, outcome
     ok(results, 5)
     assert all(r["same"] for r in ok(results, 6))
     assert temporaries(tmp_path) == []
