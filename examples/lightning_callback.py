@@ -3,6 +3,7 @@
     python examples/lightning_callback.py --dir /tmp/lit                 # CPU or one GPU
     python examples/lightning_callback.py --dir /tmp/lit --devices 2     # DDP: every rank writes its slice
     python examples/lightning_callback.py --dir /tmp/lit --async-mode snapshot
+    python examples/lightning_callback.py --dir /tmp/lit --devices 2 --async-mode pipelined  # in the background
     python examples/lightning_callback.py --dir /tmp/lit --devices 2 --io strategy   # FastPersistDDPStrategy
     python examples/lightning_callback.py --dir /tmp/lit --devices 2 --io plugin     # FastPersistCheckpointIO
 
@@ -172,6 +173,11 @@ def main() -> None:
     trainer = make_trainer(args, args.epochs)
     model = Classifier()
     trainer.fit(model)
+    stats = getattr(trainer.strategy.checkpoint_io, "last_stats", None)
+    if stats is not None:  # asynchronous saves under DDP: each was a collective save
+        print(
+            f"rank {trainer.global_rank}: collective saves in the background, this rank wrote {stats.bytes_written} B"
+        )
     last = os.path.join(args.dir, "checkpoints", "last.ckpt")
     if trainer.is_global_zero:
         state = torch.load(last, weights_only=False, map_location="cpu")  # an ordinary torch checkpoint

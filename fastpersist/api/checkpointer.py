@@ -44,6 +44,9 @@ from fastpersist.api import futures
 
 __all__ = ["Checkpointer"]
 
+_COLLECTIVE = ("group", "layout", "writers", "divergence", "per_rank", "timeout")
+"""Options of a collective save among the settings: not settings of the memory to prepare."""
+
 
 def _normalization_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     from torch.nn.modules.batchnorm import _NormBase
@@ -69,7 +72,15 @@ class Checkpointer:
             False: the caller's stream waits for them at once (~5 ms per
             250 MB), and the state may change in place by any means as soon
             as ``save`` returns.
-        **settings: ``fastpersist.config`` overrides for every save.
+        group: under data-parallel training, the process group whose ranks
+            all call :meth:`save` with the same path: each save is then a
+            collective one (:func:`fastpersist.async_save` with ``group=``),
+            every rank writing its share of rank 0's checkpoint in the
+            background. The hooks hold each rank's state only until its share
+            has been read (pipelined) or copied (snapshot).
+        **settings: ``fastpersist.config`` overrides for every save, and the
+            collective save's ``layout``, ``writers``, ``divergence``,
+            ``per_rank`` and ``timeout``.
 
     Raises (from ``save``, ``wait``, the hooks and ``close``): what the failed
     save raised, at the latest before the next optimizer step.
@@ -82,10 +93,12 @@ class Checkpointer:
         model: torch.nn.Module | None = None,
         mode: str | None = None,
         overlap_snapshots: bool = True,
+        group: Any = None,
         **settings: Any,
     ):
         self.mode = mode
         self.overlap_snapshots = overlap_snapshots
+        self.group = group
         self.settings = settings
         self._pending: list[futures.SaveFuture] = []
         self._hooks = []
@@ -119,9 +132,10 @@ class Checkpointer:
     def save(self, obj: object, path: str | os.PathLike[str], **settings: Any) -> futures.SaveFuture:
         """Starts an async save of ``obj`` to ``path``; raises the error of an earlier save first."""
         self._surface_errors()
-        future = futures.async_save(
-            obj, path, mode=self.mode, _released_by_hooks=self._releases, **{**self.settings, **settings}
-        )
+        options = {**self.settings, **settings}
+        if self.group is not None:
+            options.setdefault("group", self.group)
+        future = futures.async_save(obj, path, mode=self.mode, _released_by_hooks=self._releases, **options)
         self._pending.append(future)
         return future
 
@@ -134,7 +148,8 @@ class Checkpointer:
         save allocates and locks its staging memory on the spot (~0.5 s per GiB
         on the lent GPU machines). Returns the bytes reserved.
         """
-        return futures.prepare(obj, mode=self.mode, **{**self.settings, **settings})
+        options = {k: v for k, v in {**self.settings, **settings}.items() if k not in _COLLECTIVE}
+        return futures.prepare(obj, mode=self.mode, **options)
 
     def wait(self) -> None:
         """Waits for every save started here; raises the first error."""

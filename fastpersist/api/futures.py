@@ -45,10 +45,12 @@ import os
 import pickle
 import threading
 import types
+from collections.abc import Iterable
 from typing import Any
 
 from fastpersist import config
 from fastpersist.api import dispatch, saving
+from fastpersist.distributed import save as distributed_save
 from fastpersist.errors import TensorModifiedError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io import device_crc, memory, objectstore, staging, timeline
@@ -64,6 +66,7 @@ from fastpersist.io.queue import (
     wait_for_slot,
 )
 from fastpersist.io.writer import side_streams
+from fastpersist.tensors import named_tensors
 
 __all__ = [
     "async_save",
@@ -129,12 +132,25 @@ def _plan_recording(obj: object, archive: str, pickle_module: Any, protocol: int
     return plan
 
 
-def _modification(path: str, recorded: list) -> TensorModifiedError | None:
-    """The error to fail a save with when a recorded tensor changed since it was pickled, else None."""
+def _modification(path: str, recorded: list, obj: object = None) -> TensorModifiedError | None:
+    """The error to fail a save with when a recorded tensor changed since it was pickled, else None.
+
+    The tensors are named by their key paths in ``obj`` (``optimizer.state.0.exp_avg``), as the divergence
+    warning names them; a tensor not found there by its dtype, shape and device.
+    """
+    modified = [tensor for tensor, version in recorded if tensor._version != version]
+    if not modified:
+        return None
+    paths: dict[int, str] = {}
+    if obj is not None:
+        wanted = {id(t) for t in modified}
+        for name, tensor in named_tensors(obj):
+            if id(tensor) in wanted and id(tensor) not in paths:
+                paths[id(tensor)] = name
     changed = []
-    for tensor, version in recorded:
-        if tensor._version != version:
-            changed.append(f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)} on {tensor.device}")
+    for tensor in modified:
+        described = f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)} on {tensor.device}"
+        changed.append(f"{paths[id(tensor)]} ({described})" if id(tensor) in paths else described)
     if changed:
         shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
         return TensorModifiedError(
@@ -164,9 +180,10 @@ class _Release:
     tensor fails the save with ``TensorModifiedError``; nothing is committed.
     """
 
-    def __init__(self, path: str, recorded: list):
+    def __init__(self, path: str, recorded: list, obj: object = None):
         self._path = path
         self._recorded = recorded
+        self._obj = obj  # to name a modified tensor by its key path (dropped with the tensors)
         self._lock = threading.Lock()
         self._queued = threading.Event()
         self._events: list = []
@@ -184,6 +201,7 @@ class _Release:
         with self._lock:
             self._decided = True
             self._recorded = []  # the future outlives the save: it must not keep the state alive
+            self._obj = None
         self._queued.set()
 
     def release(self) -> None:
@@ -197,7 +215,7 @@ class _Release:
 
             for device, event in self._events:
                 torch.cuda.current_stream(device).wait_event(event)
-            self._error = _modification(self._path, self._recorded)
+            self._error = _modification(self._path, self._recorded, self._obj)
             self._decided = True
 
     def decide_at_commit(self) -> None:
@@ -205,7 +223,7 @@ class _Release:
         (or, when nobody released, before now)."""
         with self._lock:
             if not self._decided:
-                self._error = _modification(self._path, self._recorded)
+                self._error = _modification(self._path, self._recorded, self._obj)
                 self._decided = True
             error = self._error
         if error is not None:
@@ -220,6 +238,12 @@ def async_save(
     *,
     mode: str | None = None,
     local_copy: str | os.PathLike[str] | None = None,
+    group: Any = None,
+    layout: str | None = None,
+    writers: str = "all",
+    divergence: str = "warn",
+    per_rank: Iterable[str] = (),
+    timeout: float | None = None,
     _released_by_hooks: bool = False,
     **settings: Any,
 ) -> SaveFuture:
@@ -236,6 +260,21 @@ def async_save(
 
     The commit is atomic as with :func:`fastpersist.save`: until the future
     finishes successfully the previous file at ``f`` is intact.
+
+    **Collective save** (``group=`` a process group of several ranks, called
+    by every rank): the asynchronous form of ``fastpersist.save(obj, f,
+    group=...)``, with the same file (rank 0's object, never a mix), options
+    (``layout``, ``writers``, ``divergence``, ``per_rank``, ``timeout``) and
+    guarantees. Before it returns, the ranks agree on the layout and compare
+    their storages (two metadata exchanges through the group's store), and
+    each rank captures the bytes it will write: in snapshot mode it copies
+    only its own share into staging, in pipelined mode nothing (its share is
+    read from the live tensors). Each rank then writes its share in the
+    background; rank 0 commits once every share is durable, and every
+    rank's future ends with that commit or with the same
+    ``DistributedCheckpointError``. Mismatched calls and
+    ``divergence="error"`` refusals raise here, on every rank. A collective
+    save or load made while one is pending first waits for it (docs/distributed.md).
 
     **Two-tier save** (``f`` an ``s3://`` URL and ``local_copy`` a local path):
     the checkpoint is saved to ``local_copy`` first, synchronously, by the
@@ -255,6 +294,8 @@ def async_save(
             (``f`` must be a path or an ``s3://bucket/key`` URL).
         mode: ``"pipelined"`` or ``"snapshot"`` (default: setting ``async_mode``).
         local_copy: (``s3://`` targets only) the local file of a two-tier save.
+        group, layout, writers, divergence, per_rank, timeout: a collective
+            save, as :func:`fastpersist.save` takes them.
         **settings: per-call overrides of ``fastpersist.config`` settings.
 
     Raises:
@@ -270,7 +311,31 @@ def async_save(
             :func:`fastpersist.save` raises them; ObjectStoreUnavailableError
             (boto3 missing) at ``result()`` too. A failed upload of a two-tier
             save leaves the previous object intact and the local file in place.
+        DistributedCheckpointError: (``group=``) on every rank, here or at
+            ``result()``, as :func:`fastpersist.save` raises it.
     """
+    if distributed_save.is_collective(group):
+        if local_copy is not None:
+            raise ValueError("local_copy= (a two-tier save) cannot be combined with group= (a collective save)")
+        if dispatch.wants_safetensors(f, settings.pop("format", None)):
+            raise ValueError(
+                f"a collective save (group=...) writes a torch-format checkpoint, not safetensors ({f}): save with "
+                "format='torch', or save the safetensors file on one rank (if rank == 0: ...)"
+            )
+        chosen = distributed_save.options(
+            f,
+            layout=layout,
+            writers=writers,
+            divergence=divergence,
+            per_rank=per_rank,
+            timeout=timeout,
+            pickle_module=pickle_module,
+            pickle_protocol=pickle_protocol,
+        )
+        if mode is not None:
+            settings["async_mode"] = mode
+        overrides, _ = config.split_overrides("async_save", settings, allow_other=False)
+        return _collective_async_save(obj, f, group, chosen, config.resolve(overrides), _released_by_hooks)
     remote = objectstore.is_object_url(f)  # s3://bucket/key: a multipart upload (docs/object-storage.md)
     if local_copy is not None:
         return _save_through_local_copy(obj, f, local_copy, pickle_module, pickle_protocol, settings)
@@ -308,11 +373,11 @@ def async_save(
             snapshot = None
             streams = side_streams(plan)
             leased = staging.lease(plan)  # an allocation error is the caller's, as for every snapshot
-            release = _Release(path, recorded)
+            release = _Release(path, recorded, obj)
         else:
             leased = streams = None
             snapshot = staging.snapshot_plan(plan, caller_waits=not _released_by_hooks)
-            release = _Release(path, recorded) if _released_by_hooks and snapshot.events else None
+            release = _Release(path, recorded, obj) if _released_by_hooks and snapshot.events else None
             if release is not None:
                 release.reads_queued(snapshot.events)
 
@@ -346,7 +411,7 @@ def async_save(
         # The copies must come after the work queued so far on the caller's streams,
         # which the background thread cannot see: order them here.
         streams = side_streams(plan)
-        release = _Release(path, recorded)
+        release = _Release(path, recorded, obj)
 
         def work() -> None:
             nonlocal plan, streams
@@ -362,6 +427,93 @@ def async_save(
             finally:
                 release.abandon()
                 plan = streams = None  # as above: nothing the future keeps may hold the state
+
+    future._release = release
+    future._work = work
+    submit(future)
+    timeline.mark("queued")
+    return future
+
+
+def _collective_async_save(
+    obj: object, f: Any, group: Any, chosen: Any, resolved: config.Settings, released_by_hooks: bool
+) -> SaveFuture:
+    """``async_save`` with ``group=``: plan, verify and capture here; write and commit on the save thread.
+
+    See :mod:`fastpersist.distributed.save` for the phases. The phases in the
+    caller exchange through the group's store only, as do those on the save
+    thread: no collective of the group's backend runs there.
+    """
+    if not isinstance(f, (str, os.PathLike)):
+        raise TypeError(f"async_save needs a file path, got {type(f).__name__}; use save() for file objects")
+    report_unchecked_as_warnings()
+    timeline.mark("call")
+    pipelined = resolved.async_mode == "pipelined"
+    recorded: list | None = [] if pipelined or released_by_hooks else None
+    module, protocol = chosen.pickle_module, chosen.pickle_protocol
+    wait_for_slot(resolved.async_max_pending)  # at most async_max_pending staging areas exist
+    operation = distributed_save.CollectiveSave(
+        obj,
+        f,
+        None if group is True else group,
+        chosen,
+        resolved,
+        planner=lambda o, archive: _plan_recording(o, archive, module, protocol, recorded),
+    )
+    try:
+        operation.plan_phase()
+        operation.verify()  # before the capture: each rank then knows exactly which bytes it writes
+    except BaseException as error:
+        operation.abort(error)
+        raise
+    timeline.mark("verified")
+    path = os.fspath(f)
+    taken = streams = release = None
+    try:
+        plan, pieces = operation.share()
+        if pipelined:
+            # The copies must come after the work queued so far on the caller's streams.
+            streams = side_streams(plan)
+            release = _Release(path, recorded, obj)
+        else:
+            cropped = plan.cropped([(p.start, p.end) for p in pieces])  # this rank's share only
+            taken = staging.snapshot_plan(cropped, caller_waits=not released_by_hooks)
+            if released_by_hooks and taken.events:
+                release = _Release(path, recorded, obj)
+                release.reads_queued(taken.events)
+    except BaseException as error:
+        if taken is not None:
+            taken.release()
+        operation.abort(error)
+        operation.fail(error)  # the others wait in the write step: they raise too (and so does this)
+        raise
+    timeline.mark("captured")
+    future = SaveFuture(path, resolved.async_mode)
+    future.collective = True
+
+    def work() -> None:
+        nonlocal operation, taken, streams, release
+        try:
+            if taken is not None:
+                taken.wait_copies()
+            operation.write(
+                None if taken is None else taken.plan,
+                streams=streams,
+                after_reads=release.reads_queued if pipelined else None,
+                before_report=None if release is None else release.decide_at_commit,
+            )
+            operation.commit()
+            future.stats = operation.stats()
+        except BaseException as error:
+            operation.abort(error)
+            raise
+        finally:
+            if taken is not None:
+                taken.release()
+            if release is not None:
+                release.abandon()
+            # The future outlives the save: nothing it keeps may hold the state (as in async_save).
+            operation = taken = streams = release = None
 
     future._release = release
     future._work = work

@@ -61,6 +61,16 @@ def save_supports_group() -> bool:
         return False
 
 
+_REPLICATED = ("state_dict", "optimizer_states", "lr_schedulers")
+"""A Lightning checkpoint's keys that hold replicated state under DDP: differences there are divergence."""
+
+
+def _collective(checkpoint: dict[str, Any], group: Any, divergence: str) -> dict[str, Any]:
+    """A collective save's options for a Lightning checkpoint: every key but the replicated ones is per rank."""
+    per_rank = tuple(k for k in checkpoint if isinstance(k, str) and k not in _REPLICATED)
+    return {"group": group, "divergence": divergence, "per_rank": per_rank}
+
+
 def _is_local(path: Any) -> bool:
     text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
     return "://" not in text or text.startswith("file://")
@@ -189,8 +199,8 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
                 OSError: the save failed; the previous file at ``path`` is intact.
             """
             settings = {**self.settings, **_settings_from(storage_options, type(self).__name__)}
+            extra = {} if group is None else _collective(checkpoint, group, divergence)
             if objectstore.is_object_url(str(path)):
-                extra = {} if group is None else {"group": group, "divergence": divergence}
                 fastpersist.save(checkpoint, str(path), **extra, **settings)
                 return
             if not _is_local(path):
@@ -199,10 +209,7 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
             path = _local(path)
             directory = os.path.dirname(os.path.abspath(path))
             os.makedirs(directory, exist_ok=True)
-            if group is not None:
-                fastpersist.save(checkpoint, path, group=group, divergence=divergence, **settings)
-            else:
-                fastpersist.save(checkpoint, path, **settings)
+            fastpersist.save(checkpoint, path, **extra, **settings)
 
         def load_checkpoint(
             self, path: Any, map_location: Any | None = _to_host, weights_only: bool | None = None
@@ -258,6 +265,13 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
         pending saves first. A failed save is raised by the next
         ``save_checkpoint`` or by ``teardown``.
 
+        Under DDP with the sharded hook (:func:`install_sharded_save`) every
+        rank calls ``save_checkpoint`` with the group: each save is an
+        asynchronous collective one (``fastpersist.async_save(...,
+        group=...)``), every rank writing its share of rank 0's checkpoint in
+        the background. :attr:`last_stats` holds this rank's figures for the
+        last one that finished.
+
         Args:
             mode: ``"snapshot"`` or ``"pipelined"``.
             **settings: ``fastpersist.config`` overrides.
@@ -270,6 +284,7 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
             # next optimizer step: the snapshot's copies are ordered before the caller's next kernels.
             self._checkpointer = Checkpointer(mode=mode, overlap_snapshots=False)
             self._removals: list[futures.SaveFuture] = []
+            self.last_stats: Any = None  # a collective save's SaveStats, once one finished
 
         def attach(self, optimizers: Any = (), model: Any = None) -> None:
             """Makes ``optimizer.step()`` (and norm layers' forward) wait for a pending pipelined save."""
@@ -297,14 +312,22 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
         ) -> None:
             self._surface()
             settings = {**self.settings, **_settings_from(storage_options, type(self).__name__)}
-            if group is not None or not _is_local(path):
-                # Collective and remote saves are synchronous (after what is pending).
+            if not _is_local(path):
+                # Remote saves are synchronous (after what is pending).
                 self._wait()
                 super().save_checkpoint(checkpoint, path, storage_options, group=group, divergence=divergence)
                 return
             path = _local(path)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._checkpointer.save(checkpoint, path, **settings)
+            if group is not None:
+                settings.update(_collective(checkpoint, group, divergence))
+            future = self._checkpointer.save(checkpoint, path, **settings)
+            if group is not None:
+                future.add_done_callback(self._keep_stats)
+
+        def _keep_stats(self, future: Any) -> None:
+            if future.stats is not None:
+                self.last_stats = future.stats
 
         def remove_checkpoint(self, path: Any) -> None:
             if not _is_local(path):
@@ -363,9 +386,15 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
         file holds global rank 0's checkpoint (what Lightning's own save
         writes: rank 0's Timer state, its unsynchronized metrics), and each
         rank writes the byte ranges of it that it holds identically (the
-        replicated weights and optimizer state). ``divergence`` says what to
-        do about tensors whose values differ between ranks (``"warn"``: write
-        rank 0's and warn once; ``"error"``; ``"ignore"``). If
+        replicated weights and optimizer state). With
+        :class:`AsyncFastPersistCheckpointIO` each save is an asynchronous
+        collective one: every rank writes its share in the background.
+        ``divergence`` says what to do about model, optimizer or scheduler
+        tensors whose values differ between ranks (``"warn"``: write rank 0's
+        and warn once; ``"error"``; ``"ignore"``); the rest of the checkpoint
+        (loops, callbacks: per-rank state that Lightning's own rank-0 save
+        writes as rank 0 has it) is expected to differ and never warned
+        about. If
         this fastpersist has no sharded save (``save`` without ``group``), or
         the world has one rank, rank 0 saves the whole file as before (with one
         warning in the first case). The strategy's CheckpointIO becomes a
@@ -400,7 +429,6 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
                 and dist.is_initialized()
                 and dist.get_world_size() > 1
                 and isinstance(io, FastPersistCheckpointIO)
-                and not isinstance(io, AsyncFastPersistCheckpointIO)
                 and _is_local(filepath)
             )
             if sharded and not save_supports_group():
@@ -447,7 +475,8 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
                 pipelined mode the optimizers wait for the pending save before
                 stepping).
             sharded: under DDP, let every rank write its slice of rank 0's
-                checkpoint (synchronous saves only).
+                checkpoint (with ``async_mode``: in the background, each save an
+                asynchronous collective one).
             divergence: with ``sharded``: tensors whose values differ between
                 ranks (an unsynchronized metric's best score, a drifted
                 replica) are written as rank 0 has them, with one warning
@@ -496,7 +525,7 @@ def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types
                 else:
                     self.checkpoint_io = AsyncFastPersistCheckpointIO(self.async_mode, **self.fastpersist_settings)
                 strategy.checkpoint_io = self.checkpoint_io
-            if self.sharded and isinstance(strategy, strategies.DDPStrategy) and self.async_mode is None:
+            if self.sharded and isinstance(strategy, strategies.DDPStrategy):
                 install_sharded_save(strategy, divergence=self.divergence)
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
