@@ -84,6 +84,8 @@ def dispatch(
             (all named), or a budget below the minimum (which it gives).
         FileNotFoundError, CorruptCheckpointError, UnsupportedObjectError:
             the checkpoint cannot be indexed.
+        UnsafeCheckpointPathError: a sharded index names a shard outside
+            its directory (nothing is opened; a ``CorruptCheckpointError``).
         ValueError: bad arguments.
     """
     if not isinstance(model, torch.nn.Module):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -18,8 +19,9 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist.errors import UnsupportedObjectError
+from fastpersist.errors import CorruptCheckpointError, UnsafeCheckpointPathError, UnsupportedObjectError
 from fastpersist.offload import CheckpointChangedError, OffloadPlanError, dispatch
+from fastpersist.offload import index as offload_index
 
 WIDTH, BLOCKS, VOCAB = 64, 6, 100
 
@@ -310,6 +312,69 @@ def test_bad_arguments(tmp_path):
             dispatch(model, path, device="cpu")
     finally:
         model.fastpersist_offload.close()
+
+
+def _sharded_with(tmp_path, shard_of_last_key: str | None = None) -> tuple[str, str]:
+    """A sharded checkpoint in tmp_path/checkpoint whose last index entry names ``shard_of_last_key``."""
+    directory = tmp_path / "checkpoint"
+    directory.mkdir()
+    path = save(reference(), directory, "sharded")
+    index_path = directory / "model.safetensors.index.json"
+    document = json.loads(index_path.read_text())
+    key = list(document["weight_map"])[-1]
+    if shard_of_last_key is not None:
+        document["weight_map"][key] = shard_of_last_key
+        index_path.write_text(json.dumps(document))
+    return path, key
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "absolute", "sub/model.safetensors", "..", ".", ""])
+def test_index_naming_a_file_outside_its_directory_is_refused(shard, tmp_path, monkeypatch):
+    """Every weight_map entry must be a plain file name in the index's directory, checked before any shard is
+    opened. The files it would lead to exist and hold the right tensors: followed, dispatch would succeed."""
+    outside = tmp_path / "outside.safetensors"
+    fastpersist.save_file(_untied(reference().state_dict()), str(outside))
+    if shard == "absolute":
+        shard = str(outside)
+    path, key = _sharded_with(tmp_path, shard)
+    (tmp_path / "checkpoint" / "sub").mkdir()
+    shutil.copy(outside, tmp_path / "checkpoint" / "sub" / "model.safetensors")
+    opened = []
+    indexed = offload_index._safetensors_file
+    monkeypatch.setattr(offload_index, "_safetensors_file", lambda file: opened.append(file) or indexed(file))
+    with pytest.raises(UnsafeCheckpointPathError, match="plain file names") as info:
+        dispatch(empty(), path, device="cpu")
+    assert isinstance(info.value, CorruptCheckpointError)  # what read_index raised for bad indexes before
+    assert info.value.record == key and repr(shard) in str(info.value)
+    assert opened == []  # the bad entry is the last one: no shard was opened, not even the good ones
+
+
+def test_index_entries_that_are_not_file_names_are_corrupt(tmp_path):
+    path, _ = _sharded_with(tmp_path, None)
+    index_path = tmp_path / "checkpoint" / "model.safetensors.index.json"
+    document = json.loads(index_path.read_text())
+    document["weight_map"]["embed.weight"] = 7
+    index_path.write_text(json.dumps(document))
+    with pytest.raises(CorruptCheckpointError, match="not a file name"):
+        dispatch(empty(), path, device="cpu")
+    index_path.write_text(json.dumps({"weight_map": [["embed.weight", "model-00001-of-00002.safetensors"]]}))
+    with pytest.raises(CorruptCheckpointError, match="weight_map is not an object"):
+        dispatch(empty(), path, device="cpu")
+
+
+def test_shards_linked_from_elsewhere_are_followed(tmp_path, _close_models):
+    """The Hugging Face cache's layout: plain names in the snapshot, symbolic links to blobs in a sibling folder."""
+    original = reference()
+    path, _ = _sharded_with(tmp_path, None)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for shard in sorted((tmp_path / "checkpoint").glob("*.safetensors")):
+        blob = blobs / shard.name.replace("model", "blob")
+        shard.rename(blob)
+        shard.symlink_to(os.path.relpath(blob, shard.parent))
+    model = dispatch(empty(), path, device="cpu", max_host_memory=250_000)
+    _close_models.append(model)
+    assert torch.equal(run(model, passes=1)[0], expected(original))
 
 
 # ----------------------------------------------------------------------------- memory and processes
