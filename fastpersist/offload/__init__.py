@@ -80,8 +80,9 @@ def dispatch(
         (``stats()``, ``describe()``, ``close()``).
 
     Raises:
-        OffloadPlanError: missing or extra keys, shape or dtype mismatches
-            (all named), or a budget below the minimum (which it gives).
+        OffloadPlanError: missing or extra keys, shape or dtype mismatches,
+            non-persistent buffers on the meta device (all named), or a
+            budget below the minimum (which it gives).
         FileNotFoundError, CorruptCheckpointError, UnsupportedObjectError:
             the checkpoint cannot be indexed.
         UnsafeCheckpointPathError: a sharded index names a shard outside

@@ -130,11 +130,12 @@ def bind_tensors(model: torch.nn.Module, index: Mapping[str, TensorSource]):
 
     Raises:
         OffloadPlanError: missing keys, unexpected keys, shape or dtype
-            mismatches, all of them in one message.
+            mismatches, non-persistent buffers left on the meta device, all
+            of them in one message.
     """
     groups: dict[int, list[Binding]] = {}
     kept: list[tuple[torch.nn.Module, str, bool]] = []
-    missing, wrong, used = [], [], set()
+    missing, wrong, unset, used = [], [], [], set()
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
         tensors = [(n, t, True) for n, t in module._parameters.items() if t is not None]
@@ -143,8 +144,11 @@ def bind_tensors(model: torch.nn.Module, index: Mapping[str, TensorSource]):
             key = prefix + name
             source = index.get(key)
             if source is None:
-                if not is_parameter and name in module._non_persistent_buffers_set and not tensor.is_meta:
-                    kept.append((module, name, False))
+                if not is_parameter and name in module._non_persistent_buffers_set:
+                    if tensor.is_meta:
+                        unset.append(key)  # in no checkpoint: its value had to come from the model
+                    else:
+                        kept.append((module, name, False))
                     continue
                 if id(tensor) in groups:  # a tied tensor saved under another of its names
                     source = groups[id(tensor)][0].source
@@ -166,20 +170,30 @@ def bind_tensors(model: torch.nn.Module, index: Mapping[str, TensorSource]):
     # come first in module order: resolve the missing ones that belong to a group after all.
     missing = [k for k in missing if not _tied_elsewhere(model, k, groups)]
     extra = sorted(set(index) - used)
-    problems = []
+    mismatches = []
     if missing:
-        problems.append(f"missing from the checkpoint: {_few(missing)}")
+        mismatches.append(f"missing from the checkpoint: {_few(missing)}")
     if extra:
-        problems.append(f"in the checkpoint but not in the model: {_few(extra)}")
+        mismatches.append(f"in the checkpoint but not in the model: {_few(extra)}")
     if wrong:
-        problems.append(
+        mismatches.append(
             "mismatched: " + "; ".join(wrong[:5]) + (f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else "")
         )
-    if problems:
-        raise OffloadPlanError(
-            "the checkpoint does not match the model: " + ". ".join(problems) + ". Build the model with the same "
+    problems = []
+    if mismatches:
+        problems.append(
+            "the checkpoint does not match the model: " + ". ".join(mismatches) + ". Build the model with the same "
             "configuration and dtype as the checkpoint (on the meta device: model.to(dtype) there is free)"
         )
+    if unset:
+        problems.append(
+            f"non-persistent buffers are on the meta device: {_few(unset)}. No checkpoint holds them (the model "
+            "computes them when it is built), so they must hold values: build the model with "
+            "accelerate.init_empty_weights() (parameters on meta, buffers real) or on the CPU instead of under "
+            'torch.device("meta"), or assign those buffers before dispatch'
+        )
+    if problems:
+        raise OffloadPlanError("; ".join(problems))
     return groups, kept
 
 

@@ -314,6 +314,31 @@ def test_bad_arguments(tmp_path):
         model.fastpersist_offload.close()
 
 
+def test_meta_non_persistent_buffers_are_named_as_such(tmp_path, _close_models):
+    """A model built under torch.device("meta"): its non-persistent buffers are the fault, not the checkpoint."""
+    original = reference()
+    path = save(original, tmp_path, "torch")
+    with torch.device("meta"):
+        model = Net()
+    with pytest.raises(OffloadPlanError) as info:
+        dispatch(model, path, device="cpu")
+    message = str(info.value)
+    assert "non-persistent buffers are on the meta device: offsets" in message
+    assert "accelerate.init_empty_weights()" in message and "assign those buffers" in message
+    assert "missing from the checkpoint" not in message and "does not match" not in message
+    state = original.state_dict()
+    state.pop("blocks.2.up.bias")
+    torch.save(state, str(tmp_path / "partial.pt"))
+    with pytest.raises(OffloadPlanError) as info:  # a real mismatch as well: both named, each as what it is
+        dispatch(model, str(tmp_path / "partial.pt"), device="cpu")
+    assert "missing from the checkpoint: blocks.2.up.bias." in str(info.value)
+    assert "on the meta device: offsets" in str(info.value)
+    model.offsets = torch.arange(WIDTH, dtype=torch.float32) / WIDTH  # the way out the message gives
+    model = dispatch(model, path, device="cpu", max_host_memory=250_000)
+    _close_models.append(model)
+    assert torch.equal(run(model, passes=1)[0], expected(original))
+
+
 def _sharded_with(tmp_path, shard_of_last_key: str | None = None) -> tuple[str, str]:
     """A sharded checkpoint in tmp_path/checkpoint whose last index entry names ``shard_of_last_key``."""
     directory = tmp_path / "checkpoint"
