@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -499,6 +500,121 @@ def test_transformers_llama_generates_as_the_loaded_model(tmp_path, _close_model
     assert torch.equal(got, want)
 
 
+def llama_config(transformers, tied: bool, layers: int = 2):
+    return transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+
+
+def saved_llama(transformers, config, directory, sharded: bool):
+    """A random LlamaForCausalLM (eval mode) and its save_pretrained directory."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory, **({"max_shard_size": "100KB"} if sharded else {}))
+    assert (directory / "model.safetensors.index.json").exists() == sharded
+    return model
+
+
+LLAMA_IDS = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize(
+    ("layout", "tied"), [("sharded directory", True), ("directory", True), ("file", True), ("sharded directory", False)]
+)
+def test_llama_built_as_the_docs_say_equals_the_loaded_model(layout, tied, tmp_path, _close_models):
+    """accelerate.init_empty_weights() + from_config: the tied head is not tied on meta, and save_pretrained
+    stored the tied weight once (model.embed_tokens.weight); dispatch ties it, as from_pretrained does."""
+    transformers = pytest.importorskip("transformers")
+    accelerate = pytest.importorskip("accelerate")
+    config = llama_config(transformers, tied)
+    original = saved_llama(transformers, config, tmp_path, sharded=layout == "sharded directory")
+    path = tmp_path / "model.safetensors" if layout == "file" else tmp_path
+    assert ("lm_head.weight" in offload_index.read_index(path)) != tied
+    with accelerate.init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = dispatch(model, str(path), device="cpu", max_host_memory=150_000, slots=2)
+    _close_models.append(model)
+    assert model.fastpersist_offload.describe()["streamed"]
+    head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
+    assert (head is embedding) == tied and not embedding.is_meta  # tied: one tensor, resident
+    with torch.no_grad():
+        want = original(LLAMA_IDS).logits
+        for _ in range(2):
+            assert torch.equal(model(LLAMA_IDS).logits, want)
+        tokens = original.generate(LLAMA_IDS, max_new_tokens=4, do_sample=False)
+        assert torch.equal(model.generate(LLAMA_IDS, max_new_tokens=4, do_sample=False), tokens)
+
+
+def test_tied_llama_dispatched_inside_init_empty_weights(tmp_path, _close_models):
+    """Inside the context tie_weights() cannot tie (each assigned parameter is wrapped anew): the model's
+    declared ties (its expanded _tied_weights_keys) find lm_head.weight under model.embed_tokens.weight."""
+    transformers = pytest.importorskip("transformers")
+    accelerate = pytest.importorskip("accelerate")
+    config = llama_config(transformers, tied=True)
+    original = saved_llama(transformers, config, tmp_path, sharded=True)
+    with accelerate.init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        model.tie_weights()
+        assert model.lm_head.weight is not model.model.embed_tokens.weight
+        model = dispatch(model, str(tmp_path), device="cpu", max_host_memory=150_000, slots=2)
+    _close_models.append(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # bound as one tensor, resident once
+    with torch.no_grad():
+        assert torch.equal(model(LLAMA_IDS).logits, original(LLAMA_IDS).logits)
+
+
+class DeclaredNet(Net):
+    """Net whose head is a separate tensor in memory, declared tied to the embedding (transformers' convention)."""
+
+    _tied_weights_keys = {"head.weight": "embed.weight"}
+
+    def __init__(self, config=None):
+        super().__init__()
+        self.head.weight = torch.nn.Parameter(torch.empty_like(self.embed.weight))
+        if config is not None:
+            self.config = config
+
+
+def test_declared_ties_of_a_plain_module_and_its_config(tmp_path, _close_models):
+    original = reference()
+    path = save(original, tmp_path, "safetensors")  # the tied tensor once, as embed.weight
+    with torch.device("meta"):
+        model = DeclaredNet()
+    model.offsets = torch.arange(WIDTH, dtype=torch.float32) / WIDTH
+    model = dispatch(model, path, device="cpu", max_host_memory=250_000, slots=2)
+    _close_models.append(model)
+    assert model.head.weight is model.embed.weight
+    assert torch.equal(run(model, passes=2)[-1], expected(original))
+    for untied in (Net, lambda: DeclaredNet(types.SimpleNamespace(tie_word_embeddings=False))):
+        with torch.device("meta"):
+            model = untied()
+        if isinstance(model, DeclaredNet):
+            model.offsets = torch.arange(WIDTH, dtype=torch.float32) / WIDTH
+        else:
+            model.head.weight = torch.nn.Parameter(torch.empty_like(model.embed.weight))  # untied, undeclared
+            model.offsets = torch.arange(WIDTH, dtype=torch.float32) / WIDTH
+        with pytest.raises(OffloadPlanError, match="missing from the checkpoint: head.weight"):
+            dispatch(model, path, device="cpu")
+
+
+def test_llama_built_on_meta_is_refused_for_its_buffers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = llama_config(transformers, tied=True)
+    saved_llama(transformers, config, tmp_path, sharded=False)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(OffloadPlanError, match=r"on the meta device: model\.rotary_emb\.inv_freq") as info:
+        dispatch(model, str(tmp_path), device="cpu")
+    assert "missing from the checkpoint" not in str(info.value)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("host_tier", [None, 10**6])
@@ -526,6 +642,31 @@ def test_cuda_streaming_equals_the_model_on_the_gpu(host_tier, tmp_path, _close_
     assert misaligned == []  # as aligned as freshly allocated weights: cuBLAS picks the same kernels
     if host_tier:
         assert offloaded.stats().host_tier_hits > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("host_tier", [None, 10**6])
+def test_cuda_tied_llama_equals_the_model_on_the_gpu(host_tier, tmp_path, _close_models):
+    """The docs' recipe for a tied Llama (init_empty_weights + from_config), streamed on the GPU."""
+    transformers = pytest.importorskip("transformers")
+    accelerate = pytest.importorskip("accelerate")
+    config = llama_config(transformers, tied=True)
+    original = saved_llama(transformers, config, tmp_path, sharded=True).cuda()
+    ids = LLAMA_IDS.cuda()
+    with torch.no_grad():
+        want = original(ids).logits
+        tokens = original.generate(ids, max_new_tokens=4, do_sample=False)
+    with accelerate.init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = dispatch(model, str(tmp_path), device="cuda", max_gpu_memory=150_000, max_host_memory=host_tier)
+    _close_models.append(model)
+    assert model.fastpersist_offload.describe()["streamed"]
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.is_cuda
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(ids).logits, want)
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), tokens)
 
 
 def test_device_copies_put_each_tensor_at_its_region_start():
