@@ -302,8 +302,10 @@ def split_units(model: torch.nn.Module, groups: dict[int, list[Binding]], unit_b
         if len({id(b.module) for b in bindings}) > 1:
             shared += bindings  # tied across modules: resident
         else:
-            b = bindings[0]  # a module reached by several paths: one binding per (module, name)
-            owner.setdefault((id(b.module), b.name), []).append(b)
+            # One module: reached by several paths (one binding per name kept), or one tensor under several
+            # of its names (all kept: the unit binds them as one tensor).
+            for b in _unique(bindings):
+                owner.setdefault((id(b.module), b.name), []).append(b)
 
     def own(module: torch.nn.Module) -> list[Binding]:
         return [b for (mid, _), bs in owner.items() if mid == id(module) for b in bs]

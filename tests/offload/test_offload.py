@@ -604,6 +604,53 @@ def test_declared_ties_of_a_plain_module_and_its_config(tmp_path, _close_models)
             dispatch(model, path, device="cpu")
 
 
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.randn(WIDTH))
+        self.gain = self.scale  # one tensor under two names of one module, saved once
+        self.bound = []  # per call: both names are the one tensor, with values
+
+    def forward(self, x):
+        self.bound.append(self.gain is self.scale and not self.gain.is_meta)
+        return x * self.gain + self.scale
+
+
+class TwoNames(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(WIDTH, WIDTH)
+        self.scaled = Scaled()
+        self.head = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.head(self.scaled(self.proj(x)))
+
+
+@pytest.mark.parametrize("budget", [None, 0])
+def test_one_tensor_under_two_names_of_one_module(budget, tmp_path, _close_models):
+    """Both names get the tensor, resident (budget None) or streamed in their module's unit (the minimum)."""
+    torch.manual_seed(0)
+    original = TwoNames()
+    path = str(tmp_path / "two.safetensors")
+    fastpersist.save_file({k: v for k, v in original.state_dict().items() if k != "scaled.gain"}, path)
+    with torch.device("meta"):
+        model = TwoNames()
+    if budget == 0:
+        with pytest.raises(OffloadPlanError, match=r"\((\d+) bytes\)") as info:
+            dispatch(model, path, device="cpu", max_host_memory=1, slots=1)
+        budget = int(info.value.args[0].rsplit("(", 1)[1].split()[0])
+    model = dispatch(model, path, device="cpu", max_host_memory=budget, slots=1)
+    _close_models.append(model)
+    streamed = [name for name, _ in model.fastpersist_offload.describe()["streamed"]]
+    assert ("scaled" in streamed) == (budget is not None)
+    x = torch.randn(3, WIDTH)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), original(x))
+    assert model.scaled.bound == [True, True]
+
+
 def test_llama_built_on_meta_is_refused_for_its_buffers(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = llama_config(transformers, tied=True)
