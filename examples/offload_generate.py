@@ -2,6 +2,7 @@
 
     python examples/offload_generate.py --dir /tmp/offload-example --device cpu
     python examples/offload_generate.py --dir /tmp/offload-example --device cuda --max-gpu-memory 8M --max-host-memory 4M
+    python examples/offload_generate.py --dir /tmp/offload-tied --device cpu --tie-word-embeddings
 
 Builds a small randomly initialised LlamaForCausalLM with transformers, saves
 it with save_pretrained as sharded safetensors into --dir, builds the same
@@ -13,7 +14,10 @@ tokens/s of both, the offload counters and what was placed where.
 
 Without --max-gpu-memory (CUDA) or --max-host-memory (CPU) the budget is half
 of the model's weights, so that some modules are streamed. Runs in seconds
-on a CPU with the default sizes. See docs/offload.md.
+on a CPU with the default sizes. With --tie-word-embeddings the output head
+is tied to the embedding, as in Llama-3.2-1B, Qwen2.5-0.5B or Gemma:
+save_pretrained stores it once and dispatch ties the empty model again.
+See docs/offload.md.
 """
 
 from __future__ import annotations
@@ -70,6 +74,11 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--tie-word-embeddings",
+        action="store_true",
+        help="tie the output head to the input embedding (one tensor, stored once)",
+    )
     args = parser.parse_args()
 
     try:
@@ -91,7 +100,7 @@ def main() -> int:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        tie_word_embeddings=False,
+        tie_word_embeddings=args.tie_word_embeddings,
     )
     torch.manual_seed(0)
     loaded = transformers.LlamaForCausalLM(llama).eval()
@@ -121,6 +130,8 @@ def main() -> int:
     offloaded = model.fastpersist_offload
     budget = gpu_budget if device.type == "cuda" else host_budget
     print(f"dispatched to {device} with a budget of {budget} bytes ({budget / total:.0%} of the weights)")
+    if args.tie_word_embeddings:  # saved once, as model.embed_tokens.weight; init_empty_weights() untied them
+        print(f"lm_head tied to embed_tokens again: {model.lm_head.weight is model.model.embed_tokens.weight}")
 
     prompt = torch.randint(0, llama.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1)).to(device)
     try:

@@ -24,6 +24,7 @@ __all__ = [
     "CufileError",
     "CorruptCheckpointError",
     "ChecksumMismatchError",
+    "UnsafeCheckpointPathError",
     "UnsupportedObjectError",
     "TruncatedCheckpointError",
     "InvalidSafetensorsError",
@@ -103,6 +104,21 @@ class CorruptCheckpointError(FastPersistError, RuntimeError):
 
 class ChecksumMismatchError(CorruptCheckpointError):
     """A record's bytes do not match the checksum stored with them."""
+
+
+class UnsafeCheckpointPathError(CorruptCheckpointError):
+    """A checkpoint's own metadata names a file outside the checkpoint's directory; nothing was opened.
+
+    The file names a checkpoint lists (a sharded safetensors index's
+    ``weight_map``) must be plain names of files beside it: an absolute path,
+    ``..`` or a name with a directory separator is refused before any of the
+    listed files is opened, so a checkpoint from elsewhere cannot make the
+    reader open arbitrary files. A :class:`CorruptCheckpointError`.
+
+    Attributes:
+        path: the metadata file (the index).
+        record: the key whose entry names the file.
+    """
 
 
 class UnsupportedObjectError(FastPersistError, TypeError):

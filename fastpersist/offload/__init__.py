@@ -19,7 +19,7 @@ import torch
 
 from fastpersist import config
 from fastpersist.offload.index import TensorSource, read_index
-from fastpersist.offload.plan import OffloadPlanError, bind_tensors, place, split_units
+from fastpersist.offload.plan import OffloadPlanError, bind_tensors, declared_ties, place, split_units
 from fastpersist.offload.runtime import CheckpointChangedError, Offloaded, OffloadStats
 
 __all__ = ["CheckpointChangedError", "OffloadPlanError", "OffloadStats", "Offloaded", "TensorSource", "dispatch"]
@@ -36,6 +36,20 @@ def _bytes(value: int | str | None, what: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what} must be a byte count (int >= 0) or a size like '20GiB', got {value!r}")
     return value
+
+
+def _tie_weights(model: torch.nn.Module) -> None:
+    """Ties what the model says to tie, as transformers' ``from_pretrained`` does before loading.
+
+    A transformers model built under ``accelerate.init_empty_weights()`` is
+    not tied (that context wraps each parameter assigned to a module in a new
+    ``Parameter``, undoing the tie made while building), while
+    ``save_pretrained`` stored the tied tensor once: without this, the other
+    name would be missing from the checkpoint.
+    """
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
 
 
 def dispatch(
@@ -55,7 +69,11 @@ def dispatch(
             parameters' values are ignored; their shapes and dtypes must
             match the checkpoint's). Non-persistent buffers (not saved in
             checkpoints) must hold values: build with
-            ``accelerate.init_empty_weights()`` or on the CPU.
+            ``accelerate.init_empty_weights()`` or on the CPU. Its
+            ``tie_weights()``, where it has one (transformers models), is
+            called first; weights it declares tied
+            (:func:`~fastpersist.offload.plan.declared_ties`) and saved
+            under one of their names are found through that name.
         checkpoint: a safetensors file, a directory of sharded safetensors
             with its ``*.safetensors.index.json`` (or that index), or a torch
             zip file of a state dict (``torch.save`` / ``fastpersist.save``).
@@ -80,10 +98,13 @@ def dispatch(
         (``stats()``, ``describe()``, ``close()``).
 
     Raises:
-        OffloadPlanError: missing or extra keys, shape or dtype mismatches
-            (all named), or a budget below the minimum (which it gives).
+        OffloadPlanError: missing or extra keys, shape or dtype mismatches,
+            non-persistent buffers on the meta device (all named), or a
+            budget below the minimum (which it gives).
         FileNotFoundError, CorruptCheckpointError, UnsupportedObjectError:
             the checkpoint cannot be indexed.
+        UnsafeCheckpointPathError: a sharded index names a shard outside
+            its directory (nothing is opened; a ``CorruptCheckpointError``).
         ValueError: bad arguments.
     """
     if not isinstance(model, torch.nn.Module):
@@ -106,7 +127,8 @@ def dispatch(
         raise ValueError('max_gpu_memory is for device="cuda"; with device="cpu" the budget is max_host_memory')
 
     index = read_index(checkpoint)
-    groups, kept = bind_tensors(model, index)
+    _tie_weights(model)
+    groups, kept = bind_tensors(model, index, declared_ties(model))
     units, pinned = split_units(model, groups, _bytes(unit_bytes, "unit_bytes"))
     first = next(model.parameters(), None)
     budget = gpu_budget if target.type == "cuda" else host_budget

@@ -4,7 +4,9 @@ A checkpoint for offloaded inference is one of:
 
 * a safetensors file (its header gives every tensor's byte range);
 * a directory (or its ``*.safetensors.index.json``) of sharded safetensors,
-  the Hugging Face layout: the index's ``weight_map`` names each tensor's file;
+  the Hugging Face layout: the index's ``weight_map`` names each tensor's file,
+  a plain file name in the index's directory (checked for every entry before
+  any shard is opened);
 * a torch zip file (``torch.save`` or ``fastpersist.save``) of a state dict:
   ``data.pkl`` is unpickled with a restricted unpickler that builds
   references, not tensors (only tensor, parameter and storage classes and
@@ -31,7 +33,7 @@ from typing import Any
 
 import torch
 
-from fastpersist.errors import CorruptCheckpointError, UnsupportedObjectError
+from fastpersist.errors import CorruptCheckpointError, UnsafeCheckpointPathError, UnsupportedObjectError
 from fastpersist.format import safetensors, zipformat
 from fastpersist.format.deserializer import archive_prefix
 
@@ -60,6 +62,9 @@ def read_index(checkpoint: str | os.PathLike[str]) -> dict[str, TensorSource]:
         FileNotFoundError: no such file or directory, or a directory with no
             safetensors index or file.
         CorruptCheckpointError: a malformed header, index or archive.
+        UnsafeCheckpointPathError: an index naming a shard that is not a plain
+            file name in its directory (an absolute path, ``..``, a
+            subdirectory); raised before any shard is opened.
         UnsupportedObjectError: a torch file that is not a state dict of
             plain contiguous tensors.
     """
@@ -118,6 +123,12 @@ def _sharded(index_path: str) -> dict[str, TensorSource]:
         raise CorruptCheckpointError(
             f"{index_path} is not a safetensors index (no weight_map): {e}", path=index_path
         ) from e
+    if not isinstance(weight_map, Mapping):
+        raise CorruptCheckpointError(
+            f"{index_path} is not a safetensors index (its weight_map is not an object)", path=index_path
+        )
+    for key, name in weight_map.items():  # every name, before any shard is opened
+        _check_shard_name(index_path, key, name)
     directory = os.path.dirname(os.path.abspath(index_path))
     by_file: dict[str, dict[str, TensorSource]] = {}
     result = {}
@@ -130,6 +141,27 @@ def _sharded(index_path: str) -> dict[str, TensorSource]:
             raise CorruptCheckpointError(f"{index_path} maps {key!r} to {name}, which does not hold it", path=file)
         result[key] = source
     return result
+
+
+def _check_shard_name(index_path: str, key: str, name: Any) -> None:
+    """Refuses a shard that is not a plain file name: the index must not lead the reader out of its directory.
+
+    Symbolic links among the shards are followed: the Hugging Face cache
+    links each snapshot's shards to blobs in a sibling directory, and links
+    are placed by whoever owns the directory, not by the index.
+    """
+    if not isinstance(name, str):
+        raise CorruptCheckpointError(
+            f"{index_path} maps {key!r} to {name!r}, which is not a file name", path=index_path, record=str(key)
+        )
+    separators = {"/", os.sep, os.altsep} - {None}
+    if name in ("", ".", "..") or "\0" in name or any(s in name for s in separators):
+        raise UnsafeCheckpointPathError(
+            f"{index_path} maps {key!r} to {name!r}: shards must be plain file names in the index's directory "
+            "(no absolute paths, no '..', no directories); the index was not followed",
+            path=index_path,
+            record=str(key),
+        )
 
 
 # ----------------------------------------------------------------------------- torch zip files

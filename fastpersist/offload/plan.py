@@ -34,7 +34,7 @@ import torch
 
 from fastpersist.offload.index import TensorSource
 
-__all__ = ["PAGE", "Binding", "OffloadPlanError", "Unit", "bind_tensors", "place", "split_units"]
+__all__ = ["PAGE", "Binding", "OffloadPlanError", "Unit", "bind_tensors", "declared_ties", "place", "split_units"]
 
 PAGE = 4096
 
@@ -120,8 +120,38 @@ class Unit:
         return [(host, device, length) for host, device, length, _ in runs]
 
 
-def bind_tensors(model: torch.nn.Module, index: Mapping[str, TensorSource]):
+def declared_ties(model: torch.nn.Module) -> dict[str, str]:
+    """The ties ``model`` declares, ``{target name: source name}``: names of one tensor, saved under one of them.
+
+    transformers' own expanded mapping where the model has it
+    (``get_expanded_tied_weights_keys``, transformers 5: it honours the
+    current configuration, ``tie_word_embeddings`` and the like), else a
+    ``_tied_weights_keys`` mapping of plain names (transformers' convention,
+    on any module) unless ``config.tie_word_embeddings`` is false. The list
+    form of older transformers releases names no sources: there the model's
+    ``tie_weights()`` alone ties. No declaration: ``{}``.
+    """
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    if callable(expand):
+        declared = expand(all_submodels=True)
+    else:
+        declared = getattr(model, "_tied_weights_keys", None)
+        if not getattr(getattr(model, "config", None), "tie_word_embeddings", True):
+            declared = None
+    if not isinstance(declared, Mapping):
+        return {}
+    return {str(k): str(v) for k, v in declared.items()}
+
+
+def bind_tensors(model: torch.nn.Module, index: Mapping[str, TensorSource], tied: Mapping[str, str] | None = None):
     """Matches every parameter and buffer of ``model`` with a checkpoint key.
+
+    A key absent from the checkpoint is found through a tied name that is
+    there: another name of the same tensor object, or a name ``tied``
+    declares tied with it (``{target: source}``, either way round; see
+    :func:`declared_ties`). A declared partner that is a separate tensor in
+    the model is bound to the same bytes and becomes the same tensor, as if
+    tied.
 
     Returns:
         ``(groups, kept)``: ``groups`` maps each distinct tensor object's
@@ -130,11 +160,13 @@ def bind_tensors(model: torch.nn.Module, index: Mapping[str, TensorSource]):
 
     Raises:
         OffloadPlanError: missing keys, unexpected keys, shape or dtype
-            mismatches, all of them in one message.
+            mismatches, non-persistent buffers left on the meta device, all
+            of them in one message.
     """
     groups: dict[int, list[Binding]] = {}
     kept: list[tuple[torch.nn.Module, str, bool]] = []
-    missing, wrong, used = [], [], set()
+    missing, wrong, unset, used = [], [], [], set()
+    bound: dict[str, tuple[int, TensorSource]] = {}  # key -> its tensor's id (its group) and its bytes
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
         tensors = [(n, t, True) for n, t in module._parameters.items() if t is not None]
@@ -143,8 +175,11 @@ def bind_tensors(model: torch.nn.Module, index: Mapping[str, TensorSource]):
             key = prefix + name
             source = index.get(key)
             if source is None:
-                if not is_parameter and name in module._non_persistent_buffers_set and not tensor.is_meta:
-                    kept.append((module, name, False))
+                if not is_parameter and name in module._non_persistent_buffers_set:
+                    if tensor.is_meta:
+                        unset.append(key)  # in no checkpoint: its value had to come from the model
+                    else:
+                        kept.append((module, name, False))
                     continue
                 if id(tensor) in groups:  # a tied tensor saved under another of its names
                     source = groups[id(tensor)][0].source
@@ -152,35 +187,54 @@ def bind_tensors(model: torch.nn.Module, index: Mapping[str, TensorSource]):
                     missing.append(key)
                     continue
             used.add(key)
-            if tuple(tensor.shape) != source.shape or tensor.dtype != source.dtype:
-                wrong.append(
-                    f"{key}: the model has {tuple(tensor.shape)} {tensor.dtype}, "
-                    f"the checkpoint {source.shape} {source.dtype}"
-                )
-                continue
-            if source.offset % tensor.element_size():
-                wrong.append(f"{key}: stored at an offset that is not a multiple of its element size")
+            if not _matches(key, tensor, source, wrong):
                 continue
             groups.setdefault(id(tensor), []).append(Binding(module, name, is_parameter, source))
+            bound[key] = (id(tensor), source)
     # Tied tensors saved under one name only are found through the group above; a later name may
     # come first in module order: resolve the missing ones that belong to a group after all.
     missing = [k for k in missing if not _tied_elsewhere(model, k, groups)]
+    families = _families(tied or {})
+    missing = [k for k in missing if not _tied_by_declaration(model, k, families, groups, bound, wrong)]
     extra = sorted(set(index) - used)
-    problems = []
+    mismatches = []
     if missing:
-        problems.append(f"missing from the checkpoint: {_few(missing)}")
+        mismatches.append(f"missing from the checkpoint: {_few(missing)}")
     if extra:
-        problems.append(f"in the checkpoint but not in the model: {_few(extra)}")
+        mismatches.append(f"in the checkpoint but not in the model: {_few(extra)}")
     if wrong:
-        problems.append(
+        mismatches.append(
             "mismatched: " + "; ".join(wrong[:5]) + (f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else "")
         )
-    if problems:
-        raise OffloadPlanError(
-            "the checkpoint does not match the model: " + ". ".join(problems) + ". Build the model with the same "
+    problems = []
+    if mismatches:
+        problems.append(
+            "the checkpoint does not match the model: " + ". ".join(mismatches) + ". Build the model with the same "
             "configuration and dtype as the checkpoint (on the meta device: model.to(dtype) there is free)"
         )
+    if unset:
+        problems.append(
+            f"non-persistent buffers are on the meta device: {_few(unset)}. No checkpoint holds them (the model "
+            "computes them when it is built), so they must hold values: build the model with "
+            "accelerate.init_empty_weights() (parameters on meta, buffers real) or on the CPU instead of under "
+            'torch.device("meta"), or assign those buffers before dispatch'
+        )
+    if problems:
+        raise OffloadPlanError("; ".join(problems))
     return groups, kept
+
+
+def _matches(key: str, tensor: torch.Tensor, source: TensorSource, wrong: list[str]) -> bool:
+    """Whether ``tensor`` can be bound to ``source``; if not, says why in ``wrong``."""
+    if tuple(tensor.shape) != source.shape or tensor.dtype != source.dtype:
+        wrong.append(
+            f"{key}: the model has {tuple(tensor.shape)} {tensor.dtype}, the checkpoint {source.shape} {source.dtype}"
+        )
+        return False
+    if source.offset % tensor.element_size():
+        wrong.append(f"{key}: stored at an offset that is not a multiple of its element size")
+        return False
+    return True
 
 
 def _tied_elsewhere(model: torch.nn.Module, key: str, groups: dict[int, list[Binding]]) -> bool:
@@ -193,6 +247,39 @@ def _tied_elsewhere(model: torch.nn.Module, key: str, groups: dict[int, list[Bin
         return False
     source = groups[id(tensor)][0].source
     groups[id(tensor)].append(Binding(module, name, name in module._parameters, source))
+    return True
+
+
+def _families(tied: Mapping[str, str]) -> dict[str, set[str]]:
+    """Each declared-tied name -> every name tied with it (a target, its source and the source's other targets)."""
+    families: dict[str, set[str]] = {}
+    for target, source in tied.items():
+        family = families.get(source, {source}) | families.get(target, {target})
+        for name in family:
+            families[name] = family
+    return families
+
+
+def _tied_by_declaration(
+    model: torch.nn.Module,
+    key: str,
+    families: dict[str, set[str]],
+    groups: dict[int, list[Binding]],
+    bound: dict[str, tuple[int, TensorSource]],
+    wrong: list[str],
+) -> bool:
+    """Binds ``key`` with a declared partner that was bound (into its group: the same bytes, one tensor)."""
+    partner = next((name for name in sorted(families.get(key, ())) if name in bound), None)
+    if partner is None:
+        return False
+    module_name, _, name = key.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    is_parameter = name in module._parameters
+    tensor = module._parameters[name] if is_parameter else module._buffers[name]
+    group, source = bound[partner]
+    if _matches(key, tensor, source, wrong):
+        groups[group].append(Binding(module, name, is_parameter, source))
+        bound[key] = bound[partner]
     return True
 
 
@@ -215,8 +302,10 @@ def split_units(model: torch.nn.Module, groups: dict[int, list[Binding]], unit_b
         if len({id(b.module) for b in bindings}) > 1:
             shared += bindings  # tied across modules: resident
         else:
-            b = bindings[0]  # a module reached by several paths: one binding per (module, name)
-            owner.setdefault((id(b.module), b.name), []).append(b)
+            # One module: reached by several paths (one binding per name kept), or one tensor under several
+            # of its names (all kept: the unit binds them as one tensor).
+            for b in _unique(bindings):
+                owner.setdefault((id(b.module), b.name), []).append(b)
 
     def own(module: torch.nn.Module) -> list[Binding]:
         return [b for (mid, _), bs in owner.items() if mid == id(module) for b in bs]

@@ -71,3 +71,11 @@ def test_offload_generate(tmp_path):
     pytest.importorskip("transformers")
     out = run([sys.executable, "examples/offload_generate.py", "--dir", str(tmp_path), "--device", "cpu"])
     assert "tokens equal the fully loaded model's: True" in out
+
+
+def test_offload_generate_tied(tmp_path):
+    pytest.importorskip("transformers")
+    command = [sys.executable, "examples/offload_generate.py", "--dir", str(tmp_path), "--device", "cpu"]
+    out = run([*command, "--tie-word-embeddings", "--layers", "2", "--new-tokens", "8"])
+    assert "lm_head tied to embed_tokens again: True" in out
+    assert "tokens equal the fully loaded model's: True" in out

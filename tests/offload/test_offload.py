@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 import torch
 
 import fastpersist
-from fastpersist.errors import UnsupportedObjectError
+from fastpersist.errors import CorruptCheckpointError, UnsafeCheckpointPathError, UnsupportedObjectError
 from fastpersist.offload import CheckpointChangedError, OffloadPlanError, dispatch
+from fastpersist.offload import index as offload_index
 
 WIDTH, BLOCKS, VOCAB = 64, 6, 100
 
@@ -312,6 +315,94 @@ def test_bad_arguments(tmp_path):
         model.fastpersist_offload.close()
 
 
+def test_meta_non_persistent_buffers_are_named_as_such(tmp_path, _close_models):
+    """A model built under torch.device("meta"): its non-persistent buffers are the fault, not the checkpoint."""
+    original = reference()
+    path = save(original, tmp_path, "torch")
+    with torch.device("meta"):
+        model = Net()
+    with pytest.raises(OffloadPlanError) as info:
+        dispatch(model, path, device="cpu")
+    message = str(info.value)
+    assert "non-persistent buffers are on the meta device: offsets" in message
+    assert "accelerate.init_empty_weights()" in message and "assign those buffers" in message
+    assert "missing from the checkpoint" not in message and "does not match" not in message
+    state = original.state_dict()
+    state.pop("blocks.2.up.bias")
+    torch.save(state, str(tmp_path / "partial.pt"))
+    with pytest.raises(OffloadPlanError) as info:  # a real mismatch as well: both named, each as what it is
+        dispatch(model, str(tmp_path / "partial.pt"), device="cpu")
+    assert "missing from the checkpoint: blocks.2.up.bias." in str(info.value)
+    assert "on the meta device: offsets" in str(info.value)
+    model.offsets = torch.arange(WIDTH, dtype=torch.float32) / WIDTH  # the way out the message gives
+    model = dispatch(model, path, device="cpu", max_host_memory=250_000)
+    _close_models.append(model)
+    assert torch.equal(run(model, passes=1)[0], expected(original))
+
+
+def _sharded_with(tmp_path, shard_of_last_key: str | None = None) -> tuple[str, str]:
+    """A sharded checkpoint in tmp_path/checkpoint whose last index entry names ``shard_of_last_key``."""
+    directory = tmp_path / "checkpoint"
+    directory.mkdir()
+    path = save(reference(), directory, "sharded")
+    index_path = directory / "model.safetensors.index.json"
+    document = json.loads(index_path.read_text())
+    key = list(document["weight_map"])[-1]
+    if shard_of_last_key is not None:
+        document["weight_map"][key] = shard_of_last_key
+        index_path.write_text(json.dumps(document))
+    return path, key
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "absolute", "sub/model.safetensors", "..", ".", ""])
+def test_index_naming_a_file_outside_its_directory_is_refused(shard, tmp_path, monkeypatch):
+    """Every weight_map entry must be a plain file name in the index's directory, checked before any shard is
+    opened. The files it would lead to exist and hold the right tensors: followed, dispatch would succeed."""
+    outside = tmp_path / "outside.safetensors"
+    fastpersist.save_file(_untied(reference().state_dict()), str(outside))
+    if shard == "absolute":
+        shard = str(outside)
+    path, key = _sharded_with(tmp_path, shard)
+    (tmp_path / "checkpoint" / "sub").mkdir()
+    shutil.copy(outside, tmp_path / "checkpoint" / "sub" / "model.safetensors")
+    opened = []
+    indexed = offload_index._safetensors_file
+    monkeypatch.setattr(offload_index, "_safetensors_file", lambda file: opened.append(file) or indexed(file))
+    with pytest.raises(UnsafeCheckpointPathError, match="plain file names") as info:
+        dispatch(empty(), path, device="cpu")
+    assert isinstance(info.value, CorruptCheckpointError)  # what read_index raised for bad indexes before
+    assert info.value.record == key and repr(shard) in str(info.value)
+    assert opened == []  # the bad entry is the last one: no shard was opened, not even the good ones
+
+
+def test_index_entries_that_are_not_file_names_are_corrupt(tmp_path):
+    path, _ = _sharded_with(tmp_path, None)
+    index_path = tmp_path / "checkpoint" / "model.safetensors.index.json"
+    document = json.loads(index_path.read_text())
+    document["weight_map"]["embed.weight"] = 7
+    index_path.write_text(json.dumps(document))
+    with pytest.raises(CorruptCheckpointError, match="not a file name"):
+        dispatch(empty(), path, device="cpu")
+    index_path.write_text(json.dumps({"weight_map": [["embed.weight", "model-00001-of-00002.safetensors"]]}))
+    with pytest.raises(CorruptCheckpointError, match="weight_map is not an object"):
+        dispatch(empty(), path, device="cpu")
+
+
+def test_shards_linked_from_elsewhere_are_followed(tmp_path, _close_models):
+    """The Hugging Face cache's layout: plain names in the snapshot, symbolic links to blobs in a sibling folder."""
+    original = reference()
+    path, _ = _sharded_with(tmp_path, None)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for shard in sorted((tmp_path / "checkpoint").glob("*.safetensors")):
+        blob = blobs / shard.name.replace("model", "blob")
+        shard.rename(blob)
+        shard.symlink_to(os.path.relpath(blob, shard.parent))
+    model = dispatch(empty(), path, device="cpu", max_host_memory=250_000)
+    _close_models.append(model)
+    assert torch.equal(run(model, passes=1)[0], expected(original))
+
+
 # ----------------------------------------------------------------------------- memory and processes
 
 _RSS_CHILD = r"""
@@ -409,6 +500,168 @@ def test_transformers_llama_generates_as_the_loaded_model(tmp_path, _close_model
     assert torch.equal(got, want)
 
 
+def llama_config(transformers, tied: bool, layers: int = 2):
+    return transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+
+
+def saved_llama(transformers, config, directory, sharded: bool):
+    """A random LlamaForCausalLM (eval mode) and its save_pretrained directory."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory, **({"max_shard_size": "100KB"} if sharded else {}))
+    assert (directory / "model.safetensors.index.json").exists() == sharded
+    return model
+
+
+LLAMA_IDS = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize(
+    ("layout", "tied"), [("sharded directory", True), ("directory", True), ("file", True), ("sharded directory", False)]
+)
+def test_llama_built_as_the_docs_say_equals_the_loaded_model(layout, tied, tmp_path, _close_models):
+    """accelerate.init_empty_weights() + from_config: the tied head is not tied on meta, and save_pretrained
+    stored the tied weight once (model.embed_tokens.weight); dispatch ties it, as from_pretrained does."""
+    transformers = pytest.importorskip("transformers")
+    accelerate = pytest.importorskip("accelerate")
+    config = llama_config(transformers, tied)
+    original = saved_llama(transformers, config, tmp_path, sharded=layout == "sharded directory")
+    path = tmp_path / "model.safetensors" if layout == "file" else tmp_path
+    assert ("lm_head.weight" in offload_index.read_index(path)) != tied
+    with accelerate.init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = dispatch(model, str(path), device="cpu", max_host_memory=150_000, slots=2)
+    _close_models.append(model)
+    assert model.fastpersist_offload.describe()["streamed"]
+    head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
+    assert (head is embedding) == tied and not embedding.is_meta  # tied: one tensor, resident
+    with torch.no_grad():
+        want = original(LLAMA_IDS).logits
+        for _ in range(2):
+            assert torch.equal(model(LLAMA_IDS).logits, want)
+        tokens = original.generate(LLAMA_IDS, max_new_tokens=4, do_sample=False)
+        assert torch.equal(model.generate(LLAMA_IDS, max_new_tokens=4, do_sample=False), tokens)
+
+
+def test_tied_llama_dispatched_inside_init_empty_weights(tmp_path, _close_models):
+    """Inside the context tie_weights() cannot tie (each assigned parameter is wrapped anew): the model's
+    declared ties (its expanded _tied_weights_keys) find lm_head.weight under model.embed_tokens.weight."""
+    transformers = pytest.importorskip("transformers")
+    accelerate = pytest.importorskip("accelerate")
+    config = llama_config(transformers, tied=True)
+    original = saved_llama(transformers, config, tmp_path, sharded=True)
+    with accelerate.init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        model.tie_weights()
+        assert model.lm_head.weight is not model.model.embed_tokens.weight
+        model = dispatch(model, str(tmp_path), device="cpu", max_host_memory=150_000, slots=2)
+    _close_models.append(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # bound as one tensor, resident once
+    with torch.no_grad():
+        assert torch.equal(model(LLAMA_IDS).logits, original(LLAMA_IDS).logits)
+
+
+class DeclaredNet(Net):
+    """Net whose head is a separate tensor in memory, declared tied to the embedding (transformers' convention)."""
+
+    _tied_weights_keys = {"head.weight": "embed.weight"}
+
+    def __init__(self, config=None):
+        super().__init__()
+        self.head.weight = torch.nn.Parameter(torch.empty_like(self.embed.weight))
+        if config is not None:
+            self.config = config
+
+
+def test_declared_ties_of_a_plain_module_and_its_config(tmp_path, _close_models):
+    original = reference()
+    path = save(original, tmp_path, "safetensors")  # the tied tensor once, as embed.weight
+    with torch.device("meta"):
+        model = DeclaredNet()
+    model.offsets = torch.arange(WIDTH, dtype=torch.float32) / WIDTH
+    model = dispatch(model, path, device="cpu", max_host_memory=250_000, slots=2)
+    _close_models.append(model)
+    assert model.head.weight is model.embed.weight
+    assert torch.equal(run(model, passes=2)[-1], expected(original))
+    for untied in (Net, lambda: DeclaredNet(types.SimpleNamespace(tie_word_embeddings=False))):
+        with torch.device("meta"):
+            model = untied()
+        if isinstance(model, DeclaredNet):
+            model.offsets = torch.arange(WIDTH, dtype=torch.float32) / WIDTH
+        else:
+            model.head.weight = torch.nn.Parameter(torch.empty_like(model.embed.weight))  # untied, undeclared
+            model.offsets = torch.arange(WIDTH, dtype=torch.float32) / WIDTH
+        with pytest.raises(OffloadPlanError, match="missing from the checkpoint: head.weight"):
+            dispatch(model, path, device="cpu")
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.randn(WIDTH))
+        self.gain = self.scale  # one tensor under two names of one module, saved once
+        self.bound = []  # per call: both names are the one tensor, with values
+
+    def forward(self, x):
+        self.bound.append(self.gain is self.scale and not self.gain.is_meta)
+        return x * self.gain + self.scale
+
+
+class TwoNames(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(WIDTH, WIDTH)
+        self.scaled = Scaled()
+        self.head = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.head(self.scaled(self.proj(x)))
+
+
+@pytest.mark.parametrize("budget", [None, 0])
+def test_one_tensor_under_two_names_of_one_module(budget, tmp_path, _close_models):
+    """Both names get the tensor, resident (budget None) or streamed in their module's unit (the minimum)."""
+    torch.manual_seed(0)
+    original = TwoNames()
+    path = str(tmp_path / "two.safetensors")
+    fastpersist.save_file({k: v for k, v in original.state_dict().items() if k != "scaled.gain"}, path)
+    with torch.device("meta"):
+        model = TwoNames()
+    if budget == 0:
+        with pytest.raises(OffloadPlanError, match=r"\((\d+) bytes\)") as info:
+            dispatch(model, path, device="cpu", max_host_memory=1, slots=1)
+        budget = int(info.value.args[0].rsplit("(", 1)[1].split()[0])
+    model = dispatch(model, path, device="cpu", max_host_memory=budget, slots=1)
+    _close_models.append(model)
+    streamed = [name for name, _ in model.fastpersist_offload.describe()["streamed"]]
+    assert ("scaled" in streamed) == (budget is not None)
+    x = torch.randn(3, WIDTH)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), original(x))
+    assert model.scaled.bound == [True, True]
+
+
+def test_llama_built_on_meta_is_refused_for_its_buffers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = llama_config(transformers, tied=True)
+    saved_llama(transformers, config, tmp_path, sharded=False)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(OffloadPlanError, match=r"on the meta device: model\.rotary_emb\.inv_freq") as info:
+        dispatch(model, str(tmp_path), device="cpu")
+    assert "missing from the checkpoint" not in str(info.value)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("host_tier", [None, 10**6])
@@ -436,6 +689,31 @@ def test_cuda_streaming_equals_the_model_on_the_gpu(host_tier, tmp_path, _close_
     assert misaligned == []  # as aligned as freshly allocated weights: cuBLAS picks the same kernels
     if host_tier:
         assert offloaded.stats().host_tier_hits > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("host_tier", [None, 10**6])
+def test_cuda_tied_llama_equals_the_model_on_the_gpu(host_tier, tmp_path, _close_models):
+    """The docs' recipe for a tied Llama (init_empty_weights + from_config), streamed on the GPU."""
+    transformers = pytest.importorskip("transformers")
+    accelerate = pytest.importorskip("accelerate")
+    config = llama_config(transformers, tied=True)
+    original = saved_llama(transformers, config, tmp_path, sharded=True).cuda()
+    ids = LLAMA_IDS.cuda()
+    with torch.no_grad():
+        want = original(ids).logits
+        tokens = original.generate(ids, max_new_tokens=4, do_sample=False)
+    with accelerate.init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = dispatch(model, str(tmp_path), device="cuda", max_gpu_memory=150_000, max_host_memory=host_tier)
+    _close_models.append(model)
+    assert model.fastpersist_offload.describe()["streamed"]
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.is_cuda
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(ids).logits, want)
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), tokens)
 
 
 def test_device_copies_put_each_tensor_at_its_region_start():
