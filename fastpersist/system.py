@@ -2,7 +2,7 @@
 
 Linux's /proc is the one source (no psutil): the memory still available,
 effective capabilities, transparent huge pages, the filesystem holding a
-path, whether a process is alive. Also the one way to
+path, whether a process is alive and when it started. Also the one way to
 empty the page cache before a cold read (:class:`CacheDropper`) and to find
 fio. Every reader returns ``None`` (or a documented fallback) where the file
 does not exist, so callers work on other systems too. Imports nothing from
@@ -30,6 +30,7 @@ __all__ = [
     "filesystem_of",
     "find_fio",
     "process_alive",
+    "process_start_time",
     "release_memory",
     "transparent_huge_pages",
 ]
@@ -98,19 +99,39 @@ def cpu_model() -> str | None:
     return None
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` can still be running code: a zombie (exited, not yet reaped) cannot."""
+def process_alive(pid: int, started: int | None = None) -> bool:
+    """Whether process ``pid`` can still be running code: a zombie (exited, not yet reaped) cannot.
+
+    With ``started`` (its :func:`process_start_time`), whether that very process
+    can: a later process given the same PID does not count. True where
+    /proc does not say (another user's process under ``hidepid``).
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # another user's: /proc may still say whether it is a zombie, and when it started
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return fields[0] != b"Z" and (started is None or int(fields[19]) == started)
+    except (OSError, IndexError, ValueError):
         return True
+
+
+def process_start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (/proc/<pid>/stat field 22), or None.
+
+    A PID names one process only while it lives; the PID and this start time
+    name it for the whole boot (see :func:`process_alive`). None where the
+    process is gone or /proc does not show it.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def filesystem_of(path: str) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """Benchmarks: ``python -m fastpersist.bench <subcommand> [options]``.
 
 Subcommands live in modules of this package, each with ``main(argv) -> int``,
-listed with a line each in :data:`SUBCOMMANDS` (``python -m fastpersist.bench``
-prints them). The checkpoint benchmark is split by job: the methods in
+listed with a line each in :data:`SUBCOMMANDS` (``python -m fastpersist.bench
+--help`` and ``fastpersist bench --help`` print them, through :func:`listing`). The checkpoint benchmark is split by job: the methods in
 :mod:`fastpersist.bench.methods`, the rounds in :mod:`fastpersist.bench.runner`,
 output and the docs' tables in :mod:`fastpersist.bench.report`.
 
@@ -12,7 +12,7 @@ module is imported only when its subcommand runs.
 
 from __future__ import annotations
 
-__all__ = ["SUBCOMMANDS", "register"]
+__all__ = ["SUBCOMMANDS", "listing", "register"]
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "io": ("fastpersist.bench.io", "sequential write/read throughput of the I/O engine, optionally against fio"),
@@ -38,3 +38,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def register(name: str, module: str, description: str = "") -> None:
     """Adds subcommand ``name`` run by ``module.main(argv)``."""
     SUBCOMMANDS[name] = (module, description)
+
+
+def listing() -> str:
+    """Every subcommand with its one-line description, a line each: what both helps print."""
+    width = max(map(len, SUBCOMMANDS), default=0)
+    return "\n".join(f"  {name:<{width}}  {description}".rstrip() for name, (_, description) in SUBCOMMANDS.items())

@@ -5,16 +5,15 @@ from __future__ import annotations
 import importlib
 import sys
 
-from fastpersist.bench import SUBCOMMANDS
+from fastpersist.bench import SUBCOMMANDS, listing
 
 
 def _usage() -> str:
-    lines = ["usage: python -m fastpersist.bench <subcommand> [options]", "", "subcommands:"]
-    for name, (_, description) in SUBCOMMANDS.items():
-        lines.append(f"  {name:<12} {description}")
-    lines.append("")
-    lines.append("'python -m fastpersist.bench <subcommand> --help' for its options")
-    return "\n".join(lines)
+    return (
+        "usage: python -m fastpersist.bench <subcommand> [options]\n\n"
+        f"subcommands:\n{listing()}\n\n"
+        "'python -m fastpersist.bench <subcommand> --help' for its options"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,13 +64,10 @@ def prefix_of(location: str | os.PathLike) -> Prefix | None:
         ValueError: an ``s3://`` URL without a bucket, or a ``pathlib`` path
             made from one (``Path("s3://b/p")`` is ``s3:/b/p``: pass a string).
     """
+    objectstore.is_object_url(location)  # raises for a URL that pathlib collapsed
     text = os.fspath(location)
     if isinstance(text, bytes):
         return None
-    if not isinstance(location, str) and text.startswith("s3:/") and not text.startswith(objectstore.SCHEME):
-        raise ValueError(
-            f"{location!r} looks like an s3:// URL that pathlib collapsed to {text!r}: pass the URL as a string"
-        )
     if not objectstore.is_object_url(text):
         return None
     bucket, _, key = text[len(objectstore.SCHEME) :].partition("/")

@@ -17,11 +17,18 @@ How a save to a path lands (see docs/compatibility.md):
   regular file when the ``atomic`` setting is off (``atomic=False``), which
   keeps hard links and the inode.
 
-Temporary names are ``.<name>.fastpersist-<pid>-<namespace>-<random>.tmp``
+Temporary names are ``.<name>.fastpersist-<pid>-<start>-<namespace>-<random>.tmp``
 (the name is hashed when that would exceed the filesystem's name limit). The
-namespace tags the host and PID namespace, so stale-temporary cleanup only
-removes files of dead processes of its own namespace, never the live
-temporaries of this process, and at most once a minute per directory.
+namespace tags the host, boot and PID namespace; the start time (clock ticks
+after boot) tells the writer apart from a later process with the same PID. A
+save removes the temporaries that processes of its own namespace left when
+they died (at any age: a dead process writes nothing more), never one whose
+writer may be alive: another process's, another host's or container's, this
+process's own. The directory is listed when that is cheap (at most 1% of the
+time since the last listing, :data:`CLEANUP_SCAN_SHARE`); in between, the
+writers of the temporaries seen at the last listing are checked again, so a
+writer that died since is noticed at the next save. Names of the older form
+``<pid>-<namespace>-<random>`` are still recognised, by PID alone.
 """
 
 from __future__ import annotations
@@ -72,10 +79,15 @@ __all__ = [
 
 _TEMP_MARK = ".fastpersist-"
 _TEMP_SUFFIX = ".tmp"
-STALE_AGE_SECONDS = 30.0
-"""A temporary of a dead process is removed only once it is at least this old."""
-CLEANUP_INTERVAL_SECONDS = 60.0
-"""The automatic cleanup scans one directory at most this often (per process)."""
+CLEANUP_SCAN_SHARE = 0.01
+"""The share of the time the automatic cleanup may spend listing one directory.
+
+A save lists its directory again only once the time since the last listing is
+at least the last listing's cost divided by this share: every save in a
+directory of a few thousand entries (a listing of 10,000 takes about 4 ms),
+at most every 4 s in one of 100,000 (40 ms).
+"""
+_WATCHED_MAX = 64  # temporaries of live writers whose writers are checked again between listings
 
 
 class NonAtomicSaveWarning(UserWarning):
@@ -84,24 +96,21 @@ class NonAtomicSaveWarning(UserWarning):
 
 # ----------------------------------------------------------------------------- process state
 
+
+@dataclasses.dataclass
+class _Listing:
+    """The automatic cleanup's last listing of one directory."""
+
+    finished: float  # time.monotonic() when it ended
+    cost: float  # seconds it took (listing and checking the writers, not removing files)
+    watched: dict[str, tuple[int, int | None]]  # temporaries of live writers -> (pid, start time)
+
+
 _lock = threading.Lock()
 _live: set[str] = set()  # temporaries this process is writing now
-_last_scan: dict[str, float] = {}  # directory -> monotonic time of its last cleanup scan
+_listings: dict[str, _Listing] = {}  # directory -> its last cleanup listing
 _warned_in_place = False
 _remover = None  # the thread that frees replaced files (created on first use, per process)
-
-
-def _reset_after_fork() -> None:
-    # The child writes none of the parent's temporaries; the parent still owns them (and frees
-    # the files it set aside: the remover thread does not exist in the child).
-    global _lock, _live, _last_scan, _remover
-    _lock = threading.Lock()
-    _live = set()
-    _last_scan = {}
-    _remover = None
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def live_temporaries() -> set[str]:
@@ -111,7 +120,7 @@ def live_temporaries() -> set[str]:
 
 
 def _namespace() -> str:
-    """8 hex digits naming this host and PID namespace: PIDs are comparable only within one."""
+    """8 hex digits naming this host, boot and PID namespace: PIDs are comparable only within one."""
     parts = [socket.gethostname()]
     for source in ("/proc/self/ns/pid",):
         try:
@@ -127,6 +136,23 @@ def _namespace() -> str:
 
 
 _NAMESPACE = _namespace()
+_STARTED = system.process_start_time(os.getpid())  # None where /proc does not say
+
+
+def _reset_after_fork() -> None:
+    # The child writes none of the parent's temporaries; the parent still owns them (and frees
+    # the files it set aside: the remover thread does not exist in the child). The child is a
+    # new process: its own start time, and its own PID namespace after an unshare(CLONE_NEWPID).
+    global _lock, _live, _listings, _remover, _NAMESPACE, _STARTED
+    _lock = threading.Lock()
+    _live = set()
+    _listings = {}
+    _remover = None
+    _NAMESPACE = _namespace()
+    _STARTED = system.process_start_time(os.getpid())
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 # ----------------------------------------------------------------------------- durability helpers
@@ -281,15 +307,23 @@ def _name_max(directory: str) -> int:
         return 255
 
 
-def temporary_name(name: str, directory: str = ".", pid: int | None = None, token: str | None = None) -> str:
+def temporary_name(
+    name: str, directory: str = ".", pid: int | None = None, token: str | None = None, started: int | None = None
+) -> str:
     """The temporary file name for a save of ``name`` (a base name) into ``directory``.
 
-    ``.<name>.fastpersist-<pid>-<namespace>-<token>.tmp``; when that would not fit
-    the filesystem's name limit, ``<name>`` is replaced by a hash of it.
+    ``.<name>.fastpersist-<pid>-<started>-<namespace>-<token>.tmp``; when that would
+    not fit the filesystem's name limit, ``<name>`` is replaced by a hash of it.
+    ``pid`` and ``started`` default to this process's PID and start time
+    (:func:`fastpersist.system.process_start_time`). Without a start time (another
+    ``pid`` given alone, or no /proc) the name has the older form
+    ``<pid>-<namespace>-<token>``, whose writer is judged by its PID alone.
     """
-    pid = os.getpid() if pid is None else pid
+    if pid is None:
+        pid, started = os.getpid(), _STARTED
     token = secrets.token_hex(4) if token is None else token
-    tail = f"{_TEMP_MARK}{pid}-{_NAMESPACE}-{token}{_TEMP_SUFFIX}"
+    owner = f"{pid}" if started is None else f"{pid}-{started}"
+    tail = f"{_TEMP_MARK}{owner}-{_NAMESPACE}-{token}{_TEMP_SUFFIX}"
     candidate = f".{name}{tail}"
     if len(os.fsencode(candidate)) <= _name_max(directory):
         return candidate
@@ -303,63 +337,114 @@ def temporary_path_pattern(path: str) -> str:
     return os.path.join(glob.escape(directory), f".*{_TEMP_MARK}*{_TEMP_SUFFIX}")
 
 
-def _parse_temporary(basename: str) -> tuple[int, str] | None:
-    """(pid, namespace) of a temporary name, None if it is not one."""
-    if not basename.endswith(_TEMP_SUFFIX) or _TEMP_MARK not in basename:
+def _parse_temporary(basename: str) -> tuple[int, int | None, str] | None:
+    """(pid, start time or None, namespace) of a temporary name, None if it is not one."""
+    if not basename.startswith(".") or not basename.endswith(_TEMP_SUFFIX) or _TEMP_MARK not in basename:
         return None
     fields = basename[: -len(_TEMP_SUFFIX)].rsplit(_TEMP_MARK, 1)[1].split("-")
-    if len(fields) != 3:
-        return None
     try:
-        return int(fields[0]), fields[1]
+        if len(fields) == 4:
+            return int(fields[0]), int(fields[1]), fields[2]
+        if len(fields) == 3:  # written before names carried the start time
+            return int(fields[0]), None, fields[1]
     except ValueError:
-        return None
+        pass
+    return None
 
 
-def remove_stale_temporaries(path: str, min_age: float = STALE_AGE_SECONDS) -> list[str]:
+def _writer_gone(pid: int, started: int | None) -> bool:
+    """Whether the process that named a temporary of this namespace is provably gone.
+
+    Only then may its temporary go: any doubt (a /proc that does not show the
+    process, as under ``hidepid``) keeps the file.
+    """
+    if pid == os.getpid():
+        if _STARTED is None:
+            return False  # this process writes names without a start time too: it may be ours
+        # Ours now are named with our start time (and may be in flight unregistered, as the
+        # collective save's are); another start time, or none, is an earlier holder of our PID.
+        return started != _STARTED
+    # Names of the older form carry no start time: the PID is all there is to go by.
+    return not system.process_alive(pid, started)
+
+
+def _unlink_stale(candidate: str, min_age: float, now: float) -> bool:
+    try:
+        if min_age > 0 and now - os.lstat(candidate).st_mtime < min_age:
+            return False
+        os.unlink(candidate)
+    except OSError:
+        return False  # gone already, or not ours to delete (sticky directory): never block a save
+    return True
+
+
+def remove_stale_temporaries(path: str, min_age: float = 0.0) -> list[str]:
     """Removes temporaries that killed saves left in ``path``'s directory; returns the removed paths.
 
-    Only temporaries of this host and PID namespace, of processes that are gone,
-    at least ``min_age`` seconds old, and never a live one of this process.
-    Files it may not delete (sticky directories) are skipped silently.
+    Only temporaries of this host, boot and PID namespace whose writer is
+    provably gone (its PID is free or a zombie's, or held by a process that
+    started at another time), never one of this process. ``min_age`` (seconds) spares
+    younger ones too; by default age does not matter, since a dead writer
+    writes nothing more. Lists the directory every time it is called (saves
+    call it through a throttle, see the module docstring); never raises:
+    files it may not delete (sticky directories) and a directory it cannot
+    list are skipped.
     """
-    removed = []
-    now = time.time()
+    directory = os.path.dirname(os.path.abspath(path))
+    began = time.perf_counter()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
     with _lock:
         live = set(_live)
-    for candidate in glob.glob(temporary_path_pattern(path)):
-        parsed = _parse_temporary(os.path.basename(candidate))
+    doomed, watched = [], {}
+    for name in names:
+        if _TEMP_MARK not in name:
+            continue
+        parsed = _parse_temporary(name)
+        candidate = os.path.join(directory, name)
         if parsed is None or candidate in live:
             continue
-        pid, namespace = parsed
+        pid, started, namespace = parsed
         if namespace != _NAMESPACE:
-            continue  # another host or container: its PIDs mean nothing here
-        if pid != os.getpid() and system.process_alive(pid):
-            continue  # another process may be saving right now
-        try:
-            if now - os.lstat(candidate).st_mtime < min_age:
-                continue
-            os.unlink(candidate)
-        except OSError:
-            continue  # gone already, or not ours to delete (sticky directory): never block a save
-        removed.append(candidate)
+            continue  # another host, boot or container: its PIDs mean nothing here
+        if _writer_gone(pid, started):
+            doomed.append(candidate)
+        elif pid != os.getpid() and len(watched) < _WATCHED_MAX:
+            watched[candidate] = (pid, started)
+    cost = time.perf_counter() - began
+    now = time.time()
+    removed = [candidate for candidate in doomed if _unlink_stale(candidate, min_age, now)]
+    with _lock:
+        if len(_listings) >= 4096:
+            _listings.clear()
+        _listings[directory] = _Listing(time.monotonic(), cost, watched)
     return removed
 
 
 def _maybe_remove_stale(directory: str) -> None:
-    """The automatic cleanup: at most once per CLEANUP_INTERVAL_SECONDS per directory."""
+    """The automatic cleanup before a save: a listing when it is cheap, else a check of the watched writers.
+
+    A listing costs about 0.4 us per directory entry here (warm cache), so it
+    runs when the time since the last one is at least its cost divided by
+    CLEANUP_SCAN_SHARE. In between, the writers of the temporaries the last
+    listing saw alive are checked again (a signal 0 and a read of /proc each),
+    and the temporaries of those that died since are removed.
+    """
     now = time.monotonic()
     with _lock:
-        last = _last_scan.get(directory)
-        if last is not None and now - last < CLEANUP_INTERVAL_SECONDS:
-            return
-        _last_scan[directory] = now
-        if len(_last_scan) > 4096:
-            _last_scan.clear()
-    try:
+        listing = _listings.get(directory)
+        due = listing is None or now - listing.finished >= listing.cost / CLEANUP_SCAN_SHARE
+        watched = [] if due else list(listing.watched.items())
+    if due:
         remove_stale_temporaries(os.path.join(directory, "x"))
-    except OSError:
-        pass
+        return
+    for candidate, (pid, started) in watched:
+        if _writer_gone(pid, started):
+            _unlink_stale(candidate, 0.0, 0.0)
+            with _lock:
+                listing.watched.pop(candidate, None)
 
 
 # ----------------------------------------------------------------------------- commit

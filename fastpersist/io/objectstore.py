@@ -160,8 +160,28 @@ class ObjectURL:
 
 
 def is_object_url(f: Any) -> bool:
-    """Whether ``f`` names an object in an object store (a string starting with ``s3://``)."""
-    return isinstance(f, str) and f.startswith(SCHEME)
+    """Whether ``f`` names an object in an object store (a string starting with ``s3://``).
+
+    Every entry point that takes a path or a URL asks this first, so it is
+    also where a URL made into a path object is caught.
+
+    Raises:
+        ValueError: ``f`` is a path object (not a ``str``) made from a URL:
+            ``pathlib.Path("s3://bucket/key")`` collapses the two slashes to
+            ``s3:/bucket/key``, which would name a folder ``s3:`` here.
+    """
+    if isinstance(f, str):
+        return f.startswith(SCHEME)
+    if isinstance(f, os.PathLike):
+        text = os.fspath(f)
+        collapsed = SCHEME[:-1]  # "s3:/"
+        if isinstance(text, str) and text.startswith(collapsed) and not text.startswith(SCHEME):
+            raise ValueError(
+                f"{f!r} looks like an {SCHEME} URL that pathlib collapsed to {text!r} (a path object merges "
+                f"the two slashes, and would name a local folder {collapsed[:-1]!r}): pass the URL as a string, "
+                f"{SCHEME + text[len(collapsed) :]!r}"
+            )
+    return False
 
 
 def target(url: str) -> ObjectURL:

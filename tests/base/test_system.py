@@ -46,6 +46,16 @@ def test_process_alive_tells_running_zombie_and_gone_apart():
     assert not system.process_alive(pid)
 
 
+def test_process_alive_with_a_start_time_tells_a_later_holder_of_the_pid_apart():
+    started = system.process_start_time(os.getpid())
+    assert started is not None and started == system.process_start_time(os.getpid())
+    assert system.process_alive(os.getpid(), started)
+    assert not system.process_alive(os.getpid(), started + 1)  # what a reused PID looks like
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert system.process_start_time(child.pid) is None
+
+
 def test_filesystem_of_finds_the_mount(tmp_path):
     info = system.filesystem_of(str(tmp_path))
     assert info["path"] == os.path.realpath(tmp_path)

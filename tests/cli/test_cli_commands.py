@@ -35,6 +35,33 @@ def test_bench_runs_a_benchmark_with_its_own_options(capsys):
     )
 
 
+def _bench_helps(capsys) -> dict[str, str]:
+    """What ``fastpersist bench --help`` and ``python -m fastpersist.bench --help`` print."""
+    from fastpersist.bench.__main__ import main as bench_main
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "--help"])
+    assert exit_.value.code == 0
+    helps = {"fastpersist bench --help": capsys.readouterr().out}
+    assert bench_main(["--help"]) == 0
+    helps["python -m fastpersist.bench --help"] = capsys.readouterr().out
+    return helps
+
+
+def test_both_bench_helps_list_every_registered_benchmark_with_its_description(capsys, monkeypatch):
+    from fastpersist import bench
+
+    assert len(bench.SUBCOMMANDS) >= 13
+    for where, text in _bench_helps(capsys).items():
+        lines = text.splitlines()
+        for name, (_, description) in bench.SUBCOMMANDS.items():
+            assert any(line.split() == [name, *description.split()] for line in lines), (where, name)
+    # The helps read the one registry: a benchmark registered later is listed too.
+    monkeypatch.setitem(bench.SUBCOMMANDS, "made_up", ("fastpersist.bench.made_up", "a benchmark added by a test"))
+    for where, text in _bench_helps(capsys).items():
+        assert "  made_up" in text and "a benchmark added by a test" in text, where
+
+
 def test_tune_has_its_options(capsys):
     parser = cli.build_parser()
     args = parser.parse_args(["tune", "--quick", "--dir", "/tmp", "--optimize", "save"])

@@ -31,7 +31,8 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist import cli
+from fastpersist import cli, system
+from fastpersist.distributed.save import _temporary_name as _collective_temporary_name
 from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedObjectError
 from fastpersist.format.zipformat import check_structure, read_directory
 from fastpersist.io import commit
@@ -340,8 +341,7 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
     alive = tmp_path / commit.temporary_name("ckpt.pt", str(tmp_path), pid=os.getppid())  # maybe saving now
     other = tmp_path / commit.temporary_name("other.pt", str(tmp_path), pid=dead.pid)  # another checkpoint's
     for leftover in (stale, alive, other):
-        leftover.write_bytes(b"partial")
-        os.utime(leftover, (time.time() - 3600, time.time() - 3600))  # older than the grace period
+        leftover.write_bytes(b"partial")  # just written: age does not matter once the writer is gone
     obj = small_checkpoint(path)
     assert not stale.exists() and alive.exists() and not other.exists()
     # Readers never see temporaries: the checkpoint is the committed file.
@@ -360,11 +360,46 @@ def test_temporaries_of_killed_but_unreaped_savers_are_removed(tmp_path):
             time.sleep(0.01)
         stale = tmp_path / commit.temporary_name("ckpt.pt", str(tmp_path), pid=zombie.pid)
         stale.write_bytes(b"partial")
-        os.utime(stale, (time.time() - 3600, time.time() - 3600))
         small_checkpoint(path)
         assert not stale.exists()
     finally:
         zombie.wait()
+
+
+def test_stale_temporaries_are_told_apart_by_pid_and_start_time(tmp_path):
+    """A PID names a process only while it lives: the start time in the name tells a later holder apart."""
+    path = tmp_path / "ckpt.pt"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = system.process_start_time(sleeper.pid)
+        own = system.process_start_time(os.getpid())
+        assert started is not None and own is not None
+        kept = {
+            # another process's save in progress
+            "live": commit.temporary_name("ckpt.pt", str(tmp_path), pid=sleeper.pid, started=started),
+            # an older fastpersist's name of a live PID: the PID is all there is to go by
+            "old-form live": commit.temporary_name("ckpt.pt", str(tmp_path), pid=sleeper.pid),
+            # this process's own, unregistered (the collective save's temporaries are not)
+            "own": os.path.basename(_collective_temporary_name(str(path), str(tmp_path))),
+        }
+        removed = {
+            # the PID was reused: the process that wrote it started at another time
+            "reused": commit.temporary_name("ckpt.pt", str(tmp_path), pid=sleeper.pid, started=started + 1),
+            # an earlier holder of this process's PID, in the new and the old form
+            "own reused": commit.temporary_name("ckpt.pt", str(tmp_path), pid=os.getpid(), started=own - 1),
+            "own old form": commit.temporary_name("ckpt.pt", str(tmp_path), pid=os.getpid()),
+            # a collective save's part, as a killed rank leaves it
+            "part": commit.temporary_name("ckpt.pt.ab12.part-1-of-2", str(tmp_path), pid=os.getpid(), started=0),
+        }
+        for name in [*kept.values(), *removed.values()]:
+            (tmp_path / name).write_bytes(b"partial")
+            os.utime(tmp_path / name, (time.time() - 3600, time.time() - 3600))  # age decides nothing
+        small_checkpoint(path)
+        left = set(os.listdir(tmp_path)) - {"ckpt.pt"}
+        assert left == set(kept.values()), {k: v in left for k, v in {**kept, **removed}.items()}
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 # ----------------------------------------------------------------------------- damaged files

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+import pathlib
 import threading
 
 import pytest
@@ -128,6 +130,27 @@ def test_settings_refuse_part_sizes_s3_refuses():
         fastpersist.config.settings().replace(s3_part_size="4M")
     with pytest.raises(fastpersist.ConfigError, match="s3_concurrency"):
         fastpersist.config.settings().replace(s3_concurrency=0)
+
+
+_COLLAPSED_CALLS = {
+    "save": lambda path: fastpersist.save({"w": torch.ones(3)}, path),
+    "load": lambda path: fastpersist.load(path),
+    "async_save": lambda path: fastpersist.async_save({"w": torch.ones(3)}, path).result(),
+    "save_file": lambda path: fastpersist.save_file({"w": torch.ones(3)}, path),
+    "load_file": lambda path: fastpersist.load_file(path),
+}
+
+
+@pytest.mark.parametrize("call", list(_COLLAPSED_CALLS))
+def test_a_url_made_into_a_path_object_is_refused_with_advice(call, tmp_path, monkeypatch):
+    """pathlib.Path("s3://bucket/key") is s3:/bucket/key: a ValueError says to pass a str, not to make a folder."""
+    monkeypatch.chdir(tmp_path)
+    path = pathlib.Path("s3://bucket/ckpt.pt")
+    assert str(path) == "s3:/bucket/ckpt.pt"
+    with pytest.raises(ValueError, match="pass the URL as a string, 's3://bucket/ckpt.pt'") as info:
+        _COLLAPSED_CALLS[call](path)
+    assert not isinstance(info.value, OSError), "not the missing-directory error, which advises os.makedirs"
+    assert os.listdir(tmp_path) == []
 
 
 def test_async_save_commits_at_result(s3):
