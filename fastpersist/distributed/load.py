@@ -193,6 +193,8 @@ def read_parts(path: str, verify: bool = True) -> torch.Tensor:
     """The ordinary file's bytes of a sharded checkpoint whose parts are all visible beside its manifest.
 
     Raises:
+        UnsafeFileNameError: the manifest names a part that is not a plain
+            file name beside it (``../x``, ``/etc/passwd``, ...); nothing was opened.
         FileNotFoundError: a part is missing (its index and host named).
         TruncatedCheckpointError: a part is shorter than the manifest says.
         CorruptCheckpointError, ChecksumMismatchError: (``verify``) damaged bytes.

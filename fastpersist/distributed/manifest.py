@@ -8,7 +8,10 @@ CRC-32s (each record's data descriptor and the trailer: central directory
 and end records), so the parts themselves never need rewriting.
 
 Parts are named ``<path>.<token>.part-<k>-of-<n>`` (``token`` is unique per
-save, so a failed save never touches the previous checkpoint's parts).
+save, so a failed save never touches the previous checkpoint's parts). A
+part's name in the manifest must be a plain file name (it is looked up
+beside the manifest): the parser refuses anything else before a part is
+opened (:func:`fastpersist.format.names.check_file_name`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 from typing import Any
 
 from fastpersist.errors import CorruptCheckpointError
+from fastpersist.format.names import check_file_name
 
 __all__ = ["FORMAT", "Manifest", "PartInfo", "is_manifest", "looks_like_manifest", "read_manifest", "part_name"]
 
@@ -84,6 +88,12 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, path: str | None = None) -> Manifest:
+        """Parses a manifest.
+
+        Raises:
+            CorruptCheckpointError: not a manifest, damaged, or the parts do not tile the file.
+            UnsafeFileNameError: a part's name is not a plain file name (nothing was opened).
+        """
         try:
             document = json.loads(data)
             if document.get("format") != FORMAT:
@@ -105,9 +115,11 @@ class Manifest:
         return manifest
 
     def check(self, path: str | None = None) -> None:
-        """Raises CorruptCheckpointError when the pieces do not tile the file."""
+        """Raises CorruptCheckpointError when the pieces do not tile the file, UnsafeFileNameError when a part's
+        name is not a plain file name beside the manifest."""
         position = 0
         for part in self.parts:
+            check_file_name(part.name, checkpoint=path, what=f"part {part.index} of the sharded checkpoint")
             if part.start != position or part.end < part.start:
                 raise CorruptCheckpointError(f"{path}: manifest parts do not tile the file at {position}", path=path)
             position = part.end
