@@ -254,7 +254,7 @@ def read_collective(
             f"collective load of {path}: no rank sees a checkpoint or sharded-checkpoint manifest there",
             {r: "no manifest" for r in range(coordinator.size)},
         )
-    manifest = Manifest.from_json(views[holders[0]]["manifest"], path)
+    manifest = Manifest.from_bytes(views[holders[0]]["manifest"], path)
     sources = {}
     for part in manifest.parts:
         seen = [r for r, v in enumerate(views) if part.index in v["parts"].get(manifest.token, {})]

@@ -48,7 +48,7 @@ from typing import Any
 from fastpersist import config
 from fastpersist.config import Settings
 from fastpersist.distributed.load import assemble_into, check_part_size
-from fastpersist.distributed.manifest import Manifest, PartInfo, looks_like_manifest
+from fastpersist.distributed.manifest import HEAD_SIZE, Manifest, PartInfo, looks_like_manifest
 from fastpersist.errors import BucketNotFoundError, ObjectNotFoundError, ObjectStoreError
 from fastpersist.format.names import check_file_name
 from fastpersist.io import engine, objectstore
@@ -201,13 +201,13 @@ def _manifest_parts(url: objectstore.ObjectURL, settings: Settings, client) -> l
     except ObjectNotFoundError:
         return []
     seen = {url: (size, etag)}  # both reads are of this version of the object
-    first = bytearray(min(size, 256))
+    first = bytearray(min(size, HEAD_SIZE))
     objectstore.read_ranges([(url, 0, memoryview(first))], settings, client=client, seen=seen, action=action)
     if not looks_like_manifest(bytes(first)):
         return []
     data = bytearray(size)
     objectstore.read_ranges([(url, 0, memoryview(data))], settings, client=client, seen=seen, action=action)
-    return [part.name for part in Manifest.from_json(bytes(data), url.path).parts]
+    return [part.name for part in Manifest.from_bytes(bytes(data), url.path).parts]
 
 
 def _remove_parts(url: objectstore.ObjectURL, client, *, keep: str | None) -> dict[str, str]:
@@ -253,7 +253,7 @@ def read_parts(
         ObjectStoreError and its subclasses: a request failed; a part was
             replaced during the load.
     """
-    manifest = Manifest.from_json(manifest_bytes, url.path)
+    manifest = Manifest.from_bytes(manifest_bytes, url.path)
     if client is None:
         client = objectstore.make_client(settings.s3_concurrency)
     locations = {part.index: part_url(url, part.name) for part in manifest.parts}

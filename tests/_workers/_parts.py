@@ -51,14 +51,16 @@ def checkpoint_bytes(state: dict | None = None) -> bytes:
     return buffer.getvalue()
 
 
-def write_parts(directory, base: str = "ckpt.pt", *, names=None) -> tuple[str, list[bytes]]:
+def write_parts(directory, base: str = "ckpt.pt", *, names=None, bare_json: bool = False) -> tuple[str, list[bytes]]:
     """Writes a sharded checkpoint of :func:`make_state` into ``directory``; returns the manifest's path and the
     parts' bytes. Parts renamed by ``names`` are not written (the test decides what is at those names).
+
+    ``bare_json``: the manifest as saves wrote it before the zip wrapper (the JSON document alone).
     """
     manifest, pieces = split(checkpoint_bytes(), base, names)
     for part, piece in zip(manifest.parts, pieces):
         if part.index not in (names or {}):
             (directory / part.name).write_bytes(piece)
     path = directory / base
-    path.write_bytes(manifest.to_json())
+    path.write_bytes(manifest.document() if bare_json else manifest.to_bytes())
     return str(path), pieces
