@@ -142,10 +142,11 @@ class UnsafeFileNameError(CorruptCheckpointError):
 
     A sharded checkpoint's manifest names its parts, a DCP checkpoint's
     ``.metadata`` its data files; each must be a file in the checkpoint's
-    directory (an object under its prefix, on S3). A path (``../x``,
+    directory (an object beside the manifest, on S3). A path (``../x``,
     ``/etc/passwd``, ``sub/dir``), ``.``, ``..``, an empty name or one with a
-    NUL byte is refused before anything is opened: a crafted checkpoint cannot
-    make a load read another file's bytes as its own. A
+    NUL byte is refused before anything is opened, by every reader of
+    sharded checkpoints and by ``fastpersist.verify`` of DCP checkpoints: a
+    crafted checkpoint cannot make a load read another file's bytes as its own. A
     :class:`CorruptCheckpointError`, so a ``RuntimeError``, as torch.load raises
     for a file that is not a sound checkpoint.
 
