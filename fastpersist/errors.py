@@ -28,6 +28,7 @@ __all__ = [
     "UnsupportedObjectError",
     "TruncatedCheckpointError",
     "InvalidSafetensorsError",
+    "UnsafeFileNameError",
     "DistributedCheckpointError",
     "TensorModifiedError",
     "TargetPermissionError",
@@ -156,6 +157,25 @@ class InvalidSafetensorsError(CorruptCheckpointError):
     """
 
 
+class UnsafeFileNameError(CorruptCheckpointError):
+    """A checkpoint names one of its own files with something other than a plain file name beside it.
+
+    A sharded checkpoint's manifest names its parts, a DCP checkpoint's
+    ``.metadata`` its data files; each must be a file in the checkpoint's
+    directory (an object beside the manifest, on S3). A path (``../x``,
+    ``/etc/passwd``, ``sub/dir``), ``.``, ``..``, an empty name or one with a
+    NUL byte is refused before anything is opened, by every reader of
+    sharded checkpoints and by ``fastpersist.verify`` of DCP checkpoints: a
+    crafted checkpoint cannot make a load read another file's bytes as its own. A
+    :class:`CorruptCheckpointError`, so a ``RuntimeError``, as torch.load raises
+    for a file that is not a sound checkpoint.
+
+    Attributes:
+        path: the checkpoint (the manifest, or the DCP directory).
+        record: the name refused.
+    """
+
+
 class DistributedCheckpointError(FastPersistError, RuntimeError):
     """A collective (data-parallel) save or load failed on one or more ranks.
 
@@ -231,6 +251,7 @@ class TensorModifiedError(FastPersistError, RuntimeError):
 # | ``f`` is neither a path nor has ``write``        | AttributeError  | NotWritableError (AttributeError, TypeError)              |
 # | I/O error while saving or loading (ENOSPC, EROFS, EIO, EDQUOT, ...) | RuntimeError | CheckpointIOError (OSError, RuntimeError) |
 # | damaged / truncated file                         | RuntimeError, EOFError, UnpicklingError | CorruptCheckpointError (RuntimeError), TruncatedCheckpointError (EOFError) |
+# | a checkpoint names a file outside itself (../x)  | RuntimeError (as for any damaged file) | UnsafeFileNameError (CorruptCheckpointError -> RuntimeError) |
 
 
 class TargetPermissionError(FastPersistError, PermissionError, RuntimeError):

@@ -22,7 +22,7 @@ import torch
 
 from fastpersist import config
 from fastpersist.api import archive, dispatch
-from fastpersist.distributed.manifest import looks_like_manifest
+from fastpersist.distributed.manifest import HEAD_SIZE, looks_like_manifest
 from fastpersist.errors import TruncatedCheckpointError
 from fastpersist.format.deserializer import archive_prefix
 from fastpersist.format.safetensors import looks_like_safetensors
@@ -157,7 +157,7 @@ def load(
     view = memoryview(buffer).cast("B")[:size]
     if size == 0:
         raise TruncatedCheckpointError(f"{path} is empty (0 bytes): it is not a checkpoint", path=path)
-    if looks_like_manifest(bytes(view[:256])):  # a collective save's manifest: the checkpoint is in its part objects
+    if looks_like_manifest(bytes(view[:HEAD_SIZE])):  # a collective save's manifest: the checkpoint is in its parts
         from fastpersist.distributed import objectstore as parts  # torch.distributed only where needed
 
         buffer, size = parts.read_parts(source, bytes(view), settings)

@@ -4,10 +4,13 @@ Each file's structure is checked (every header, padding, data descriptor and
 end record; no gaps; nothing after the end) and every record's CRC-32 is
 recomputed, without unpickling anything (see :func:`fastpersist.verify`).
 
+A ``PATH`` may also be the manifest of a sharded checkpoint (its parts are
+checked) or a DCP checkpoint directory (every item its ``.metadata`` lists).
+
 Exit status: 0 when every file is intact, 1 when a file is corrupt (the
 damaged record is named), 2 for a usage error or a file that cannot be read
-or checked (missing, a directory, a legacy pre-1.6 torch file). With several
-files the highest status wins.
+or checked (missing, a directory without a DCP checkpoint, a legacy pre-1.6
+torch file). With several files the highest status wins.
 
 Registered as a subcommand of ``fastpersist`` (``fastpersist/cli/__init__.py``); also
 runs on its own as ``python -m fastpersist.cli.verify PATH...``.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 __all__ = ["HELP", "add_arguments", "run", "main", "EXIT_OK", "EXIT_CORRUPT", "EXIT_ERROR"]
@@ -28,7 +32,12 @@ EXIT_ERROR = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint files to check")
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="checkpoint files, sharded checkpoints' manifests or DCP checkpoint directories to check",
+    )
     parser.add_argument(
         "--require-checksums",
         action="store_true",
@@ -43,11 +52,12 @@ def _check(path: str, require_checksums: bool) -> tuple[int, dict]:
 
     result: dict = {"path": path}
     try:
-        with open(path, "rb") as handle:
-            head = handle.read(512)
-        if head[:4] != b"PK\x03\x04" and loading._is_legacy_torch_file(head):
-            result.update(status="error", error="a legacy (pre-1.6) torch file: it has no checksums to verify")
-            return EXIT_ERROR, result
+        if not os.path.isdir(path):  # a DCP checkpoint directory is checked as such
+            with open(path, "rb") as handle:
+                head = handle.read(512)
+            if head[:4] != b"PK\x03\x04" and loading._is_legacy_torch_file(head):
+                result.update(status="error", error="a legacy (pre-1.6) torch file: it has no checksums to verify")
+                return EXIT_ERROR, result
         report = verification.verify(path)
     except (ChecksumMismatchError, CorruptCheckpointError) as e:
         kind = "checksum" if isinstance(e, ChecksumMismatchError) else "structure"
@@ -76,7 +86,8 @@ def _print(result: dict) -> None:
             if result["checksummed"]
             else ("structure only: written without CRC-32s, its data cannot be verified")
         )
-        print(f"OK       {path}: {result['records']} records, {result['bytes']} bytes ({what})")
+        unit = "items" if os.path.isdir(path) else "records"  # a DCP checkpoint's items, each an archive or bytes
+        print(f"OK       {path}: {result['records']} {unit}, {result['bytes']} bytes ({what})")
     elif status == "corrupt":
         message = result["error"]  # names the file, and the record when the damage is in one
         if not message.startswith(path):

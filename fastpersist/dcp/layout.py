@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fastpersist.format.dcp import EXTENSION_ATTRIBUTE, EXTENSION_VERSION  # described there, for readers without DCP
 from fastpersist.format.plan import SavePlan, Segment, SegmentKind
 from fastpersist.format.serializer import plan_save
 from fastpersist.io import engine
@@ -57,9 +58,6 @@ __all__ = [
 
 PAGE = 4096
 DEFAULT_SUFFIX = ".distcp"
-EXTENSION_ATTRIBUTE = "fastpersist"
-"""Name of the attribute fastpersist adds to DCP's ``_StorageInfo`` (a dict of built-in values)."""
-EXTENSION_VERSION = 1
 
 
 def file_name(prefix: str, index: int) -> str:

@@ -64,9 +64,10 @@ from torch.futures import Future
 
 from fastpersist import config
 from fastpersist.dcp import objectstore as s3
-from fastpersist.dcp.layout import EXTENSION_ATTRIBUTE, EXTENSION_VERSION, PAGE
-from fastpersist.dcp.writer import METADATA_FILE, validate_checkpoint_path
+from fastpersist.dcp.layout import PAGE
+from fastpersist.dcp.writer import validate_checkpoint_path
 from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, ObjectNotFoundError
+from fastpersist.format.dcp import METADATA_FILE, extension_of
 from fastpersist.format.deserializer import archive_prefix, deserialize
 from fastpersist.format.zipformat import read_directory
 from fastpersist.io import engine
@@ -206,13 +207,6 @@ class FastPersistReader(StorageReader):
         self.path = Path(path) if self.prefix is None else self.prefix.url
 
 
-def _extension(info) -> dict | None:
-    extension = getattr(info, EXTENSION_ATTRIBUTE, None)
-    if isinstance(extension, dict) and extension.get("version") == EXTENSION_VERSION:
-        return extension
-    return None
-
-
 def _whole_chunk(request: ReadItem, shape: tuple) -> bool:
     return all(o == 0 for o in request.storage_offsets) and tuple(request.lengths) == tuple(shape)
 
@@ -245,7 +239,7 @@ class _PlanReader:
             if getattr(info, "transform_descriptors", None):
                 transformed.append((requests, info))
                 continue
-            extension = _extension(info)
+            extension = extension_of(info)
             if requests[0].type == LoadItemType.BYTE_IO:
                 raw += [(request, info, extension) for request in requests]
             elif extension is None:

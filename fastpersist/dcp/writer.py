@@ -68,8 +68,6 @@ from torch.futures import Future
 from fastpersist import config
 from fastpersist.dcp import objectstore as s3
 from fastpersist.dcp.layout import (
-    EXTENSION_ATTRIBUTE,
-    EXTENSION_VERSION,
     BytesItem,
     FileLayout,
     FilePlan,
@@ -77,13 +75,13 @@ from fastpersist.dcp.layout import (
     file_name,
     place_items,
 )
+from fastpersist.format.dcp import EXTENSION_ATTRIBUTE, EXTENSION_VERSION, METADATA_FILE
 from fastpersist.io import engine, memory
 from fastpersist.io import objectstore as s3_io
 from fastpersist.io.commit import fsync_directory
 
 __all__ = ["METADATA_FILE", "FastPersistWriter", "validate_checkpoint_path"]
 
-METADATA_FILE = ".metadata"
 CURRENT_DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
 _CRC_THREADS = 2
 

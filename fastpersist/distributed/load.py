@@ -193,6 +193,8 @@ def read_parts(path: str, verify: bool = True) -> torch.Tensor:
     """The ordinary file's bytes of a sharded checkpoint whose parts are all visible beside its manifest.
 
     Raises:
+        UnsafeFileNameError: the manifest names a part that is not a plain
+            file name beside it (``../x``, ``/etc/passwd``, ...); nothing was opened.
         FileNotFoundError: a part is missing (its index and host named).
         TruncatedCheckpointError: a part is shorter than the manifest says.
         CorruptCheckpointError, ChecksumMismatchError: (``verify``) damaged bytes.
@@ -252,7 +254,7 @@ def read_collective(
             f"collective load of {path}: no rank sees a checkpoint or sharded-checkpoint manifest there",
             {r: "no manifest" for r in range(coordinator.size)},
         )
-    manifest = Manifest.from_json(views[holders[0]]["manifest"], path)
+    manifest = Manifest.from_bytes(views[holders[0]]["manifest"], path)
     sources = {}
     for part in manifest.parts:
         seen = [r for r, v in enumerate(views) if part.index in v["parts"].get(manifest.token, {})]

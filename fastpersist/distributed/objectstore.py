@@ -48,8 +48,9 @@ from typing import Any
 from fastpersist import config
 from fastpersist.config import Settings
 from fastpersist.distributed.load import assemble_into, check_part_size
-from fastpersist.distributed.manifest import Manifest, PartInfo, looks_like_manifest
-from fastpersist.errors import BucketNotFoundError, CorruptCheckpointError, ObjectNotFoundError, ObjectStoreError
+from fastpersist.distributed.manifest import HEAD_SIZE, Manifest, PartInfo, looks_like_manifest
+from fastpersist.errors import BucketNotFoundError, ObjectNotFoundError, ObjectStoreError
+from fastpersist.format.names import check_file_name
 from fastpersist.io import engine, objectstore
 
 __all__ = ["ObjectParts", "part_url", "read_parts", "remove_checkpoint"]
@@ -60,11 +61,13 @@ _SHOWN = 8  # keys named in a note or warning; the rest are counted
 def part_url(url: objectstore.ObjectURL, name: str) -> objectstore.ObjectURL:
     """Where the part object ``name`` (a manifest's part name) of the checkpoint at ``url`` is: beside it.
 
+    The manifest parser has checked ``name`` already; checked again here, with
+    the same check, because a key is built from it.
+
     Raises:
-        CorruptCheckpointError: ``name`` is not a plain name (a manifest's parts are named without ``/``).
+        UnsafeFileNameError: ``name`` is not a plain name (``/``, NUL, ``..``...): it would leave the key's folder.
     """
-    if not name or "/" in name:
-        raise CorruptCheckpointError(f"{url}: damaged sharded-checkpoint manifest (part name {name!r})", path=url.path)
+    check_file_name(name, checkpoint=url.path, what="a part object of the sharded checkpoint")
     folder, slash, _ = url.key.rpartition("/")
     return objectstore.ObjectURL(url.bucket, folder + slash + name)
 
@@ -172,7 +175,8 @@ def remove_checkpoint(url: str, settings: Settings | None = None) -> None:
 
     Raises:
         ValueError: a malformed URL.
-        CorruptCheckpointError: the object looks like a manifest but is damaged (nothing is deleted).
+        CorruptCheckpointError: the object looks like a manifest but is damaged, or
+            (``UnsafeFileNameError``) names a part that is not a plain name beside it; nothing is deleted.
         ObjectStoreError and its subclasses: the object could not be
             read or deleted, or some part objects could not be deleted (named
             in the message).
@@ -200,13 +204,13 @@ def _manifest_parts(url: objectstore.ObjectURL, settings: Settings, client) -> l
     except ObjectNotFoundError:
         return []
     seen = {url: (size, etag)}  # both reads are of this version of the object
-    first = bytearray(min(size, 256))
+    first = bytearray(min(size, HEAD_SIZE))
     objectstore.read_ranges([(url, 0, memoryview(first))], settings, client=client, seen=seen, action=action)
     if not looks_like_manifest(bytes(first)):
         return []
     data = bytearray(size)
     objectstore.read_ranges([(url, 0, memoryview(data))], settings, client=client, seen=seen, action=action)
-    return [part.name for part in Manifest.from_json(bytes(data), url.path).parts]
+    return [part.name for part in Manifest.from_bytes(bytes(data), url.path).parts]
 
 
 def _remove_parts(url: objectstore.ObjectURL, client, *, keep: str | None) -> dict[str, str]:
@@ -244,14 +248,15 @@ def read_parts(
         ``(buffer, size)`` as :func:`fastpersist.io.objectstore.download` returns them.
 
     Raises:
-        CorruptCheckpointError: a damaged manifest.
+        CorruptCheckpointError: a damaged manifest; (``UnsafeFileNameError``) one naming
+            a part that is not a plain name beside it (nothing is fetched).
         ObjectNotFoundError: (``FileNotFoundError``) a part object is missing
             (deleted, or the checkpoint was replaced during the load).
         TruncatedCheckpointError: a part object has another size than the manifest says.
         ObjectStoreError and its subclasses: a request failed; a part was
             replaced during the load.
     """
-    manifest = Manifest.from_json(manifest_bytes, url.path)
+    manifest = Manifest.from_bytes(manifest_bytes, url.path)
     if client is None:
         client = objectstore.make_client(settings.s3_concurrency)
     locations = {part.index: part_url(url, part.name) for part in manifest.parts}

@@ -115,3 +115,39 @@ def test_gpu_acceptance_script_says_it_needs_a_gpu(tmp_path):
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr + done.stdout
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_verify_of_a_dcp_checkpoint_directory(tmp_path, capsys):
+    """`fastpersist verify DIR` checks a DCP checkpoint's items (their CRC-32s are in its .metadata and archives)."""
+    import json
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fastpersist.dcp import FastPersistWriter
+
+    state = {"weight": torch.randn(300, 7), "step": 3}
+    dcp.save(state, storage_writer=FastPersistWriter(str(tmp_path / "ckpt")), no_dist=True)
+    assert main(["verify", str(tmp_path / "ckpt")]) == 0
+    assert capsys.readouterr().out.startswith(f"OK       {tmp_path / 'ckpt'}: 2 items, ")
+    assert main(["verify", "--json", str(tmp_path / "ckpt")]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)
+    assert entry["status"] == "ok" and entry["records"] == 2 and entry["checksummed"]
+    with open(tmp_path / "ckpt" / ".metadata", "rb") as f:
+        info = next(i for index, i in pickle.load(f).storage_data.items() if index.fqn == "weight")
+    with open(tmp_path / "ckpt" / info.relative_path, "r+b") as f:
+        f.seek(info.fastpersist["offset"] + 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    assert main(["verify", str(tmp_path / "ckpt")]) == 1
+    assert "CORRUPT" in capsys.readouterr().out
+    assert main(["verify", "--json", str(tmp_path / "ckpt")]) == 1
+    (entry,) = json.loads(capsys.readouterr().out)
+    assert entry["kind"] == "checksum" and entry["record"] == "weight"
+    (tmp_path / "plain").mkdir()
+    assert main(["verify", str(tmp_path / "plain")]) == 2
+    error = capsys.readouterr().err
+    assert "IsADirectoryError" in error and "without a DCP checkpoint's .metadata" in error

@@ -7,6 +7,7 @@ module, and check what every rank reported.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -19,7 +20,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+import fastpersist
 from fastpersist.dcp import FastPersistReader, FastPersistWriter
+from fastpersist.errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    TruncatedCheckpointError,
+    UnsafeFileNameError,
+)
+from fastpersist.format.zipformat import read_directory
 from fastpersist.io import engine
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -231,6 +240,113 @@ def test_corruption_in_filesystem_writer_checkpoint_is_detected(tmp_path):
     with pytest.raises(BaseException) as caught:
         _load(tmp_path, state)
     assert "ChecksumMismatchError" in _describe(caught.value) and "'big'" in _describe(caught.value)
+
+
+def _rewrite_metadata(path, change) -> None:
+    """Unpickles ``.metadata``, lets ``change(metadata)`` alter it, pickles it back (a damaged or crafted one)."""
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    change(metadata)
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+@pytest.mark.parametrize("writer", [FastPersistWriter, FileSystemWriter])
+def test_verify_checks_every_item_of_a_dcp_directory(tmp_path, writer):
+    """fastpersist.verify(dir): each item (tensor archives, BYTE_IO archives) through the one zip verifier."""
+    state = _state()
+    _save(state, tmp_path, writer, **({"files_per_rank": 3} if writer is FastPersistWriter else {}))
+    with open(tmp_path / ".metadata", "rb") as f:
+        items = len(pickle.load(f).storage_data)
+    report = fastpersist.verify(tmp_path)
+    assert report.checksummed and report.records == items and report.bytes >= state["big"].nbytes
+    assert report.path == str(tmp_path)
+
+
+@pytest.mark.parametrize("writer", [FastPersistWriter, FileSystemWriter])
+@pytest.mark.parametrize("fqn", ["big", "weight", "step"])
+def test_verify_of_a_dcp_directory_names_the_damaged_item(tmp_path, writer, fqn):
+    _save(_state(), tmp_path, writer)
+    info = _info(tmp_path, fqn)
+    data = (tmp_path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+    records = read_directory(lambda offset, length: data[offset : offset + length], len(data), fqn)
+    largest = max(records, key=lambda r: r.size)  # the tensor's storage; data.pkl of a BYTE_IO item
+    _flip_byte(tmp_path / info.relative_path, info.offset + largest.data_offset + largest.size // 2)
+    with pytest.raises(ChecksumMismatchError) as caught:
+        fastpersist.verify(tmp_path)
+    assert caught.value.record == fqn and caught.value.path == str(tmp_path / info.relative_path)
+    assert f"item {fqn!r}" in str(caught.value)
+
+
+def test_verify_of_a_dcp_directory_finds_truncation_and_a_metadata_that_disagrees(tmp_path):
+    _save(_state(), tmp_path)
+    big = _info(tmp_path, "big")
+
+    def wrong_crc(metadata):
+        info = next(info for index, info in metadata.storage_data.items() if index.fqn == "big")
+        info.fastpersist["crc32"] ^= 1
+
+    _rewrite_metadata(tmp_path, wrong_crc)
+    with pytest.raises(CorruptCheckpointError, match="does not hold the payload the checkpoint's metadata describes"):
+        fastpersist.verify(tmp_path)
+    _save(_state(), tmp_path)
+    os.truncate(tmp_path / big.relative_path, os.path.getsize(tmp_path / big.relative_path) - 1)
+    with pytest.raises(TruncatedCheckpointError, match="the file is truncated") as caught:
+        fastpersist.verify(tmp_path)
+    assert caught.value.record is not None
+
+
+def test_verify_of_a_dcp_directory_without_checksums_or_with_per_rank_metadata(tmp_path):
+    _save(_state(), tmp_path / "unchecked", checksum=False)
+    assert not fastpersist.verify(tmp_path / "unchecked").checksummed  # structure only: payload CRC-32s are 0
+    dcp.save(_state(), storage_writer=FastPersistWriter(str(tmp_path / "ranks")), no_dist=True, use_collectives=False)
+    assert not (tmp_path / "ranks" / ".metadata").exists()
+    assert fastpersist.verify(tmp_path / "ranks").checksummed  # __0.metadata
+
+
+def test_verify_refuses_a_dcp_item_file_outside_the_directory(tmp_path):
+    _save(_state(), tmp_path / "ckpt")
+    (tmp_path / "elsewhere.distcp").write_bytes((tmp_path / "ckpt" / "__0_0.distcp").read_bytes())
+
+    def outside(metadata):
+        for index, info in list(metadata.storage_data.items()):
+            metadata.storage_data[index] = dataclasses.replace(info, relative_path="../elsewhere.distcp")
+
+    _rewrite_metadata(tmp_path / "ckpt", outside)
+    with pytest.raises(UnsafeFileNameError, match="not a plain file name") as caught:
+        fastpersist.verify(tmp_path / "ckpt")
+    assert caught.value.record == "../elsewhere.distcp"
+
+
+class _Marker:
+    """Unpickling it would create a file: a .metadata carrying one must be refused without running it."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_verify_does_not_run_code_from_a_dcp_metadata(tmp_path):
+    _save(_state(), tmp_path)
+    marker = tmp_path / "ran"
+    _rewrite_metadata(tmp_path, lambda metadata: setattr(metadata, "planner_data", _Marker(str(marker))))
+    with pytest.raises(CorruptCheckpointError, match="io.open is not part of a DCP checkpoint's metadata"):
+        fastpersist.verify(tmp_path)
+    assert not marker.exists()
+
+
+def test_verify_of_a_directory_without_a_dcp_checkpoint_says_what_it_checks(tmp_path):
+    with pytest.raises(IsADirectoryError, match="without a DCP checkpoint's .metadata.*DCP checkpoint directories"):
+        fastpersist.verify(tmp_path)
+
+
+def test_verify_of_dcp_stream_transforms_is_structure_only(tmp_path):
+    """Items written through DCP's stream transforms (compression...) are not archives on disk: nothing to check."""
+    checkpoint_utils = pytest.importorskip("torch.testing._internal.distributed.checkpoint_utils")
+    _save(_state(), tmp_path, FileSystemWriter, _extensions=[checkpoint_utils.Rot13Example()])
+    assert not fastpersist.verify(tmp_path).checksummed
 
 
 def test_load_into_other_dtype_and_layout(tmp_path):
