@@ -1,13 +1,18 @@
 """Data-parallel training where every rank writes its slice of each checkpoint.
 
     torchrun --nproc-per-node 2 examples/ddp_sharded.py --dir /tmp/ddp          # gloo on CPU, NCCL on GPUs
+    torchrun --nproc-per-node 2 examples/ddp_sharded.py --dir /tmp/ddp --async-mode pipelined   # in the background
 
 Each rank holds the same replicated model and optimizer (DDP). With a
 fastpersist that has sharded saves (``fastpersist.save(obj, path,
 group=...)``) every rank writes a disjoint byte range of one ordinary
 checkpoint file, which plain ``torch.load`` reads; otherwise rank 0 writes
-it all (the example says which). Then every rank resumes from the file and
-checks it ends with the same weights as the uninterrupted run.
+it all (the example says which). With ``--async-mode`` the saves go on in
+the background while training continues: ``fastpersist.Checkpointer(optimizer,
+group=...)`` on every rank, whose optimizer hook holds each step until the
+pending save has read (pipelined) or copied (snapshot) this rank's share.
+Then every rank resumes from the file and checks it ends with the same
+weights as the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ def step(ddp, optimizer, index, device):
     optimizer.zero_grad(set_to_none=True)
 
 
-def save(state, path, sharded: bool) -> None:
+def save(state, path, sharded: bool, checkpointer=None):
+    if checkpointer is not None:
+        return checkpointer.save(state, path)  # collective, in the background: every rank writes its share
     if sharded:
         fastpersist.save(state, path, group=dist.group.WORLD)  # collective: every rank writes its slice
     else:
@@ -53,6 +60,7 @@ def main() -> None:
     parser.add_argument("--dir", required=True)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--async-mode", choices=["pipelined", "snapshot"], default=None)
     args = parser.parse_args()
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))
     dist.init_process_group("nccl" if use_cuda else "gloo")
@@ -67,10 +75,18 @@ def main() -> None:
     model = build(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    checkpointer = future = None
+    if args.async_mode:
+        checkpointer = fastpersist.Checkpointer(optimizer, mode=args.async_mode, group=dist.group.WORLD)
     for index in range(args.steps):
         step(ddp, optimizer, index, device)
         if (index + 1) % args.every == 0:
-            save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": index + 1}, path, sharded)
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": index + 1}
+            future = save(state, path, sharded, checkpointer)
+    if checkpointer is not None:
+        checkpointer.close()  # waits for the pending saves, raises the first error
+        wrote = [None] * dist.get_world_size()
+        dist.all_gather_object(wrote, future.stats.bytes_written)  # this rank's share of the last checkpoint
     reference = {k: v.clone() for k, v in model.state_dict().items()}
 
     # Resume every rank from the checkpoint, replay the remaining steps, compare.
@@ -87,9 +103,10 @@ def main() -> None:
     dist.all_gather_object(flags, same)
     if rank == 0:
         plain = torch.load(path, map_location="cpu")  # an ordinary checkpoint
+        how = f"in the background ({args.async_mode}), bytes per rank {wrote}" if checkpointer else "synchronous"
         print(
             f"ranks={dist.get_world_size()} backend={dist.get_backend()} "
-            f"writers={'every rank (sharded)' if sharded else 'rank 0'} step={plain['step']} "
+            f"writers={'every rank (sharded)' if sharded else 'rank 0'} saves={how} step={plain['step']} "
             f"resumed weights identical on all ranks={all(flags)}"
         )
     # Leave nothing of the process group to the interpreter's exit: DDP keeps a reference to it, and a group

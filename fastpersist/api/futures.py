@@ -451,7 +451,6 @@ def _collective_async_save(
     pipelined = resolved.async_mode == "pipelined"
     recorded: list | None = [] if pipelined or released_by_hooks else None
     module, protocol = chosen.pickle_module, chosen.pickle_protocol
-    wait_for_slot(resolved.async_max_pending)  # at most async_max_pending staging areas exist
     operation = distributed_save.CollectiveSave(
         obj,
         f,
@@ -462,6 +461,9 @@ def _collective_async_save(
     )
     try:
         operation.plan_phase()
+        timeline.mark("pickled")  # and the plan exchanged
+        wait_for_slot(resolved.async_max_pending)  # at most async_max_pending staging areas exist
+        timeline.mark("slot")
         operation.verify()  # before the capture: each rank then knows exactly which bytes it writes
     except BaseException as error:
         operation.abort(error)
@@ -487,7 +489,6 @@ def _collective_async_save(
         operation.abort(error)
         operation.fail(error)  # the others wait in the write step: they raise too (and so does this)
         raise
-    timeline.mark("captured")
     future = SaveFuture(path, resolved.async_mode)
     future.collective = True
 
@@ -496,6 +497,7 @@ def _collective_async_save(
         try:
             if taken is not None:
                 taken.wait_copies()
+            timeline.mark("opened")
             operation.write(
                 None if taken is None else taken.plan,
                 streams=streams,
@@ -503,6 +505,7 @@ def _collective_async_save(
                 before_report=None if release is None else release.decide_at_commit,
             )
             operation.commit()
+            timeline.mark("committed")
             future.stats = operation.stats()
         except BaseException as error:
             operation.abort(error)

@@ -36,7 +36,14 @@ from fastpersist import system
 from fastpersist.bench.methods.ceilings import fio_command, fio_job
 from fastpersist.io import checksum, memory
 
-__all__ = ["CopyCeiling", "fio_write_seconds", "read_ceiling", "takes_o_direct", "write_ceiling"]
+__all__ = [
+    "CopyCeiling",
+    "fio_write_seconds",
+    "read_ceiling",
+    "shared_write_ceiling",
+    "takes_o_direct",
+    "write_ceiling",
+]
 
 _BLOCK = 8 << 20
 _THREADS = 8
@@ -118,6 +125,52 @@ def write_ceiling(directory: str, nbytes: int, repeats: int = 3) -> dict[str, An
             os.unlink(path)
     best = min(ways, key=ways.get)
     return {"bytes": nbytes, "direct": direct, "seconds": ways, "best": best, "best_s": ways[best]}
+
+
+def shared_write_ceiling(directory: str, nbytes: int, writers: int, repeats: int = 3) -> dict[str, Any]:
+    """Seconds for ``writers`` concurrent writers to write ``nbytes`` together into ``directory`` (+ fsync).
+
+    What a collective save's ranks can do at best: each writer (a thread; the
+    ``pwrite`` calls release the interpreter) writes its ``nbytes / writers``
+    to a fresh file of its own in 8 MiB blocks, O_DIRECT where the filesystem
+    takes it, and fsyncs; the time is until the last is done, the median of
+    ``repeats``. ``per_writer_s`` is then the slowest writer's share at that
+    ceiling: a bound for a collective save of ``nbytes`` on this storage.
+    """
+    share = max(-(-nbytes // writers), 1 << 20)
+    paths = [os.path.join(directory, f".fastpersist-ceiling-{os.getpid()}-{k}.bin") for k in range(writers)]
+    source = memory.aligned_empty(_BLOCK)
+    source.fill_(7)
+    view = memoryview(source.numpy())
+    direct = takes_o_direct(directory)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+
+    def write(path: str) -> None:
+        fd = os.open(path, flags, 0o600)
+        try:
+            for offset in range(0, -(-share // _BLOCK) * _BLOCK, _BLOCK):
+                os.pwrite(fd, view, offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def once() -> float:
+        for path in paths:
+            if os.path.exists(path):
+                os.unlink(path)
+        os.sync()
+        started = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(writers) as pool:
+            list(pool.map(write, paths))
+        return time.perf_counter() - started
+
+    try:
+        seconds = statistics.median(once() for _ in range(repeats))
+    finally:
+        for path in paths:
+            if os.path.exists(path):
+                os.unlink(path)
+    return {"bytes": share * writers, "writers": writers, "direct": direct, "per_writer_s": seconds}
 
 
 def read_ceiling(

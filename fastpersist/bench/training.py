@@ -47,10 +47,15 @@ With ``--ranks N`` (N > 1) each method runs as N processes, one per GPU
 (NCCL; gloo on the CPU), training one DistributedDataParallel model on
 per-rank batches, and the methods are those of data-parallel jobs:
 ``fastpersist-collective`` (``fastpersist.save(..., group=WORLD)`` on every
-rank: each writes its share of rank 0's checkpoint), ``fastpersist-sync`` and
-``torch.save`` on rank 0 while the others wait at a barrier (what Lightning
-does), and the asynchronous ``fastpersist-pipelined`` / ``-snapshot`` on
-rank 0 (the others go on). Rank 0's timings are reported.
+rank: each writes its share of rank 0's checkpoint),
+``fastpersist-collective-pipelined`` / ``-snapshot`` (the same in the
+background: ``Checkpointer(optimizer, group=WORLD)`` on every rank),
+``fastpersist-sync`` and ``torch.save`` on rank 0 while the others wait at a
+barrier (what Lightning does), and the asynchronous ``fastpersist-pipelined``
+/ ``-snapshot`` on rank 0 (the others go on). Rank 0's timings are reported.
+The collective methods' bound is the larger of the iteration and the
+slowest writer's share at the ceiling of N concurrent writers
+(:func:`fastpersist.bench.bounds.shared_write_ceiling`), measured in the same run.
 """
 
 from __future__ import annotations
@@ -71,12 +76,15 @@ METHODS = ["none", "fastpersist-pipelined", "fastpersist-snapshot", "fastpersist
 RANK_METHODS = [
     "none",
     "fastpersist-collective",
+    "fastpersist-collective-pipelined",
+    "fastpersist-collective-snapshot",
     "fastpersist-pipelined",
     "fastpersist-snapshot",
     "fastpersist-sync",
     "torch.save",
 ]
 """The methods with ``--ranks`` > 1 (see the module docstring)."""
+_COLLECTIVE = ("fastpersist-collective", "fastpersist-collective-pipelined", "fastpersist-collective-snapshot")
 
 
 def _build(args, device, seed: int = 0):
@@ -139,7 +147,7 @@ def _run_one(args) -> dict[str, Any]:
     path = os.path.join(args.dir, f"bench-{args.method}-{os.getppid() if distributed else os.getpid()}.pt")
     method = args.method
     blocked: list[float] = []
-    writes = not distributed or rank == 0 or method == "fastpersist-collective"
+    writes = not distributed or rank == 0 or method in _COLLECTIVE
 
     def state():
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -150,6 +158,9 @@ def _run_one(args) -> dict[str, Any]:
         pass
     elif method in ("fastpersist-pipelined", "fastpersist-snapshot"):
         checkpointer = fastpersist.Checkpointer(optimizer, model=model, mode=method.split("-")[1])
+    elif method in _COLLECTIVE[1:]:
+        mode = method.rsplit("-", 1)[1]
+        checkpointer = fastpersist.Checkpointer(optimizer, model=model, mode=mode, group=dist.group.WORLD)
     elif method == "lightning-async":
         from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
@@ -243,6 +254,7 @@ _PHASES = (
     # (name, from label, to label): medians over the saves of a run
     ("pickle", "call", "pickled"),
     ("wait for slot", "pickled", "slot"),
+    ("verify", "slot", "verified"),  # a collective async save's identity check (in "copies queued" too)
     ("copies queued", "slot", "queued"),
     ("open", "start", "opened"),
     ("read", "opened", "reads queued"),
@@ -432,13 +444,20 @@ def _orchestrate(args) -> dict[str, Any]:
     if ceiling is not None and base_steady:
         # Every `every` iterations one checkpoint must be written: the storage's share per iteration.
         possible = max(base_steady, ceiling["best_s"] / args.every)
+    shared, possible_shared = None, None
+    if args.ranks > 1 and checkpoint_bytes and not args.no_ceiling and any(m in _COLLECTIVE for m in methods):
+        shared = bounds.shared_write_ceiling(args.dir, checkpoint_bytes, args.ranks)
+        if base_steady:
+            possible_shared = max(base_steady, shared["per_writer_s"] / args.every)
     for result in results:
         if "error" in result:
             continue
         result["phases"] = _phase_medians(result["samples"])
-        if possible:
-            result["steady_of_possible"] = result["steady_per_iteration_s"] / possible
-            result["of_possible"] = result["per_iteration_s"] / possible
+        bound = possible_shared if result["method"] in _COLLECTIVE else possible
+        if bound:
+            result["possible_per_iteration_s"] = bound
+            result["steady_of_possible"] = result["steady_per_iteration_s"] / bound
+            result["of_possible"] = result["per_iteration_s"] / bound
     return {
         "schema": SCHEMA,
         "machine": machine_info(args.dir, device=args.device),
@@ -447,6 +466,8 @@ def _orchestrate(args) -> dict[str, Any]:
         "d2h_seconds": _measure_d2h(args),
         "write_ceiling": ceiling,
         "possible_per_iteration_s": possible,
+        "shared_write_ceiling": shared,
+        "possible_collective_per_iteration_s": possible_shared,
         "results": results,
     }
 
@@ -495,6 +516,14 @@ def to_markdown(document: dict[str, Any]) -> str:
             f"Possible (the bound): max(iteration, ceiling write / {every}) = {possible * 1000:.1f} ms per iteration.",
             "",
         ]
+    shared, possible_shared = document.get("shared_write_ceiling"), document.get("possible_collective_per_iteration_s")
+    if shared and possible_shared:
+        lines += [
+            f"Possible for the collective methods: max(iteration, the slowest of {shared['writers']} concurrent "
+            f"writers' share / {every}) = {possible_shared * 1000:.1f} ms per iteration ({shared['writers']} writers "
+            f"wrote {shared['bytes'] / 1e6:,.0f} MB together in {shared['per_writer_s'] * 1000:.1f} ms).",
+            "",
+        ]
     lines += [
         "| method | ms / iteration (steady) | × possible | with the final wait | overhead (steady) | overhead | "
         "blocked per save (ms) | first save blocked (ms) | extra peak GPU (MiB) | extra peak host RSS (MiB) |",
@@ -527,7 +556,8 @@ def to_markdown(document: dict[str, Any]) -> str:
             rows.append(cells)
         lines += display.markdown_section(
             "Where a save's time goes (median ms over the saves after the first; the first save's in brackets): "
-            "`pickle`, `wait for slot` and `copies queued` are the caller's; the rest runs in the background "
+            "`pickle`, `wait for slot` and `copies queued` are the caller's (for the collective methods `pickle` "
+            "includes the plan's exchange and `copies queued` the `verify` exchange); the rest runs in the background "
             "(in the caller for fastpersist-sync). `read`: until the last device-to-host copy is queued; "
             "`write`: until the last byte is written.",
             ["method", *names],

@@ -117,8 +117,6 @@ class Manifest:
             archive.writestr(record, self.document())
         return buffer.getvalue()
 
-    to_json = to_bytes  # the older name, which fastpersist.distributed.save calls: also the file's bytes
-
     def document(self) -> bytes:
         """The JSON document (what a manifest file was before the zip wrapper, and what its record holds)."""
         document = {
@@ -161,8 +159,6 @@ class Manifest:
             raise CorruptCheckpointError(f"{path}: damaged sharded-checkpoint manifest ({e})", path=path) from e
         manifest.check(path)
         return manifest
-
-    from_json = from_bytes  # the older name: reads both forms too
 
     def check(self, path: str | None = None) -> None:
         """Raises CorruptCheckpointError when the pieces do not tile the file, UnsafeFileNameError when a part's

@@ -666,7 +666,7 @@ class CollectiveSave:
                 world_size=self.coordinator.size,
             )
             self.manifest_sent = True  # from here the manifest may be stored: its parts must stay
-            self.store.commit(manifest.to_json(), self.settings)
+            self.store.commit(manifest.to_bytes(), self.settings)
         return outcome
 
     def fail(self, error: BaseException, step: str = "write") -> None:

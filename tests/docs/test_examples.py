@@ -41,10 +41,15 @@ def test_train_loop(mode, tmp_path):
     assert f"mode={mode}" in out and "weights identical=True" in out
 
 
-def test_ddp_sharded_with_torchrun(tmp_path):
+@pytest.mark.parametrize("mode", [None, "pipelined", "snapshot"])
+def test_ddp_sharded_with_torchrun(tmp_path, mode):
     torchrun = shutil.which("torchrun") or pytest.skip("torchrun not on PATH")
-    out = run([torchrun, "--nproc-per-node", "2", "--standalone", "examples/ddp_sharded.py", "--dir", str(tmp_path)])
+    extra = ["--async-mode", mode] if mode else []
+    command = [torchrun, "--nproc-per-node", "2", "--standalone", "examples/ddp_sharded.py", "--dir", str(tmp_path)]
+    out = run(command + extra)
     assert "ranks=2" in out and "identical on all ranks=True" in out
+    if mode:
+        assert f"saves=in the background ({mode})" in out
 
 
 def test_lightning_callback(tmp_path):

@@ -38,7 +38,7 @@ def keys(s3) -> list[str]:
 
 
 def manifest_of(s3, key: str) -> Manifest:
-    return Manifest.from_json(s3.get(key))
+    return Manifest.from_bytes(s3.get(key))
 
 
 def rebuilt(s3, key: str) -> bytes:
@@ -192,3 +192,35 @@ def test_nccl_ranks_upload_their_gpu_shares(s3, tmp_path):
     assert manifest.world_size == world and len(manifest.parts) == world
     assert s3.uploads_in_progress() == []
     assert same(fastpersist.load(s3.url("gpu/ckpt.pt"), map_location="cpu"), expected_state(big=True))
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "pipelined"])
+def test_asynchronous_collective_saves_upload_in_the_background(s3, tmp_path, mode):
+    """async_save(url, group=...): each rank uploads its share on the save thread; a drifted weight is rank 0's
+    (its bytes in rank 0's parts, not in manifest patches); a failed upload on one rank fails both futures and
+    leaves no part object or upload behind."""
+    url = s3.url("async/ckpt.pt")
+    steps = [
+        {"op": "save", "url": url, "big": True, "s3_part_size": "5M", "async": mode},
+        {"op": "save", "url": url, "variant": "drift", "seed": 1, "async": mode},
+        {
+            "op": "save",
+            "url": url,
+            "seed": 2,
+            "async": mode,
+            "s3_faults": {"1": {"upload_part": 1}},
+            "big": True,
+            "s3_part_size": "5M",
+        },
+    ]
+    results = spawn(2, tmp_path, steps)
+    saved = ok(results, 0)
+    assert all(r["bytes"] > 0 for r in saved) and saved[0]["writers"] == 2
+    drifted = ok(results, 1)
+    assert "weights[2]" in drifted[0]["warnings"][0]
+    manifest = manifest_of(s3, "async/ckpt.pt")
+    assert all(patch.startswith(b"PK\x07\x08") for _, patch in manifest.patches)  # data descriptors only
+    committed = keys(s3)
+    failed_everywhere(results, 2)
+    assert keys(s3) == committed and s3.uploads_in_progress() == []
+    assert same(fastpersist.load(url), make_state(1, 0, "drift"))
