@@ -10,6 +10,7 @@
 #   bash examples/gpu_acceptance.sh OUTDIR multigpu     # 2+ GPUs: multigpu tests, DDP + Lightning examples (~8 min)
 #                                                       # (= multigpu-tests, then multigpu-examples)
 #   bash examples/gpu_acceptance.sh OUTDIR multigpu-bench  # 2+ GPUs: collective save (disk, sink), DDP training (~8 min)
+#   bash examples/gpu_acceptance.sh OUTDIR multigpu-async  # 2+ GPUs: async collective vs rank-0 saves in DDP training, shm + disk
 #   bash examples/gpu_acceptance.sh OUTDIR scaling      # 4+ GPUs: collective save at 1, 2, 4(, 8) ranks, DDP training
 #   bash examples/gpu_acceptance.sh OUTDIR scaling-dcp  # 4+ GPUs: DCP writer/reader at 1, 2, 4(, 8) ranks (NCCL)
 #   bash examples/gpu_acceptance.sh OUTDIR all          # everything for one GPU, one after the other
@@ -144,12 +145,14 @@ need_gpus() {  # need_gpus N: the multi-GPU parts refuse to run (status 1) on fe
 part_multigpu_tests() {  # NCCL, one rank per GPU: every distributed test on real devices
   need_gpus 2 || return
   step multigpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rs -m "multigpu or gpu" tests/distributed/test_distributed.py \
-    tests/distributed/test_distributed_replicas.py tests/dcp/test_dcp.py
+    tests/distributed/test_distributed_replicas.py tests/distributed/test_async_collective.py tests/dcp/test_dcp.py
 }
 
 part_multigpu_examples() {  # the DDP example and the Lightning example in every mode, on 2 GPUs
   need_gpus 2 || return
   step ddp-example 180 torchrun --nproc-per-node 2 examples/ddp_sharded.py --dir "$scratch/ddp"
+  step ddp-example-pipelined 180 torchrun --nproc-per-node 2 examples/ddp_sharded.py --dir "$scratch/ddp" --async-mode pipelined
+  step ddp-example-snapshot 180 torchrun --nproc-per-node 2 examples/ddp_sharded.py --dir "$scratch/ddp" --async-mode snapshot
   local mode name
   for mode in "--io callback" "--io callback --async-mode snapshot" "--io callback --async-mode pipelined" \
               "--io strategy" "--io plugin"; do
@@ -201,6 +204,15 @@ part_multigpu_bench() {  # 4 GB of bf16 state per rank on its own GPU
     --repeats 1 --iterations 12 --json "$out/$machine-training-ddp-shm.json"
 }
 
+part_multigpu_async() {  # the asynchronous collective save against the rank-0 one, every iteration, shm and disk
+  need_gpus 2 || return
+  local methods=none,fastpersist-collective-pipelined,fastpersist-collective-snapshot,fastpersist-pipelined,fastpersist-collective
+  step "$machine-training-ddp-async-shm" 280 python3 -m fastpersist.bench training --ranks 2 --dir /dev/shm/fp-train \
+    --methods "$methods" --repeats 1 --iterations 12 --json "$out/$machine-training-ddp-async-shm.json"
+  step "$machine-training-ddp-async-disk" 280 python3 -m fastpersist.bench training --ranks 2 --dir "$scratch/train" \
+    --methods "$methods" --repeats 1 --iterations 12 --json "$out/$machine-training-ddp-async-disk.json"
+}
+
 case "$part" in
   tests) part_tests ;;
   checkpoint) part_checkpoint ;;
@@ -210,6 +222,7 @@ case "$part" in
   multigpu) part_multigpu_tests; part_multigpu_examples ;;
   multigpu-tests) part_multigpu_tests ;;
   multigpu-examples) part_multigpu_examples ;;
+  multigpu-async) part_multigpu_async ;;
   scaling) part_scaling ;;
   scaling-dcp) part_scaling_dcp ;;
   multigpu-bench) part_multigpu_bench ;;

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import glob
 import json
 import os
 import statistics
@@ -154,13 +155,16 @@ def _run_one(args) -> dict[str, Any]:
 
     checkpointer = None
     lightning_io = None
+    futures: list = []  # the asynchronous saves' futures (a collective one's carry its SaveStats)
     if not writes:
         pass
     elif method in ("fastpersist-pipelined", "fastpersist-snapshot"):
         checkpointer = fastpersist.Checkpointer(optimizer, model=model, mode=method.split("-")[1])
     elif method in _COLLECTIVE[1:]:
         mode = method.rsplit("-", 1)[1]
-        checkpointer = fastpersist.Checkpointer(optimizer, model=model, mode=mode, group=dist.group.WORLD)
+        checkpointer = fastpersist.Checkpointer(
+            optimizer, model=model, mode=mode, group=dist.group.WORLD, layout=args.layout
+        )
     elif method == "lightning-async":
         from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
@@ -171,13 +175,13 @@ def _run_one(args) -> dict[str, Any]:
         if method == "none":
             return
         if method == "fastpersist-collective":
-            fastpersist.save(state(), path, group=dist.group.WORLD)
+            fastpersist.save(state(), path, group=dist.group.WORLD, layout=args.layout)
         elif not writes:  # a rank that does not save
             if method in ("fastpersist-sync", "torch.save"):
                 dist.barrier()  # waits for rank 0's save, as Lightning's ranks do
             return
         elif checkpointer is not None:
-            checkpointer.save(state(), path)
+            futures.append(checkpointer.save(state(), path))
         elif method == "fastpersist-sync":
             fastpersist.save(state(), path)
         elif method == "torch.save":
@@ -222,6 +226,11 @@ def _run_one(args) -> dict[str, Any]:
             torch.cuda.synchronize()
         drained = time.perf_counter() - started
     checkpoint_bytes = os.path.getsize(path) if os.path.exists(path) else 0
+    parted = method in _COLLECTIVE and args.layout == "parts"
+    if parted and checkpoint_bytes:
+        from fastpersist.distributed.manifest import read_manifest
+
+        checkpoint_bytes = read_manifest(path).size  # the checkpoint the manifest and its parts make
     saves = save_phases(events)
     result = {
         "method": method,
@@ -238,14 +247,27 @@ def _run_one(args) -> dict[str, Any]:
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         "peak_gpu_delta_bytes": (torch.cuda.max_memory_allocated() - base_gpu) if device.type == "cuda" else None,
     }
+    collective = [f.stats for f in futures if f.stats is not None][1:]  # after the first save
+    if collective:
+        # Rank 0's view of its collective saves: seconds from the start of each to the end of each step's
+        # exchange (plan, verify in the caller; write, commit in the background), its write, its bytes.
+        steps = {k: statistics.median(s.steps.get(k, 0.0) for s in collective) for k in collective[0].steps}
+        result["collective"] = {
+            "steps_s": steps,
+            "write_s": statistics.median(s.write_seconds for s in collective),
+            "bytes_written": collective[0].bytes_written,
+            "file_size": collective[0].file_size,
+        }
     if distributed:
         # DDP holds the group: drop it first, so the group goes while the interpreter is alive (not at exit).
         del trained
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
-    if os.path.exists(path) and rank == 0:
-        os.unlink(path)
+    if rank == 0:
+        for leftover in [path, *(glob.glob(glob.escape(path) + ".*.part-*") if parted else ())]:
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return result
 
 
@@ -345,6 +367,7 @@ _RUN_OPTIONS = (
     "warmup",
     "every",
     "ranks",
+    "layout",
     "prepare",
 )
 
@@ -541,8 +564,8 @@ def to_markdown(document: dict[str, Any]) -> str:
             f"{r['steady_overhead_pct']:+.1f}% | {r['overhead_pct']:+.1f}% | {r['blocked_per_save_s'] * 1000:.1f} | "
             f"{first} | {_mib(r['extra_gpu_bytes'])} | {_mib(r['extra_host_bytes'])} |"
         )
-    names = [name for name, _, _ in _PHASES]
     phased = [r for r in document["results"] if "error" not in r and r.get("phases")]
+    names = [name for name, _, _ in _PHASES if any(name in r["phases"] for r in phased)]  # the phases some save had
     if phased:
         rows = []
         for r in phased:
@@ -556,8 +579,14 @@ def to_markdown(document: dict[str, Any]) -> str:
             rows.append(cells)
         lines += display.markdown_section(
             "Where a save's time goes (median ms over the saves after the first; the first save's in brackets): "
-            "`pickle`, `wait for slot` and `copies queued` are the caller's (for the collective methods `pickle` "
-            "includes the plan's exchange and `copies queued` the `verify` exchange); the rest runs in the background "
+            "`pickle`, `wait for slot` and `copies queued` are the caller's"
+            + (
+                " (for the collective methods `pickle` includes the plan's exchange and `copies queued` the `verify` "
+                "exchange)"
+                if "verify" in names
+                else ""
+            )
+            + "; the rest runs in the background "
             "(in the caller for fastpersist-sync). `read`: until the last device-to-host copy is queued; "
             "`write`: until the last byte is written.",
             ["method", *names],
@@ -615,6 +644,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64 if gpu else 8)
     parser.add_argument("--seq", type=int, default=2048 if gpu else 64)
     parser.add_argument("--every", type=int, default=1, help="checkpoint every N iterations (default: every one)")
+    parser.add_argument(
+        "--layout",
+        choices=["file", "parts"],
+        default="file",
+        help="with --ranks: the collective methods' layout (parts: one file per writer, for node-local storage)",
+    )
     parser.add_argument("--iterations", type=int, default=20 if gpu else 8)
     parser.add_argument("--warmup", type=int, default=3 if gpu else 2)
     parser.add_argument("--repeats", type=int, default=1)

@@ -125,7 +125,6 @@ class Coordinator:
                 "a collective fastpersist call needs torch.distributed initialized "
                 "(torch.distributed.init_process_group); call it on every rank"
             )
-        queue.wait_collective()  # calls of a group follow each other (see the module docstring)
         if group is None:
             group = dist.group.WORLD
         self.group = group
@@ -162,6 +161,7 @@ class Coordinator:
 
     def _begin(self, deadline: float, step: str) -> None:
         """Opens (rank 0) or joins (the others) this call; sets :attr:`call`."""
+        queue.wait_collective()  # calls of a group follow each other (see the module docstring)
         if self.rank == 0:
             call = self.store.add(self._counter(), 1)
             self._keys.append(self._call_key(call))

@@ -89,7 +89,7 @@ from fastpersist.distributed.sharding import DEFAULT_ALIGNMENT, ByteRange, shard
 from fastpersist.errors import DistributedCheckpointError, ReplicaDivergenceWarning, warn_at_caller
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
-from fastpersist.io import commit, engine, objectstore
+from fastpersist.io import commit, engine, objectstore, queue
 from fastpersist.io.checksum import crc32_combine_all
 from fastpersist.io.writer import idle_work, side_streams, write_plan
 from fastpersist.tensors import host_memoryview
@@ -319,6 +319,7 @@ class CollectiveSave:
         self.units = 1
         self._hosts: list[str] = []
         self._skeleton: tuple | None = None
+        self._own: SavePlan | None = None  # this rank's own plan, until split against rank 0's layout
         # verify (before the write: asynchronous saves)
         self.verified = False
         self.pieces: list[ByteRange] | None = None  # what this rank writes
@@ -349,14 +350,26 @@ class CollectiveSave:
     # ------------------------------------------------------------------ phases
 
     def plan_phase(self) -> None:
-        """Pickles and plans this rank's object; exchanges hosts and rank 0's layout; splits the file."""
+        """Pickles and plans this rank's object; exchanges hosts and rank 0's layout; splits the file.
+
+        The pickling comes first, beside a collective save still pending in
+        this process; the call then waits for that save before it joins its
+        group's next call (:func:`fastpersist.io.queue.wait_collective`) and
+        before rank 0 creates its temporary file.
+        """
+        try:
+            self._plan_locally()
+        except BaseException as error:
+            self.fail(error, "plan")  # every rank raises
+            raise
+        queue.wait_collective()
         reports = self.coordinator.run("plan", self._prepare, last=False)
         self.marks["plan"] = time.perf_counter() - self.began
         self._hosts = [r["host"] for r in reports]
         self._skeleton, self.token = reports[0]["skeleton"], reports[0]["token"]
         self.shared_file = reports[0].get("temporary")
 
-    def _prepare(self) -> dict[str, Any]:
+    def _plan_locally(self) -> None:
         if objectstore.is_object_url(self.path):
             self.store = ObjectParts(self.path, self.settings)
             self.target = self.store.target
@@ -365,7 +378,10 @@ class CollectiveSave:
             self.target, self.directory = destination.path, destination.directory
             if self.options.layout == "parts":
                 self.store = _LocalParts(destination.path, destination.directory)
-        own = self._own = self.planner(self.obj, archive_name_for(self.target))
+        self._own = self.planner(self.obj, archive_name_for(self.target))
+
+    def _prepare(self) -> dict[str, Any]:
+        own = self._own
         payload: dict[str, Any] = {"host": socket.gethostname()}
         if self.rank == 0:
             self.token = secrets.token_hex(6)

@@ -212,12 +212,13 @@ def test_nccl_async_collective_saves(layout, tmp_path):
         },
         {"op": "save", "layout": layout, "device": "cuda", "seed": 6, "bad": 1, "fault": "enospc", "async": "snapshot"},
         {"op": "burst", "count": 6, "every": 3, "device": "cuda", "layout": layout},
+        {"op": "save", "layout": layout, "device": "cuda", "async": "pipelined", "big": True, "name": "big.pt"},
     ]
     results = spawn(2, tmp_path, steps, backend="nccl", deadline=240)
     expected = make_state(0, 0, "per_rank")
     for step, name in ((0, "ckpt.pt"), (1, "p.pt")):
         saved = ok(results, step)
-        assert saved[1]["bytes"] > 0 and len(saved[0]["divergent"]) == 2, saved
+        assert len(saved[0]["divergent"]) == 2 and saved[0]["warned_at"] == ["_distributed_worker.py"], saved
         assert same(fastpersist.load(tmp_path / name, map_location="cpu"), expected)
         if layout == "file":
             from test_distributed_replicas import pickled
@@ -234,4 +235,7 @@ def test_nccl_async_collective_saves(layout, tmp_path):
     assert ok(results, 6)[0]["loads"] == [True] * 2
     for i in range(6):
         assert same(fastpersist.load(tmp_path / f"burst-{i}.pt", map_location="cpu"), make_state(100 + i)), i
+    big = ok(results, 7)
+    assert big[1]["bytes"] > 4 << 20 and big[1]["shared"] > 16 << 20  # rank 1 wrote its share from its GPU
+    assert same(fastpersist.load(tmp_path / "big.pt", map_location="cpu"), {**make_state(), "big": make_big(0)})
     assert temporaries(tmp_path) == []
