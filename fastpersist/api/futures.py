@@ -317,25 +317,9 @@ def async_save(
     if distributed_save.is_collective(group):
         if local_copy is not None:
             raise ValueError("local_copy= (a two-tier save) cannot be combined with group= (a collective save)")
-        if dispatch.wants_safetensors(f, settings.pop("format", None)):
-            raise ValueError(
-                f"a collective save (group=...) writes a torch-format checkpoint, not safetensors ({f}): save with "
-                "format='torch', or save the safetensors file on one rank (if rank == 0: ...)"
-            )
-        chosen = distributed_save.options(
-            f,
-            layout=layout,
-            writers=writers,
-            divergence=divergence,
-            per_rank=per_rank,
-            timeout=timeout,
-            pickle_module=pickle_module,
-            pickle_protocol=pickle_protocol,
-        )
-        if mode is not None:
-            settings["async_mode"] = mode
-        overrides, _ = config.split_overrides("async_save", settings, allow_other=False)
-        return _collective_async_save(obj, f, group, chosen, config.resolve(overrides), _released_by_hooks)
+        choices = dict(layout=layout, writers=writers, divergence=divergence, per_rank=per_rank, timeout=timeout)
+        chosen = distributed_save.options(f, pickle_module=pickle_module, pickle_protocol=pickle_protocol, **choices)
+        return _collective_async_save(obj, f, group, chosen, mode, settings, _released_by_hooks)
     remote = objectstore.is_object_url(f)  # s3://bucket/key: a multipart upload (docs/object-storage.md)
     if local_copy is not None:
         return _save_through_local_copy(obj, f, local_copy, pickle_module, pickle_protocol, settings)
@@ -436,7 +420,7 @@ def async_save(
 
 
 def _collective_async_save(
-    obj: object, f: Any, group: Any, chosen: Any, resolved: config.Settings, released_by_hooks: bool
+    obj: object, f: Any, group: Any, chosen: Any, mode: str | None, settings: dict[str, Any], released_by_hooks: bool
 ) -> SaveFuture:
     """``async_save`` with ``group=``: plan, verify and capture here; write and commit on the save thread.
 
@@ -444,6 +428,12 @@ def _collective_async_save(
     caller exchange through the group's store only, as do those on the save
     thread: no collective of the group's backend runs there.
     """
+    if dispatch.wants_safetensors(f, settings.pop("format", None)):
+        raise distributed_save.safetensors_refused(f)
+    if mode is not None:
+        settings["async_mode"] = mode
+    overrides, _ = config.split_overrides("async_save", settings, allow_other=False)
+    resolved = config.resolve(overrides)
     if not isinstance(f, (str, os.PathLike)):
         raise TypeError(f"async_save needs a file path, got {type(f).__name__}; use save() for file objects")
     report_unchecked_as_warnings()

@@ -133,10 +133,7 @@ def save(
         return
     if dispatch.wants_safetensors(f, settings.pop("format", None)):
         if distributed_save.is_collective(group):
-            raise ValueError(
-                f"a collective save (group=...) writes a torch-format checkpoint, not safetensors ({f}): "
-                "save with format='torch', or save the safetensors file on one rank (if rank == 0: ...)"
-            )
+            raise distributed_save.safetensors_refused(f)
         dispatch.save_safetensors(obj, f, settings)  # format="safetensors" or a .safetensors path
         return
     overrides, _ = config.split_overrides("save", settings, allow_other=False)

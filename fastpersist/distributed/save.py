@@ -104,6 +104,7 @@ __all__ = [
     "SaveStats",
     "is_collective",
     "options",
+    "safetensors_refused",
     "save",
     "wants_group",
 ]
@@ -202,6 +203,14 @@ def options(
         pickle_protocol,
         disable_byteorder_record,
         sink,
+    )
+
+
+def safetensors_refused(path: Any) -> ValueError:
+    """The error for a collective save of safetensors (it writes a torch-format checkpoint), to raise."""
+    return ValueError(
+        f"a collective save (group=...) writes a torch-format checkpoint, not safetensors ({path}): save with "
+        "format='torch', or save the safetensors file on one rank (if rank == 0: ...)"
     )
 
 
