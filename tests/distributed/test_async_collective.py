@@ -159,6 +159,22 @@ def test_a_rank_killed_during_the_background_write_fails_the_others_within_the_t
     assert temporaries(tmp_path) == []
 
 
+def test_an_interrupted_background_write_releases_the_other_ranks_at_once(tmp_path):
+    """Ctrl-C (KeyboardInterrupt) in one rank's background write: that future raises it, the others raise within
+    seconds (not at their 60 s timeout), nothing is committed."""
+    steps = [
+        {"op": "save", "seed": 1, "async": "snapshot"},
+        {"op": "save", "seed": 2, "bad": 1, "fault": "interrupt", "timeout": 60, "async": "pipelined"},
+    ]
+    results = spawn(2, tmp_path, steps, deadline=90)
+    ok(results, 0)
+    assert results[1][1]["error"] == "KeyboardInterrupt"
+    outcome = results[0][1]
+    assert outcome.get("error") == "DistributedCheckpointError" and "interrupted" in outcome["message"], outcome
+    assert outcome["seconds"] < 20
+    assert same(fastpersist.load(tmp_path / "ckpt.pt"), make_state(1)) and temporaries(tmp_path) == []
+
+
 def test_twenty_saves_in_a_row_with_sync_collective_calls_between(tmp_path):
     """Twenty asynchronous saves of changing values, not waited for one by one (the next waits for the previous
     slot), with synchronous collective saves and loads between them (each first lets the pending ones finish):
