@@ -5,6 +5,8 @@
     state = fastpersist.load("ckpt.pt", map_location="cuda")
     future = fastpersist.async_save(state, "ckpt.pt")     # overlaps the next training step
     future.result()
+    with fastpersist.patch():                              # torch.save/torch.load/safetensors inside any library
+        trainer.train()
 
 See docs/ for the architecture, configuration, file format and reliability.
 """
@@ -14,6 +16,7 @@ from fastpersist._version import __version__
 from fastpersist.api import SaveFuture, VerifyReport, async_save, load, save, verify
 from fastpersist.api.checkpointer import Checkpointer
 from fastpersist.api.futures import pending_saves, release_buffers, wait_all
+from fastpersist.api.patching import patch, patch_stats
 from fastpersist.api.safetensors import load_file, safe_open, save_file
 from fastpersist.deepnvme.gds import GdsHandle
 from fastpersist.deepnvme.handle import AioHandle
@@ -66,4 +69,6 @@ __all__ = [
     "wait_all",
     "pending_saves",
     "Checkpointer",
+    "patch",
+    "patch_stats",
 ]

@@ -352,3 +352,35 @@ def torch_compatible(error: OSError, *, saving: bool, detail: str = "") -> OSErr
         converted.add_note(note)
     converted.__traceback__ = error.__traceback__
     return converted
+
+
+_ALSO_RAISED_AS: dict[tuple[type, type], type] = {}
+
+
+def also_raised_as(error: BaseException, other: type[BaseException]) -> BaseException:
+    """``error`` as an instance of a subclass of both its own type and ``other`` (cached per pair of types).
+
+    For a drop-in of a library whose callers catch the library's own type:
+    the safetensors library raises ``SafetensorError`` where fastpersist
+    raises ``OSError`` (an I/O error while saving), so under
+    ``fastpersist.patch`` both ``except`` clauses must catch it. Keeps the
+    message, ``errno``/``filename``, attributes, notes, cause and traceback.
+    Returns ``error`` itself when it already is an ``other``.
+    """
+    if isinstance(error, other):
+        return error
+    key = (type(error), other)
+    kind = _ALSO_RAISED_AS.get(key)
+    if kind is None:
+        kind = _ALSO_RAISED_AS[key] = type(type(error).__name__, key, {"__module__": type(error).__module__})
+    converted = kind.__new__(kind, *error.args)
+    BaseException.__init__(converted, *error.args)
+    if isinstance(error, OSError):
+        OSError.__init__(converted, *error.args)
+        converted.filename = error.filename
+        if error.filename2 is not None:
+            converted.filename2 = error.filename2
+    converted.__dict__.update(error.__dict__)  # notes and fastpersist's attributes (path, record, ...)
+    converted.__cause__, converted.__context__ = error.__cause__, error.__context__
+    converted.__traceback__ = error.__traceback__
+    return converted

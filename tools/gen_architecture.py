@@ -116,13 +116,14 @@ BASE = {"errors", "config", "tensors", "system", "display", "_version"}
 
 
 def layer_of(module: str) -> str:
-    """The layer of a dotted module name: ``facade`` (the package's ``__init__``/``__main__``), ``base``
+    """The layer of a dotted module name: ``facade`` (the package's ``__init__``), ``cli`` (its ``__main__``
+    and ``run``, the launcher), ``base``
     (the low-level top-level modules), ``_native``, ``io.engine``, or the subpackage (``io``, ``api``, ...)."""
     parts = module.split(".")
     if parts[0] != "fastpersist" or len(parts) == 1:
         return "facade"
-    if parts[1] == "__main__":
-        return "cli"  # ``python -m fastpersist``: the command line
+    if parts[1] in ("__main__", "run"):
+        return "cli"  # ``python -m fastpersist`` and ``python -m fastpersist.run``: the command line
     if parts[1] == "_native":
         return "_native"
     if parts[1:3] == ["io", "engine"]:

@@ -54,7 +54,7 @@ from fastpersist.distributed import save as distributed_save
 from fastpersist.errors import TensorModifiedError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io import device_crc, memory, objectstore, staging, timeline
-from fastpersist.io.commit import commit_plan, target, target_kind
+from fastpersist.io.commit import anchored, commit_plan, releasing, target, target_kind
 from fastpersist.io.queue import (
     SaveFuture,
     pending_saves,
@@ -341,6 +341,10 @@ def async_save(
     recorded: list | None = [] if pipelined or _released_by_hooks else None
     plan = _plan_recording(obj, archive_name_for(destination.given), pickle_module, pickle_protocol, recorded)
     timeline.mark("pickled")
+    if not remote:
+        # The commit lands in the directory that is there now, even if it is renamed or deleted meanwhile
+        # (an error path below closes the anchor when the target is dropped).
+        destination = anchored(destination)
     future = SaveFuture(path, resolved.async_mode)
     # Wait for a slot before snapshotting, so at most async_max_pending staging areas exist.
     wait_for_slot(resolved.async_max_pending)
@@ -413,7 +417,7 @@ def async_save(
                 plan = streams = None  # as above: nothing the future keeps may hold the state
 
     future._release = release
-    future._work = work
+    future._work = releasing(work, destination)
     submit(future)
     timeline.mark("queued")
     return future

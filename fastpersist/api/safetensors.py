@@ -40,9 +40,9 @@ from fastpersist import config
 from fastpersist.errors import InvalidSafetensorsError
 from fastpersist.format import safetensors as layout
 from fastpersist.format.zipformat import ZipRecordInfo
-from fastpersist.io import engine, objectstore
-from fastpersist.io.commit import commit_plan, target
-from fastpersist.io.queue import run_in_order
+from fastpersist.io import engine, objectstore, staging
+from fastpersist.io.commit import anchored, commit_plan, releasing, target
+from fastpersist.io.queue import SaveFuture, report_unchecked_as_warnings, run_in_order, submit, wait_for_slot
 from fastpersist.io.reader import FileStorageProvider
 from fastpersist.io.writer import side_streams
 from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
@@ -104,8 +104,12 @@ def find_shared_tensors(tensors: Mapping[str, torch.Tensor]) -> list[set[str]]:
     return groups
 
 
-def _check_tensors(tensors: Any) -> None:
-    """The checks of ``safetensors.torch.save_file``, in its order and with its messages."""
+def check_tensors(tensors: Any) -> None:
+    """The checks of ``safetensors.torch.save_file``, in its order and with its messages.
+
+    Raises:
+        ValueError, TypeError, RuntimeError, UnsupportedObjectError: as :func:`save_file`.
+    """
     if not isinstance(tensors, dict):
         raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
     sparse = []
@@ -197,7 +201,7 @@ def save_file(
             ``fastpersist.save`` raises them; the upload was aborted and the
             previous object is intact.
     """
-    _check_tensors(tensors)
+    check_tensors(tensors)
     resolved = _settings("save_file", settings)
     plan = layout.plan_save_file(_byte_views(tensors), metadata, alignment)
     if objectstore.is_object_url(filename):
@@ -212,33 +216,66 @@ def async_save_file(
     metadata: dict[str, str] | None = None,
     *,
     alignment: int = layout.DEFAULT_ALIGNMENT,
+    mode: str | None = None,
     **settings: Any,
 ):
     """Like :func:`save_file`, in the background; returns a :class:`fastpersist.SaveFuture`.
 
     Checks run (and raise) before this returns; the bytes are written by the
     background thread of :func:`fastpersist.async_save`, in call order with
-    other background saves. Do not modify the tensors until the future is done.
-    ``filename`` may be ``s3://bucket/key`` (uploaded as by :func:`save_file`).
+    other background saves. ``mode`` (default: setting ``async_mode``):
+    ``"pipelined"`` writes from the tensors themselves -- do not modify them
+    until the future is done; ``"snapshot"`` first copies them into a staging
+    area (host memory, reused; at most ``async_max_pending`` in flight), after
+    which they may change at once. ``filename`` may be ``s3://bucket/key``
+    (uploaded as by :func:`save_file`). A local file lands in the directory
+    that was there at the call, even if that directory is renamed meanwhile;
+    if it is deleted, the save fails (:class:`fastpersist.io.commit.DirectoryAnchor`).
 
     Raises:
         At once: what :func:`save_file` raises before writing (the checks, a
-        malformed URL, an unknown keyword). At the future's ``result()``:
-        what it raises while writing or uploading.
+        malformed URL, an unknown keyword, an invalid ``mode``), MemoryError
+        (snapshot: the staging area). At the future's ``result()``: what it
+        raises while writing or uploading.
     """
-    _check_tensors(tensors)
+    check_tensors(tensors)
+    if mode is not None:
+        settings = {**settings, "async_mode": mode}
     resolved = _settings("async_save_file", settings)
     plan = layout.plan_save_file(_byte_views(tensors), metadata, alignment)
     remote = objectstore.is_object_url(filename)
-    destination = objectstore.target(filename) if remote else target(filename)
+    destination = objectstore.target(filename) if remote else anchored(target(filename))
     commit = objectstore.commit_plan if remote else commit_plan
+    if resolved.async_mode == "snapshot":
+        return _snapshot_save(plan, destination, commit, resolved)
     streams = side_streams(plan)  # ordered after the caller's queued work, on the caller's thread
-    return run_in_order(lambda: commit(plan, destination, resolved, streams), destination.path)
+    work = releasing(lambda: commit(plan, destination, resolved, streams), destination)
+    return run_in_order(work, destination.path)
+
+
+def _snapshot_save(plan, destination, commit, resolved: config.Settings):
+    """Copies the plan's tensors into a staging area now; the save thread writes the copies."""
+    report_unchecked_as_warnings()
+    wait_for_slot(resolved.async_max_pending)  # at most async_max_pending staging areas exist
+    taken = staging.snapshot_plan(plan)  # the caller's streams wait for the device-to-host copies
+
+    def work() -> None:
+        nonlocal taken
+        try:
+            taken.wait_copies()
+            commit(taken.plan, destination, resolved, streams={})
+        finally:
+            taken.release()
+            taken = None  # the future outlives the save: it must not hold the staging area
+
+    future = SaveFuture(destination.path, "snapshot")
+    future._work = releasing(work, destination)
+    return submit(future)
 
 
 def save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
     """The bytes of a safetensors file of ``tensors`` (exactly the safetensors library's ``save``)."""
-    _check_tensors(tensors)
+    check_tensors(tensors)
     plan = layout.plan_save_file(_byte_views(tensors), metadata, alignment=8)
     parts = [plan.header]
     for record in plan.records:
@@ -675,4 +712,4 @@ def load_model(
     return missing, unexpected
 
 
-__all__ += ["InvalidSafetensorsError", "SafetensorsSlice", "find_shared_tensors"]
+__all__ += ["InvalidSafetensorsError", "SafetensorsSlice", "check_tensors", "find_shared_tensors"]

@@ -19,7 +19,7 @@ from fastpersist.io.commit import commit_plan, fsync_file_object, target
 from fastpersist.io.stream import write_plan_to_stream
 from fastpersist.tensors import torch_serialization_config
 
-__all__ = ["save"]
+__all__ = ["save", "torch_writes_it"]
 
 _TORCH_SAVE = torch.serialization.save  # torch's own, even where torch.save is patched to ours
 
@@ -158,9 +158,7 @@ def save(
             settings=resolved,
         )
         return
-    if not _use_new_zipfile_serialization or _torch_skip_data():
-        # The legacy (pre-1.6) format has no aligned records, and skip_data() files are
-        # headers around holes (torch's fake-tensor workflow): torch writes both.
+    if torch_writes_it(_use_new_zipfile_serialization):
         _TORCH_SAVE(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization, _disable_byteorder_record)
         return
     if isinstance(f, (str, os.PathLike)):
@@ -183,6 +181,13 @@ def save(
             f.flush()
         if resolved.fsync:
             fsync_file_object(f)
+
+
+def torch_writes_it(use_new_zipfile_serialization: bool = True) -> bool:
+    """Whether a save is left to ``torch.save`` itself: the legacy (pre-1.6) format, which has no aligned
+    records, or a save inside ``torch.serialization.skip_data()``, whose files are headers around holes
+    (torch's fake-tensor workflow)."""
+    return not use_new_zipfile_serialization or _torch_skip_data()
 
 
 def _torch_skip_data() -> bool:

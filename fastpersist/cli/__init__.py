@@ -7,7 +7,8 @@ a plain ``(add_arguments, run)`` tuple, or the dotted name of a module defining
 parser is built, and left out if it cannot be imported (an optional
 dependency missing). The commands: ``info`` (:mod:`fastpersist.cli.info`),
 ``verify`` (:mod:`fastpersist.cli.verify`), ``tune`` (:mod:`fastpersist.cli.tune`),
-``bench`` (:mod:`fastpersist.cli.bench`); add one with :func:`register_command`.
+``bench`` (:mod:`fastpersist.cli.bench`), ``run`` (:mod:`fastpersist.cli.run`: a program with
+``fastpersist.patch()`` in place); add one with :func:`register_command`.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ for _name in ("info", "verify", "tune", "bench"):
     register_command(_name, f"fastpersist.cli.{_name}")
 register_command("convert", "fastpersist.cli.convert")
 register_command("merge", "fastpersist.cli.merge")
+register_command("run", "fastpersist.cli.run")
 
 
 # ----------------------------------------------------------------------------- entry point

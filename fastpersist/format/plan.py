@@ -15,7 +15,7 @@ save) without knowing anything about zip.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -159,6 +159,14 @@ class SavePlan:
 
     def trailer(self, crcs: Sequence[int]) -> bytes:
         return self.layout.trailer(crcs)
+
+    def with_views(self, views: Mapping[int, torch.Tensor]) -> SavePlan:
+        """The same plan, each storage record ``r`` reading from ``views[id(r)]`` (a snapshot's copies)."""
+        records = tuple(
+            StorageRecord(r.entry, r.key, view=views[id(r)], offset=r.offset) if isinstance(r, StorageRecord) else r
+            for r in self.records
+        )
+        return SavePlan(self.layout, records)
 
     def cropped(self, ranges: Sequence[tuple[int, int]]) -> SavePlan:
         """The same plan, its storage records holding only their bytes inside ``ranges`` (file offsets).

@@ -389,6 +389,10 @@ class _TensorRecord:
     def data_ptr(self) -> int:
         return self.view.data_ptr()
 
+    @property
+    def nbytes(self) -> int:
+        return self.view.numel()
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SafetensorsPlan:
@@ -421,6 +425,15 @@ class SafetensorsPlan:
 
     def trailer(self, crcs) -> bytes:  # no TRAILER segment: never called
         return b""
+
+    @property
+    def storages(self) -> tuple[_TensorRecord, ...]:
+        """Every tensor's bytes (what a snapshot copies, as of a torch plan's storages)."""
+        return self.records
+
+    def with_views(self, views: Mapping[int, torch.Tensor]) -> SafetensorsPlan:
+        """The same plan, each record ``r`` reading from ``views[id(r)]`` (a snapshot's copies)."""
+        return SafetensorsPlan(self.header, tuple(_TensorRecord(r.name, views[id(r)]) for r in self.records))
 
 
 def sort_key(name: str, tensor: torch.Tensor) -> tuple[int, str]:

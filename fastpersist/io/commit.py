@@ -60,7 +60,10 @@ from fastpersist.io.writer import write_plan
 
 __all__ = [
     "Target",
+    "DirectoryAnchor",
     "target",
+    "anchored",
+    "releasing",
     "resolve_target",
     "check_target",
     "target_kind",
@@ -193,17 +196,22 @@ def _is_magic(path: str) -> bool:
     )
 
 
-def target_kind(path: str) -> str:
-    """``"regular"`` (absent or a regular file), ``"special"`` (written in place) or ``"directory"``."""
+def target_kind(path: str, *, magic: bool = True) -> str:
+    """``"regular"`` (absent or a regular file), ``"special"`` (written in place) or ``"directory"``.
+
+    ``magic=False`` for a path through an anchored directory (``/proc/self/fd/N/name``), which
+    names an ordinary directory entry although it starts with ``/proc/``.
+    """
+    magic = magic and _is_magic(path)
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        return "special" if _is_magic(path) and os.path.lexists(path) else "regular"
+        return "special" if magic and os.path.lexists(path) else "regular"
     except OSError:
         return "regular"  # check_target / open() report it
     if stat.S_ISDIR(mode):
         return "directory"
-    if not stat.S_ISREG(mode) or _is_magic(path):
+    if not stat.S_ISREG(mode) or magic:
         return "special"
     return "regular"
 
@@ -223,6 +231,89 @@ def resolve_target(path: str) -> str:
     return os.path.realpath(path)
 
 
+class DirectoryAnchor:
+    """The directory an asynchronous save was asked into, held open until the save commits.
+
+    A save that commits later than it was called (``async_save``, and every
+    save of ``fastpersist.patch(mode="snapshot")``) must land in the directory
+    that was there at the call, whatever happens to its path meanwhile:
+    libraries rename checkpoint directories (a temporary name, then the final
+    one) and delete old ones (Hugging Face Trainer's ``save_total_limit``). The
+    commit therefore reaches the directory through its open descriptor
+    (``/proc/self/fd/N``): a renamed directory receives the file under its new
+    name; nothing is ever created at the old path, even when a new directory
+    took that name; a deleted directory fails the save with
+    :class:`~fastpersist.errors.TargetDirectoryMissingError` (nothing is
+    written, nothing is recreated). Where ``/proc/self/fd`` is missing, the
+    commit checks instead that the path still names the same directory
+    (device and inode) and fails the same way when it does not.
+    """
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.fd: int | None = None  # set before the open, which may raise: __del__ then closes nothing
+        self.fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        info = os.fstat(self.fd)
+        self.identity = (info.st_dev, info.st_ino)
+        via = f"/proc/self/fd/{self.fd}"
+        try:
+            follows = os.path.samestat(os.stat(via), info)
+        except OSError:
+            follows = False
+        self.via: str | None = via if follows else None
+
+    def reach(self) -> str:
+        """A path to the anchored directory now (``/proc/self/fd/N``, or its path where nothing moved it).
+
+        Raises:
+            TargetDirectoryMissingError: the directory was deleted, or (without /proc) moved or replaced.
+        """
+        if self.fd is None:
+            raise ValueError("this anchor is released")
+        if os.fstat(self.fd).st_nlink == 0:
+            raise TargetDirectoryMissingError(
+                errno.ENOENT,
+                "the directory was deleted while this save was pending, so nothing was written (it is not "
+                "recreated). Code that deletes a checkpoint directory right after saving into it must wait "
+                "for the save first (fastpersist.wait_all())",
+                self.directory,
+            )
+        if self.via is not None:
+            return self.via
+        try:
+            info = os.stat(self.directory)
+            same = (info.st_dev, info.st_ino) == self.identity
+        except OSError:
+            same = False
+        if not same:
+            raise TargetDirectoryMissingError(
+                errno.ENOENT,
+                "the directory was renamed or replaced while this save was pending; without /proc/self/fd the "
+                "save cannot follow it, so nothing was written",
+                self.directory,
+            )
+        return self.directory
+
+    def original_name(self, name: str | None) -> str | None:
+        """``name`` with the ``/proc/self/fd/N`` prefix replaced by the directory's path at the call (for errors)."""
+        if name and self.via is not None and name.startswith(self.via):
+            return self.directory + name[len(self.via) :]
+        return name
+
+    def release(self) -> None:
+        """Closes the descriptor (idempotent)."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        # A save abandoned before it was queued (an allocation error, Ctrl-C) drops its anchor unreleased.
+        try:
+            self.release()
+        except OSError:
+            pass
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """Where a save to a path writes: made by :func:`target`, the one place every save resolves and checks it.
@@ -233,11 +324,19 @@ class Target:
         directory: its directory (checked: it exists and may be written).
         given: the path as the caller gave it (torch names the archive's
             top-level folder after its stem).
+        anchor: for a save that commits later (:func:`anchored`), the
+            directory held open (:class:`DirectoryAnchor`); None otherwise.
     """
 
     path: str
     directory: str
     given: str
+    anchor: DirectoryAnchor | None = None
+
+    def release(self) -> None:
+        """Closes the anchor, if any (idempotent): call once the save committed or was abandoned."""
+        if self.anchor is not None:
+            self.anchor.release()
 
 
 def target(path: str | os.PathLike[str]) -> Target:
@@ -249,6 +348,35 @@ def target(path: str | os.PathLike[str]) -> Target:
     given = os.fspath(path)
     resolved = resolve_target(given)
     return Target(resolved, check_target(resolved), given)
+
+
+def anchored(destination: Target) -> Target:
+    """``destination`` with its directory held open (:class:`DirectoryAnchor`), for a save that commits later.
+
+    Only a regular target gets an anchor (special files are written in place
+    by their path). Call :meth:`Target.release` once the save is done.
+
+    Raises:
+        FileNotFoundError, NotADirectoryError: the directory is gone already.
+    """
+    if destination.anchor is not None or target_kind(destination.path) != "regular":
+        return destination
+    return dataclasses.replace(destination, anchor=DirectoryAnchor(destination.directory))
+
+
+def releasing(work, destination):
+    """``work`` followed, whatever happens, by the release of ``destination``'s anchor (a no-op without one)."""
+    release = getattr(destination, "release", None)
+    if release is None:
+        return work
+
+    def run() -> None:
+        try:
+            work()
+        finally:
+            release()
+
+    return run
 
 
 def check_target(path: str) -> str:
@@ -468,9 +596,19 @@ def commit_plan(
         TargetPermissionError, TargetDirectoryMissingError: as :func:`check_target`.
     """
     path, directory = destination.path, destination.directory
+    anchor = destination.anchor
     try:
-        _commit_plan(plan, path, directory, settings, streams, before_commit, after_reads)
+        if anchor is not None:  # the directory held open at the call, wherever it is now
+            _maybe_remove_stale(directory)
+            reached = anchor.reach()
+            path = os.path.join(reached, os.path.basename(path))
+            _commit_plan(plan, path, reached, settings, streams, before_commit, after_reads, through_anchor=True)
+        else:
+            _commit_plan(plan, path, directory, settings, streams, before_commit, after_reads)
     except OSError as error:
+        if anchor is not None:
+            error.filename = anchor.original_name(error.filename)
+            path, directory = destination.path, destination.directory
         raise torch_compatible(error, saving=True, detail=_explain(error, plan, path, directory, settings)) from None
 
 
@@ -497,9 +635,16 @@ def _explain(error: OSError, plan, path: str, directory: str, settings: config.S
 
 
 def _commit_plan(
-    plan, path: str, directory: str, settings: config.Settings, streams, before_commit, after_reads
+    plan,
+    path: str,
+    directory: str,
+    settings: config.Settings,
+    streams,
+    before_commit,
+    after_reads,
+    through_anchor=False,
 ) -> None:
-    kind = target_kind(path)
+    kind = target_kind(path, magic=not through_anchor)
     if kind == "special":
         _write_special(plan, path, settings)
         if after_reads is not None:
@@ -516,7 +661,8 @@ def _commit_plan(
         if before_commit is not None:
             before_commit()
         return
-    _maybe_remove_stale(directory)
+    if not through_anchor:  # an anchored save cleans its directory by its path (commit_plan)
+        _maybe_remove_stale(directory)
     temporary = os.path.join(directory, temporary_name(os.path.basename(path), directory))
     with _lock:
         _live.add(temporary)

@@ -247,14 +247,8 @@ def snapshot_plan(
             event.synchronize()  # nothing may still copy into the area once it is reused
         leased.release()
         raise
-    records = tuple(
-        StorageRecord(record.entry, record.key, view=copies[id(record)], offset=record.offset)
-        if isinstance(record, StorageRecord)
-        else record
-        for record in plan.records
-    )
     leased.area = None  # the snapshot owns it now
-    return Snapshot(SavePlan(plan.layout, records), area, events)
+    return Snapshot(plan.with_views(copies), area, events)
 
 
 def _layout(storages) -> tuple[dict[int, int], dict[torch.device, list[StorageRecord]], dict[torch.device, int], int]:

@@ -1,14 +1,17 @@
-"""Runs PyTorch's test/test_serialization.py plain and with torch.save/torch.load swapped for fastpersist's.
+"""Runs PyTorch's test/test_serialization.py plain, with torch.save/torch.load swapped for fastpersist's, and
+under fastpersist.patch().
 
 Usage:
     python tests/compat/peers/run_torch_serialization.py PATH/TO/test_serialization.py [--json OUT.json] [-k EXPR]
+        [--patched]
 
 PyTorch's file is not part of this repository: take it from the PyTorch
 release matching the installed torch. Each run is a separate pytest process;
-the report lists the tests that pass plain but fail swapped. Every such test
-must be one that asserts torch's exact byte offsets (see
-docs/compatibility.md, "PyTorch's own test suite"); the exit status is 1 when
-another one fails.
+the report lists the tests that pass plain but fail swapped (and, with
+``--patched``, those that pass plain but fail under ``fastpersist.patch()``,
+the drop-in for code you do not own, docs/patch.md). Every such test must be
+one that asserts torch's exact byte offsets (see docs/compatibility.md,
+"PyTorch's own test suite"); the exit status is 1 when another one fails.
 """
 
 from __future__ import annotations
@@ -41,8 +44,14 @@ import torch_shim
 torch_shim.install()
 """
 
+PATCHED = """
+import fastpersist
+fastpersist.patch()
+"""
 
-def run(test_file: str, swapped: bool, extra: list[str]) -> dict[str, str]:
+
+def run(test_file: str, swapped: bool | str, extra: list[str]) -> dict[str, str]:
+    """One pytest run: plain (``False``), swapped (``True``) or under ``fastpersist.patch()`` (``"patched"``)."""
     with tempfile.TemporaryDirectory() as work:
         report = os.path.join(work, "report.xml")
         plugin_dir = os.path.join(work, "plugin")
@@ -63,7 +72,7 @@ def run(test_file: str, swapped: bool, extra: list[str]) -> dict[str, str]:
         ]
         if swapped:
             with open(os.path.join(plugin_dir, "fastpersist_swap.py"), "w") as f:
-                f.write(CONFTEST.format(here=HERE))
+                f.write(PATCHED if swapped == "patched" else CONFTEST.format(here=HERE))
             command += ["-p", "fastpersist_swap"]
         subprocess.run(command + extra, env=env, cwd=os.path.dirname(os.path.abspath(test_file)))
         outcomes = {}
@@ -74,24 +83,45 @@ def run(test_file: str, swapped: bool, extra: list[str]) -> dict[str, str]:
         return outcomes
 
 
+def _regressions(plain: dict[str, str], other: dict[str, str]) -> list[str]:
+    return sorted(n for n, o in plain.items() if o == "passed" and other.get(n) != "passed")
+
+
+def _unexpected(regressions: list[str]) -> list[str]:
+    return [n for n in regressions if n.rsplit("::", 1)[1].split("_cpu")[0] not in EXPECTED_DIFFERENCES]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("test_file")
     parser.add_argument("--json", help="write the comparison here")
     parser.add_argument("-k", help="pytest -k expression")
+    parser.add_argument("--patched", action="store_true", help="also run it under fastpersist.patch()")
     args = parser.parse_args(argv)
     extra = ["-k", args.k] if args.k else []
     plain = run(args.test_file, False, extra)
     swapped = run(args.test_file, True, extra)
-    regressions = sorted(n for n, o in plain.items() if o == "passed" and swapped.get(n) != "passed")
-    unexpected = [n for n in regressions if n.rsplit("::", 1)[1].split("_cpu")[0] not in EXPECTED_DIFFERENCES]
+    regressions = _regressions(plain, swapped)
     result = {
         "plain_passed": sum(o == "passed" for o in plain.values()),
         "swapped_passed": sum(o == "passed" for o in swapped.values()),
         "total": len(plain),
         "pass_plain_fail_swapped": regressions,
-        "unexpected": unexpected,
+        "unexpected": _unexpected(regressions),
     }
+    if args.patched:
+        patched = run(args.test_file, "patched", extra)
+        regressions = _regressions(plain, patched)
+        result.update(
+            patched_passed=sum(o == "passed" for o in patched.values()),
+            counts={
+                name: {kind: sum(o == kind for o in outcomes.values()) for kind in ("passed", "failed", "skipped")}
+                for name, outcomes in (("plain", plain), ("swapped", swapped), ("patched", patched))
+            },
+            pass_plain_fail_patched=regressions,
+        )
+        result["unexpected"] = sorted(set(result["unexpected"]) | set(_unexpected(regressions)))
+    unexpected = result["unexpected"]
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
