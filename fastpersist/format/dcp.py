@@ -18,6 +18,7 @@ without running code from it: only DCP's metadata classes, torch dtypes,
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 import re
@@ -69,8 +70,23 @@ def extension_of(info: Any) -> dict | None:
     return None
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``getattr(cls, name)`` for an enum member only: how some Pythons (3.11.0-3.11.4) pickle enum members."""
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, enum.Enum)
+        and cls.__module__ == _DCP_METADATA
+        and isinstance(name, str)
+        and name in cls.__members__
+    ):
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not part of a DCP checkpoint's metadata")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if module in ("builtins", "__builtin__") and name == "getattr":
+            return _enum_member
         if module == _DCP_METADATA or (module, name) in _OTHER_GLOBALS:
             found = super().find_class(module, name)
             if module != _DCP_METADATA or isinstance(found, type):

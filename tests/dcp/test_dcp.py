@@ -8,6 +8,7 @@ module, and check what every rank reported.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import pickle
@@ -335,6 +336,32 @@ def test_verify_does_not_run_code_from_a_dcp_metadata(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="io.open is not part of a DCP checkpoint's metadata"):
         fastpersist.verify(tmp_path)
     assert not marker.exists()
+
+
+def test_metadata_reader_takes_enum_members_by_getattr_and_nothing_else():
+    """Python 3.11.0-3.11.4 pickle enum members as ``getattr(cls, name)``: the reader takes those (for DCP's own
+    enums), and refuses getattr on anything else."""
+    import enum
+    import pathlib
+    import pickle
+
+    from fastpersist.format import dcp as dcp_format
+
+    members = [m for m in vars(torch.distributed.checkpoint.metadata).values() if isinstance(m, type)]
+    kind = next(m for m in members if issubclass(m, enum.Enum) and len(m))
+    member = next(iter(kind))
+
+    class ByGetattr:
+        def __reduce__(self):
+            return getattr, (kind, member.name)
+
+    class Escape:  # a class the reader lets through, then an attribute of it that is no enum member
+        def __reduce__(self):
+            return getattr, (pathlib.PosixPath, "unlink")
+
+    assert dcp_format._MetadataUnpickler(io.BytesIO(pickle.dumps(ByGetattr(), protocol=2))).load() is member
+    with pytest.raises(pickle.UnpicklingError, match="is not part of a DCP checkpoint's metadata"):
+        dcp_format._MetadataUnpickler(io.BytesIO(pickle.dumps(Escape(), protocol=2))).load()
 
 
 def test_verify_of_a_directory_without_a_dcp_checkpoint_says_what_it_checks(tmp_path):
