@@ -325,14 +325,7 @@ def async_save(
         return _save_through_local_copy(obj, f, local_copy, pickle_module, pickle_protocol, settings)
     if dispatch.wants_safetensors(f, settings.pop("format", None)):
         return dispatch.async_save_safetensors(obj, f, settings)
-    if mode is not None:
-        settings["async_mode"] = mode
-    overrides, _ = config.split_overrides("async_save", settings, allow_other=False)
-    resolved = config.resolve(overrides)
-    if not isinstance(f, (str, os.PathLike)):
-        raise TypeError(f"async_save needs a file path, got {type(f).__name__}; use save() for file objects")
-    report_unchecked_as_warnings()
-    timeline.mark("call")
+    resolved = _begin(f, mode, settings)
     destination = objectstore.target(f) if remote else target(f)
     commit = objectstore.commit_plan if remote else commit_plan
     path = destination.path
@@ -423,6 +416,23 @@ def async_save(
     return future
 
 
+def _begin(f: Any, mode: str | None, settings: dict[str, Any]) -> config.Settings:
+    """The settings of an ``async_save`` to the path ``f`` (``mode`` among them); reports unchecked failures.
+
+    Raises:
+        TypeError: ``f`` is not a path, or an unknown keyword. ConfigError: an invalid setting.
+    """
+    if mode is not None:
+        settings["async_mode"] = mode
+    overrides, _ = config.split_overrides("async_save", settings, allow_other=False)
+    resolved = config.resolve(overrides)
+    if not isinstance(f, (str, os.PathLike)):
+        raise TypeError(f"async_save needs a file path, got {type(f).__name__}; use save() for file objects")
+    report_unchecked_as_warnings()
+    timeline.mark("call")
+    return resolved
+
+
 def _collective_async_save(
     obj: object, f: Any, group: Any, chosen: Any, mode: str | None, settings: dict[str, Any], released_by_hooks: bool
 ) -> SaveFuture:
@@ -434,14 +444,7 @@ def _collective_async_save(
     """
     if dispatch.wants_safetensors(f, settings.pop("format", None)):
         raise distributed_save.safetensors_refused(f)
-    if mode is not None:
-        settings["async_mode"] = mode
-    overrides, _ = config.split_overrides("async_save", settings, allow_other=False)
-    resolved = config.resolve(overrides)
-    if not isinstance(f, (str, os.PathLike)):
-        raise TypeError(f"async_save needs a file path, got {type(f).__name__}; use save() for file objects")
-    report_unchecked_as_warnings()
-    timeline.mark("call")
+    resolved = _begin(f, mode, settings)
     pipelined = resolved.async_mode == "pipelined"
     recorded: list | None = [] if pipelined or released_by_hooks else None
     module, protocol = chosen.pickle_module, chosen.pickle_protocol
