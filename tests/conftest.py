@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 
 import pytest
 
@@ -139,3 +140,27 @@ def readonly_tmpfs():
     """A read-only tmpfs mount (EROFS on any write). Needs root and mount(8)."""
     with mounted_tmpfs("ro,size=1m", "fastpersist-ro-") as path:
         yield path
+
+
+class _CommitGate:
+    """Holds every anchored commit (an asynchronous save's, ``io.commit.DirectoryAnchor.reach``) until opened."""
+
+    def __init__(self, monkeypatch):
+        from fastpersist.io import commit
+
+        self.reached = threading.Event()
+        self.go = threading.Event()
+        reach = commit.DirectoryAnchor.reach
+
+        def held(anchor):
+            self.reached.set()
+            assert self.go.wait(60), "the test never let the save commit"
+            return reach(anchor)
+
+        monkeypatch.setattr(commit.DirectoryAnchor, "reach", held)
+
+
+@pytest.fixture
+def commit_gate(monkeypatch):
+    """A gate that asynchronous saves wait at before they commit: ``.reached`` is set there, ``.go`` lets them on."""
+    return _CommitGate(monkeypatch)

@@ -333,17 +333,31 @@ def load_file(filename: Any, device: Any = "cpu", *, backend: str = "mmap") -> d
     """``safetensors.torch.load_file`` through fastpersist; the library's for what fastpersist does not read."""
     options = _options()
     if _readable_by_fastpersist(options, filename, "pt", device, backend):
-        _raise_failed_saves()
-        _wait_for_path(filename)
-        try:
-            tensors = safetensors_api.load_file(filename, device=device, backend=backend, **options.settings)
-        except errors.InvalidSafetensorsError:
-            pass  # the library's verdict (and its error) stands
-        else:
-            _count("fastpersist", "load_file")
+        tensors = _read_through_fastpersist(
+            "load_file",
+            filename,
+            lambda: safetensors_api.load_file(filename, device=device, backend=backend, **options.settings),
+        )
+        if tensors is not _REFUSED:
             return tensors
     _count("original", "load_file")
     return _original("safetensors", "load_file")(filename, device, backend=backend)
+
+
+_REFUSED = object()
+
+
+def _read_through_fastpersist(name: str, filename: Any, read) -> Any:
+    """``read()`` (fastpersist's reader of a safetensors file), after pending saves of it; ``_REFUSED`` when
+    fastpersist finds the file invalid, so the library reads it and its verdict (and error) stands."""
+    _raise_failed_saves()
+    _wait_for_path(filename)
+    try:
+        result = read()
+    except errors.InvalidSafetensorsError:
+        return _REFUSED
+    _count("fastpersist", name)
+    return result
 
 
 class _SafeOpenType(type):
@@ -363,14 +377,12 @@ class safe_open(metaclass=_SafeOpenType):  # the library's name
     def __new__(cls, filename: Any, framework: str, device: Any = "cpu", *, backend: str = "mmap"):
         options = _options()
         if _readable_by_fastpersist(options, filename, framework, device, backend):
-            _raise_failed_saves()
-            _wait_for_path(filename)
-            try:
-                opened = safetensors_api.safe_open(filename, "pt", device, backend=backend, **options.settings)
-            except errors.InvalidSafetensorsError:
-                pass  # the library's verdict (and its error) stands
-            else:
-                _count("fastpersist", "safe_open")
+            opened = _read_through_fastpersist(
+                "safe_open",
+                filename,
+                lambda: safetensors_api.safe_open(filename, "pt", device, backend=backend, **options.settings),
+            )
+            if opened is not _REFUSED:
                 return opened
         _count("original", "safe_open")
         return _original("safetensors", "safe_open")(filename, framework, device, backend=backend)

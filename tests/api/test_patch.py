@@ -27,7 +27,6 @@ import torch
 
 import fastpersist
 from fastpersist.api import patching
-from fastpersist.io import commit
 
 pytest.importorskip("safetensors")
 import safetensors
@@ -83,22 +82,6 @@ def no_patch_left():
     fastpersist.wait_all()
     assert not leaked, "a test left a patch in place"
     assert all(current()[k] is v for k, v in ORIGINALS.items())
-
-
-class Gate:
-    """Holds every anchored commit (snapshot saves) at its start until opened."""
-
-    def __init__(self, monkeypatch):
-        self.reached = threading.Event()
-        self.go = threading.Event()
-        reach = commit.DirectoryAnchor.reach
-
-        def held(anchor):
-            self.reached.set()
-            assert self.go.wait(60), "the test never let the save commit"
-            return reach(anchor)
-
-        monkeypatch.setattr(commit.DirectoryAnchor, "reach", held)
 
 
 # ----------------------------------------------------------------------------- installing and restoring
@@ -438,8 +421,8 @@ def test_ctrl_c_keeps_the_old_file_and_the_patch_usable(tmp_path, mode):
 # ----------------------------------------------------------------------------- snapshot mode
 
 
-def test_snapshot_save_returns_before_the_write_and_loads_wait_for_it(tmp_path, monkeypatch):
-    gate = Gate(monkeypatch)
+def test_snapshot_save_returns_before_the_write_and_loads_wait_for_it(tmp_path, monkeypatch, commit_gate):
+    gate = commit_gate
     state = big_state(3)
     with fastpersist.patch(mode="snapshot"):
         torch.save(state, tmp_path / "a.pt")
@@ -455,8 +438,8 @@ def test_snapshot_save_returns_before_the_write_and_loads_wait_for_it(tmp_path, 
     assert same(loaded[0], big_state(3)) and page_aligned(tmp_path / "a.pt")
 
 
-def test_snapshot_save_follows_a_renamed_directory_and_never_writes_the_old_path(tmp_path, monkeypatch):
-    gate = Gate(monkeypatch)
+def test_snapshot_save_follows_a_renamed_directory_and_never_writes_the_old_path(tmp_path, monkeypatch, commit_gate):
+    gate = commit_gate
     (tmp_path / "tmp-checkpoint").mkdir()
     with fastpersist.patch(mode="snapshot"):
         torch.save(big_state(4), tmp_path / "tmp-checkpoint" / "optimizer.pt")
@@ -472,8 +455,8 @@ def test_snapshot_save_follows_a_renamed_directory_and_never_writes_the_old_path
     assert same(ORIGINALS["load_file"](tmp_path / "checkpoint-1" / "model.safetensors"), big_state(5))
 
 
-def test_snapshot_save_into_a_deleted_directory_fails_loudly_and_recreates_nothing(tmp_path, monkeypatch):
-    gate = Gate(monkeypatch)
+def test_snapshot_save_into_a_deleted_directory_fails_loudly_and_recreates_nothing(tmp_path, monkeypatch, commit_gate):
+    gate = commit_gate
     (tmp_path / "checkpoint-1").mkdir()
     restore = fastpersist.patch(mode="snapshot")
     try:
@@ -493,8 +476,8 @@ def test_snapshot_save_into_a_deleted_directory_fails_loudly_and_recreates_nothi
     assert sorted(os.listdir(tmp_path)) == []
 
 
-def test_a_save_into_another_directory_waits_for_the_pending_ones(tmp_path, monkeypatch):
-    gate = Gate(monkeypatch)
+def test_a_save_into_another_directory_waits_for_the_pending_ones(tmp_path, monkeypatch, commit_gate):
+    gate = commit_gate
     for name in ("checkpoint-1", "checkpoint-2"):
         (tmp_path / name).mkdir()
     with fastpersist.patch(mode="snapshot"):
@@ -510,8 +493,8 @@ def test_a_save_into_another_directory_waits_for_the_pending_ones(tmp_path, monk
     assert same(torch.load(tmp_path / "checkpoint-2" / "a.pt"), big_state(2))
 
 
-def test_restoring_waits_for_pending_saves_and_raises_their_failure(tmp_path, monkeypatch):
-    gate = Gate(monkeypatch)
+def test_restoring_waits_for_pending_saves_and_raises_their_failure(tmp_path, monkeypatch, commit_gate):
+    gate = commit_gate
     (tmp_path / "gone").mkdir()
     restore = fastpersist.patch(mode="snapshot")
     torch.save(big_state(), tmp_path / "gone" / "a.pt")

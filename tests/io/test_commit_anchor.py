@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 
 import pytest
 import torch
@@ -20,29 +19,13 @@ from fastpersist.errors import TargetDirectoryMissingError
 from fastpersist.io import commit
 
 
-class Gate:
-    """Holds every anchored commit at its start until opened."""
-
-    def __init__(self, monkeypatch):
-        self.reached = threading.Event()
-        self.go = threading.Event()
-        reach = commit.DirectoryAnchor.reach
-
-        def held(anchor):
-            self.reached.set()
-            assert self.go.wait(60), "the test never let the save commit"
-            return reach(anchor)
-
-        monkeypatch.setattr(commit.DirectoryAnchor, "reach", held)
-
-
 def state() -> dict:
     return {"w": torch.arange(100_000, dtype=torch.float32)}
 
 
 @pytest.mark.parametrize("mode", ["pipelined", "snapshot"])
-def test_async_save_follows_a_renamed_directory(tmp_path, monkeypatch, mode):
-    gate = Gate(monkeypatch)
+def test_async_save_follows_a_renamed_directory(tmp_path, monkeypatch, mode, commit_gate):
+    gate = commit_gate
     (tmp_path / "tmp-1").mkdir()
     descriptors = len(os.listdir("/proc/self/fd"))
     future = fastpersist.async_save(state(), tmp_path / "tmp-1" / "a.pt", mode=mode)
@@ -57,8 +40,8 @@ def test_async_save_follows_a_renamed_directory(tmp_path, monkeypatch, mode):
     assert future.path == str(tmp_path / "tmp-1" / "a.pt"), "the future names the path it was given"
 
 
-def test_async_save_file_into_a_deleted_directory_fails_and_recreates_nothing(tmp_path, monkeypatch):
-    gate = Gate(monkeypatch)
+def test_async_save_file_into_a_deleted_directory_fails_and_recreates_nothing(tmp_path, monkeypatch, commit_gate):
+    gate = commit_gate
     (tmp_path / "gone").mkdir()
     future = fastpersist.api.safetensors.async_save_file(state(), tmp_path / "gone" / "m.safetensors", mode="snapshot")
     assert gate.reached.wait(60)
