@@ -30,6 +30,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "training": ("fastpersist.bench.training", "overhead of checkpointing every iteration of a training loop"),
     "stages": ("fastpersist.bench.stages", "a CUDA load's ring stage by stage: read, + CRC-32, + copy, against pread"),
     "offload": ("fastpersist.bench.offload", "generation with a Llama-shaped model streamed from disk or host memory"),
+    "trainer": (
+        "fastpersist.bench.trainer",
+        "Hugging Face Trainer checkpoints: unpatched, + fsync, patch(), async patch",
+    ),
     "s3": ("fastpersist.bench.s3", "save/load to an S3-compatible store (moto by default): fastpersist vs boto3, s3fs"),
 }
 """Subcommand name -> (module defining ``main(argv)``, one-line description)."""

@@ -568,6 +568,7 @@ RENDERERS: dict[str, Any] = {
     "stages": _per_document("fastpersist.bench.stages", "to_markdown"),
     "offload": _per_document("fastpersist.bench.offload", "to_markdown"),
     "s3": _per_document("fastpersist.bench.s3", "to_markdown"),
+    "trainer": _per_document("fastpersist.bench.trainer", "to_markdown"),
 }
 """Docs block name (``<!-- fastpersist:NAME -->``) -> renderer of the results of that kind."""
 

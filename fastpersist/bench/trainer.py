@@ -1,0 +1,540 @@
+"""Hugging Face Trainer checkpoints through ``fastpersist.patch()``: the time training is blocked, and until durable.
+
+    python -m fastpersist.bench trainer --dir /mnt/nvme/fp --dir /dev/shm/fp --json out.json
+    python -m fastpersist.bench trainer --report out.json --svg docs/images/trainer.svg
+
+Each method trains the same Llama-shaped model (bf16 parameters, AdamW, random
+tokens) with ``transformers.Trainer`` and ``save_steps``/``save_total_limit``,
+in a fresh process per method and directory, and times every checkpoint the
+Trainer saves (model weights through safetensors' ``save_file``, the optimizer,
+scheduler and RNG state through ``torch.save``, the JSON files through
+``open``), with Trainer's own callbacks only: the clock starts at
+``on_step_end`` of a step that saves (after a device synchronisation, so the
+step's own work is not counted) and stops at ``on_save``.
+
+* ``unpatched``: Trainer as shipped. Its files are in the page cache, not
+  durable, when it returns.
+* ``unpatched+fsync``: the same, then ``fsync`` of every file of the
+  checkpoint, the checkpoint directory and the output directory, in
+  ``on_save``: what it takes for the checkpoint to survive a crash of the
+  machine.
+* ``patched``: under ``fastpersist.patch()``: every file fastpersist writes is
+  durable when its call returns; the same fsync pass then covers the files
+  Trainer writes itself (JSON).
+* ``patched-async``: under ``fastpersist.patch(mode="snapshot")``: each save
+  returns once its state is copied into host staging, the write goes on in
+  the background; the fsync pass covers the other files; the checkpoint is
+  durable when its last background save has committed (``add_done_callback``
+  on the pending futures).
+
+Per checkpoint: ``blocked_s`` (``on_step_end`` to the end of ``on_save``) and
+``durable_s`` (to the moment every file is durable; none for
+``unpatched``). The first checkpoint of a process pays one-time costs (pools,
+pinned staging); ``steady`` is the median of the later ones. After training,
+the last checkpoint is read back with the original ``safetensors`` and
+``torch.load`` and compared with the live model and optimizer, tensor by
+tensor (``verified``). The write ceiling of each directory is measured in the
+same run with the checkpoint's size (:func:`fastpersist.bench.bounds.write_ceiling`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+__all__ = ["METHODS", "SCHEMA", "main", "to_markdown", "to_svg"]
+
+SCHEMA = "fastpersist.bench.trainer/1"
+METHODS = ("unpatched", "unpatched+fsync", "patched", "patched-async")
+_DURABLE = ("unpatched+fsync", "patched", "patched-async")
+_MODEL_OPTIONS = ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "batch", "seq")
+_RUN_OPTIONS = (*_MODEL_OPTIONS, "save_steps", "checkpoints", "device")
+
+
+def _is_fastpersist_temporary(name: str) -> bool:
+    """A save in flight (``.<name>.fastpersist-...tmp``, io.commit): not a file of the checkpoint yet."""
+    return name.startswith(".") and ".fastpersist-" in name and name.endswith(".tmp")
+
+
+def fsync_tree(directory: str) -> int:
+    """fsyncs every regular file under ``directory``, each directory, and ``directory``'s parent; returns the files.
+
+    Files being written by a background save (fastpersist temporaries) are left alone: their save makes them
+    durable when it commits.
+    """
+    count = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            if _is_fastpersist_temporary(name):
+                continue
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            count += 1
+        _fsync_directory(root)
+    _fsync_directory(os.path.dirname(os.path.abspath(directory)))
+    return count
+
+
+def _fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tree_bytes(directory: str) -> int:
+    total = 0
+    for root, _, files in os.walk(directory):
+        total += sum(os.path.getsize(os.path.join(root, n)) for n in files if not _is_fastpersist_temporary(n))
+    return total
+
+
+def _model(args):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=max(args.seq, 128),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(config)
+    return model.to(torch.bfloat16)
+
+
+class _Tokens:
+    """Random token sequences (labels = inputs): the data do not matter, the step's shape does."""
+
+    def __init__(self, count: int, seq: int, vocab: int):
+        import torch
+
+        generator = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, vocab, (count, seq), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def _callback(method: str, device: str, timings: list[dict]):
+    """A TrainerCallback timing each checkpoint from the saving step's end to on_save (and to durable)."""
+    import threading
+
+    import torch
+    from transformers import TrainerCallback
+
+    import fastpersist
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.started = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if control.should_save:
+                if device == "cuda":
+                    torch.cuda.synchronize()  # the step's own kernels are not the checkpoint's cost
+                self.started = time.perf_counter()
+
+        def on_save(self, args, state, control, **kwargs):
+            returned = time.perf_counter()
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            record = {"step": state.global_step, "returned_s": returned - self.started}
+            if method != "unpatched":
+                fsync_tree(folder)
+            record["blocked_s"] = time.perf_counter() - self.started
+            if method in _DURABLE:
+                done, lock = [time.perf_counter()], threading.Lock()
+
+                def stamp(_future):
+                    with lock:
+                        done.append(time.perf_counter())
+
+                pending = fastpersist.pending_saves() if method == "patched-async" else []
+                record["pending_saves"] = len(pending)
+                record["_durable"] = (self.started, done, lock)
+                for future in pending:
+                    future.add_done_callback(stamp)
+            timings.append(record)
+
+    return Timer()
+
+
+def _verify(trainer, folder: str) -> dict[str, Any]:
+    """Reads the last checkpoint with the original safetensors and torch.load; compares with the live state."""
+    import safetensors.torch
+    import torch
+
+    model_state = trainer.model.state_dict()
+    loaded = safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
+    if set(loaded) != set(model_state):
+        return {"ok": False, "why": f"model.safetensors keys differ: {sorted(set(loaded) ^ set(model_state))[:4]}"}
+    for name, tensor in loaded.items():
+        if not torch.equal(tensor, model_state[name].cpu()):
+            return {"ok": False, "why": f"model.safetensors: {name} differs"}
+    optimizer = torch.load(os.path.join(folder, "optimizer.pt"), map_location="cpu", weights_only=True)
+    live = trainer.optimizer.state_dict()
+    tensors = 0
+    for key, state in live["state"].items():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                if not torch.equal(optimizer["state"][key][name], value.cpu()):
+                    return {"ok": False, "why": f"optimizer.pt: state {key}.{name} differs"}
+                tensors += 1
+    return {"ok": True, "tensors": len(loaded) + tensors}
+
+
+def _run_one(args) -> dict[str, Any]:
+    """One method's training run in this process (the child of :func:`_orchestrate`)."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    import fastpersist
+
+    output_dir = os.path.join(args.target, f"trainer-{args.method}-{os.getpid()}")
+    model = _model(args)
+    steps = args.save_steps * args.checkpoints
+    timings: list[dict] = []
+    training = TrainingArguments(
+        output_dir=output_dir,
+        max_steps=steps,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        save_total_limit=2,
+        per_device_train_batch_size=args.batch,
+        learning_rate=1e-4,
+        logging_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        bf16=args.device == "cuda",
+        use_cpu=args.device == "cpu",
+        seed=0,
+    )
+    restore = None
+    if args.method.startswith("patched"):
+        restore = fastpersist.patch(mode="snapshot" if args.method == "patched-async" else "sync")
+    try:
+        trainer = Trainer(
+            model=model,
+            args=training,
+            train_dataset=_Tokens(steps * args.batch, args.seq, args.vocab),
+            callbacks=[_callback(args.method, args.device, timings)],
+        )
+        started = time.perf_counter()
+        trainer.train()
+        fastpersist.wait_all()
+        elapsed = time.perf_counter() - started
+        counts = fastpersist.patch_stats() if restore is not None else {}
+    finally:
+        if restore is not None:
+            restore()
+    for record in timings:  # every background save has finished (wait_all above)
+        durable = record.pop("_durable", None)
+        if durable is not None:
+            started, done, lock = durable
+            with lock:
+                record["durable_s"] = max(done) - started
+    last = os.path.join(output_dir, f"checkpoint-{steps}")
+    verified = _verify(trainer, last)
+    checkpoint_bytes = _tree_bytes(last)
+    files = sorted(os.listdir(last))
+    peak_gpu = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
+    shutil.rmtree(output_dir, ignore_errors=True)
+    return {
+        "method": args.method,
+        "checkpoints": timings,
+        "checkpoint_bytes": checkpoint_bytes,
+        "files": files,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_s": elapsed,
+        "steps": steps,
+        "verified": verified,
+        "patch_stats": counts,
+        "peak_gpu_bytes": peak_gpu,
+    }
+
+
+def _child_argv(args, method: str, target: str, out: str) -> list[str]:
+    argv = [sys.executable, "-m", "fastpersist.bench", "trainer", "--child", "--method", method]
+    argv += ["--target", target, "--out", out]
+    for name in _RUN_OPTIONS:
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return argv
+
+
+def _summary(samples: list[dict]) -> dict[str, Any]:
+    """First and steady (median of the later checkpoints) blocked and durable seconds of a method's runs."""
+    checkpoints = [c for s in samples for c in s["checkpoints"]]
+    firsts = [s["checkpoints"][0] for s in samples if s["checkpoints"]]
+    later = [c for s in samples for c in s["checkpoints"][1:]] or checkpoints
+
+    def median(rows, key):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    return {
+        "checkpoints": len(checkpoints),
+        "first_blocked_s": median(firsts, "blocked_s"),
+        "first_durable_s": median(firsts, "durable_s"),
+        "blocked_s": median(later, "blocked_s"),
+        "durable_s": median(later, "durable_s"),
+    }
+
+
+def _targets(results: dict[str, dict], ceiling: dict | None, nbytes: int) -> dict[str, Any]:
+    """The issue's three ratios for one directory (None where a method failed)."""
+
+    def get(method, key):
+        return (results.get(method) or {}).get(key)
+
+    patched, fsynced = get("patched", "durable_s"), get("unpatched+fsync", "durable_s")
+    asynchronous, unpatched = get("patched-async", "blocked_s"), get("unpatched", "blocked_s")
+    ceiling_s = ceiling["best_s"] if ceiling else None
+    return {
+        "patched_gbps": nbytes / patched / 1e9 if patched else None,
+        "ceiling_gbps": nbytes / ceiling_s / 1e9 if ceiling_s else None,
+        "patched_of_ceiling": ceiling_s / patched if patched and ceiling_s else None,
+        "patched_vs_unpatched_fsync": fsynced / patched if patched and fsynced else None,
+        "async_blocked_of_unpatched": asynchronous / unpatched if asynchronous is not None and unpatched else None,
+    }
+
+
+def _orchestrate(args) -> dict[str, Any]:
+    from fastpersist.bench import bounds
+    from fastpersist.bench.measure import machine_info
+
+    unknown = set(args.methods) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
+    directories = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for index, directory in enumerate(args.dir):
+            os.makedirs(directory, exist_ok=True)
+            samples: dict[str, list[dict]] = {m: [] for m in args.methods}
+            errors: dict[str, str] = {}
+            for repeat in range(args.repeats):
+                order = args.methods if (repeat + index) % 2 == 0 else list(reversed(args.methods))
+                for method in order:
+                    out = os.path.join(scratch, f"{index}-{method}-{repeat}.json")
+                    run = subprocess.run(_child_argv(args, method, directory, out), capture_output=True, text=True)
+                    if run.returncode != 0:
+                        errors[method] = (run.stderr or run.stdout)[-3000:]
+                        print(f"{directory} {method}: failed\n{errors[method]}", file=sys.stderr)
+                        continue
+                    with open(out) as f:
+                        samples[method].append(json.load(f))
+                    got = _summary(samples[method][-1:])
+                    print(
+                        f"{directory} {method}: blocked {got['blocked_s']:.2f} s, durable "
+                        + ("-" if got["durable_s"] is None else f"{got['durable_s']:.2f} s"),
+                        file=sys.stderr,
+                    )
+            results = {m: {**_summary(s), "samples": s} for m, s in samples.items() if s}
+            results.update({m: {"error": e} for m, e in errors.items() if m not in results})
+            nbytes = max((s["checkpoint_bytes"] for v in samples.values() for s in v), default=0)
+            ceiling = bounds.write_ceiling(directory, nbytes) if nbytes and not args.no_ceiling else None
+            directories.append(
+                {
+                    "dir": directory,
+                    "filesystem": (machine_info(directory).get("filesystem") or {}).get("type"),
+                    "checkpoint_bytes": nbytes,
+                    "write_ceiling": ceiling,
+                    "results": results,
+                    "targets": _targets(results, ceiling, nbytes),
+                }
+            )
+    import transformers
+
+    return {
+        "schema": SCHEMA,
+        "benchmark": "trainer",
+        "machine": machine_info(args.dir[0], device=args.device),
+        "config": {**{k: getattr(args, k) for k in _RUN_OPTIONS}, "repeats": args.repeats, "methods": args.methods},
+        "transformers": transformers.__version__,
+        "directories": directories,
+    }
+
+
+def _seconds(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _ratio(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}x"
+
+
+def to_markdown(document: dict[str, Any]) -> str:
+    """The document's tables: one per directory, then its target ratios."""
+    config = document["config"]
+    lines = []
+    for entry in document["directories"]:
+        results = entry["results"]
+        sample = next((r["samples"][0] for r in results.values() if r.get("samples")), None)
+        parameters = f"{sample['parameters'] / 1e9:.2f} B parameters, " if sample else ""
+        ceiling = entry.get("write_ceiling")
+        lines += [
+            f"Trainer (transformers {document.get('transformers')}) on `{config['device']}`, "
+            f"{parameters}bf16 + AdamW, checkpoint {entry['checkpoint_bytes'] / 1e9:.2f} GB every "
+            f"{config['save_steps']} steps to `{entry['dir']}` ({entry.get('filesystem') or '?'}), "
+            f"{config['checkpoints']} checkpoints per run, {config['repeats']} run(s) per method"
+            + (
+                f"; write ceiling {entry['checkpoint_bytes'] / ceiling['best_s'] / 1e9:.2f} GB/s ({ceiling['best']})."
+                if ceiling
+                else "."
+            ),
+            "",
+            "| method | blocked (s) | durable (s) | durable GB/s | first blocked (s) | first durable (s) | verified |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for method in config["methods"]:
+            r = results.get(method)
+            if r is None:
+                continue
+            if "error" in r:
+                lines.append(f"| {method} | failed | | | | | |")
+                continue
+            gbps = entry["checkpoint_bytes"] / r["durable_s"] / 1e9 if r["durable_s"] else None
+            verified = all(s["verified"]["ok"] for s in r["samples"])
+            lines.append(
+                f"| {method} | {_seconds(r['blocked_s'])} | {_seconds(r['durable_s'])} | "
+                f"{'-' if gbps is None else f'{gbps:.2f}'} | {_seconds(r['first_blocked_s'])} | "
+                f"{_seconds(r['first_durable_s'])} | {'yes' if verified else 'NO'} |"
+            )
+        t = entry["targets"]
+        lines += [
+            "",
+            f"Patched and durable: {_ratio(t['patched_of_ceiling'])} the write ceiling (target 0.9x), "
+            f"{_ratio(t['patched_vs_unpatched_fsync'])} unpatched + fsync (target 2.5x); "
+            f"patched-async blocked {_ratio(t['async_blocked_of_unpatched'], 3)} unpatched (target at most 0.1x).",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def to_svg(document: dict[str, Any]) -> str:
+    """Bars of blocked and durable seconds per method, one panel per directory."""
+    bar, gap, left, width = 14, 4, 150, 420
+    parts, y = [], 10
+    top = max(
+        [
+            r.get(k) or 0
+            for e in document["directories"]
+            for r in e["results"].values()
+            for k in ("blocked_s", "durable_s")
+        ]
+        + [1.0]
+    )
+    for entry in document["directories"]:
+        parts.append(f'<text x="10" y="{y + 14}" font-size="14" font-weight="bold">{entry["dir"]}</text>')
+        y += 24
+        for method in document["config"]["methods"]:
+            r = entry["results"].get(method) or {}
+            if "error" in r or not r:
+                continue
+            parts.append(f'<text x="{left - 6}" y="{y + 22}" font-size="12" text-anchor="end">{method}</text>')
+            for key, color in (("blocked_s", "#2a7"), ("durable_s", "#888")):
+                value = r.get(key)
+                if value is not None:
+                    length = width * value / top
+                    parts.append(f'<rect x="{left}" y="{y}" width="{length:.1f}" height="{bar}" fill="{color}"/>')
+                    parts.append(
+                        f'<text x="{left + length + 4:.1f}" y="{y + 11}" font-size="11">'
+                        f"{key.split('_')[0]} {value:.2f} s</text>"
+                    )
+                y += bar + gap
+            y += 6
+        y += 14
+    header = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 130}" height="{y + 10}" '
+        'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>'
+    )
+    return header + "".join(parts) + "</svg>\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    import torch
+
+    gpu = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(prog="python -m fastpersist.bench trainer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", action="append", help="where checkpoints go; repeat for several (default: a temp dir)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if gpu else "cpu")
+    # GPU defaults: TinyLlama-1.1B's shape (a 6.6 GB checkpoint with AdamW in bf16); CPU: a toy of the same shape.
+    parser.add_argument("--hidden", type=int, default=2048 if gpu else 64)
+    parser.add_argument("--intermediate", type=int, default=5632 if gpu else 176)
+    parser.add_argument("--layers", type=int, default=22 if gpu else 2)
+    parser.add_argument("--heads", type=int, default=32 if gpu else 4)
+    parser.add_argument("--kv-heads", type=int, default=4 if gpu else 2)
+    parser.add_argument("--vocab", type=int, default=32000 if gpu else 512)
+    parser.add_argument("--batch", type=int, default=4 if gpu else 2)
+    parser.add_argument("--seq", type=int, default=1024 if gpu else 32)
+    parser.add_argument("--save-steps", type=int, default=30 if gpu else 2, help="checkpoint every N steps")
+    parser.add_argument("--checkpoints", type=int, default=2 if gpu else 3, help="checkpoints per run")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per method and directory")
+    parser.add_argument(
+        "--methods",
+        type=lambda text: [m for m in text.split(",") if m],
+        default=list(METHODS),
+        help=f"comma list (default: {','.join(METHODS)})",
+    )
+    parser.add_argument("--no-ceiling", action="store_true", help="do not measure the directories' write ceilings")
+    parser.add_argument("--json", help="write the result document here")
+    parser.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of earlier results")
+    parser.add_argument("--svg", help="with --report or a run: write a chart of the (first) document here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--method", help=argparse.SUPPRESS)
+    parser.add_argument("--target", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.child:
+        with open(args.out, "w") as f:
+            json.dump(_run_one(args), f)
+        return 0
+    if args.report:
+        documents = []
+        for path in args.report:
+            with open(path) as f:
+                documents.append(json.load(f))
+            if documents[-1].get("schema") != SCHEMA:
+                raise SystemExit(f"{path}: not a result of 'python -m fastpersist.bench trainer --json'")
+            print(f"`{os.path.basename(path)}`:\n\n" + to_markdown(documents[-1]))
+    else:
+        args.dir = args.dir or [tempfile.gettempdir()]
+        documents = [_orchestrate(args)]
+        print(to_markdown(documents[0]))
+        if args.json:
+            from fastpersist.bench.report import write_json
+
+            write_json(documents[0], args.json)
+    if args.svg:
+        with open(args.svg, "w") as f:
+            f.write(to_svg(documents[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
