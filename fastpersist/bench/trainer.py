@@ -360,7 +360,7 @@ def _orchestrate(args) -> dict[str, Any]:
                     "filesystem": (machine_info(directory).get("filesystem") or {}).get("type"),
                     "checkpoint_bytes": nbytes,
                     "write_ceiling": ceiling,
-                    "results": results,
+                    "methods": results,
                     "targets": _targets(results, ceiling, nbytes),
                 }
             )
@@ -372,7 +372,7 @@ def _orchestrate(args) -> dict[str, Any]:
         "machine": machine_info(args.dir[0], device=args.device),
         "config": {**{k: getattr(args, k) for k in _RUN_OPTIONS}, "repeats": args.repeats, "methods": args.methods},
         "transformers": transformers.__version__,
-        "directories": directories,
+        "results": directories,
     }
 
 
@@ -388,8 +388,8 @@ def to_markdown(document: dict[str, Any]) -> str:
     """The document's tables: one per directory, then its target ratios."""
     config = document["config"]
     lines = []
-    for entry in document["directories"]:
-        results = entry["results"]
+    for entry in document["results"]:
+        results = entry["methods"]
         sample = next((r["samples"][0] for r in results.values() if r.get("samples")), None)
         parameters = f"{sample['parameters'] / 1e9:.2f} B parameters, " if sample else ""
         ceiling = entry.get("write_ceiling")
@@ -424,32 +424,30 @@ def to_markdown(document: dict[str, Any]) -> str:
         t = entry["targets"]
         lines += [
             "",
-            f"Patched and durable: {_ratio(t['patched_of_ceiling'])} the write ceiling (target 0.9x), "
-            f"{_ratio(t['patched_vs_unpatched_fsync'])} unpatched + fsync (target 2.5x); "
-            f"patched-async blocked {_ratio(t['async_blocked_of_unpatched'], 3)} unpatched (target at most 0.1x).",
+            f"Patched and durable: {_ratio(t['patched_of_ceiling'])} the write ceiling, "
+            f"{_ratio(t['patched_vs_unpatched_fsync'])} unpatched + fsync; patched-async blocked "
+            f"{_ratio(t['async_blocked_of_unpatched'], 3)} unpatched (the targets, for the disk: at least 0.9x, at "
+            "least 2.5x, at most 0.1x).",
             "",
         ]
     return "\n".join(lines)
 
 
-def to_svg(document: dict[str, Any]) -> str:
-    """Bars of blocked and durable seconds per method, one panel per directory."""
+def to_svg(documents: list[dict[str, Any]]) -> str:
+    """Bars of blocked and durable seconds per method, one panel per directory of each document."""
+    entries = [(d, e) for d in documents for e in d["results"]]
     bar, gap, left, width = 14, 4, 150, 420
     parts, y = [], 10
     top = max(
-        [
-            r.get(k) or 0
-            for e in document["directories"]
-            for r in e["results"].values()
-            for k in ("blocked_s", "durable_s")
-        ]
-        + [1.0]
+        [r.get(k) or 0 for _, e in entries for r in e["methods"].values() for k in ("blocked_s", "durable_s")] + [1.0]
     )
-    for entry in document["directories"]:
-        parts.append(f'<text x="10" y="{y + 14}" font-size="14" font-weight="bold">{entry["dir"]}</text>')
+    for document, entry in entries:
+        title = f"{document['machine'].get('device_name') or document['config']['device']}: {entry['dir']}"
+        title += f" ({entry.get('filesystem') or '?'}), {entry['checkpoint_bytes'] / 1e9:.1f} GB checkpoint"
+        parts.append(f'<text x="10" y="{y + 14}" font-size="14" font-weight="bold">{title}</text>')
         y += 24
         for method in document["config"]["methods"]:
-            r = entry["results"].get(method) or {}
+            r = entry["methods"].get(method) or {}
             if "error" in r or not r:
                 continue
             parts.append(f'<text x="{left - 6}" y="{y + 22}" font-size="12" text-anchor="end">{method}</text>')
@@ -500,7 +498,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-ceiling", action="store_true", help="do not measure the directories' write ceilings")
     parser.add_argument("--json", help="write the result document here")
     parser.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of earlier results")
-    parser.add_argument("--svg", help="with --report or a run: write a chart of the (first) document here")
+    parser.add_argument("--svg", help="with --report or a run: write a chart of the documents here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
@@ -532,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
             write_json(documents[0], args.json)
     if args.svg:
         with open(args.svg, "w") as f:
-            f.write(to_svg(documents[0]))
+            f.write(to_svg(documents))
     return 0
 
 

@@ -26,9 +26,9 @@ def test_trainer_benchmark_json_table_and_chart(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     document = json.loads(out.read_text())
     assert document["schema"] == trainer.SCHEMA and document["benchmark"] == "trainer"
-    (entry,) = document["directories"]
+    (entry,) = document["results"]
     assert entry["checkpoint_bytes"] > 0 and entry["write_ceiling"]["best_s"] > 0
-    fsynced, background = entry["results"]["unpatched+fsync"], entry["results"]["patched-async"]
+    fsynced, background = entry["methods"]["unpatched+fsync"], entry["methods"]["patched-async"]
     for result in (fsynced, background):
         (sample,) = result["samples"]
         assert sample["verified"]["ok"], sample["verified"]
