@@ -13,6 +13,8 @@
 #   bash examples/gpu_acceptance.sh OUTDIR multigpu-async  # 2+ GPUs: async collective vs rank-0 saves in DDP training, shm + disk
 #   bash examples/gpu_acceptance.sh OUTDIR scaling      # 4+ GPUs: collective save at 1, 2, 4(, 8) ranks, DDP training
 #   bash examples/gpu_acceptance.sh OUTDIR scaling-dcp  # 4+ GPUs: DCP writer/reader at 1, 2, 4(, 8) ranks (NCCL)
+#   bash examples/gpu_acceptance.sh OUTDIR pace         # every storage-pace target ratio, one table (~8 min; fio on PATH)
+#   bash examples/gpu_acceptance.sh OUTDIR trainer      # Hugging Face Trainer + 1.1 B Llama: unpatched vs patch() (~6 min)
 #   bash examples/gpu_acceptance.sh OUTDIR all          # everything for one GPU, one after the other
 #   cp OUTDIR/*.json docs/results/ && python -m fastpersist.bench report --update-docs
 #
@@ -213,8 +215,22 @@ part_multigpu_async() {  # the asynchronous collective save against the rank-0 o
     --methods "$methods" --repeats 1 --iterations 12 --json "$out/$machine-training-ddp-async-disk.json"
 }
 
+part_pace() {  # training every iteration (shm, disk), 4 GB disk save against fio, verified shm->GPU load
+  step "$machine-pace" 540 python3 -m fastpersist.bench pace --disk "$scratch/pace" --shm /dev/shm/fp-pace \
+    --json "$out/$machine-pace.json"
+}
+
+part_trainer() {  # Trainer with a TinyLlama-shaped model: blocked and durable time per checkpoint, disk and shm
+  step "$machine-trainer-disk" 290 python3 -m fastpersist.bench trainer --dir "$scratch/trainer" \
+    --json "$out/$machine-trainer-disk.json"
+  step "$machine-trainer-shm" 230 python3 -m fastpersist.bench trainer --dir /dev/shm/fp-trainer \
+    --json "$out/$machine-trainer-shm.json"
+}
+
 case "$part" in
   tests) part_tests ;;
+  pace) part_pace ;;
+  trainer) part_trainer ;;
   checkpoint) part_checkpoint ;;
   shapes) part_shapes ;;
   features) part_features ;;

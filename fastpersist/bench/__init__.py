@@ -34,6 +34,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "fastpersist.bench.trainer",
         "Hugging Face Trainer checkpoints: unpatched, + fsync, patch(), async patch",
     ),
+    "pace": ("fastpersist.bench.pace", "every storage-pace target ratio of one GPU in one run (training, disk, load)"),
     "s3": ("fastpersist.bench.s3", "save/load to an S3-compatible store (moto by default): fastpersist vs boto3, s3fs"),
 }
 """Subcommand name -> (module defining ``main(argv)``, one-line description)."""

@@ -569,6 +569,7 @@ RENDERERS: dict[str, Any] = {
     "offload": _per_document("fastpersist.bench.offload", "to_markdown"),
     "s3": _per_document("fastpersist.bench.s3", "to_markdown"),
     "trainer": _per_document("fastpersist.bench.trainer", "to_markdown"),
+    "pace": _per_document("fastpersist.bench.pace", "to_markdown"),
 }
 """Docs block name (``<!-- fastpersist:NAME -->``) -> renderer of the results of that kind."""
 

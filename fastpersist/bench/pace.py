@@ -1,0 +1,252 @@
+"""Where the storage-pace work stands, in one command: every target ratio of one GPU, measured in one run.
+
+    python -m fastpersist.bench pace --disk /mnt/nvme/fp --shm /dev/shm/fp --json out.json
+    python -m fastpersist.bench pace --report out.json
+
+Four measurements, each against its own ceiling in the same run:
+
+* **training**: ``python -m fastpersist.bench training`` with a checkpoint
+  every iteration, to the shm directory and to the disk directory, methods
+  ``fastpersist-pipelined`` and ``fastpersist-snapshot``; the ratio is the
+  steady time per iteration over that benchmark's own bound (the larger of
+  the iteration without checkpoints and one checkpoint's write at the
+  ceiling).
+* **disk save**: a ``--size`` bf16 state dict on the GPU saved durably
+  (``fastpersist.save``) to the disk directory, in ``--rounds`` rounds; each
+  round also runs fio's O_DIRECT write of as many bytes into a fresh file
+  (16 MiB blocks, QD 32, io_uring, ``end_fsync``), the two in alternating
+  order. Ratio per round: fio's seconds over the save's; the median is the
+  figure, every round's ratio is in the JSON. fio must be on ``PATH``.
+* **verified load**: the same state saved once into the shm directory and
+  loaded to the GPU with and without CRC-32 verification
+  (``fastpersist.load(..., verify=...)``), alternating, ``--rounds`` rounds
+  after an untimed one; ratio: unverified seconds over verified.
+
+The document lists each target with its measured ratio and whether it is
+met; ``--report`` prints it again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+__all__ = ["SCHEMA", "TARGETS", "main", "to_markdown"]
+
+SCHEMA = "fastpersist.bench.pace/1"
+TARGETS = {
+    # name: (what, comparison, target)
+    "training-shm-pipelined": ("every-iteration pipelined to shm, x the bound", "<=", 1.05),
+    "training-shm-snapshot": ("every-iteration snapshot to shm, x the bound", "<=", 1.10),
+    "training-disk-pipelined": ("every-iteration pipelined to disk, x the bound", "<=", 1.05),
+    "training-disk-snapshot": ("every-iteration snapshot to disk, x the bound", "<=", 1.10),
+    "disk-save": ("GPU state saved durably to disk, x fio's write", ">=", 0.95),
+    "verified-load": ("verified shm->GPU load, x the same load unverified", ">=", 0.90),
+}
+
+
+def _training(directory: str, iterations: int, scratch: str) -> dict[str, Any]:
+    out = os.path.join(scratch, f"training-{abs(hash(directory))}.json")
+    command = [sys.executable, "-m", "fastpersist.bench", "training", "--dir", directory, "--json", out]
+    command += ["--methods", "fastpersist-pipelined,fastpersist-snapshot", "--iterations", str(iterations)]
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode != 0:
+        return {"error": (run.stderr or run.stdout)[-2000:]}
+    with open(out) as f:
+        document = json.load(f)
+    rows = {r["method"]: r for r in document["results"]}
+    return {
+        "bound_s": document.get("possible_per_iteration_s"),
+        "steady_s": {m: rows[m].get("steady_per_iteration_s") for m in rows},
+        "of_bound": {m: rows[m].get("steady_of_possible") for m in rows},
+        "document": document,
+    }
+
+
+def _state(size: int, device: str) -> dict[str, Any]:
+    """``size`` bytes of bf16 tensors of 64 MiB (the last shorter) on ``device``: a checkpoint's bulk."""
+    import torch
+
+    piece = 32 << 20  # elements: 64 MiB of bf16
+    total, state, index = size // 2, {}, 0
+    while total > 0:
+        count = min(piece, total)
+        state[f"layer{index}.weight"] = torch.randn(count, device=device, dtype=torch.float32).to(torch.bfloat16)
+        total -= count
+        index += 1
+    return state
+
+
+def _disk_rounds(directory: str, state: dict, rounds: int) -> dict[str, Any]:
+    import fastpersist
+    from fastpersist.bench import bounds
+
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    path, fio_path = os.path.join(directory, "pace-save.pt"), os.path.join(directory, "pace-fio.bin")
+    fastpersist.save(state, path)  # untimed: pools and the file system's first allocation
+    records = []
+    for index in range(rounds):
+        seconds = {}
+        for name in ("fio", "fastpersist") if index % 2 == 0 else ("fastpersist", "fio"):
+            for stale in (path, fio_path):
+                if os.path.exists(stale):
+                    os.unlink(stale)
+            os.sync()
+            if name == "fio":
+                seconds[name] = bounds.fio_write_seconds(fio_path, nbytes)
+            else:
+                started = time.perf_counter()
+                fastpersist.save(state, path)
+                seconds[name] = time.perf_counter() - started
+        records.append({**seconds, "ratio": seconds["fio"] / seconds["fastpersist"]})
+    for stale in (path, fio_path):
+        if os.path.exists(stale):
+            os.unlink(stale)
+    return {
+        "bytes": nbytes,
+        "rounds": records,
+        "ratio": statistics.median(r["ratio"] for r in records),
+        "fastpersist_gbps": nbytes / statistics.median(r["fastpersist"] for r in records) / 1e9,
+        "fio_gbps": nbytes / statistics.median(r["fio"] for r in records) / 1e9,
+    }
+
+
+def _load_rounds(directory: str, state: dict, rounds: int, device: str) -> dict[str, Any]:
+    import torch
+
+    import fastpersist
+
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    path = os.path.join(directory, "pace-load.pt")
+    fastpersist.save(state, path)
+    records = []
+    try:
+        for index in range(rounds + 1):
+            seconds = {}
+            for verify in (True, False) if index % 2 == 0 else (False, True):
+                started = time.perf_counter()
+                loaded = fastpersist.load(path, map_location=device, verify=verify)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                seconds["verified" if verify else "unverified"] = time.perf_counter() - started
+                if index == 0 and verify and any(not torch.equal(loaded[k], state[k]) for k in state):
+                    raise AssertionError("the verified load differs from the saved state")
+                del loaded
+            if index:  # the first round is untimed
+                records.append({**seconds, "ratio": seconds["unverified"] / seconds["verified"]})
+    finally:
+        os.unlink(path)
+    return {
+        "bytes": nbytes,
+        "rounds": records,
+        "ratio": statistics.median(r["ratio"] for r in records),
+        "verified_gbps": nbytes / statistics.median(r["verified"] for r in records) / 1e9,
+        "unverified_gbps": nbytes / statistics.median(r["unverified"] for r in records) / 1e9,
+    }
+
+
+def _met(name: str, value: float | None) -> bool | None:
+    if value is None:
+        return None
+    _, comparison, target = TARGETS[name]
+    return value <= target if comparison == "<=" else value >= target
+
+
+def measure(args) -> dict[str, Any]:
+    import torch
+
+    from fastpersist import system
+    from fastpersist.bench.measure import machine_info
+
+    if not system.find_fio():
+        raise SystemExit(f"the disk save's ceiling is fio's write: {system.FIO_INSTALL_HINT}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    figures: dict[str, float | None] = {}
+    parts: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for where, directory in (("shm", args.shm), ("disk", args.disk)):
+            os.makedirs(directory, exist_ok=True)
+            parts[f"training-{where}"] = result = _training(directory, args.iterations, scratch)
+            for mode in ("pipelined", "snapshot"):
+                figures[f"training-{where}-{mode}"] = (result.get("of_bound") or {}).get(f"fastpersist-{mode}")
+            print(f"training {where}: {result.get('of_bound', result.get('error'))}", file=sys.stderr)
+    state = _state(args.size, device)
+    parts["disk-save"] = _disk_rounds(args.disk, state, args.rounds)
+    figures["disk-save"] = parts["disk-save"]["ratio"]
+    print(f"disk save: {[round(r['ratio'], 3) for r in parts['disk-save']['rounds']]}", file=sys.stderr)
+    parts["verified-load"] = _load_rounds(args.shm, state, args.rounds, device)
+    figures["verified-load"] = parts["verified-load"]["ratio"]
+    return {
+        "schema": SCHEMA,
+        "benchmark": "pace",
+        "machine": machine_info(args.disk, device=device),
+        "config": {"size": args.size, "rounds": args.rounds, "iterations": args.iterations, "device": device},
+        "results": {
+            name: {"what": what, "target": f"{comparison} {target}", "ratio": figures.get(name)}
+            | {"met": _met(name, figures.get(name))}
+            for name, (what, comparison, target) in TARGETS.items()
+        },
+        "parts": parts,
+    }
+
+
+def to_markdown(document: dict[str, Any]) -> str:
+    """One row per target: what, the measured ratio, the target, met."""
+    config = document["config"]
+    lines = [
+        f"Device `{config['device']}` ({document['machine'].get('device_name') or '-'}), state "
+        f"{config['size'] / 1e9:.1f} GB, {config['rounds']} rounds; training every iteration, "
+        f"{config['iterations']} iterations.",
+        "",
+        "| target | measured | target | met |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for row in document["results"].values():
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
+        met = {True: "yes", False: "NO", None: "not measured"}[row["met"]]
+        lines.append(f"| {row['what']} | {ratio} | {row['target']} | {met} |")
+    for name in ("disk-save", "verified-load"):
+        rounds = (document["parts"].get(name) or {}).get("rounds") or []
+        lines.append(f"\n{name} per round: " + ", ".join(f"{r['ratio']:.3f}" for r in rounds))
+    return "\n".join(lines) + "\n"
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastpersist.bench pace", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--disk", default=tempfile.gettempdir(), help="a directory on the disk")
+    parser.add_argument("--shm", default="/dev/shm/fastpersist-pace", help="a directory on tmpfs")
+    parser.add_argument("--size", type=_size, default=_size("4G"), help="the state of the save and load parts")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iterations", type=int, default=12, help="timed iterations of each training run")
+    parser.add_argument("--json", help="write the document here")
+    parser.add_argument("--report", help="print the tables of an earlier document")
+    args = parser.parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            document = json.load(f)
+        if document.get("schema") != SCHEMA:
+            raise SystemExit(f"{args.report}: not a result of 'python -m fastpersist.bench pace --json'")
+    else:
+        document = measure(args)
+        if args.json:
+            from fastpersist.bench.report import write_json
+
+            write_json(document, args.json)
+    print(to_markdown(document), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
