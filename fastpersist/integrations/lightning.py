@@ -155,400 +155,434 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types.SimpleNamespace:
-    class FastPersistCheckpointIO(CheckpointIO):
-        """Lightning CheckpointIO that saves with ``fastpersist.save`` and loads with ``fastpersist.load``.
+# The public classes are built once per Lightning package (``lightning``, ``pytorch_lightning``) by
+# _build, each from one of the mixins below and that package's base class. The mixins hold every
+# method; the attributes that name a package's classes or modules (``_cloud_io``,
+# ``_checkpoint_io_class``, ...) are set by _build on the class it makes.
 
-        Files are ordinary torch checkpoints (``torch.load`` reads them).
-        Saves are atomic and durable. ``s3://bucket/key`` paths use
-        fastpersist's object-store saves and loads (docs/object-storage.md);
-        other non-local paths go through Lightning's own fsspec code.
 
-        Args:
-            **settings: ``fastpersist.config`` overrides for every save and load.
-        """
+class _CheckpointIOMixin:
+    """Lightning CheckpointIO that saves with ``fastpersist.save`` and loads with ``fastpersist.load``.
 
-        def __init__(self, **settings: Any) -> None:
-            super().__init__()
-            overrides, _ = fastpersist.config.split_overrides("FastPersistCheckpointIO", settings, allow_other=False)
-            fastpersist.config.resolve(overrides)  # an unknown name or a bad value raises here, not at the first save
-            self.settings = settings
+    Files are ordinary torch checkpoints (``torch.load`` reads them).
+    Saves are atomic and durable. ``s3://bucket/key`` paths use
+    fastpersist's object-store saves and loads (docs/object-storage.md);
+    other non-local paths go through Lightning's own fsspec code.
 
-        def save_checkpoint(
-            self,
-            checkpoint: dict[str, Any],
-            path: Any,
-            storage_options: Any | None = None,
-            *,
-            group: Any = None,
-            divergence: str = "warn",
-        ) -> None:
-            """Saves ``checkpoint`` to ``path``.
+    Args:
+        **settings: ``fastpersist.config`` overrides for every save and load.
+    """
 
-            Args:
-                storage_options: None, or a dict of fastpersist settings for this save.
-                group: a process group whose ranks all call this (sharded save,
-                    see :func:`install_sharded_save`); the file holds global
-                    rank 0's checkpoint, as Lightning's own rank-0 save does.
-                divergence: with ``group``: what to do about tensors whose
-                    values differ between ranks (``"warn"``, ``"error"``,
-                    ``"ignore"``; see ``fastpersist.save``).
+    _cloud_io: Any  # the package's ``fabric.utilities.cloud_io`` module
 
-            Raises:
-                TypeError: ``storage_options`` is not a dict.
-                OSError: the save failed; the previous file at ``path`` is intact.
-            """
-            settings = {**self.settings, **_settings_from(storage_options, type(self).__name__)}
-            extra = {} if group is None else _collective(checkpoint, group, divergence)
-            if objectstore.is_object_url(str(path)):
-                fastpersist.save(checkpoint, str(path), **extra, **settings)
-                return
-            if not _is_local(path):
-                cloud_io._atomic_save(checkpoint, path)
-                return
-            path = _local(path)
-            directory = os.path.dirname(os.path.abspath(path))
-            os.makedirs(directory, exist_ok=True)
-            fastpersist.save(checkpoint, path, **extra, **settings)
+    def __init__(self, **settings: Any) -> None:
+        super().__init__()
+        overrides, _ = fastpersist.config.split_overrides("FastPersistCheckpointIO", settings, allow_other=False)
+        fastpersist.config.resolve(overrides)  # an unknown name or a bad value raises here, not at the first save
+        self.settings = settings
 
-        def load_checkpoint(
-            self, path: Any, map_location: Any | None = _to_host, weights_only: bool | None = None
-        ) -> dict[str, Any]:
-            """Loads the checkpoint at ``path`` (``FileNotFoundError`` if it is missing).
-
-            ``map_location`` defaults to Lightning's own (``lambda storage, loc:
-            storage``): every tensor comes back on the CPU, whatever device it
-            was saved from (under DDP a file saved on rank 0 names ``cuda:0``,
-            which is not rank 1's device).
-            """
-            settings = {k: v for k, v in self.settings.items() if k not in ("async_mode", "async_max_pending")}
-            if objectstore.is_object_url(str(path)):
-                return fastpersist.load(str(path), map_location=map_location, weights_only=weights_only, **settings)
-            if not _is_local(path):
-                return cloud_io._load(path, map_location=map_location, weights_only=weights_only)
-            path = _local(path)
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"Checkpoint file not found: {path}")
-            return fastpersist.load(path, map_location=map_location, weights_only=weights_only, **settings)
-
-        def remove_checkpoint(self, path: Any) -> None:
-            """Removes the checkpoint file (or directory) at ``path``; nothing if it does not exist."""
-            if objectstore.is_object_url(str(path)):
-                from fastpersist.distributed.objectstore import remove_checkpoint
-
-                remove_checkpoint(str(path))  # and the part objects, if a collective save wrote it
-                log.debug("removed checkpoint %s", path)
-                return
-            fs = cloud_io.get_filesystem(path)
-            if fs.exists(path):
-                fs.rm(path, recursive=True)
-                log.debug("removed checkpoint %s", path)
-
-        def teardown(self) -> None:
-            return None
-
-    class AsyncFastPersistCheckpointIO(FastPersistCheckpointIO):
-        """Like :class:`FastPersistCheckpointIO`, but ``save_checkpoint`` returns before the file is written.
-
-        Safe where Lightning's ``AsyncCheckpointIO`` is not: no clone of the
-        state on the GPU. In ``snapshot`` mode (the default) the state is
-        copied into a reusable pinned host area (size of one checkpoint) and
-        training may change it at once. In ``pipelined`` mode nothing is
-        copied; the optimizers must then be attached (:meth:`attach`; the
-        :class:`FastPersistCheckpoint` callback does it) so that each
-        ``optimizer.step()`` waits until the pending save has read the state
-        (not until it is written); a change anyway fails that save
-        (``TensorModifiedError``), never writes a torn file.
-
-        ``remove_checkpoint`` of a path runs after the pending saves (in
-        order, on the background thread); ``load_checkpoint`` waits for
-        pending saves first. A failed save is raised by the next
-        ``save_checkpoint`` or by ``teardown``.
-
-        Under DDP with the sharded hook (:func:`install_sharded_save`) every
-        rank calls ``save_checkpoint`` with the group: each save is an
-        asynchronous collective one (``fastpersist.async_save(...,
-        group=...)``), every rank writing its share of rank 0's checkpoint in
-        the background. :attr:`last_stats` holds this rank's figures for the
-        last one that finished.
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        path: Any,
+        storage_options: Any | None = None,
+        *,
+        group: Any = None,
+        divergence: str = "warn",
+    ) -> None:
+        """Saves ``checkpoint`` to ``path`` (asynchronous saves: queues it, see ``_write_local``).
 
         Args:
-            mode: ``"snapshot"`` or ``"pipelined"``.
-            **settings: ``fastpersist.config`` overrides.
-        """
-
-        def __init__(self, mode: str = "snapshot", **settings: Any) -> None:
-            super().__init__(async_mode=mode, **settings)
-            self.mode = mode
-            # Lightning's callbacks (EMA, SWA, ...) may change the state in place between a save and the
-            # next optimizer step: the snapshot's copies are ordered before the caller's next kernels.
-            self._checkpointer = Checkpointer(mode=mode, overlap_snapshots=False)
-            self._removals: list[futures.SaveFuture] = []
-            self.last_stats: Any = None  # a collective save's SaveStats, once one finished
-
-        def attach(self, optimizers: Any = (), model: Any = None) -> None:
-            """Makes ``optimizer.step()`` (and norm layers' forward) wait for a pending pipelined save."""
-            self._checkpointer.attach(optimizers, model=model)
-
-        def detach(self) -> None:
-            """Removes the hooks that :meth:`attach` added."""
-            self._checkpointer.detach()
-
-        def _surface(self) -> None:
-            removals, self._removals = self._removals, [f for f in self._removals if not f.done()]
-            for removal in removals:
-                if removal.done():
-                    removal.result()
-            self._checkpointer._surface_errors()
-
-        def save_checkpoint(
-            self,
-            checkpoint: dict[str, Any],
-            path: Any,
-            storage_options: Any | None = None,
-            *,
-            group: Any = None,
-            divergence: str = "warn",
-        ) -> None:
-            self._surface()
-            settings = {**self.settings, **_settings_from(storage_options, type(self).__name__)}
-            if not _is_local(path):
-                # Remote saves are synchronous (after what is pending).
-                self._wait()
-                super().save_checkpoint(checkpoint, path, storage_options, group=group, divergence=divergence)
-                return
-            path = _local(path)
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            if group is not None:
-                settings.update(_collective(checkpoint, group, divergence))
-            future = self._checkpointer.save(checkpoint, path, **settings)
-            if group is not None:
-                future.add_done_callback(self._keep_stats)
-
-        def _keep_stats(self, future: Any) -> None:
-            if future.stats is not None:
-                self.last_stats = future.stats
-
-        def remove_checkpoint(self, path: Any) -> None:
-            if not _is_local(path):
-                self._wait()
-                super().remove_checkpoint(path)
-                return
-            # Lightning removes old top-k files right after asking for a new save: run the removal
-            # on the save thread, after every write already queued (of this path too).
-            self._removals.append(futures.run_in_order(lambda: _remove(_local(path)), _local(path)))
-
-        def load_checkpoint(self, path: Any, map_location: Any | None = _to_host, weights_only: bool | None = None):
-            self._wait()
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-
-        def _wait(self) -> None:
-            removals, self._removals = self._removals, []
-            try:
-                self._checkpointer.wait()
-            finally:
-                errors = [f.exception() for f in removals]
-            first = next((e for e in errors if e is not None), None)
-            if first is not None:
-                raise first
-
-        def teardown(self) -> None:
-            """Waits for every pending save and removal; raises the first error."""
-            self._wait()
-
-    def _remove(path: str) -> None:
-        if os.path.isdir(path) and not os.path.islink(path):
-            import shutil
-
-            shutil.rmtree(path)
-        else:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-
-    def _rank_zero_warn(message: str) -> None:
-        try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-                return
-        except Exception:  # noqa: BLE001
-            pass
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    def install_sharded_save(strategy: Any, divergence: str = "warn") -> Any:
-        """Lets every data-parallel rank write its slice of each checkpoint (DDP).
-
-        Lightning calls CheckpointIO on global rank 0 only; after this call the
-        strategy's ``save_checkpoint`` runs on every rank and calls
-        ``fastpersist.save(checkpoint, path, group=WORLD)`` collectively: the
-        file holds global rank 0's checkpoint (what Lightning's own save
-        writes: rank 0's Timer state, its unsynchronized metrics), and each
-        rank writes the byte ranges of it that it holds identically (the
-        replicated weights and optimizer state). With
-        :class:`AsyncFastPersistCheckpointIO` each save is an asynchronous
-        collective one: every rank writes its share in the background.
-        ``divergence`` says what to do about model, optimizer or scheduler
-        tensors whose values differ between ranks (``"warn"``: write rank 0's
-        and warn once; ``"error"``; ``"ignore"``); the rest of the checkpoint
-        (loops, callbacks: per-rank state that Lightning's own rank-0 save
-        writes as rank 0 has it) is expected to differ and never warned
-        about. If
-        this fastpersist has no sharded save (``save`` without ``group``), or
-        the world has one rank, rank 0 saves the whole file as before (with one
-        warning in the first case). The strategy's CheckpointIO becomes a
-        :class:`FastPersistCheckpointIO` unless it already is one. Returns
-        ``strategy``.
+            storage_options: None, or a dict of fastpersist settings for this save.
+            group: a process group whose ranks all call this (sharded save,
+                see :func:`install_sharded_save`); the file holds global
+                rank 0's checkpoint, as Lightning's own rank-0 save does.
+            divergence: with ``group``: what to do about tensors whose
+                values differ between ranks (``"warn"``, ``"error"``,
+                ``"ignore"``; see ``fastpersist.save``).
 
         Raises:
-            TypeError: the strategy saves sharded state itself and bypasses
-                CheckpointIO (FSDP, DeepSpeed, ModelParallel, XLA): use its own
-                checkpointing (or fastpersist's torch.distributed.checkpoint
-                backend) instead.
+            TypeError: ``storage_options`` is not a dict.
+            OSError: the save failed; the previous file at ``path`` is intact.
+                Asynchronous saves: an earlier save or removal failed.
         """
+        self._surface()
+        settings = {**self.settings, **_settings_from(storage_options, type(self).__name__)}
+        collective = {} if group is None else _collective(checkpoint, group, divergence)
+        if not _is_local(path):
+            self._wait()  # remote saves are synchronous, after what is pending
+            if objectstore.is_object_url(str(path)):
+                fastpersist.save(checkpoint, str(path), **collective, **settings)
+            else:
+                self._cloud_io._atomic_save(checkpoint, path)
+            return
+        path = _local(path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._write_local(checkpoint, path, collective, settings)
+
+    def _write_local(self, checkpoint: dict[str, Any], path: str, collective: dict, settings: dict) -> None:
+        fastpersist.save(checkpoint, path, **collective, **settings)
+
+    def _surface(self) -> None:
+        """Raises the error of an earlier save or removal that failed in the background (none here)."""
+
+    def _wait(self) -> None:
+        """Waits for every pending save and removal; raises the first error (none pending here)."""
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = _to_host, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Loads the checkpoint at ``path`` (``FileNotFoundError`` if it is missing), after pending saves.
+
+        ``map_location`` defaults to Lightning's own (``lambda storage, loc:
+        storage``): every tensor comes back on the CPU, whatever device it
+        was saved from (under DDP a file saved on rank 0 names ``cuda:0``,
+        which is not rank 1's device).
+        """
+        self._wait()
+        settings = {k: v for k, v in self.settings.items() if k not in ("async_mode", "async_max_pending")}
+        if objectstore.is_object_url(str(path)):
+            return fastpersist.load(str(path), map_location=map_location, weights_only=weights_only, **settings)
+        if not _is_local(path):
+            return self._cloud_io._load(path, map_location=map_location, weights_only=weights_only)
+        path = _local(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        return fastpersist.load(path, map_location=map_location, weights_only=weights_only, **settings)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Removes the checkpoint file (or directory) at ``path``; nothing if it does not exist."""
+        if objectstore.is_object_url(str(path)):
+            from fastpersist.distributed.objectstore import remove_checkpoint
+
+            remove_checkpoint(str(path))  # and the part objects, if a collective save wrote it
+            log.debug("removed checkpoint %s", path)
+            return
+        fs = self._cloud_io.get_filesystem(path)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+            log.debug("removed checkpoint %s", path)
+
+    def teardown(self) -> None:
+        """Waits for every pending save and removal; raises the first error."""
+        self._wait()
+
+
+class _AsyncCheckpointIOMixin(_CheckpointIOMixin):
+    """Like :class:`FastPersistCheckpointIO`, but ``save_checkpoint`` returns before the file is written.
+
+    Safe where Lightning's ``AsyncCheckpointIO`` is not: no clone of the
+    state on the GPU. In ``snapshot`` mode (the default) the state is
+    copied into a reusable pinned host area (size of one checkpoint) and
+    training may change it at once. In ``pipelined`` mode nothing is
+    copied; the optimizers must then be attached (:meth:`attach`; the
+    :class:`FastPersistCheckpoint` callback does it) so that each
+    ``optimizer.step()`` waits until the pending save has read the state
+    (not until it is written); a change anyway fails that save
+    (``TensorModifiedError``), never writes a torn file.
+
+    ``remove_checkpoint`` of a path runs after the pending saves (in
+    order, on the background thread); ``load_checkpoint`` waits for
+    pending saves first. A failed save is raised by the next
+    ``save_checkpoint`` or by ``teardown``. Saves to remote paths are
+    synchronous, after the pending ones.
+
+    Under DDP with the sharded hook (:func:`install_sharded_save`) every
+    rank calls ``save_checkpoint`` with the group: each save is an
+    asynchronous collective one (``fastpersist.async_save(...,
+    group=...)``), every rank writing its share of rank 0's checkpoint in
+    the background. :attr:`last_stats` holds this rank's figures for the
+    last one that finished.
+
+    Args:
+        mode: ``"snapshot"`` or ``"pipelined"``.
+        **settings: ``fastpersist.config`` overrides.
+    """
+
+    def __init__(self, mode: str = "snapshot", **settings: Any) -> None:
+        super().__init__(async_mode=mode, **settings)
+        self.mode = mode
+        # Lightning's callbacks (EMA, SWA, ...) may change the state in place between a save and the
+        # next optimizer step: the snapshot's copies are ordered before the caller's next kernels.
+        self._checkpointer = Checkpointer(mode=mode, overlap_snapshots=False)
+        self._removals: list[futures.SaveFuture] = []
+        self.last_stats: Any = None  # a collective save's SaveStats, once one finished
+
+    def attach(self, optimizers: Any = (), model: Any = None) -> None:
+        """Makes ``optimizer.step()`` (and norm layers' forward) wait for a pending pipelined save."""
+        self._checkpointer.attach(optimizers, model=model)
+
+    def detach(self) -> None:
+        """Removes the hooks that :meth:`attach` added."""
+        self._checkpointer.detach()
+
+    def _write_local(self, checkpoint: dict[str, Any], path: str, collective: dict, settings: dict) -> None:
+        future = self._checkpointer.save(checkpoint, path, **{**settings, **collective})
+        if collective:
+            future.add_done_callback(self._keep_stats)
+
+    def _keep_stats(self, future: Any) -> None:
+        if future.stats is not None:
+            self.last_stats = future.stats
+
+    def _surface(self) -> None:
+        removals, self._removals = self._removals, [f for f in self._removals if not f.done()]
+        for removal in removals:
+            if removal.done():
+                removal.result()
+        self._checkpointer._surface_errors()
+
+    def _wait(self) -> None:
+        removals, self._removals = self._removals, []
+        try:
+            self._checkpointer.wait()
+        finally:
+            errors = [f.exception() for f in removals]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
+    def remove_checkpoint(self, path: Any) -> None:
+        if not _is_local(path):
+            self._wait()
+            super().remove_checkpoint(path)
+            return
+        # Lightning removes old top-k files right after asking for a new save: run the removal
+        # on the save thread, after every write already queued (of this path too).
+        self._removals.append(futures.run_in_order(lambda: _remove(_local(path)), _local(path)))
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        import shutil
+
+        shutil.rmtree(path)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _rank_zero_warn(message: str) -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return
+    except Exception:  # noqa: BLE001
+        pass
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _install_sharded_save(strategy: Any, divergence: str, checkpoint_io_class: type) -> Any:
+    """Lets every data-parallel rank write its slice of each checkpoint (DDP).
+
+    Lightning calls CheckpointIO on global rank 0 only; after this call the
+    strategy's ``save_checkpoint`` runs on every rank and calls
+    ``fastpersist.save(checkpoint, path, group=WORLD)`` collectively: the
+    file holds global rank 0's checkpoint (what Lightning's own save
+    writes: rank 0's Timer state, its unsynchronized metrics), and each
+    rank writes the byte ranges of it that it holds identically (the
+    replicated weights and optimizer state). With
+    :class:`AsyncFastPersistCheckpointIO` each save is an asynchronous
+    collective one: every rank writes its share in the background.
+    ``divergence`` says what to do about model, optimizer or scheduler
+    tensors whose values differ between ranks (``"warn"``: write rank 0's
+    and warn once; ``"error"``; ``"ignore"``); the rest of the checkpoint
+    (loops, callbacks: per-rank state that Lightning's own rank-0 save
+    writes as rank 0 has it) is expected to differ and never warned
+    about. If
+    this fastpersist has no sharded save (``save`` without ``group``), or
+    the world has one rank, rank 0 saves the whole file as before (with one
+    warning in the first case). The strategy's CheckpointIO becomes a
+    :class:`FastPersistCheckpointIO` unless it already is one. Returns
+    ``strategy``.
+
+    Raises:
+        TypeError: the strategy saves sharded state itself and bypasses
+            CheckpointIO (FSDP, DeepSpeed, ModelParallel, XLA): use its own
+            checkpointing (or fastpersist's torch.distributed.checkpoint
+            backend) instead.
+    """
+    # checkpoint_io_class: the FastPersistCheckpointIO of the strategy's package (the public
+    # install_sharded_save that _build makes passes it).
+    bypass = _bypasses_checkpoint_io(strategy)
+    if bypass is not None:
+        raise TypeError(
+            f"{bypass} saves sharded checkpoints itself and does not go through CheckpointIO, so "
+            "fastpersist cannot write its slices; keep the strategy's own checkpointing (or use "
+            "torch.distributed.checkpoint), or use DDPStrategy for replicated state"
+        )
+    if getattr(strategy, "_fastpersist_sharded", False):
+        return strategy
+    if not isinstance(getattr(strategy, "_checkpoint_io", None), checkpoint_io_class):
+        strategy.checkpoint_io = checkpoint_io_class()
+    original = strategy.save_checkpoint
+
+    def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        import torch.distributed as dist
+
+        io = strategy.checkpoint_io
+        sharded = (
+            dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+            and isinstance(io, checkpoint_io_class)
+            and _is_local(filepath)
+        )
+        if sharded and not save_supports_group():
+            if not getattr(strategy, "_fastpersist_warned", False):
+                strategy._fastpersist_warned = True
+                _rank_zero_warn(
+                    "this fastpersist has no sharded save (fastpersist.save(..., group=)); "
+                    "global rank 0 writes whole checkpoints"
+                )
+            sharded = False
+        if not sharded:
+            original(checkpoint, filepath, storage_options=storage_options)
+            return
+        io.save_checkpoint(checkpoint, filepath, storage_options, group=dist.group.WORLD, divergence=divergence)
+
+    strategy.save_checkpoint = save_checkpoint
+    strategy._fastpersist_sharded = True
+    return strategy
+
+
+class _DDPStrategyMixin:
+    """``DDPStrategy`` whose checkpoints are written by fastpersist, each rank its slice.
+
+    Same arguments as ``DDPStrategy``, and ``divergence`` (see
+    :func:`install_sharded_save`); ``checkpoint_io`` defaults to
+    :class:`FastPersistCheckpointIO`.
+    """
+
+    _checkpoint_io_class: type  # the package's FastPersistCheckpointIO
+
+    def __init__(self, *args: Any, divergence: str = "warn", **kwargs: Any) -> None:
+        kwargs.setdefault("checkpoint_io", self._checkpoint_io_class())
+        super().__init__(*args, **kwargs)
+        _install_sharded_save(self, divergence, self._checkpoint_io_class)
+
+
+class _CheckpointCallbackMixin:
+    """``ModelCheckpoint`` (same arguments) whose files are written by fastpersist.
+
+    In ``setup`` it installs a fastpersist CheckpointIO on the trainer's
+    strategy (so ``trainer.save_checkpoint`` and resuming with
+    ``ckpt_path=`` use it too) and, under DDP, the sharded-save hook.
+
+    Args:
+        *args, **kwargs: as ``ModelCheckpoint``.
+        async_mode: None (synchronous saves, the default), ``"snapshot"``
+            or ``"pipelined"`` (:class:`AsyncFastPersistCheckpointIO`; in
+            pipelined mode the optimizers wait for the pending save before
+            stepping).
+        sharded: under DDP, let every rank write its slice of rank 0's
+            checkpoint (with ``async_mode``: in the background, each save an
+            asynchronous collective one).
+        divergence: with ``sharded``: tensors whose values differ between
+            ranks (an unsynchronized metric's best score, a drifted
+            replica) are written as rank 0 has them, with one warning
+            (``"warn"``), silently (``"ignore"``), or refused (``"error"``).
+        settings: ``fastpersist.config`` overrides (a dict).
+    """
+
+    # The package's FastPersistCheckpointIO, AsyncFastPersistCheckpointIO and DDPStrategy.
+    _checkpoint_io_class: type
+    _async_checkpoint_io_class: type
+    _ddp_strategy_class: type
+
+    def __init__(
+        self,
+        *args: Any,
+        async_mode: str | None = None,
+        sharded: bool = True,
+        divergence: str = "warn",
+        settings: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if async_mode not in (None, "snapshot", "pipelined"):
+            raise ValueError(f"async_mode must be None, 'snapshot' or 'pipelined', got {async_mode!r}")
+        self.async_mode = async_mode
+        self.sharded = sharded
+        self.divergence = divergence
+        self.fastpersist_settings = dict(settings or {})
+        self.checkpoint_io: _CheckpointIOMixin | None = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        strategy = trainer.strategy
         bypass = _bypasses_checkpoint_io(strategy)
         if bypass is not None:
-            raise TypeError(
-                f"{bypass} saves sharded checkpoints itself and does not go through CheckpointIO, so "
-                "fastpersist cannot write its slices; keep the strategy's own checkpointing (or use "
-                "torch.distributed.checkpoint), or use DDPStrategy for replicated state"
+            _rank_zero_warn(
+                f"FastPersistCheckpoint: {bypass} writes its checkpoints itself (not through CheckpointIO); "
+                "they are saved by the strategy, not by fastpersist"
             )
-        if getattr(strategy, "_fastpersist_sharded", False):
-            return strategy
-        if not isinstance(getattr(strategy, "_checkpoint_io", None), FastPersistCheckpointIO):
-            strategy.checkpoint_io = FastPersistCheckpointIO()
-        original = strategy.save_checkpoint
-
-        def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-            import torch.distributed as dist
-
-            io = strategy.checkpoint_io
-            sharded = (
-                dist.is_available()
-                and dist.is_initialized()
-                and dist.get_world_size() > 1
-                and isinstance(io, FastPersistCheckpointIO)
-                and _is_local(filepath)
-            )
-            if sharded and not save_supports_group():
-                if not getattr(strategy, "_fastpersist_warned", False):
-                    strategy._fastpersist_warned = True
-                    _rank_zero_warn(
-                        "this fastpersist has no sharded save (fastpersist.save(..., group=)); "
-                        "global rank 0 writes whole checkpoints"
-                    )
-                sharded = False
-            if not sharded:
-                original(checkpoint, filepath, storage_options=storage_options)
-                return
-            io.save_checkpoint(checkpoint, filepath, storage_options, group=dist.group.WORLD, divergence=divergence)
-
-        strategy.save_checkpoint = save_checkpoint
-        strategy._fastpersist_sharded = True
-        return strategy
-
-    class FastPersistDDPStrategy(strategies.DDPStrategy):
-        """``DDPStrategy`` whose checkpoints are written by fastpersist, each rank its slice.
-
-        Same arguments as ``DDPStrategy``, and ``divergence`` (see
-        :func:`install_sharded_save`); ``checkpoint_io`` defaults to
-        :class:`FastPersistCheckpointIO`.
-        """
-
-        def __init__(self, *args: Any, divergence: str = "warn", **kwargs: Any) -> None:
-            kwargs.setdefault("checkpoint_io", FastPersistCheckpointIO())
-            super().__init__(*args, **kwargs)
-            install_sharded_save(self, divergence=divergence)
-
-    class FastPersistCheckpoint(pl.callbacks.ModelCheckpoint):
-        """``ModelCheckpoint`` (same arguments) whose files are written by fastpersist.
-
-        In ``setup`` it installs a fastpersist CheckpointIO on the trainer's
-        strategy (so ``trainer.save_checkpoint`` and resuming with
-        ``ckpt_path=`` use it too) and, under DDP, the sharded-save hook.
-
-        Args:
-            *args, **kwargs: as ``ModelCheckpoint``.
-            async_mode: None (synchronous saves, the default), ``"snapshot"``
-                or ``"pipelined"`` (:class:`AsyncFastPersistCheckpointIO`; in
-                pipelined mode the optimizers wait for the pending save before
-                stepping).
-            sharded: under DDP, let every rank write its slice of rank 0's
-                checkpoint (with ``async_mode``: in the background, each save an
-                asynchronous collective one).
-            divergence: with ``sharded``: tensors whose values differ between
-                ranks (an unsynchronized metric's best score, a drifted
-                replica) are written as rank 0 has them, with one warning
-                (``"warn"``), silently (``"ignore"``), or refused (``"error"``).
-            settings: ``fastpersist.config`` overrides (a dict).
-        """
-
-        def __init__(
-            self,
-            *args: Any,
-            async_mode: str | None = None,
-            sharded: bool = True,
-            divergence: str = "warn",
-            settings: dict[str, Any] | None = None,
-            **kwargs: Any,
-        ) -> None:
-            super().__init__(*args, **kwargs)
-            if async_mode not in (None, "snapshot", "pipelined"):
-                raise ValueError(f"async_mode must be None, 'snapshot' or 'pipelined', got {async_mode!r}")
-            self.async_mode = async_mode
-            self.sharded = sharded
-            self.divergence = divergence
-            self.fastpersist_settings = dict(settings or {})
-            self.checkpoint_io: FastPersistCheckpointIO | None = None
-
-        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            super().setup(trainer, pl_module, stage)
-            strategy = trainer.strategy
-            bypass = _bypasses_checkpoint_io(strategy)
-            if bypass is not None:
+            return
+        current = getattr(strategy, "_checkpoint_io", None)
+        if isinstance(current, self._checkpoint_io_class):
+            self.checkpoint_io = current
+        else:
+            if current is not None and type(current).__name__ != "TorchCheckpointIO":
                 _rank_zero_warn(
-                    f"FastPersistCheckpoint: {bypass} writes its checkpoints itself (not through CheckpointIO); "
-                    "they are saved by the strategy, not by fastpersist"
+                    f"FastPersistCheckpoint replaces the strategy's {type(current).__name__} with fastpersist"
                 )
-                return
-            current = getattr(strategy, "_checkpoint_io", None)
-            if isinstance(current, FastPersistCheckpointIO):
-                self.checkpoint_io = current
+            if self.async_mode is None:
+                self.checkpoint_io = self._checkpoint_io_class(**self.fastpersist_settings)
             else:
-                if current is not None and type(current).__name__ != "TorchCheckpointIO":
-                    _rank_zero_warn(
-                        f"FastPersistCheckpoint replaces the strategy's {type(current).__name__} with fastpersist"
-                    )
-                if self.async_mode is None:
-                    self.checkpoint_io = FastPersistCheckpointIO(**self.fastpersist_settings)
-                else:
-                    self.checkpoint_io = AsyncFastPersistCheckpointIO(self.async_mode, **self.fastpersist_settings)
-                strategy.checkpoint_io = self.checkpoint_io
-            if self.sharded and isinstance(strategy, strategies.DDPStrategy):
-                install_sharded_save(strategy, divergence=self.divergence)
+                self.checkpoint_io = self._async_checkpoint_io_class(self.async_mode, **self.fastpersist_settings)
+            strategy.checkpoint_io = self.checkpoint_io
+        if self.sharded and isinstance(strategy, self._ddp_strategy_class):
+            _install_sharded_save(strategy, self.divergence, self._checkpoint_io_class)
 
-        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-            io = self.checkpoint_io
-            if isinstance(io, AsyncFastPersistCheckpointIO) and io.mode == "pipelined":
-                optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
-                io.attach(optimizers, model=pl_module)
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        io = self.checkpoint_io
+        if isinstance(io, self._async_checkpoint_io_class) and io.mode == "pipelined":
+            optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
+            io.attach(optimizers, model=pl_module)
 
-        def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            io = self.checkpoint_io
-            if isinstance(io, AsyncFastPersistCheckpointIO):
-                io.detach()
-                io.teardown()  # raises a failed save's error
-            super().teardown(trainer, pl_module, stage)
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        io = self.checkpoint_io
+        if isinstance(io, self._async_checkpoint_io_class):
+            io.detach()
+            io.teardown()  # raises a failed save's error
+        super().teardown(trainer, pl_module, stage)
 
-    for cls in (FastPersistCheckpointIO, AsyncFastPersistCheckpointIO, FastPersistDDPStrategy, FastPersistCheckpoint):
-        # A name pickle can find again (through this module's __getattr__), as ddp_spawn needs.
-        cls.__qualname__ = cls.__name__
-        cls.__module__ = __name__
+
+def _compose(name: str, mixin: type, base: type, **attributes: Any) -> type:
+    """``class <name>(mixin, base)`` with ``attributes``, named as this module's ``name``.
+
+    Pickle finds it again by that name (through this module's ``__getattr__``, as
+    ddp_spawn needs), and Lightning keys a callback's state by its qualname.
+    """
+    namespace = {"__module__": __name__, "__qualname__": name, "__doc__": mixin.__doc__, **attributes}
+    return types.new_class(name, (mixin, base), exec_body=lambda ns: ns.update(namespace))
+
+
+def _build(pl: Any, CheckpointIO: type, cloud_io: Any, strategies: Any) -> types.SimpleNamespace:
+    """The public classes for one Lightning package: each mixin composed with that package's base class."""
+    sync_io = _compose("FastPersistCheckpointIO", _CheckpointIOMixin, CheckpointIO, _cloud_io=cloud_io)
+    async_io = _compose("AsyncFastPersistCheckpointIO", _AsyncCheckpointIOMixin, sync_io)
+    ddp = _compose("FastPersistDDPStrategy", _DDPStrategyMixin, strategies.DDPStrategy, _checkpoint_io_class=sync_io)
+    callback = _compose(
+        "FastPersistCheckpoint",
+        _CheckpointCallbackMixin,
+        pl.callbacks.ModelCheckpoint,
+        _checkpoint_io_class=sync_io,
+        _async_checkpoint_io_class=async_io,
+        _ddp_strategy_class=strategies.DDPStrategy,
+    )
+
+    def install_sharded_save(strategy: Any, divergence: str = "warn") -> Any:
+        return _install_sharded_save(strategy, divergence, sync_io)
+
+    install_sharded_save.__doc__ = _install_sharded_save.__doc__
     return types.SimpleNamespace(
-        FastPersistCheckpointIO=FastPersistCheckpointIO,
-        AsyncFastPersistCheckpointIO=AsyncFastPersistCheckpointIO,
-        FastPersistCheckpoint=FastPersistCheckpoint,
-        FastPersistDDPStrategy=FastPersistDDPStrategy,
+        FastPersistCheckpointIO=sync_io,
+        AsyncFastPersistCheckpointIO=async_io,
+        FastPersistCheckpoint=callback,
+        FastPersistDDPStrategy=ddp,
         install_sharded_save=install_sharded_save,
     )
