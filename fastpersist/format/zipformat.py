@@ -30,7 +30,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError
+from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, MissingEndRecordError
 
 __all__ = [
     "PAYLOAD_ALIGNMENT",
@@ -362,10 +362,6 @@ class ZipRecordInfo(NamedTuple):
 
 ReadAt = Callable[[int, int], bytes]
 """``read_at(offset, length) -> bytes``: reads exactly ``length`` bytes or fewer at EOF."""
-
-
-class MissingEndRecordError(CorruptCheckpointError):
-    """No zip end record: a truncated archive, or not a zip archive at all."""
 
 
 def _corrupt(path: str | None, message: str, record: str | None = None, kind=CorruptCheckpointError):

@@ -49,6 +49,7 @@ from typing import Any
 from fastpersist import config, system
 from fastpersist.errors import (
     CheckpointIOError,
+    NonAtomicSaveWarning,
     TargetDirectoryMissingError,
     TargetIsADirectoryError,
     TargetPermissionError,
@@ -91,10 +92,6 @@ directory of a few thousand entries (a listing of 10,000 takes about 4 ms),
 at most every 4 s in one of 100,000 (40 ms).
 """
 _WATCHED_MAX = 64  # temporaries of live writers whose writers are checked again between listings
-
-
-class NonAtomicSaveWarning(UserWarning):
-    """A save was written in place (not atomically): the previous file was overwritten as it went."""
 
 
 # ----------------------------------------------------------------------------- process state
