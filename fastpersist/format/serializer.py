@@ -283,7 +283,7 @@ def _dump(
 
 
 class _TypedStorageStandIn:
-    """Stands where torch's reduction of a tensor puts a new TypedStorage (3 us to build).
+    """Stands where torch's reduction of a tensor puts a new TypedStorage (costly to build; docs/performance.md).
 
     Only our ``persistent_id`` ever sees it, and it answers exactly what it
     answers for that TypedStorage, so the pickle is the same.

@@ -373,7 +373,7 @@ _CentralEntry = tuple[str, bytes, int, int, int, int, int, int, int, int]
 """The fields of one central directory entry that a reader or a verifier looks at: ``(name, raw_name,
 version_needed, flags, method, time, date, crc, size, header_offset)``. A plain tuple of plain values,
 which the garbage collector stops tracking; as objects, the entries of 100,000 small records
-brought on an extra full collection (~0.1 s) per load."""
+brought on an extra full collection per load (docs/performance.md)."""
 
 
 @dataclasses.dataclass(frozen=True)

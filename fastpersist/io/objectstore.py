@@ -622,7 +622,7 @@ class _SinglePut:
     """An object of one part: the window is copied aside and sent by one PutObject at :meth:`complete`.
 
     Below one part a multipart upload costs three requests where one does
-    (0.22 s against 0.08 s for 8 MB on the dev VM's local server). The bytes
+    (their times: docs/performance.md). The bytes
     are copied (at most one part) because the ring slot is reused once its
     handle's wait returns, and the object must not appear before
     ``before_commit`` has passed: PutObject is the commit, as completion is.
