@@ -93,9 +93,8 @@ class Settings:
     ``fastpersist.release_buffers()`` frees idle buffers."""
     read_buffer_size: int = 16 * _MiB
     """Bytes in each page-locked buffer of the ring of CUDA loads. A multiple of 4096. Many small buffers keep the
-    storage busier than a few large ones: a buffer idles from its read's end until its copy and checksum are done (on
-    the H200 machine 16 x 16 MiB loaded 1.3-1.4x faster than 8 x 64 MiB unverified, 1.1-1.2x verified, with half the
-    memory; docs/performance.md)."""
+    storage busier than a few large ones: a buffer idles from its read's end until its copy and checksum are done, so
+    16 x 16 MiB loads faster than 8 x 64 MiB, with half the memory (measured in docs/performance.md)."""
     read_buffer_count: int = 16
     """Buffers in the ring of CUDA loads (2 to 64): a buffer is refilled only after its host-to-device copy and
     checksum, so loads need more reads in flight than saves; a storage loaded on its own (``weights_only=False``) is cut
@@ -113,10 +112,10 @@ class Settings:
     """Verified loads to CUDA checksum each record's whole 16 MiB and 4 MiB segments on the GPU after their copy
     (torch operations replayed as CUDA graphs on a stream of their own), and only the rest on the CPU, whose pass
     otherwise competes with the reads and copies for the host's memory bandwidth. Faster verified loads from fast
-    storage (H200: 1.34x from /dev/zero, 1.21x from /dev/shm), but a process's first such load captures the graphs
-    (0.42 s there) and they keep about 280 MiB of each device's memory until ``fastpersist.release_buffers()``: worth
-    it for processes that load many times. Where the graphs cannot be made (the device's memory is full), the CPU
-    checksums. See docs/performance.md."""
+    storage, but a process's first such load captures the graphs, and they keep part of each device's memory until
+    ``fastpersist.release_buffers()``: worth it for processes that load many times. Where the graphs cannot be made
+    (the device's memory is full), the CPU checksums. The gain and both costs are measured in
+    docs/performance.md."""
     huge_pages: bool = True
     """Ask for transparent huge pages (best effort) for large load destinations (fewer page faults) and for the pooled
     staging rings of saves and loads. Direct requests from huge pages need few scatter-gather segments, which

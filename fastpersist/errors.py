@@ -6,6 +6,12 @@ I/O failures are raised as the built-in ``OSError`` subclasses
 ``torch.save``.  The types below cover what is specific to checkpoints.
 Each subclasses the built-in type that ``torch.save`` / ``torch.load`` would
 raise in the same situation, so existing ``except`` clauses keep working.
+
+Every exception and warning class of fastpersist is defined here, including
+the types the compiled core raises (the binding takes them from this module)
+and the internal signals that never leave the module raising them; other
+modules import them from here (and re-export the public ones where they were
+first published). ``tests/docs/test_architecture_doc.py`` keeps it so.
 """
 
 from __future__ import annotations
@@ -19,14 +25,17 @@ __all__ = [
     "FastPersistError",
     "ConfigError",
     "EngineUnavailableError",
+    "UnexpectedEndOfFileError",
     "CudaUnavailableError",
     "GdsUnavailableError",
     "CufileError",
+    "CufileUnavailable",
     "CorruptCheckpointError",
     "ChecksumMismatchError",
     "UnsafeCheckpointPathError",
     "UnsupportedObjectError",
     "TruncatedCheckpointError",
+    "MissingEndRecordError",
     "InvalidSafetensorsError",
     "UnsafeFileNameError",
     "DistributedCheckpointError",
@@ -42,7 +51,11 @@ __all__ = [
     "BucketNotFoundError",
     "ObjectNotFoundError",
     "ObjectStoreUnavailableError",
+    "CheckpointChangedError",
+    "OffloadPlanError",
+    "UsageError",
     "ReplicaDivergenceWarning",
+    "NonAtomicSaveWarning",
     "warn_at_caller",
     "torch_compatible",
     "unsupported_object_error",
@@ -50,7 +63,13 @@ __all__ = [
 
 
 class FastPersistError(Exception):
-    """Base class of every exception defined by fastpersist."""
+    """Base class of fastpersist's exceptions.
+
+    Not of all of them: :class:`UnexpectedEndOfFileError`,
+    :class:`CufileUnavailable`, :class:`OffloadPlanError`,
+    :class:`UsageError`, the warnings and the internal signals keep the bases
+    they had before they moved into this module.
+    """
 
 
 class ConfigError(FastPersistError, ValueError):
@@ -59,6 +78,17 @@ class ConfigError(FastPersistError, ValueError):
 
 class EngineUnavailableError(FastPersistError, RuntimeError):
     """An I/O engine that was named explicitly cannot start on this machine."""
+
+
+class UnexpectedEndOfFileError(OSError, EOFError):
+    """A read reached the end of the file before the requested number of bytes.
+
+    Raised by the native core (``fastpersist.io.engine``); ``filename`` is the
+    file. Both an ``OSError`` and an ``EOFError``.
+    """
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else "unexpected end of file"
 
 
 class CudaUnavailableError(FastPersistError, RuntimeError):
@@ -87,6 +117,15 @@ class CufileError(FastPersistError, OSError):
         self.call = call
         self.code = code
         self.cuda_code = cuda_code
+
+
+class CufileUnavailable(Exception):
+    """cuFile cannot be used here; ``str()`` says why (library not found, a symbol missing, the driver refused).
+
+    Raised by ``fastpersist.deepnvme.cufile``; ``GdsHandle`` turns it into
+    :class:`GdsUnavailableError` where ``cufile`` was named, and falls back
+    to its ``bounce`` path under ``auto``.
+    """
 
 
 class CorruptCheckpointError(FastPersistError, RuntimeError):
@@ -148,6 +187,10 @@ class TruncatedCheckpointError(CorruptCheckpointError, EOFError):
     """A file that ends too early; still an EOFError, which torch.load raised for it."""
 
 
+class MissingEndRecordError(CorruptCheckpointError):
+    """No zip end record: a truncated archive, or not a zip archive at all."""
+
+
 class InvalidSafetensorsError(CorruptCheckpointError):
     """A safetensors file whose header is invalid: bad length, JSON, dtype, shape or offsets.
 
@@ -202,6 +245,10 @@ class ReplicaDivergenceWarning(UserWarning):
     Silence it with ``divergence="ignore"``, or make it an error with
     ``divergence="error"`` (docs/distributed.md).
     """
+
+
+class NonAtomicSaveWarning(UserWarning):
+    """A save was written in place (not atomically): the previous file was overwritten as it went."""
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -316,6 +363,45 @@ class ObjectNotFoundError(ObjectStoreError, FileNotFoundError):
 
 class ObjectStoreUnavailableError(FastPersistError, ImportError):
     """An ``s3://`` URL was given but boto3 is not installed (``pip install fastpersist[s3]``)."""
+
+
+class CheckpointChangedError(CheckpointIOError):
+    """A checkpoint file changed on disk while an offloaded model was reading it."""
+
+
+class OffloadPlanError(ValueError):
+    """The model, the checkpoint and the budget do not fit together (the message names what and how)."""
+
+
+class UsageError(ValueError):
+    """Command-line options that cannot run as given here (``fastpersist tune``'s, ds_nvme_tune's); the message
+    says why, or what to use instead."""
+
+
+# ----------------------------------------------------------------------------- internal signals
+# Raised and caught inside one module, never seen by a caller (so not in __all__).
+
+
+class StoreWaitTimedOut(Exception):
+    """``distributed.coordinator``: the keys waited for did not all appear in the store before the deadline."""
+
+
+class CallAbandoned(Exception):
+    """``distributed.coordinator``: another rank abandoned the collective call; ``args[0]`` is
+    ``(reason, failures)``."""
+
+
+class CallNotOpened(Exception):
+    """``distributed.coordinator``: rank 0 did not open the collective call (it never made it) before the deadline."""
+
+
+class PartSkippedError(ObjectStoreError):
+    """``io.objectstore``: a part not uploaded because another part had already failed (never the error a save
+    raises)."""
+
+
+class ShortResponseError(Exception):
+    """``io.objectstore``: a ranged GET's response ended early (retried)."""
 
 
 _KEPT_ON_LOAD = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)

@@ -69,9 +69,9 @@ class Checkpointer:
             (by the save thread when it was idle, see docs/async.md).
         overlap_snapshots: (snapshot mode) run the device-to-host copies beside
             the next forward pass, the step ordered after them (default);
-            False: the caller's stream waits for them at once (~5 ms per
-            250 MB), and the state may change in place by any means as soon
-            as ``save`` returns.
+            False: the caller's stream waits for them at once (their time
+            is in docs/async.md), and the state may change in place by any
+            means as soon as ``save`` returns.
         group: under data-parallel training, the process group whose ranks
             all call :meth:`save` with the same path: each save is then a
             collective one (:func:`fastpersist.async_save` with ``group=``),
@@ -145,8 +145,8 @@ class Checkpointer:
         Call it once with the state you will save, after the optimizer has its
         state (Adam's moments appear at the first step): its size is what
         matters; the values are not kept. Without it the first
-        save allocates and locks its staging memory on the spot (~0.5 s per GiB
-        on the lent GPU machines). Returns the bytes reserved.
+        save allocates and locks its staging memory on the spot (docs/async.md
+        says how long that takes). Returns the bytes reserved.
         """
         options = {k: v for k, v in {**self.settings, **settings}.items() if k not in _COLLECTIVE}
         return futures.prepare(obj, mode=self.mode, **options)

@@ -54,7 +54,7 @@ import sys
 import threading
 from typing import Any
 
-from fastpersist.errors import CufileError
+from fastpersist.errors import CufileError, CufileUnavailable
 
 __all__ = [
     "Driver",
@@ -136,10 +136,6 @@ class _Descriptor(ctypes.Structure):
     """``CUfileDescr_t``: ``{enum type; union {int fd; void *handle;} handle; const CUfileFSOps_t *fs_ops;}``."""
 
     _fields_ = [("type", ctypes.c_int), ("handle", _DescriptorHandle), ("fs_ops", ctypes.c_void_p)]
-
-
-class CufileUnavailable(Exception):
-    """cuFile cannot be used here; ``str()`` says why (library not found, a symbol missing, the driver refused)."""
 
 
 def nvidia_fs_loaded() -> bool:

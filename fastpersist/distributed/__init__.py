@@ -5,7 +5,9 @@ aligned slice of one checkpoint's bytes from its own copy. Ranks exchange
 only metadata (sizes, CRC-32s, status), never tensor data, during a save.
 See docs/distributed.md.
 
-Modules: :mod:`.sharding` (the pure split), :mod:`.crc` (CRC-32 combination),
-:mod:`.coordinator` (metadata exchange with timeouts), :mod:`.save`,
-:mod:`.manifest`, :mod:`.load`, :mod:`.verify`, :mod:`.objectstore` (``s3://`` targets).
+Modules: :mod:`.sharding` (the pure split), :mod:`.coordinator` (metadata
+exchange with timeouts), :mod:`.save` (which combines the ranks' CRC-32s
+with ``fastpersist.io.checksum.crc32_combine_all``), :mod:`.replicas`,
+:mod:`.manifest`, :mod:`.load`, :mod:`.verify`, :mod:`.objectstore`
+(``s3://`` targets).
 """

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fastpersist.errors import DistributedCheckpointError
+from fastpersist.errors import CallAbandoned, CallNotOpened, DistributedCheckpointError, StoreWaitTimedOut
 from fastpersist.io import queue
 
 __all__ = ["Coordinator", "DEFAULT_TIMEOUT"]
@@ -258,11 +258,11 @@ class Coordinator:
             if self.call is not None and not waiting_for_open:
                 mark = self._aborted_by()
                 if mark is not None:
-                    raise _Abandoned(mark)
+                    raise CallAbandoned(mark)
             if time.monotonic() >= deadline:
                 if waiting_for_open:
-                    raise _NotOpened()
-                raise _TimedOut()
+                    raise CallNotOpened()
+                raise StoreWaitTimedOut()
             time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
             # Fine at first (ranks usually arrive within milliseconds), then calm. Growing by a quarter, a look
             # comes at most ~25% of the time waited so far after the keys appear (by half: ~50%).
@@ -316,7 +316,7 @@ class Coordinator:
         except (KeyboardInterrupt, SystemExit) as e:
             self.abort(f"was interrupted ({type(e).__name__}) at step {step!r}", {self.rank: "interrupted"}, step)
             raise
-        except _NotOpened:
+        except CallNotOpened:
             this = f" ({self.what} {self.description})" if self.description else ""
             raise DistributedCheckpointError(
                 f"collective {self.what} failed at step {step!r}: rank 0 of the group did not make this call{this} "
@@ -324,7 +324,7 @@ class Coordinator:
                 "path, in the same order (not inside `if rank == 0:`); nothing was committed",
                 {0: "did not make this call"},
             ) from error
-        except _TimedOut:
+        except StoreWaitTimedOut:
             missing = [r for r, k in enumerate(keys) if not self._present(k)]
             failures = {r: f"did not report within {self.timeout:g} s" for r in missing}
             self.abort(
@@ -336,7 +336,7 @@ class Coordinator:
                 f"collectively); nothing was committed. Raise timeout= if a rank is just slow",
                 failures,
             ) from error
-        except _Abandoned as e:
+        except CallAbandoned as e:
             reason, failures = e.args[0]
             raise DistributedCheckpointError(
                 f"collective {self.what} failed at step {step!r}: the call was abandoned ({reason}); nothing was "
@@ -379,7 +379,7 @@ class Coordinator:
                 self._wait_for(
                     [f"{prefix}{step}/read/{r}" for r in range(self.size)], time.monotonic() + self.timeout, step
                 )
-            except (_TimedOut, _Abandoned):  # a rank that died after reading changes nothing here
+            except (StoreWaitTimedOut, CallAbandoned):  # a rank that died after reading changes nothing here
                 pass
 
     def _present(self, key: str) -> bool:
@@ -405,18 +405,6 @@ class Coordinator:
             self.exchange(step, error=e)
             raise AssertionError("unreachable") from e  # exchange always raises when given an error
         return self.exchange(step, payload, last=last)
-
-
-class _TimedOut(Exception):
-    pass
-
-
-class _Abandoned(Exception):
-    pass
-
-
-class _NotOpened(Exception):
-    pass
 
 
 def _poll_cap(size: int) -> float:

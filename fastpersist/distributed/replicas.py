@@ -186,12 +186,12 @@ class PendingDigests:
     A large device storage's kernels are queued by :meth:`launch_next`, one
     storage per call, which the collective save runs in the writer's idle
     moments (:func:`fastpersist.io.writer.idle_work`) when checksums are off:
-    queued all at once before the first copy, they took 11-15 ms of a 2.15 GB
-    rank's 55-58 ms write to the sink on an H200. With checksums on it queues
-    them first: launches during the write (or on a helper thread) finished
-    ~18 ms after it, later than the old order, with the CRC-32s on Python
-    threads and again (17.5-19 ms) on the native pool, so the interpreter
-    lock is not why. :meth:`result` queues what is
+    queued all at once before the first copy, they took a good part of a rank's
+    write to the sink. With checksums on it queues them first: launches
+    during the write (or on a helper thread) finished after it, later than
+    the old order, with the CRC-32s on Python threads and again on the
+    native pool, so the interpreter lock is not why (docs/distributed.md,
+    docs/performance.md). :meth:`result` queues what is
     left, waits for everything and returns ``(nbytes, kind, value)`` per
     record, in order. Until then the caller must keep the storages unchanged
     (they are being read).

@@ -197,15 +197,40 @@ def deserialize(
             from_storage.add(id(e))  # I/O, checksum and device errors: raised as they are
             raise
 
+    unpickler = _unpickler(pickle_bytes, weights_only, pickle_module, pickle_load_args)
+    unpickler.persistent_load = persistent_load
+    result = _unpickle(unpickler, provider, map_location, weights_only, from_storage, prefix, path)
+    _validate_sparse_tensors(weights_only, prefix, path)
+    return result
+
+
+def _unpickler(pickle_bytes: bytes, weights_only: bool, pickle_module: Any, pickle_load_args: dict[str, Any]):
+    """The unpickler torch.load would use for ``data.pkl``: the weights-only one, or ``pickle_module``'s."""
     stream = io.BytesIO(pickle_bytes)
     if weights_only:
         from torch import _weights_only_unpickler
 
-        unpickler = _weights_only_unpickler.Unpickler(stream, **pickle_load_args)
-    else:
-        unpickler = _unpickler_class(pickle_module or pickle)(stream, **pickle_load_args)
-    unpickler.persistent_load = persistent_load
+        return _weights_only_unpickler.Unpickler(stream, **pickle_load_args)
+    return _unpickler_class(pickle_module or pickle)(stream, **pickle_load_args)
 
+
+def _unpickle(
+    unpickler: Any,
+    provider: StorageProvider,
+    map_location: Any,
+    weights_only: bool,
+    from_storage: set[int],
+    prefix: str,
+    path: str | None,
+) -> Any:
+    """Runs ``unpickler`` with ``map_location`` published to torch, then fills every storage (``provider.flush``).
+
+    Raises:
+        CorruptCheckpointError: the weights-only unpickler failed in a way that
+            means ``data.pkl`` is damaged. Errors of storages (ids in
+            ``from_storage``), of arbitrary pickles and of ``map_location``
+            are raised as they are.
+    """
     from torch.serialization import _serialization_tls
 
     _serialization_tls.map_location = map_location
@@ -234,6 +259,16 @@ def deserialize(
         raise
     finally:
         _serialization_tls.map_location = None
+    return result
+
+
+def _validate_sparse_tensors(weights_only: bool, prefix: str, path: str | None) -> None:
+    """torch's check of the sparse tensors just loaded; a failure of the weights-only mode means a damaged file.
+
+    Raises:
+        CorruptCheckpointError: ``weights_only`` and an invalid sparse tensor.
+        RuntimeError: an invalid sparse tensor of an arbitrary pickle (torch's error).
+    """
     try:
         torch._utils._validate_loaded_sparse_tensors()
     except RuntimeError as e:
@@ -244,7 +279,6 @@ def deserialize(
             path=path,
             record=prefix + "data.pkl",
         ) from e
-    return result
 
 
 def _user_safe_globals() -> bool:

@@ -240,6 +240,18 @@ def _pickle_with_storages(
             return storage_id(item, item, torch.uint8, normalize_storage_type(type(item)), item.nbytes())
         return None
 
+    return _dump(obj, persistent_id, pickle_module, protocol, dispatch_table), storages
+
+
+def _dump(
+    obj: Any, persistent_id: Callable[[Any], Any], pickle_module: Any, protocol: int, dispatch_table: dict | None
+) -> bytes:
+    """``obj`` pickled by ``pickle_module`` with ``persistent_id`` (and ``dispatch_table``, when given).
+
+    Raises:
+        UnsupportedObjectError: the pickler refused the object (also of the
+            type it raised: PicklingError, TypeError or AttributeError).
+    """
     buffer = io.BytesIO()
     if pickle_module is pickle:
         # The C pickler's persistent_id attribute is called directly: one Python frame less per object.
@@ -264,14 +276,14 @@ def _pickle_with_storages(
             f"cannot serialize the object: {e}. fastpersist.save accepts what torch.save accepts: "
             "tensors, containers and picklable objects (lambdas and local classes are not picklable)",
         ) from e
-    return buffer.getvalue(), storages
+    return buffer.getvalue()
 
 
 # ---------------------------------------------------------------------------- plain tensor shortcut
 
 
 class _TypedStorageStandIn:
-    """Stands where torch's reduction of a tensor puts a new TypedStorage (3 us to build).
+    """Stands where torch's reduction of a tensor puts a new TypedStorage (costly to build; docs/performance.md).
 
     Only our ``persistent_id`` ever sees it, and it answers exactly what it
     answers for that TypedStorage, so the pickle is the same.

@@ -30,7 +30,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError
+from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, MissingEndRecordError
 
 __all__ = [
     "PAYLOAD_ALIGNMENT",
@@ -364,10 +364,6 @@ ReadAt = Callable[[int, int], bytes]
 """``read_at(offset, length) -> bytes``: reads exactly ``length`` bytes or fewer at EOF."""
 
 
-class MissingEndRecordError(CorruptCheckpointError):
-    """No zip end record: a truncated archive, or not a zip archive at all."""
-
-
 def _corrupt(path: str | None, message: str, record: str | None = None, kind=CorruptCheckpointError):
     where = f"{path}: " if path else ""
     return kind(f"{where}{message}; the file is truncated, damaged or not a torch checkpoint", path=path, record=record)
@@ -377,7 +373,7 @@ _CentralEntry = tuple[str, bytes, int, int, int, int, int, int, int, int]
 """The fields of one central directory entry that a reader or a verifier looks at: ``(name, raw_name,
 version_needed, flags, method, time, date, crc, size, header_offset)``. A plain tuple of plain values,
 which the garbage collector stops tracking; as objects, the entries of 100,000 small records
-brought on an extra full collection (~0.1 s) per load."""
+brought on an extra full collection per load (docs/performance.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -681,15 +677,14 @@ def _check_framing(
     one the local header or data descriptor holds.
     """
     # Few temporary objects per record: a verified load of 100,000 small tensors runs this for each.
-    name = record.name
     _, raw_name, central_version, central_flags, central_method, central_time, central_date, central_crc, size, _ = (
         entry
     )
     header = read_at(record.header_offset, record.data_offset - record.header_offset)
     # A record framed exactly as fastpersist's writer frames it (below 4 GiB, a checksum in the
     # directory) is checked by comparing its header and descriptor with the bytes the writer
-    # would have written: what the checks below would accept, at a third of their cost.
-    # Anything else, damage included, takes the field-by-field checks, which say what is wrong.
+    # would have written: what _check_framing_fields would accept, at a third of its cost.
+    # Anything else, damage included, takes those field-by-field checks, which say what is wrong.
     if (
         central_version == 20
         and central_flags == _FLAGS
@@ -707,6 +702,19 @@ def _check_framing(
             and read_at(end, _DESCRIPTOR32.size) == _DESCRIPTOR32.pack(_SIG_DESCRIPTOR, central_crc, size, size)
         ):
             return end + _DESCRIPTOR32.size, central_crc
+    return _check_framing_fields(read_at, entry, record, header, cd_offset, path)
+
+
+def _check_framing_fields(
+    read_at: ReadAt, entry: _CentralEntry, record: ZipRecordInfo, header: bytes, cd_offset: int, path
+) -> tuple[int, int]:
+    """:func:`_check_framing` field by field (``header``: the local header read), for records framed otherwise
+    than fastpersist's writer frames them (torch's, other writers', damaged ones): each check says what is wrong.
+
+    Returns what :func:`_check_framing` returns.
+    """
+    name = record.name
+    _, _, central_version, central_flags, central_method, central_time, central_date, central_crc, size, _ = entry
     if len(header) != record.data_offset - record.header_offset:
         raise _corrupt(path, f"record {name!r} header is cut short", name)
     (_, version_needed, flags, method, time, date, crc, csize, usize, name_len, extra_len) = _LOCAL.unpack_from(header)

@@ -1,8 +1,7 @@
 """CRC-32 work spread over the cores: one process-wide pool, pieces combined natively.
 
 A verified load of fast storage is limited by CRC-32 when one thread does
-it (~5.8 GB/s from /dev/shm to CUDA on the H100 machine, against ~20 GB/s
-unverified). Here every large range is cut into pieces of ``piece_size``
+it, to a fraction of the unverified speed (docs/performance.md). Here every large range is cut into pieces of ``piece_size``
 bytes, each piece is checksummed (or copied and checksummed) by a native call
 that releases the GIL on one of the pool's threads, and the pieces' CRCs are
 folded back in order with ``crc32_combine`` -- the result is the CRC-32 of
@@ -50,7 +49,7 @@ __all__ = [
 ]
 
 PIECE_SIZE = 4 << 20
-"""Bytes per task: large enough that task overhead (~20 us) is < 1% at 14 GB/s a core."""
+"""Bytes per task: large enough that a task's fixed overhead is small against its CRC-32 (docs/performance.md)."""
 
 _forked_pools: list = []  # native pools of the parent, kept from their destructor in a forked child
 

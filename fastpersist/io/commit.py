@@ -49,6 +49,7 @@ from typing import Any
 from fastpersist import config, system
 from fastpersist.errors import (
     CheckpointIOError,
+    NonAtomicSaveWarning,
     TargetDirectoryMissingError,
     TargetIsADirectoryError,
     TargetPermissionError,
@@ -87,14 +88,10 @@ CLEANUP_SCAN_SHARE = 0.01
 
 A save lists its directory again only once the time since the last listing is
 at least the last listing's cost divided by this share: every save in a
-directory of a few thousand entries (a listing of 10,000 takes about 4 ms),
-at most every 4 s in one of 100,000 (40 ms).
+directory of a few thousand entries, seldom in one of 100,000 (what a
+listing costs: docs/reliability.md).
 """
 _WATCHED_MAX = 64  # temporaries of live writers whose writers are checked again between listings
-
-
-class NonAtomicSaveWarning(UserWarning):
-    """A save was written in place (not atomically): the previous file was overwritten as it went."""
 
 
 # ----------------------------------------------------------------------------- process state
@@ -554,7 +551,7 @@ def remove_stale_temporaries(path: str, min_age: float = 0.0) -> list[str]:
 def _maybe_remove_stale(directory: str) -> None:
     """The automatic cleanup before a save: a listing when it is cheap, else a check of the watched writers.
 
-    A listing costs about 0.4 us per directory entry here (warm cache), so it
+    A listing's cost grows with the directory (docs/reliability.md), so it
     runs when the time since the last one is at least its cost divided by
     CLEANUP_SCAN_SHARE. In between, the writers of the temporaries the last
     listing saw alive are checked again (a signal 0 and a read of /proc each),
@@ -754,8 +751,8 @@ def replace_file(temporary: str, target: str, directory: str) -> None:
     """``os.replace(temporary, target)``, freeing a large replaced file off the caller's path.
 
     Renaming over a file frees its blocks inside the rename when that was its
-    last link: 0.55 s for 4 GB on ext4 mounted with ``discard`` (a third of the
-    time the write itself takes there). So a replaced regular file of at least
+    last link, which takes long on a filesystem that discards freed blocks
+    (measured in docs/reliability.md). So a replaced regular file of at least
     DEFER_REMOVAL_BYTES with one link first gets a second, temporary name
     (a hard link, named and tracked like our temporaries, so a crash leaves
     nothing that the stale-temporary cleanup would not remove); the rename

@@ -25,9 +25,9 @@ for later loads (a load running beside another captures a set of its own).
 Each segment is copied into the graph's input, replayed and its value copied
 out, on the set's stream, which waits for the segment's copy. Pieces shorter
 than the smallest segment, and the tail of every piece, stay on the CPU pool.
-The first capture in a process costs about 0.4 s and the set keeps about
-280 MiB of the device's memory, so this is off by default (the
-``device_checksum`` setting).
+The first capture in a process takes time and the set keeps part of the
+device's memory (both measured in docs/performance.md), so this is off by
+default (the ``device_checksum`` setting).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ SEGMENTS = (16 << 20, 4 << 20)
 """Bytes per captured graph, largest first; each a multiple of ``CHUNK * GROUP``. A piece's rest below the
 smallest is checksummed on the CPU: with 1 MiB graphs as well, a load of 36 MB records ran slower than on the
 CPU alone (the many small replays held the loading thread), with 16 and 4 MiB it ran fastest
-(docs/performance.md). The graphs of a device hold about 280 MiB of its memory while cached."""
+(docs/performance.md). The graphs of a device hold some of its memory while cached (measured there too)."""
 _MASK = 0xFFFFFFFF
 
 

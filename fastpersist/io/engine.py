@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from fastpersist import _native, config
-from fastpersist.errors import ConfigError, EngineUnavailableError
+from fastpersist.errors import ConfigError, EngineUnavailableError, UnexpectedEndOfFileError
 
 __all__ = [
     "File",
@@ -63,8 +63,6 @@ __all__ = [
 File = _native.File
 AlignedBuffer = _native.AlignedBuffer
 Request = _native.Request
-UnexpectedEndOfFileError = _native.UnexpectedEndOfFileError
-"""Raised when a read reaches end of file early; subclasses both ``OSError`` and ``EOFError``."""
 
 crc32 = _native.crc32
 """``crc32(address, length, crc=0)``: zlib's CRC-32 of memory, at memory speed (GIL released)."""
@@ -279,19 +277,16 @@ class IoHandle(_native.IoHandle):
         resolve_engine(engine)  # raises for a named engine that cannot start; logs auto's fallback once
         if fault is None:
             fault = _active_fault()
-        try:
-            super().__init__(
-                block_size=block_size,
-                queue_depth=queue_depth,
-                single_submit=single_submit,
-                overlap_events=overlap_events,
-                intra_op_parallelism=intra_op_parallelism,
-                engine=engine,
-                direct=direct,
-                fault=fault,
-            )
-        except _native.EngineUnavailableError as e:
-            raise EngineUnavailableError(str(e)) from None
+        super().__init__(  # the core raises fastpersist.errors.EngineUnavailableError itself
+            block_size=block_size,
+            queue_depth=queue_depth,
+            single_submit=single_submit,
+            overlap_events=overlap_events,
+            intra_op_parallelism=intra_op_parallelism,
+            engine=engine,
+            direct=direct,
+            fault=fault,
+        )
         self._constructed = True
 
     def __repr__(self) -> str:

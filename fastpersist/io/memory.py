@@ -185,11 +185,10 @@ def _new_locked(
     With ``huge_pages`` (from 2 MiB up, best effort) the memory is physically
     contiguous in 2 MiB pieces, so a direct request from it needs few
     scatter-gather segments. Where the device accepts few segments in flight,
-    that decides throughput: on a virtio disk a 4 GB O_DIRECT write from 4 KiB
-    pages kept 1-2 requests in flight and ran at 2.3-2.6 GB/s; from huge pages
-    32 requests and 3.2-4.0 GB/s (docs/performance.md). Locking the memory
-    then takes longer the first time (0.6-1.2 s against 0.16 s for 512 MiB on
-    that machine), which pooled buffers pay once per process.
+    that decides throughput: on a virtio disk O_DIRECT writes from 4 KiB pages
+    kept few requests in flight, from huge pages many more, and ran faster
+    (docs/performance.md, docs/benchmarks.md). Locking the memory then takes
+    longer the first time, which pooled buffers pay once per process.
     """
     buffer = engine.AlignedBuffer(nbytes, lock=True, huge_pages=huge_pages and nbytes >= _HUGE_PAGE)
     if nbytes and not buffer.locked:
@@ -369,7 +368,7 @@ def reserve_ring(total_bytes: int, buffer_size: int, buffer_count: int, huge_pag
     """Allocates and locks now the ring that moving ``total_bytes`` will lease (:func:`ring_shape`); returns its bytes.
 
     The buffers go to the pool, so the next save or load of that size takes them without waiting
-    for allocation, locking and CUDA registration (~0.5 s per GiB on the lent GPU machines).
+    for allocation, locking and CUDA registration (docs/async.md says how long those take).
     """
     count, size = ring_shape(total_bytes, buffer_size, buffer_count)
     with lease_buffers(count, size, huge_pages):

@@ -89,6 +89,8 @@ from fastpersist.errors import (
     ObjectStoreCredentialsError,
     ObjectStoreError,
     ObjectStoreUnavailableError,
+    PartSkippedError,
+    ShortResponseError,
     TruncatedCheckpointError,
 )
 from fastpersist.io import engine
@@ -454,10 +456,6 @@ class _MemoryBody(io.RawIOBase):
         return len(self._view)
 
 
-class _PartSkipped(ObjectStoreError):
-    """A part not uploaded because another part had already failed (never the error a save raises)."""
-
-
 class _MultipartUpload:
     """One multipart upload: the ``file`` of :func:`write_plan`, whose handles upload windows as parts, or the
     parts of a local file (:func:`upload_file`).
@@ -512,7 +510,7 @@ class _MultipartUpload:
 
     def _skip_after_failure(self, number: int) -> None:
         if self.first_error is not None:
-            raise _PartSkipped(errno.ECANCELED, f"part {number} skipped after an earlier failure", self.url.path)
+            raise PartSkippedError(errno.ECANCELED, f"part {number} skipped after an earlier failure", self.url.path)
 
     def _upload_from_memory(self, number: int, address: int, nbytes: int, keepalive) -> None:
         self._skip_after_failure(number)
@@ -624,7 +622,7 @@ class _SinglePut:
     """An object of one part: the window is copied aside and sent by one PutObject at :meth:`complete`.
 
     Below one part a multipart upload costs three requests where one does
-    (0.22 s against 0.08 s for 8 MB on the dev VM's local server). The bytes
+    (their times: docs/performance.md). The bytes
     are copied (at most one part) because the ring slot is reused once its
     handle's wait returns, and the object must not appear before
     ``before_commit`` has passed: PutObject is the commit, as completion is.
@@ -668,7 +666,7 @@ def _abort_and_raise(upload, error: BaseException) -> NoReturn:
     first part's failure is raised in place of the skip.
     """
     raised = error
-    if isinstance(error, _PartSkipped) and upload.first_error is not None:
+    if isinstance(error, PartSkippedError) and upload.first_error is not None:
         raised = upload.first_error
     upload.abort(raised)
     if raised is error:
@@ -1169,18 +1167,14 @@ def _fetch_range(client, url: ObjectURL, etag, start: int, end: int, destination
             destination[position : position + len(chunk)] = chunk
             position += len(chunk)
         if position != end:
-            raise _ShortResponse(f"bytes {start}-{end - 1}: the response ended after {position - start} bytes")
+            raise ShortResponseError(f"bytes {start}-{end - 1}: the response ended after {position - start} bytes")
     finally:
         body.close()
 
 
-class _ShortResponse(Exception):
-    """A ranged GET's response ended early (retried)."""
-
-
 def _broken_response(error: BaseException) -> bool:
     """A response that broke off mid-body (retried): botocore retries failed requests, not failed reads."""
-    return isinstance(error, _ShortResponse) or type(error).__name__ in (
+    return isinstance(error, ShortResponseError) or type(error).__name__ in (
         "ResponseStreamingError",
         "IncompleteReadError",
         "ReadTimeoutError",

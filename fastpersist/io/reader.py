@@ -96,8 +96,8 @@ class FileStorageProvider:
     the storage it becomes when asked for. One native handle (and,
     for CUDA targets, one ring of handles) serves
     every flush of a load: ``load(weights_only=False)`` flushes after each
-    storage, and creating a handle per storage made it 13x slower than
-    torch.load on 20,000 small tensors. CRC-32 work goes to the shared pool of
+    storage, and creating a handle per storage made it many times slower
+    than torch.load on many small tensors (docs/performance.md). CRC-32 work goes to the shared pool of
     :mod:`fastpersist.io.checksum`, overlapped with the reads. Call
     :meth:`close` when done (``load`` does).
     """
@@ -429,9 +429,8 @@ def _window_size(total: int, settings: Settings) -> int:
 
     Each ring buffer has its own handle. A load that waits for each storage (``weights_only=False``)
     flushes one record at a time, and a 36 MB record in one window was read by one handle while
-    the other seven idled: 3.4 GB/s from /dev/shm to an H200 against 16.9 GB/s for a batch load;
-    cut over the ring, 15.4 GB/s (docs/performance.md). Windows stay at least 1 MiB and page
-    multiples.
+    the other seven idled, at a fraction of a batch load's speed; cut over the ring, it loads
+    almost as fast (docs/performance.md). Windows stay at least 1 MiB and page multiples.
     """
     share = -(-total // settings.read_buffer_count)
     share = -(-share // _PAGE) * _PAGE

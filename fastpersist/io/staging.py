@@ -256,9 +256,10 @@ def _layout(storages) -> tuple[dict[int, int], dict[torch.device, list[StorageRe
     region of small ones, total bytes)``.
 
     Page-aligned, except the small storages of each GPU, which are packed back to back so that one
-    gather and one copy move them all (a copy per storage costs ~50 us of the caller's time; a
-    training state has ~100 small ones). Sizes come from the records' entries: making each storage's
-    byte view here would cost the caller ~5 us a storage, when the copies may be queued on another thread.
+    gather and one copy move them all (a copy per storage costs the caller's thread time, and a
+    training state has many small ones; docs/performance.md). Sizes come from the records' entries:
+    making each storage's byte view here would cost the caller time per storage, when the copies may be
+    queued on another thread.
     """
     offsets: dict[int, int] = {}
     small: dict[torch.device, list[StorageRecord]] = {}

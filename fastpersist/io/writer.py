@@ -242,11 +242,11 @@ class _SerialWriter:
 
     Buffered writes into one file serialize on its inode in the kernel, and
     on tmpfs each page written is allocated on the spot: several writers in
-    flight were slower than one (the lent GPU machine's /dev/shm: 3.3 GB/s
-    from one thread, 2.6-2.8 from 8; a 252 MB save went at the speed of the
-    8). So the slots of such a save share one native handle with a single
-    lane and one request in flight; each slot waits for its own (detached)
-    request, so a slot is still reused as soon as its window is written.
+    flight were slower than one, and a save went at their speed
+    (docs/io-engine.md, docs/performance.md). So the slots of such a save
+    share one native handle with a single lane and one request in flight;
+    each slot waits for its own (detached) request, so a slot is still
+    reused as soon as its window is written.
     """
 
     def __init__(self, handle):
@@ -424,14 +424,15 @@ def _finalize_pieces(
 
 
 _INLINE_CRC = 256 << 10
-"""Device storage pieces smaller than this are checksummed on the finalizing thread (a pool task costs ~20 us)."""
+"""Device storage pieces smaller than this are checksummed on the finalizing thread: a pool task's fixed cost
+(docs/performance.md) would outweigh their checksum."""
 
 
 def _queue_device_crcs(plan: SavePlan, slot: _Slot, pieces) -> dict:
     """Queues, all at once, the CRC-32 of every large device-storage piece of the window on the pool.
 
-    One piece after another, the cores sat idle between pieces (the ~35 MB storages of a 4 GB
-    GPU save checksummed at ~21 GB/s; queued together, ~47 GB/s). A window holds at most one
+    One piece after another, the cores sat idle between pieces; queued together, the checksums of a
+    GPU save ran much faster (docs/performance.md). A window holds at most one
     piece of each record. Each CRC starts from zero: the checksum stage runs ahead of the
     finalize, which folds it into the record's running CRC in file order.
     """

@@ -32,15 +32,12 @@ from collections.abc import Mapping
 
 import torch
 
+from fastpersist.errors import OffloadPlanError
 from fastpersist.offload.index import TensorSource
 
 __all__ = ["PAGE", "Binding", "OffloadPlanError", "Unit", "bind_tensors", "declared_ties", "place", "split_units"]
 
 PAGE = 4096
-
-
-class OffloadPlanError(ValueError):
-    """The model, the checkpoint and the budget do not fit together (the message names what and how)."""
 
 
 @dataclasses.dataclass(frozen=True)

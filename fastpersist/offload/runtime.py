@@ -36,15 +36,11 @@ from typing import Any
 
 import torch
 
-from fastpersist.errors import CheckpointIOError
+from fastpersist.errors import CheckpointChangedError
 from fastpersist.io import engine, memory
 from fastpersist.offload.plan import Unit
 
 __all__ = ["CheckpointChangedError", "OffloadStats", "Offloaded"]
-
-
-class CheckpointChangedError(CheckpointIOError):
-    """A checkpoint file changed on disk while an offloaded model was reading it."""
 
 
 @dataclasses.dataclass

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from fastpersist import config
+from fastpersist.errors import UsageError
 
 __all__ = [
     "DEFAULT_SWEEP_CONFIG",
@@ -45,10 +46,6 @@ DEFAULT_SWEEP_CONFIG: dict[str, list[Any]] = {
 
 DEFAULT_IO_SIZE = "400M"
 _AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events")
-
-
-class UsageError(ValueError):
-    """ds_nvme_tune options that cannot run as given; the message says what to use instead."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from fastpersist import config, display, system
+from fastpersist.errors import UsageError
 from fastpersist.tuning import deepnvme, measure, workloads
 
 __all__ = [
@@ -542,10 +543,41 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
     add_arguments(defaults)
     args = argparse.Namespace(**{**vars(defaults.parse_args([])), **vars(args)})
     try:
-        deepnvme.apply(args)
-    except deepnvme.UsageError as e:
+        job = _job(args, backend)
+    except UsageError as e:
         print(f"fastpersist tune: {e}", file=sys.stderr)
         return 2
+    swept = _sweep_job(args, job)
+    if swept is None:
+        return 130
+    _write_and_report(args, job, *swept)
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What one ``fastpersist tune`` measures, from its checked options."""
+
+    backend: Backend
+    knobs: tuple[Knob, ...]
+    repeats: int
+    directory: str
+    out: str
+    device: torch.device
+    spec: Any
+    dtype: torch.dtype
+    layers: int
+    nbytes: int
+
+
+def _job(args: argparse.Namespace, backend: Backend | None) -> _Job:
+    """The measurement ``args`` ask for (ds_nvme_tune's options applied first), checked before anything runs.
+
+    Raises:
+        UsageError: options that cannot run as given here (the message says why): unknown settings, no
+            backend, a missing directory, a bad device or size, too little free space.
+    """
+    deepnvme.apply(args)
     if args.verbose:
         print(f"args = {args}", file=sys.stderr)
     if deepnvme.is_ds_nvme_tune(args):
@@ -553,40 +585,19 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
     backend = backend or (GdsHandleBackend() if getattr(args, "gds", False) else FastpersistBackend())
     reason = backend.unavailable()
     if reason:
-        print(f"fastpersist tune: {reason}", file=sys.stderr)
-        return 2
+        raise UsageError(reason)
     quick = bool(getattr(args, "quick", False))
-    knobs = QUICK_KNOBS if quick else KNOBS
-    if getattr(args, "settings", None):
-        wanted = [s.strip() for s in args.settings.split(",") if s.strip()]
-        unknown = [w for w in wanted if w not in {k.name for k in KNOBS}]
-        if unknown:
-            print(
-                f"fastpersist tune: cannot sweep {', '.join(unknown)}; choose from {', '.join(k.name for k in KNOBS)}",
-                file=sys.stderr,
-            )
-            return 2
-        knobs = tuple(k for k in knobs if k.name in wanted)
-    if args.knob_values:
-        described = {k.name: k.what for k in KNOBS}
-        knobs = tuple(
-            Knob(name, values, described[name])
-            for name, values in args.knob_values.items()
-            if not getattr(args, "settings", None) or name in {k.name for k in knobs}
-        )
+    knobs = _knobs(args, quick)
     repeats = args.repeats if getattr(args, "repeats", None) else (2 if quick else 3)
     size_text = args.size or ("512M" if quick else "1G")
     directory = os.path.abspath(args.dir)
     out = os.path.abspath(args.out)
     if repeats < 1:
-        print("fastpersist tune: --repeats must be at least 1", file=sys.stderr)
-        return 2
+        raise UsageError("--repeats must be at least 1")
     if not os.path.isdir(directory):
-        print(f"fastpersist tune: --dir {directory} is not a directory", file=sys.stderr)
-        return 2
+        raise UsageError(f"--dir {directory} is not a directory")
     if not os.path.isdir(os.path.dirname(out)):
-        print(f"fastpersist tune: cannot write {out}: its directory does not exist", file=sys.stderr)
-        return 2
+        raise UsageError(f"cannot write {out}: its directory does not exist")
     try:
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -598,23 +609,53 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
         dtype = workloads.DTYPES[getattr(args, "dtype", "bf16")]
         layers = workloads.layers_for_size(spec, target, dtype)
     except (ValueError, KeyError, RuntimeError) as e:
-        print(f"fastpersist tune: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(f"{e}") from None
     nbytes = workloads.state_bytes(spec, dtype, layers)
     free = system.filesystem_of(directory).get("free_bytes")
     if free is not None and free < 2 * nbytes:
-        print(
-            f"fastpersist tune: {directory} has {workloads.format_bytes(free)} free; need about "
-            f"{workloads.format_bytes(2 * nbytes)}",
-            file=sys.stderr,
+        raise UsageError(
+            f"{directory} has {workloads.format_bytes(free)} free; need about {workloads.format_bytes(2 * nbytes)}"
         )
-        return 2
+    return _Job(backend, knobs, repeats, directory, out, device, spec, dtype, layers, nbytes)
 
+
+def _knobs(args: argparse.Namespace, quick: bool) -> tuple[Knob, ...]:
+    """The settings to sweep: ``--settings`` picks among them, ``knob_values`` (ds_nvme_tune's sweep) sets values.
+
+    Raises:
+        UsageError: ``--settings`` names a setting that cannot be swept.
+    """
+    knobs = QUICK_KNOBS if quick else KNOBS
+    if getattr(args, "settings", None):
+        wanted = [s.strip() for s in args.settings.split(",") if s.strip()]
+        unknown = [w for w in wanted if w not in {k.name for k in KNOBS}]
+        if unknown:
+            raise UsageError(f"cannot sweep {', '.join(unknown)}; choose from {', '.join(k.name for k in KNOBS)}")
+        knobs = tuple(k for k in knobs if k.name in wanted)
+    if args.knob_values:
+        described = {k.name: k.what for k in KNOBS}
+        knobs = tuple(
+            Knob(name, values, described[name])
+            for name, values in args.knob_values.items()
+            if not getattr(args, "settings", None) or name in {k.name for k in knobs}
+        )
+    return knobs
+
+
+def _sweep_job(args: argparse.Namespace, job: _Job) -> tuple[SweepResult, float, str] | None:
+    """Runs the sweep in a temporary directory under ``job.directory`` (removed at the end, whatever happens).
+
+    Returns:
+        The result, the seconds it took and how the page cache was dropped
+        (``CacheDropper.mode``); None when interrupted (Ctrl-C or SIGTERM;
+        said on stderr).
+    """
     dropper = system.CacheDropper(enabled=not getattr(args, "no_drop_caches", False))
-    points = sum(len(k.values) for k in knobs) * repeats + 2 * repeats
+    points = sum(len(k.values) for k in job.knobs) * job.repeats + 2 * job.repeats
     print(
-        f"tuning fastpersist for {directory} with a {workloads.format_bytes(nbytes)} {getattr(args, 'dtype', 'bf16')} "
-        f"checkpoint on {device}: {len(knobs)} settings, ~{points} save+load rounds, optimizing {args.optimize}",
+        f"tuning fastpersist for {job.directory} with a {workloads.format_bytes(job.nbytes)} "
+        f"{getattr(args, 'dtype', 'bf16')} checkpoint on {job.device}: {len(job.knobs)} settings, ~{points} "
+        f"save+load rounds, optimizing {args.optimize}",
         file=sys.stderr,
     )
     print(f"  {dropper.detail}", file=sys.stderr)
@@ -623,34 +664,39 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
     progress = display.Progress(points, approximate=True)
     with measure.sigterm_as_interrupt():
         try:
-            work = tempfile.mkdtemp(prefix=".fastpersist-tune-", dir=directory)
-            state = workloads.build_state(spec, dtype=dtype, device=device, layers=layers)
+            work = tempfile.mkdtemp(prefix=".fastpersist-tune-", dir=job.directory)
+            state = workloads.build_state(job.spec, dtype=job.dtype, device=job.device, layers=job.layers)
             result = sweep(
-                backend,
+                job.backend,
                 state,
                 work,
-                knobs=knobs,
-                repeats=repeats,
+                knobs=job.knobs,
+                repeats=job.repeats,
                 within_values=bool(getattr(args, "knob_values", None)),
                 objective=args.optimize,
                 threshold=args.threshold,
-                device=device,
+                device=job.device,
                 dropper=dropper,
                 progress=progress,
             )
             del state
-            if isinstance(backend, GdsHandleBackend):
-                result.notes.append(f"GdsHandle data path: {backend.path} (gds_path setting; see fastpersist info)")
+            if isinstance(job.backend, GdsHandleBackend):
+                result.notes.append(f"GdsHandle data path: {job.backend.path} (gds_path setting; see fastpersist info)")
         except KeyboardInterrupt:
             progress.close()
             print("fastpersist tune: interrupted; temporary files removed, nothing written", file=sys.stderr)
-            return 130
+            return None
         finally:
             if work is not None:
                 measure.remove_path(work)
             progress.close()
-    elapsed = time.perf_counter() - started
+    return result, time.perf_counter() - started, dropper.mode
 
+
+def _write_and_report(args: argparse.Namespace, job: _Job, result: SweepResult, elapsed: float, cache: str) -> None:
+    """Writes the recommended settings to ``job.out`` (and ``--json``, ``--log_dir``'s aio_config.json) and
+    prints the sweep, the gain and how to use the file."""
+    nbytes, directory, device = job.nbytes, job.directory, job.device
     machine = measure.machine_info(directory, str(device))
     sweep_rows = [p.as_dict(nbytes, args.optimize) for _, pts, _ in result.stages for p in pts]
     final = {label: p.as_dict(nbytes, args.optimize) for label, p in result.final.items()}
@@ -660,11 +706,11 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
         "filesystem": machine.get("filesystem"),
         "device": str(device),
         "state_bytes": nbytes,
-        "dtype": str(dtype).replace("torch.", ""),
-        "repeats": repeats,
+        "dtype": str(job.dtype).replace("torch.", ""),
+        "repeats": job.repeats,
         "objective": args.optimize,
         "threshold": args.threshold,
-        "cache": dropper.mode,
+        "cache": cache,
         "default": final["default"],
         "recommended": final["recommended"],
         "improvement": result.improvement(),
@@ -673,6 +719,7 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
         "sweep": sweep_rows,
     }
 
+    out = job.out
     config.save_file(out, result.recommended, measured=measured, machine=machine)
     if getattr(args, "json", None):
         measure.write_json(
@@ -706,7 +753,6 @@ def run(args: argparse.Namespace, *, backend: Backend | None = None) -> int:
     print(f"  export FASTPERSIST_CONFIG={out}")
     print("or in Python, before saving or loading:")
     print(f"  fastpersist.config.load_file({out!r})")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

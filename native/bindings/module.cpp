@@ -164,20 +164,13 @@ py::dict probe_to_dict(const DirectoryProbe& p) {
 PYBIND11_MODULE(_native, m) {
   m.doc() = "fastpersist native I/O core (private; use fastpersist.io.engine).";
 
-  py::exec(R"(
-class UnexpectedEndOfFileError(OSError, EOFError):
-    """A read reached the end of the file before the requested number of bytes."""
-    def __str__(self):
-        return str(self.args[0]) if self.args else "unexpected end of file"
-
-class EngineUnavailableError(RuntimeError):
-    """An I/O engine that was named explicitly cannot start here."""
-)",
-           m.attr("__dict__"));
-  m.attr("UnexpectedEndOfFileError").attr("__module__") = "fastpersist._native";
-  m.attr("EngineUnavailableError").attr("__module__") = "fastpersist._native";
-  g_unexpected_eof_type = m.attr("UnexpectedEndOfFileError");
-  g_engine_unavailable_type = m.attr("EngineUnavailableError");
+  // Every exception class of fastpersist is defined in Python, in fastpersist.errors (it imports nothing of
+  // fastpersist); the binding raises those very classes, so `except` clauses and pickles see one type.
+  py::module_ errors = py::module_::import("fastpersist.errors");
+  g_unexpected_eof_type = errors.attr("UnexpectedEndOfFileError");
+  g_engine_unavailable_type = errors.attr("EngineUnavailableError");
+  m.attr("UnexpectedEndOfFileError") = g_unexpected_eof_type;
+  m.attr("EngineUnavailableError") = g_engine_unavailable_type;
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import builtins
 import functools
 import importlib
 import os
@@ -161,3 +163,68 @@ def test_the_cycle_finder_finds_a_hidden_cycle(tmp_path):
     (tree / "fastpersist" / "sub" / "a.py").write_text('"""A."""\nfrom fastpersist.sub import b\n')
     (tree / "fastpersist" / "sub" / "b.py").write_text('"""B."""\ndef f():\n    from fastpersist.sub import a\n')
     assert gen_architecture.import_cycles(str(tree)) == [["fastpersist.sub.a", "fastpersist.sub.b"]]
+
+
+def _exception_names() -> set[str]:
+    """Names that denote an exception type wherever they appear as a base: the built-in ones, those of
+    fastpersist.errors, and any name ending in Error, Exception or Warning (``pickle.PicklingError``...)."""
+    from fastpersist import errors
+
+    names = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    return names | {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, BaseException)}
+
+
+def exception_classes(source: str, names: set[str]) -> list[str]:
+    """``name:line`` of every class ``source`` defines, nested ones included, with a base that is an exception type."""
+
+    def base_name(base: ast.expr) -> str:
+        return base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+
+    return [
+        f"{node.name}:{node.lineno}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef)
+        and any(
+            name in names or name.endswith(("Error", "Exception", "Warning")) for name in map(base_name, node.bases)
+        )
+    ]
+
+
+def test_every_exception_class_is_defined_in_errors_py():
+    """One place for the exception and warning types: the product's other modules import them from
+    fastpersist.errors (the benchmarks, a leaf outside the product, aside)."""
+    names = _exception_names()
+    found = {}
+    for path, _ in gen_architecture.python_modules(ROOT):
+        if path == os.path.join("fastpersist", "errors.py") or path.startswith(os.path.join("fastpersist", "bench")):
+            continue
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            classes = exception_classes(f.read(), names)
+        if classes:
+            found[path] = classes
+    assert found == {}, "define these in fastpersist/errors.py and import them from there"
+
+
+def test_the_compiled_core_raises_the_types_of_errors_py():
+    """The binding takes its exception types from fastpersist.errors instead of defining its own."""
+    from fastpersist import _native, errors
+
+    raised = {n: v for n, v in vars(_native).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    assert set(raised) == {"EngineUnavailableError", "UnexpectedEndOfFileError"}
+    assert {n: v.__module__ for n, v in raised.items()} == dict.fromkeys(raised, "fastpersist.errors")
+    assert all(getattr(errors, n) is v for n, v in raised.items())
+
+
+def test_the_exception_finder_finds_every_kind_of_base():
+    source = (
+        "import pickle\n"
+        "class A(OSError): pass\n"
+        "class B(pickle.PicklingError): pass\n"
+        "class C(CorruptCheckpointError): pass\n"
+        "class D(errors.FastPersistError): pass\n"
+        "class E(object): pass\n"
+        "def f():\n"
+        "    class G(KeyboardInterrupt): pass\n"
+        "class H(MyWarning, dict): pass\n"
+    )
+    assert exception_classes(source, _exception_names()) == ["A:2", "B:3", "C:4", "D:5", "H:9", "G:8"]

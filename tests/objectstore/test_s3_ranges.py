@@ -8,7 +8,13 @@ import os
 import pytest
 
 from fastpersist import config
-from fastpersist.errors import BucketNotFoundError, ObjectNotFoundError, ObjectStoreError, TruncatedCheckpointError
+from fastpersist.errors import (
+    BucketNotFoundError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    ShortResponseError,
+    TruncatedCheckpointError,
+)
 from fastpersist.io import objectstore
 
 _MiB = 1 << 20
@@ -84,7 +90,7 @@ def test_a_broken_off_response_is_fetched_again(s3, recording_client, monkeypatc
         if broken["count"] == 0:
             broken["count"] += 1
             destination[start : start + 10] = b"\0" * 10
-            raise objectstore._ShortResponse("injected")
+            raise ShortResponseError("injected")
         return real(client, url, etag, start, end, destination, stop)
 
     monkeypatch.setattr(objectstore, "_fetch_range", once_broken)
