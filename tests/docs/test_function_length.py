@@ -16,7 +16,6 @@ EXCLUDED = ("fastpersist/bench/",)  # the benchmarks: a leaf outside the product
 # split below the limit is removed from it (the test fails until it is), and nothing is ever added.
 ALLOWED = {
     "fastpersist/api/futures.py:async_save",
-    "fastpersist/integrations/lightning.py:_build",
 }
 
 
