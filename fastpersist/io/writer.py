@@ -64,9 +64,13 @@ def idle_work(step: Callable[[], bool]) -> Iterator[None]:
 
 def initial_crcs(plan: SavePlan, checksum: bool) -> list[int]:
     """Each record's CRC-32 as far as it is known before writing: in-memory records' CRCs
-    (computed here, natively), 0 for storages (whose CRCs the writers accumulate) or when
-    ``checksum`` is off."""
-    if not checksum:
+    (computed here, natively), 0 for storages (whose CRCs the writers accumulate).
+
+    With ``checksum`` off every CRC-32 is 0, unless the plan says its in-memory records keep
+    theirs (``plan.keeps_bytes_crcs``: a DCP file's archives, :class:`fastpersist.dcp.layout.FilePlan`);
+    its storages' are 0 then.
+    """
+    if not checksum and not getattr(plan, "keeps_bytes_crcs", False):
         return [0] * len(plan.records)
     return [engine.crc32_of(record.data) if isinstance(record, BytesRecord) else 0 for record in plan.records]
 
@@ -117,7 +121,8 @@ def write_plan(
     writer would wait for a ring buffer.
 
     Returns:
-        The CRC-32 of every record, in plan order (zeros when checksums are off).
+        The CRC-32 of every record, in plan order (zeros when checksums are
+        off, but for the in-memory records of a plan that keeps them: :func:`initial_crcs`).
         With ``byte_range``: the CRC-32 of each storage record's bytes inside
         the range (0 for the others), for combination across ranks.
 
