@@ -9,17 +9,17 @@ that byte range. We write the same thing, so either reader loads either
 writer's files, and place it so the engine can use O_DIRECT:
 
 * a tensor archive's payload starts at an address congruent, modulo the page
-  size, to the source memory it comes from (the page-aligned middle of a CPU
-  tensor is then written straight from the tensor's memory with O_DIRECT,
-  and a destination tensor allocated the same way -- torch's allocator gives
-  large tensors the same offset within a page -- is read straight into);
-  payloads staged through the pinned ring (GPU sources) start on a page;
+  size, to the source memory it comes from (a CPU destination tensor
+  allocated the same way -- torch's allocator gives large tensors the same
+  offset within a page -- is then read straight into with O_DIRECT); the
+  payloads of other devices' tensors start on a page;
 * the payload's position *inside* its archive is page-aligned, as
   fastpersist's own ``save`` does (``format.zipformat.PAYLOAD_ALIGNMENT``), so
   the archive is also a valid standalone torch checkpoint;
 * everything that is not a payload (local headers, pickles, descriptors,
   central directories, raw bytes items and the zero gaps between items) is
-  "static" bytes, written once the payloads' CRC-32s are known.
+  "static" bytes; descriptors and central directories are made once the
+  payloads' CRC-32s are known.
 
 fastpersist adds, per item, a ``fastpersist`` attribute to DCP's own
 ``_StorageInfo`` (plain built-in types: DCP's reader, and an environment
@@ -40,7 +40,6 @@ from fastpersist.format.dcp import EXTENSION_ATTRIBUTE, EXTENSION_VERSION  # des
 from fastpersist.format.plan import SavePlan, Segment, SegmentKind
 from fastpersist.format.serializer import plan_save
 from fastpersist.io import engine
-from fastpersist.io.writer import initial_crcs
 
 __all__ = [
     "DEFAULT_SUFFIX",
@@ -113,21 +112,6 @@ class TensorItem:
     def length(self) -> int:
         return self.plan.size
 
-    def static_pieces(self, payload_crc: int) -> list[tuple[int, bytes]]:
-        """(absolute offset, bytes) of every non-payload byte of the archive."""
-        crcs = initial_crcs(self.plan, True)
-        crcs[self.storage_record] = payload_crc
-        pieces = []
-        for kind, offset, _, record, data in self.plan.segments():
-            if kind == SegmentKind.DESCRIPTOR:
-                data = self.plan.records[record].entry.data_descriptor(crcs[record])
-            elif kind == SegmentKind.TRAILER:
-                data = self.plan.trailer(crcs)
-            elif kind == SegmentKind.STORAGE:
-                continue  # the payload
-            pieces.append((self.base + offset, data))
-        return pieces
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BytesItem:
@@ -154,46 +138,21 @@ class FileLayout:
     items: tuple[TensorItem | BytesItem, ...]
     size: int
 
-    def static_regions(self, payload_crcs: dict[int, int]) -> list[tuple[int, bytes]]:
-        """Every non-payload byte of the file, as few contiguous (offset, bytes) runs as possible.
-
-        Args:
-            payload_crcs: CRC-32 of each tensor item's payload, by position in ``items``.
-        """
-        pieces: list[tuple[int, bytes]] = []
-        end = 0
-        for position, item in enumerate(self.items):
-            if item.base > end:  # the zeros before an item placed at a page residue
-                pieces.append((end, bytes(item.base - end)))
-            end = item.base + item.length
-            if isinstance(item, BytesItem):
-                pieces.append((item.base, item.data))
-            else:
-                pieces += item.static_pieces(payload_crcs[position])
-        runs: list[tuple[int, bytearray]] = []
-        for offset, data in sorted(pieces, key=lambda p: p[0]):
-            if not data:
-                continue
-            if runs and runs[-1][0] + len(runs[-1][1]) == offset:  # never across a payload
-                runs[-1][1].extend(data)
-                continue
-            runs.append((offset, bytearray(data)))
-        return [(offset, bytes(run)) for offset, run in runs]
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class FilePlan:
     """One ``.distcp`` file as a plan for :func:`fastpersist.io.writer.write_plan`: its bytes in one pass, in order.
 
-    The local writer writes a :class:`FileLayout` out of order (payloads
-    first, straight from the tensors, then the static bytes); an upload needs
-    the file as a stream of parts, which is what ``write_plan``'s ring makes
-    of a plan. The bytes are the same: the gaps are zeros, a bytes item is its
-    bytes, and a tensor item is its archive's segments moved to the item's
-    base. ``records`` are every archive's records, archive after archive, so
-    the CRC-32 table ``write_plan`` keeps covers all of them; the file has one
+    The local writer (:func:`fastpersist.dcp.writer.write_layout`) and an
+    upload (as a stream of parts) both write the file this way, through
+    ``write_plan``'s ring. The gaps are zeros, a bytes item is its bytes, and a
+    tensor item is its archive's segments moved to the item's base.
+    ``records`` are every archive's records, archive after archive, so the
+    CRC-32 table ``write_plan`` keeps covers all of them; the file has one
     trailer per archive, which its TRAILER segments number (see
-    :data:`fastpersist.format.plan.Segment`). Make it with :meth:`of`.
+    :data:`fastpersist.format.plan.Segment`). With checksums off, the
+    archives' small in-memory records (their pickles) keep their CRC-32s and
+    only the payloads' are 0 (:attr:`keeps_bytes_crcs`). Make it with :meth:`of`.
 
     Attributes:
         layout: the file.
@@ -206,6 +165,9 @@ class FilePlan:
     records: tuple
     firsts: tuple[int, ...]
     positions: tuple[int, ...]
+
+    keeps_bytes_crcs = True
+    """Read by :func:`fastpersist.io.writer.initial_crcs` (a class attribute, not a field)."""
 
     @classmethod
     def of(cls, layout: FileLayout) -> FilePlan:

@@ -12,18 +12,16 @@ The directory it writes is the one DCP's ``FileSystemWriter`` would write
 (``.metadata`` plus ``__{rank}_{n}.distcp`` files of torch.save archives and
 raw bytes), so ``FileSystemReader`` loads it; see :mod:`fastpersist.dcp.layout`.
 
-How each rank writes its file (``write_data``):
-
-1. CPU tensors are written zero-copy: their archive payload is placed so the
-   page-aligned middle of the tensor's memory goes to disk with O_DIRECT
-   straight from the tensor; their CRC-32s are computed on worker threads
-   while the writes are in flight.
-2. GPU tensors stream through a ring of page-locked buffers: device-to-host
-   copies on a side CUDA stream fill buffer ``k+1`` while buffer ``k`` is
-   checksummed and written with O_DIRECT.
-3. The small "static" bytes (archive headers and directories, which need the
-   CRC-32s, BYTE_IO items) are written last, as few contiguous writes.
-4. The file and the directory are fsynced before ``write_data`` returns.
+How each rank writes its file (``write_data``): its items are laid out
+(:func:`~fastpersist.dcp.layout.place_items`), and the file, as a
+:class:`~fastpersist.dcp.layout.FilePlan`, is written in one sequential pass
+by the writer of ``fastpersist.save`` (:func:`fastpersist.io.writer.write_plan`):
+tensors are copied into a ring of page-locked buffers (CPU tensors with their
+CRC-32 computed in the same pass, GPU tensors by device-to-host copies on a
+side CUDA stream, checksummed on the CRC-32 pool) while earlier buffers are
+written with O_DIRECT; each archive's descriptors and central directory go in
+once its payload's CRC-32 is known. The file and the directory are fsynced
+before ``write_data`` returns.
 
 Commit (``finish``, coordinator only, which DCP calls only once every rank's
 ``write_data`` succeeded -- a failure on any rank fails the save on every
@@ -45,7 +43,6 @@ PutObject, the commit.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import os
 import pickle
@@ -54,7 +51,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.filesystem import (
     _split_by_size_and_type,
     _StorageInfo,
@@ -71,19 +67,18 @@ from fastpersist.dcp.layout import (
     BytesItem,
     FileLayout,
     FilePlan,
-    TensorItem,
     file_name,
     place_items,
 )
 from fastpersist.format.dcp import EXTENSION_ATTRIBUTE, EXTENSION_VERSION, METADATA_FILE
-from fastpersist.io import engine, memory
+from fastpersist.io import engine
 from fastpersist.io import objectstore as s3_io
 from fastpersist.io.commit import fsync_directory
+from fastpersist.io.writer import write_plan
 
 __all__ = ["METADATA_FILE", "FastPersistWriter", "validate_checkpoint_path"]
 
 CURRENT_DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
-_CRC_THREADS = 2
 
 
 def validate_checkpoint_path(checkpoint_id: str | os.PathLike) -> bool:
@@ -332,56 +327,24 @@ def _file_sizes(results: list[list[WriteResult]]) -> dict[str, int]:
 def write_layout(layout: FileLayout, path: str, settings: config.Settings, *, fsync: bool = True) -> dict[int, int]:
     """Writes every byte of ``layout`` to ``path`` (replacing it); returns payload CRC-32s by item position.
 
+    The file is written in one sequential pass by the ring writer
+    (:func:`fastpersist.io.writer.write_plan` executing it as a
+    :class:`~fastpersist.dcp.layout.FilePlan`), as an upload to ``s3://`` is:
+    the same bytes either way.
+
     On error nothing is left in flight, the partial file is removed and the
     error (``OSError`` with ``errno`` and ``filename``) propagates.
     """
+    plan = FilePlan.of(layout)
     file = engine.File(path, "w", direct=settings.direct, truncate=True)
-    handle = engine.make_handle(settings)
-    crc_pool = concurrent.futures.ThreadPoolExecutor(_CRC_THREADS, thread_name_prefix="fastpersist-dcp-crc")
-    crcs: dict[int, int] = {}
     try:
         try:
             if file.direct and layout.size:
                 file.allocate(0, layout.size)  # cheaper O_DIRECT writes; a full disk fails here
-            device_items = []
-            pending: dict[int, concurrent.futures.Future] = {}
-            for position, item in enumerate(layout.items):
-                if not isinstance(item, TensorItem):
-                    continue
-                tensor = item.tensor
-                if item.nbytes == 0:
-                    crcs[position] = 0
-                elif tensor.device.type == "cpu":
-                    # Zero-copy: the engine writes the page-aligned middle with O_DIRECT
-                    # straight from the tensor (the layout made the offsets agree).
-                    handle.submit_write(
-                        tensor.data_ptr(),
-                        item.nbytes,
-                        file,
-                        item.payload_offset,
-                        tensor,
-                    )
-                    if settings.checksum:
-                        pending[position] = crc_pool.submit(engine.crc32, tensor.data_ptr(), item.nbytes, 0)
-                    else:
-                        crcs[position] = 0
-                else:
-                    device_items.append((position, item))
-            if device_items:
-                crcs.update(_write_through_ring(device_items, file, settings))
-            for position, future in pending.items():
-                crcs[position] = future.result()
-            for offset, data in layout.static_regions(crcs):
-                _submit_bytes(handle, data, file, offset)
-            handle.wait()
+            crcs = write_plan(plan, file, settings)
             if fsync:
                 file.fsync()
         finally:
-            try:
-                handle.wait()  # nothing stays in flight, whatever failed
-            except OSError:
-                pass
-            crc_pool.shutdown(wait=True)
             file.close()
     except BaseException:
         try:
@@ -389,77 +352,4 @@ def write_layout(layout: FileLayout, path: str, settings: config.Settings, *, fs
         except OSError:
             pass
         raise
-    return crcs
-
-
-def _submit_bytes(handle, data: bytes, file, offset: int) -> None:
-    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    handle.submit_write(buffer.data_ptr(), len(data), file, offset, buffer)
-
-
-def _write_through_ring(items: list[tuple[int, TensorItem]], file, settings: config.Settings) -> dict[int, int]:
-    """Streams device tensors to the file through page-locked buffers; returns their CRC-32s.
-
-    The copy of window ``k+1`` (on a side stream) overlaps the checksum and
-    O_DIRECT write of window ``k``; each buffer has its own handle, so a
-    buffer is refilled as soon as its own write is done.
-    """
-    window = settings.buffer_size
-    windows = []  # (position, item, start within payload, length)
-    for position, item in items:
-        for start in range(0, item.nbytes, window):
-            windows.append((position, item, start, min(window, item.nbytes - start)))
-    crcs = {position: 0 for position, _ in items}
-    streams: dict[torch.device, Any] = {}
-    for _, item in items:
-        device = item.tensor.device
-        if device not in streams and device.type == "cuda":
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))  # see the producers' writes
-            streams[device] = stream
-    count = max(2, min(settings.buffer_count, len(windows)))
-    with memory.lease_buffers(count, window, settings.huge_pages) as buffers:
-        handles = [engine.make_handle(settings) for _ in buffers]
-        staged: list = []  # (slot, window, event) copied but not yet written
-
-        def write_oldest() -> None:
-            slot, (position, item, start, length), event = staged.pop(0)
-            if event is not None:
-                event.synchronize()
-            buffer = buffers[slot]
-            if settings.checksum:
-                crcs[position] = engine.crc32(buffer.data_ptr(), length, crcs[position])
-            handles[slot].submit_write(buffer.data_ptr(), length, file, item.payload_offset + start, buffer)
-
-        try:
-            for number, (_position, item, start, length) in enumerate(windows):
-                slot = number % count
-                handles[slot].wait()  # its previous write is done: refill it
-                source = item.plan.records[item.storage_record].view[start : start + length]
-                destination = buffers[slot][:length]
-                event = None
-                stream = streams.get(source.device)
-                if stream is not None:
-                    with torch.cuda.stream(stream):
-                        destination.copy_(source, non_blocking=True)
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                else:
-                    destination.copy_(source)  # other accelerators: a synchronous copy
-                staged.append((slot, windows[number], event))
-                if len(staged) > 1:
-                    write_oldest()
-            while staged:
-                write_oldest()
-            for handle in handles:
-                handle.wait()
-        finally:
-            for _slot, _, event in staged:
-                if event is not None:
-                    event.synchronize()
-            for handle in handles:
-                try:
-                    handle.wait()
-                except OSError:
-                    pass
-    return crcs
+    return plan.payload_crcs(crcs)

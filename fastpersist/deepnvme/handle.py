@@ -36,6 +36,7 @@ import torch
 
 from fastpersist.io import engine as engine_module
 from fastpersist.io import memory
+from fastpersist.io.ring import Ring, SharedHandle
 from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
 
 __all__ = ["AioHandle", "DeepNVMeCalls", "is_pinned", "check_file_bytes"]
@@ -644,37 +645,17 @@ class AioHandle(DeepNVMeCalls):
         chunk, slots, pieces = self._ring_geometry(nbytes)
         # The caller's kernels that produce `data` run on its current stream.
         stream.wait_event(ready)
-        with memory.lease_buffers(slots, chunk) as ring:
-            events = [torch.cuda.Event() for _ in range(slots)]
-            in_flight: list[Any] = [None] * slots
-            error: BaseException | None = None
-            try:
-                for k, (off, length) in enumerate(pieces):
-                    i = k % slots
-                    if in_flight[i] is not None:
-                        request, in_flight[i] = in_flight[i], None
-                        self._handle.wait_request(request)
-                    with torch.cuda.stream(stream):
-                        ring[i][:length].copy_(data[off : off + length], non_blocking=True)
-                        events[i].record(stream)
-                    events[i].synchronize()
-                    last = off + length == nbytes
-                    in_flight[i] = self._submit(
-                        True,
-                        ring[i].data_ptr(),
-                        length,
-                        file,
-                        file_offset + off,
-                        ring[i],
-                        truncate and last,
-                        True,
-                    )
-            except BaseException as e:  # noqa: BLE001 - re-raised once nothing is in flight
-                error = e
-            error = self._drain(in_flight, error)
-            stream.synchronize()
-        if error is not None:
-            raise error
+        with self._ring(slots, chunk, data.device, stream) as staging:
+            for k, (off, length) in enumerate(pieces):
+                slot = staging.slot(k)
+                slot.wait_io()  # its previous chunk is written: refill it
+                with torch.cuda.stream(stream):
+                    slot.buffer[:length].copy_(data[off : off + length], non_blocking=True)
+                slot.track_copies(stream)
+                slot.wait_copies()
+                last = off + length == nbytes
+                slot.submit_write(length, file, file_offset + off, truncate=truncate and last)
+            staging.wait_streams()
 
     def _ring_read(self, data: torch.Tensor, file: Any, file_offset: int, ready: Any) -> None:
         nbytes = data.numel()
@@ -684,62 +665,26 @@ class AioHandle(DeepNVMeCalls):
         chunk, slots, pieces = self._ring_geometry(nbytes)
         # Do not overwrite `data` while the caller's queued kernels may still read it.
         stream.wait_event(ready)
-        with memory.lease_buffers(slots, chunk) as ring:
-            events = [torch.cuda.Event() for _ in range(slots)]
-            in_flight: list[Any] = [None] * slots
-            error: BaseException | None = None
-            try:
-                for k in range(slots):
-                    off, length = pieces[k]
-                    in_flight[k] = self._submit(
-                        False,
-                        ring[k].data_ptr(),
-                        length,
-                        file,
-                        file_offset + off,
-                        ring[k],
-                        False,
-                        True,
-                    )
-                for k, (off, length) in enumerate(pieces):
-                    i = k % slots
-                    request, in_flight[i] = in_flight[i], None
-                    self._handle.wait_request(request)
-                    with torch.cuda.stream(stream):
-                        data[off : off + length].copy_(ring[i][:length], non_blocking=True)
-                        events[i].record(stream)
-                    following = k + slots
-                    if following < len(pieces):
-                        events[i].synchronize()  # the chunk left the ring slot; refill it
-                        off2, length2 = pieces[following]
-                        in_flight[i] = self._submit(
-                            False,
-                            ring[i].data_ptr(),
-                            length2,
-                            file,
-                            file_offset + off2,
-                            ring[i],
-                            False,
-                            True,
-                        )
-            except BaseException as e:  # noqa: BLE001
-                error = e
-            error = self._drain(in_flight, error)
-            stream.synchronize()  # data is complete for every stream when we return
-        if error is not None:
-            raise error
+        with self._ring(slots, chunk, data.device, stream) as staging:
+            for slot, (off, length) in zip(staging.slots, pieces):
+                slot.submit_read(length, file, file_offset + off)
+            for k, (off, length) in enumerate(pieces):
+                slot = staging.slot(k)
+                slot.wait_io()
+                with torch.cuda.stream(stream):
+                    data[off : off + length].copy_(slot.buffer[:length], non_blocking=True)
+                slot.track_copies(stream)
+                following = k + slots
+                if following < len(pieces):
+                    slot.wait_copies()  # the chunk left the ring slot; refill it
+                    next_off, next_length = pieces[following]
+                    slot.submit_read(next_length, file, file_offset + next_off)
+            staging.wait_streams()  # `data` is complete for every stream when we return
 
-    def _drain(self, in_flight: list[Any], error: BaseException | None) -> BaseException | None:
-        """Waits for every request still in flight (ring buffers go back only then); keeps the first error."""
-        for i, request in enumerate(in_flight):
-            if request is None:
-                continue
-            in_flight[i] = None
-            try:
-                self._handle.wait_request(request)
-            except BaseException as e:  # noqa: BLE001
-                error = error or e
-        return error
+    def _ring(self, slots: int, chunk: int, device: torch.device, stream: Any) -> Ring:
+        """A ring of ``slots`` pinned chunks whose requests go to this handle, detached: one blocking call
+        waits for its own requests only, whatever other threads have in flight on the handle."""
+        return Ring([SharedHandle(self._handle) for _ in range(slots)], chunk, streams={device: stream})
 
     def _validate(self, data: torch.Tensor, target: PathOrFd, file_offset: int) -> None:
         check_file_bytes(data, target, file_offset)

@@ -16,7 +16,8 @@ which also holds the records' zip headers, is freed once every record in it is
 out.
 
 CUDA targets: file windows stream through a ring of page-locked buffers
-(one native handle per buffer, reads issued ahead), and each window is copied
+(:class:`fastpersist.io.ring.Ring`, one native handle per buffer, reads
+issued ahead), and each window is copied
 host-to-device on a side stream into storages allocated on the device. The
 calling thread only waits for reads and queues copies; a helper thread
 refills each buffer once its copies and checksums are done. Host memory stays
@@ -29,7 +30,6 @@ the bytes they read.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -41,6 +41,7 @@ from fastpersist.config import Settings
 from fastpersist.format.zipformat import ZipRecordInfo, check_record_crc
 from fastpersist.io import checksum, engine, memory, timeline, workers
 from fastpersist.io.device_crc import DeviceCrc
+from fastpersist.io.ring import Ring, Slot
 from fastpersist.tensors import storage_byte_view
 
 __all__ = ["FileStorageProvider", "MemoryStorageProvider", "MmapStorageProvider", "stream_to_device"]
@@ -489,103 +490,76 @@ def stream_to_device(
     pending: dict[str, list] = {}
     count = min(settings.read_buffer_count, len(windows))
     handles = [] if handles is None else handles
+    while len(handles) < count:
+        handles.append(engine.make_handle(settings))
     # Windows are at most read_buffer_size; lease buffers no larger than the largest one needs.
     _, buffer_size = memory.ring_shape(max(w.end - w.start for w in windows), settings.read_buffer_size, 1)
-    with memory.lease_buffers(count, buffer_size, settings.huge_pages) as buffers:
-        while len(handles) < count:
-            handles.append(engine.make_handle(settings))
-        _stream_windows(
-            windows, list(zip(handles, buffers)), pending if verify else None, on_device=settings.device_checksum
-        )
+    checkers = _device_checkers(windows) if verify and settings.device_checksum else {}
+    try:
+        with Ring(handles[:count], buffer_size, huge_pages=settings.huge_pages) as ring:
+            _stream_windows(windows, ring, pending if verify else None, checkers)
+    finally:
+        with timeline.waiting("crc"):
+            for checker in checkers.values():
+                checker.close()
     if not verify:
         return [0] * len(payloads)
     return [checksum.crc32_combine_all(pending.get(record.name, [])) for record in records]
 
 
-def _stream_windows(
-    windows: list[_Window], ring: list[tuple], pending: dict[str, list] | None, *, on_device: bool = False
-) -> None:
-    """Moves every window's bytes from its file into its destinations through ``ring``'s
-    ``(native handle, page-locked buffer)`` slots; with ``pending``, queues each piece's CRC-32 into it:
-    with ``on_device``, the whole segments of pieces in CUDA memory on their device after their copy
-    (:mod:`fastpersist.io.device_crc`), the rest on the CPU pool from the buffer.
+def _stream_windows(windows: list[_Window], ring: Ring, pending: dict[str, list] | None, checkers: dict) -> None:
+    """Moves every window's bytes from its file into its destinations through ``ring``; with ``pending``, queues
+    each piece's CRC-32 into it: the whole segments of pieces in CUDA memory on the device of a checker of
+    ``checkers`` after their copy (:mod:`fastpersist.io.device_crc`), the rest on the CPU pool from the buffer.
 
     Stages of a window: read into its slot (the handle's threads), then host-to-device copies on a
     side stream per device (queued by this thread) beside CRC-32s on the pool, then the slot's
-    refill with the window ``len(ring)`` later. Refills run on a helper thread, in window order, each
-    once its window's copies and checksums are done; this thread only waits for the next window's
-    read. So the copy engine always has the next window queued, and no read waits for the copies
-    and checksums of other slots: on one thread, waiting for each slot in turn, a load from a
-    discarding source reached half the host-to-device copy bound (docs/benchmarks.md).
+    refill with the window ``len(ring.slots)`` later. Refills run on a helper thread, in window order,
+    each once its window's copies and checksums are done (the slot's stage); this thread only waits
+    for the next window's read. So the copy engine always has the next window queued, and no read
+    waits for the copies and checksums of other slots: on one thread, waiting for each slot in turn,
+    a load from a discarding source reached half the host-to-device copy bound (docs/benchmarks.md).
 
-    Returns once every read, copy and checksum of the ring is done, also when raising (the buffers
-    go back to the pool then). The first error raises: a read's, a refill's or a copy's.
+    Returns once every read, copy and checksum of the ring is done. The first error raises: a read's, a
+    refill's or a copy's; the ring then drains (nothing in flight when the buffers go back to the pool).
     """
-    count = len(ring)
-    streams: dict[torch.device, torch.cuda.Stream] = {}
+    count = len(ring.slots)
     stopping = threading.Event()  # no refill submits once set
     refills = workers.executor(1, "fastpersist-refill") if len(windows) > count else None
-    refilled: list[concurrent.futures.Future | None] = [None] * count
-    last: list[tuple[dict, list]] = [({}, [])] * count  # events and CRCs of each slot's last window
-    crcs: list = []  # the current window's, until a refill or ``last`` holds them
-    checkers = _device_checkers(windows) if pending is not None and on_device else {}
 
-    def submit(slot: int, window: _Window) -> None:
-        handle, buffer = ring[slot]
-        handle.submit_read(buffer.data_ptr(), window.end - window.start, window.file, window.start, buffer)
-
-    def refill(slot: int, events: dict, crcs: list, window: _Window) -> None:
-        try:
-            for event in events.values():
-                event.synchronize()  # the slot's copies are done
-        finally:
-            _wait_all(crcs)  # and so are its checksums (also before the buffer goes back, on errors)
+    def refill(slot: Slot, window: _Window) -> None:
+        slot.wait_buffer()  # its copies and checksums are done (and the checksums also when a copy failed)
         if not stopping.is_set():
-            submit(slot, window)
+            slot.submit_read(window.end - window.start, window.file, window.start)
 
     try:
-        for slot in range(count):
-            submit(slot, windows[slot])
+        for slot, window in zip(ring.slots, windows):
+            slot.submit_read(window.end - window.start, window.file, window.start)
         for index, window in enumerate(windows):
-            slot = index % count
-            handle, buffer = ring[slot]
-            if refilled[slot] is not None:
-                future, refilled[slot] = refilled[slot], None
+            slot = ring.slot(index)
+            if slot.stage is not None:
                 with timeline.waiting("slot"):
-                    future.result()  # the slot's read of this window was submitted (or raises why not)
+                    slot.wait_stage()  # the slot's read of this window was submitted (or raises why not)
             with timeline.waiting("read"):
-                handle.wait()
+                slot.wait_io()
             if pending is not None:
-                crcs, device_work = _queue_window_crcs(window, buffer.data_ptr(), checkers, pending)
-            events = _queue_copies(window, buffer, streams)
+                # On the slot at once: waited for before the buffer is reused, also if the copies raise.
+                slot.checksums, device_work = _queue_window_crcs(window, slot.address, checkers, pending)
+            events = _queue_copies(window, slot, ring)
             if pending is not None and device_work:
                 _queue_device_crcs(device_work, events)
             following = index + count
             if following < len(windows):
-                refilled[slot] = refills.submit(refill, slot, events, crcs, windows[following])
-            else:
-                last[slot] = (events, crcs)
-            crcs = []
+                slot.stage = refills.submit(refill, slot, windows[following])
     finally:
         stopping.set()
-        concurrent.futures.wait([future for future in refilled if future is not None])
         if refills is not None:
             refills.shutdown(wait=True)
-        for handle, _ in ring:
-            try:
-                handle.wait()
-            except OSError:
-                pass  # the error that matters is being raised already
-        with timeline.waiting("crc"):
-            _wait_all(crcs)  # queued for a window that raised before handing them on
-            for _, queued in last:
-                _wait_all(queued)
-        with timeline.waiting("copy"):
-            for stream in streams.values():
-                stream.synchronize()
-        with timeline.waiting("crc"):
-            for checker in checkers.values():
-                checker.close()
+    with timeline.waiting("crc"):
+        for slot in ring.slots:
+            slot.wait_checksums()
+    with timeline.waiting("copy"):
+        ring.wait_streams()
 
 
 def _device_checkers(windows: list[_Window]) -> dict[torch.device, DeviceCrc]:
@@ -636,22 +610,18 @@ def _queue_device_crcs(on_device: list, events: dict) -> None:
         parts[index : index + len(sizes)] = zip(queued, sizes)
 
 
-def _queue_copies(window: _Window, buffer: torch.Tensor, streams: dict) -> dict:
-    """Queues the copies of ``window``'s pieces out of ``buffer`` into their destinations; returns an
-    event per CUDA device used, recorded after them, by device.
+def _queue_copies(window: _Window, slot: Slot, ring: Ring) -> dict:
+    """Queues the copies of ``window``'s pieces out of ``slot``'s buffer into their destinations; returns
+    an event per CUDA device used, recorded after them (and tracked by the slot), by device.
 
-    CUDA destinations copy on a side stream of their device (made on first use, after the device's
-    current stream: nothing queued before the load can land after it), one stream context per window.
-    CPU destinations copy now (the ring's tests run without a GPU).
+    CUDA destinations copy on the ring's side stream of their device (made on first use, after the
+    device's current stream: nothing queued before the load can land after it), one stream context per
+    window. CPU destinations copy now (the ring's tests run without a GPU).
     """
+    buffer = slot.buffer
     copies: dict = {}  # stream (None: copy now) -> pairs
     for _record, destination, record_offset, buffer_offset, length in window.pieces:
-        stream = None
-        if destination.device.type == "cuda":
-            stream = streams.get(destination.device)
-            if stream is None:
-                stream = streams[destination.device] = torch.cuda.Stream(destination.device)
-                stream.wait_stream(torch.cuda.current_stream(destination.device))
+        stream = ring.stream(destination.device) if destination.device.type == "cuda" else None
         pair = (destination[record_offset : record_offset + length], buffer[buffer_offset : buffer_offset + length])
         copies.setdefault(stream, []).append(pair)
     events = {}
@@ -663,7 +633,5 @@ def _queue_copies(window: _Window, buffer: torch.Tensor, streams: dict) -> dict:
         with torch.cuda.stream(stream):
             for target, source in pairs:
                 target.copy_(source, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-        events[stream.device] = event
+        events[stream.device] = slot.track_copies(stream)
     return events

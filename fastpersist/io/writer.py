@@ -20,10 +20,10 @@ Fill runs on the calling thread; checksum and finalize each run on a worker
 thread of their own, window by window in file order. So filling window
 ``k+2`` (a memcpy or a DMA), checksumming window ``k+1`` and finalizing
 window ``k`` overlap (native calls release the GIL), and the CRC pool never
-waits for the finalize of a window before starting on the next one. Each
-ring slot has its own native handle, so a slot is reused as soon as *its*
-write is done. Host memory is the ring plus metadata, whatever the
-checkpoint's size.
+waits for the finalize of a window before starting on the next one. The
+buffers are a :class:`fastpersist.io.ring.Ring`; each slot has its own native
+handle, so a slot is reused as soon as *its* write is done. Host memory is
+the ring plus metadata, whatever the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from fastpersist.config import Settings
 from fastpersist.format.plan import BytesRecord, SavePlan, Segment, SegmentKind, StorageRecord
 from fastpersist.io import checksum as crc_pool
 from fastpersist.io import engine, memory, timeline, workers
-from fastpersist.tensors import host_memoryview
+from fastpersist.io.ring import Ring, SharedHandle, Slot, read_events, side_streams
 
 __all__ = ["write_plan", "side_streams", "read_events", "initial_crcs", "idle_work"]
 
@@ -62,41 +62,15 @@ def idle_work(step: Callable[[], bool]) -> Iterator[None]:
         _idle.step = previous
 
 
-class _Slot:
-    """One ring buffer, its native handle, and the CUDA events of its pending copies."""
-
-    def __init__(self, buffer: torch.Tensor, handle):
-        self.buffer = buffer
-        self.view = host_memoryview(buffer)
-        self.handle = handle
-        self.events: list[torch.cuda.Event] = []
-        self.window: tuple[int, int] = (0, 0)
-        self.checked: concurrent.futures.Future | None = None  # -> (pieces, queued CRCs)
-        self.finalized: concurrent.futures.Future | None = None
-
-    def wait_idle(self) -> None:
-        """Until this slot's checksums, finalize and write are done; raises their first error."""
-        if self.finalized is not None:
-            finalized, self.finalized = self.finalized, None
-            finalized.result()
-        self.checked = None  # the finalize waited for it
-        self.handle.wait()
-
-    def busy(self) -> bool:
-        """Whether :meth:`wait_idle` would still wait for this slot's checksums and finalize."""
-        return self.finalized is not None and not self.finalized.done()
-
-    def wait_copies(self) -> None:
-        for event in self.events:
-            event.synchronize()
-        self.events.clear()
-
-
 def initial_crcs(plan: SavePlan, checksum: bool) -> list[int]:
     """Each record's CRC-32 as far as it is known before writing: in-memory records' CRCs
-    (computed here, natively), 0 for storages (whose CRCs the writers accumulate) or when
-    ``checksum`` is off."""
-    if not checksum:
+    (computed here, natively), 0 for storages (whose CRCs the writers accumulate).
+
+    With ``checksum`` off every CRC-32 is 0, unless the plan says its in-memory records keep
+    theirs (``plan.keeps_bytes_crcs``: a DCP file's archives, :class:`fastpersist.dcp.layout.FilePlan`);
+    its storages' are 0 then.
+    """
+    if not checksum and not getattr(plan, "keeps_bytes_crcs", False):
         return [0] * len(plan.records)
     return [engine.crc32_of(record.data) if isinstance(record, BytesRecord) else 0 for record in plan.records]
 
@@ -147,7 +121,8 @@ def write_plan(
     writer would wait for a ring buffer.
 
     Returns:
-        The CRC-32 of every record, in plan order (zeros when checksums are off).
+        The CRC-32 of every record, in plan order (zeros when checksums are
+        off, but for the in-memory records of a plan that keeps them: :func:`initial_crcs`).
         With ``byte_range``: the CRC-32 of each storage record's bytes inside
         the range (0 for the others), for combination across ranks.
 
@@ -167,13 +142,11 @@ def write_plan(
         crcs = [0 if isinstance(record, StorageRecord) else crc for record, crc in zip(plan.records, crcs)]
     if streams is None:
         streams = side_streams(plan)
-    with memory.lease_buffers(count, window_size, settings.huge_pages) as buffers:
-        if make_handle is None:
-            if getattr(file, "direct", True):
-                make_handle = lambda: engine.make_handle(settings)  # noqa: E731
-            else:
-                make_handle = _SerialWriter.factory(settings)
-        slots = [_Slot(buffer, make_handle()) for buffer in buffers]
+    if make_handle is None:
+        make_handle = (lambda: engine.make_handle(settings)) if getattr(file, "direct", True) else _serial(settings)
+    with Ring(
+        [make_handle() for _ in range(count)], window_size, huge_pages=settings.huge_pages, streams=streams
+    ) as ring:
         fill_cursor = _Cursor(segments)
         checksum_cursor = _Cursor(segments)
         if partial:  # skip the segments that end before the range
@@ -184,20 +157,23 @@ def write_plan(
         idle = getattr(_idle, "step", None)
         try:
             for index, start in enumerate(range(first, size, window_size)):
-                slot = slots[index % len(slots)]
+                slot = ring.slot(index)
                 while idle is not None and slot.busy():
                     if not idle():
                         idle = None
                 slot.wait_idle()
-                slot.window = (start, min(start + window_size, size))
-                _fill(plan, slot, fill_cursor, streams, crcs, settings.checksum)
+                window = (start, min(start + window_size, size))
+                _fill(plan, slot, window, fill_cursor, streams, crcs, settings.checksum)
                 if index == 0:
                     timeline.mark("first window filled")
-                slot.checked = checker.submit(_checksum, plan, slot, checksum_cursor, settings.checksum)
-                slot.finalized = finalizer.submit(
+                checked = checker.submit(_checksum, plan, slot, window, checksum_cursor, settings.checksum)
+                # The slot's stage: its finalize waits for its checksums, then submits its write.
+                slot.stage = finalizer.submit(
                     _finalize_and_submit,
                     plan,
                     slot,
+                    window,
+                    checked,
                     crcs,
                     trailer,
                     settings,
@@ -208,64 +184,29 @@ def write_plan(
             timeline.mark("reads queued")
             if after_reads is not None:
                 after_reads(read_events(streams))
-            for slot in slots:
-                slot.wait_idle()
+            ring.wait_idle()
             timeline.mark("written")
-        except BaseException:
-            _drain(slots)
-            raise
         finally:
+            # Every queued checksum and finalize runs to its end before the ring drains and gives its buffers back.
             checker.shutdown(wait=True)
             finalizer.shutdown(wait=True)
     return crcs
 
 
-def _drain(slots: Sequence[_Slot]) -> None:
-    """Leaves nothing in flight (checksums, finalizes, copies, writes); the first error is already being raised."""
-    for slot in slots:
-        if slot.finalized is not None:
-            concurrent.futures.wait([slot.finalized])  # it waits for the slot's checksums, failed or not
-            slot.finalized = None
-        slot.checked = None
-        try:
-            slot.wait_copies()
-        except Exception:  # noqa: BLE001 - a CUDA error here must not mask the original one
-            pass
-        try:
-            slot.handle.wait()
-        except OSError:
-            pass
-
-
-class _SerialWriter:
-    """A slot's handle for a buffered destination (tmpfs, or where O_DIRECT is refused): one writer, in file order.
+def _serial(settings: Settings) -> Callable[[], SharedHandle]:
+    """The ``make_handle`` of a buffered destination (tmpfs, or where O_DIRECT is refused): one writer, in file order.
 
     Buffered writes into one file serialize on its inode in the kernel, and
     on tmpfs each page written is allocated on the spot: several writers in
     flight were slower than one, and a save went at their speed
     (docs/io-engine.md, docs/performance.md). So the slots of such a save
-    share one native handle with a single lane and one request in flight;
-    each slot waits for its own (detached) request, so a slot is still
-    reused as soon as its window is written.
+    share one new native handle with a single lane and one request in flight
+    (:class:`~fastpersist.io.ring.SharedHandle`); each slot waits for its own
+    (detached) request, so a slot is still reused as soon as its window is
+    written.
     """
-
-    def __init__(self, handle):
-        self.handle = handle
-        self.request = None
-
-    @classmethod
-    def factory(cls, settings):
-        """A ``make_handle`` whose handles all write through one new single-writer native handle."""
-        shared = engine.make_handle(settings, queue_depth=1, intra_op_parallelism=1)
-        return lambda: cls(shared)
-
-    def submit_write(self, address, nbytes, file, offset, keepalive) -> None:
-        self.request = self.handle.submit_write(address, nbytes, file, offset, keepalive, detached=True)
-
-    def wait(self) -> None:
-        request, self.request = self.request, None
-        if request is not None:
-            self.handle.wait_request(request)
+    shared = engine.make_handle(settings, queue_depth=1, intra_op_parallelism=1)
+    return lambda: SharedHandle(shared)
 
 
 class _Cursor:
@@ -293,40 +234,20 @@ class _Cursor:
                     yield segment, (offset if offset > start else start), end
 
 
-def read_events(streams) -> list[tuple[torch.device, torch.cuda.Event]]:
-    """``[(device, event)]``: an event recorded on each side stream after every copy queued on it so far."""
-    events = []
-    for device, stream in streams.items():
-        event = torch.cuda.Event()
-        event.record(stream)
-        events.append((device, event))
-    return events
-
-
-def side_streams(plan: SavePlan) -> dict[torch.device, torch.cuda.Stream]:
-    """One copy stream per CUDA device of the plan, ordered after the calling thread's current streams."""
-    streams = {}
-    for device in plan.devices():
-        if device.type == "cuda":
-            stream = torch.cuda.Stream(device)
-            # The copies must see every write the caller queued on its stream.
-            stream.wait_stream(torch.cuda.current_stream(device))
-            streams[device] = stream
-    return streams
-
-
-def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams, crcs: list[int], checksum: bool) -> None:
-    start, end = slot.window
-    base = slot.buffer.data_ptr()
+def _fill(
+    plan: SavePlan, slot: Slot, window: tuple[int, int], cursor: _Cursor, streams, crcs: list[int], checksum: bool
+) -> None:
+    start, end = window
+    base = slot.address
     records = plan.records
-    window = slot.view
+    view = slot.view
     device_copies: dict = {}  # stream -> [(destination, source)], queued once per window
     for (kind, offset, _, index, data), lo, hi in cursor.overlapping(start, end):
         if kind == _BYTES:
             if lo == offset and hi - lo == len(data):
-                window[lo - start : hi - start] = data
+                view[lo - start : hi - start] = data
             else:
-                window[lo - start : hi - start] = data[lo - offset : hi - offset]
+                view[lo - start : hi - start] = data[lo - offset : hi - offset]
         elif kind == _STORAGE:
             record = records[index]
             if record.device.type == "cpu":
@@ -354,9 +275,7 @@ def _fill(plan: SavePlan, slot: _Slot, cursor: _Cursor, streams, crcs: list[int]
         with torch.cuda.stream(stream):
             for destination, source in pairs:
                 destination.copy_(source, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-        slot.events.append(event)
+        slot.track_copies(stream)
 
 
 _BYTES, _STORAGE, _DESCRIPTOR, _TRAILER = (
@@ -367,17 +286,19 @@ _BYTES, _STORAGE, _DESCRIPTOR, _TRAILER = (
 )
 
 
-def _checksum(plan: SavePlan, slot: _Slot, cursor: _Cursor, checksum: bool):
+def _checksum(plan: SavePlan, slot: Slot, window: tuple[int, int], cursor: _Cursor, checksum: bool):
     """Checksum stage of a window: waits for its device-to-host copies, then queues the CRC-32 of
     its large device-storage pieces; returns ``(pieces, queued)`` for the finalize stage."""
     slot.wait_copies()
-    pieces = list(cursor.overlapping(*slot.window))
-    return pieces, (_queue_device_crcs(plan, slot, pieces) if checksum else {})
+    pieces = list(cursor.overlapping(*window))
+    return pieces, (_queue_device_crcs(plan, slot, window[0], pieces) if checksum else {})
 
 
 def _finalize_and_submit(
     plan,
-    slot: _Slot,
+    slot: Slot,
+    window: tuple[int, int],
+    checked: concurrent.futures.Future,
     crcs,
     trailer: list[tuple[int, bytes]],
     settings,
@@ -385,21 +306,28 @@ def _finalize_and_submit(
     shift: int = 0,
     range_start: int | None = None,
 ) -> None:
-    start, end = slot.window
-    pieces, queued = slot.checked.result()
+    start, end = window
+    pieces, queued = checked.result()
     try:
-        _finalize_pieces(plan, slot, pieces, queued, crcs, trailer, settings, range_start)
+        _finalize_pieces(plan, slot, start, pieces, queued, crcs, trailer, settings, range_start)
     except BaseException:
         for pending in queued.values():
             pending.wait()  # no pool task may still read the buffer once it goes back to the ring
         raise
-    slot.handle.submit_write(slot.buffer.data_ptr(), end - start, file, start + shift, slot.buffer)
+    slot.submit_write(end - start, file, start + shift)
 
 
 def _finalize_pieces(
-    plan, slot: _Slot, pieces, queued: dict, crcs, trailer: list[tuple[int, bytes]], settings, range_start: int | None
+    plan,
+    slot: Slot,
+    start: int,
+    pieces,
+    queued: dict,
+    crcs,
+    trailer: list[tuple[int, bytes]],
+    settings,
+    range_start: int | None,
 ) -> None:
-    start = slot.window[0]
     for (kind, offset, _, index, _), lo, hi in pieces:
         if range_start is not None and (
             kind == _TRAILER or (kind == _DESCRIPTOR and plan.records[index].entry.data_offset < range_start)
@@ -410,7 +338,7 @@ def _finalize_pieces(
             if pending is not None:  # computed from zero: continue the record's running CRC
                 crcs[index] = engine.crc32_combine(crcs[index], pending.result(), hi - lo)
             elif settings.checksum and plan.records[index].device.type != "cpu":
-                crcs[index] = engine.crc32(slot.buffer.data_ptr() + (lo - start), hi - lo, crcs[index])
+                crcs[index] = engine.crc32(slot.address + (lo - start), hi - lo, crcs[index])
         elif kind == _DESCRIPTOR:
             data = plan.records[index].entry.data_descriptor(crcs[index])
             slot.view[lo - start : hi - start] = data[lo - offset : hi - offset]
@@ -428,7 +356,7 @@ _INLINE_CRC = 256 << 10
 (docs/performance.md) would outweigh their checksum."""
 
 
-def _queue_device_crcs(plan: SavePlan, slot: _Slot, pieces) -> dict:
+def _queue_device_crcs(plan: SavePlan, slot: Slot, start: int, pieces) -> dict:
     """Queues, all at once, the CRC-32 of every large device-storage piece of the window on the pool.
 
     One piece after another, the cores sat idle between pieces; queued together, the checksums of a
@@ -436,8 +364,7 @@ def _queue_device_crcs(plan: SavePlan, slot: _Slot, pieces) -> dict:
     piece of each record. Each CRC starts from zero: the checksum stage runs ahead of the
     finalize, which folds it into the record's running CRC in file order.
     """
-    start = slot.window[0]
-    base = slot.buffer.data_ptr()
+    base = slot.address
     queued = {}
     try:
         for (kind, _, _, index, _), lo, hi in pieces:

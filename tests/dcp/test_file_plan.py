@@ -1,10 +1,12 @@
-"""dcp.layout.FilePlan: a .distcp file written in one sequential pass by write_plan (as an upload does) has
-exactly the bytes and CRC-32s the local writer's out-of-order writes give."""
+"""dcp.layout.FilePlan: a .distcp file written in one pass by the ring writer (write_plan, as the local writer
+and an upload do) has exactly the bytes and CRC-32s of the plain sequential writer (io.stream), whatever the
+windows and the engine, with checksums on or off."""
 
 from __future__ import annotations
 
 import io
 import zipfile
+import zlib
 
 import pytest
 import torch
@@ -13,8 +15,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from fastpersist import config
 from fastpersist.dcp import layout, writer
 from fastpersist.format.plan import SegmentKind
-from fastpersist.io import engine
-from fastpersist.io.writer import write_plan
+from fastpersist.io.stream import write_plan_to_stream
 
 _MiB = 1 << 20
 
@@ -59,29 +60,51 @@ def _entries_with_a_trailer_across_a_page():
     raise AssertionError("no placement of the first tensor puts its trailer across a page")
 
 
+def _archive_crcs(raw: bytes, item) -> dict[str, int]:
+    archive = zipfile.ZipFile(io.BytesIO(raw[item.base : item.base + item.length]))
+    return {info.filename.rsplit("/", 1)[-1]: info.CRC for info in archive.infolist()}
+
+
 @pytest.mark.parametrize("window", [4096, _MiB, 64 * _MiB], ids=["4KiB-splits-a-trailer", "1MiB", "one-window"])
-def test_sequential_pass_equals_local_writer(tmp_path, window):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_ring_pass_equals_the_sequential_writer(tmp_path, window, direct):
     entries, tensors = _entries_with_a_trailer_across_a_page() if window == 4096 else _entries()
     placed = layout.place_items("__0_0.distcp", entries)
-    settings = config.settings()
-    expected_crcs = writer.write_layout(placed, str(tmp_path / "local"), settings)
     plan = layout.FilePlan.of(placed)
-    file = engine.File(str(tmp_path / "stream"), "w", direct=False, truncate=True)
-    try:
-        crcs = write_plan(plan, file, settings.replace(buffer_size=window, block_size=window, buffer_count=2))
-    finally:
-        file.close()
-    local = (tmp_path / "local").read_bytes()
-    streamed = (tmp_path / "stream").read_bytes()
-    assert len(streamed) == plan.size == placed.size
-    assert streamed == local
-    assert plan.payload_crcs(crcs) == expected_crcs
-    archives = [item for item in placed.items if isinstance(item, layout.TensorItem)]
+    expected = io.BytesIO()
+    write_plan_to_stream(plan, expected)
+    settings = config.settings().replace(buffer_size=window, block_size=window, buffer_count=2, direct=direct)
+    crcs = writer.write_layout(placed, str(tmp_path / "ring"), settings)
+    written = (tmp_path / "ring").read_bytes()
+    assert len(written) == plan.size == placed.size
+    assert written == expected.getvalue()
+    archives = [(position, item) for position, item in enumerate(placed.items) if isinstance(item, layout.TensorItem)]
     assert len(archives) == len(tensors)
-    for item, tensor in zip(archives, tensors):
-        archive = streamed[item.base : item.base + item.length]
+    for (position, item), tensor in zip(archives, tensors):
+        payload = written[item.payload_offset : item.payload_offset + item.nbytes]
+        assert crcs[position] == zlib.crc32(payload)
+        archive = written[item.base : item.base + item.length]
         assert zipfile.ZipFile(io.BytesIO(archive)).testzip() is None
         assert torch.equal(torch.load(io.BytesIO(archive)), tensor)
+
+
+def test_without_checksums_only_the_payloads_crcs_are_zero(tmp_path):
+    """checksum=False spares the payloads' CRC-32s only: each archive's pickle and small records keep theirs,
+    locally and in an upload alike (both are this ring pass)."""
+    entries, _ = _entries()
+    placed = layout.place_items("__0_0.distcp", entries)
+    crcs = writer.write_layout(placed, str(tmp_path / "f"), config.settings().replace(checksum=False))
+    written = (tmp_path / "f").read_bytes()
+    for position, item in enumerate(placed.items):
+        if not isinstance(item, layout.TensorItem):
+            continue
+        assert crcs[position] == 0
+        stored = _archive_crcs(written, item)
+        assert stored.pop("0") == 0  # the payload, data/0
+        archive = zipfile.ZipFile(io.BytesIO(written[item.base : item.base + item.length]))
+        for info in archive.infolist():
+            if not info.filename.endswith("/0"):
+                assert stored[info.filename.rsplit("/", 1)[-1]] == zlib.crc32(archive.read(info)) != 0
 
 
 def test_a_file_of_archives_has_no_single_trailer():

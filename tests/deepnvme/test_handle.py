@@ -201,6 +201,167 @@ def test_named_engine_unavailable(monkeypatch):
         AioHandle(engine="io_uring")
 
 
+# ----------------------------------------------------------------------------- the CUDA ring, on CPU
+
+
+class _FakeEvent:
+    """Stands for torch.cuda.Event: CPU copies are done when queued, so recording and waiting only log."""
+
+    log: list = []
+
+    def __init__(self) -> None:
+        self.number = None
+
+    def record(self, stream) -> None:
+        self.number = sum(1 for event in self.log if event[0] == "record")
+        self.log.append(("record", self.number))
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self.number))
+
+
+class _FakeStream:
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        _FakeEvent.log.append(("stream synchronize", None))
+
+
+class _LoggedHandle:
+    """The handle's native handle, logging each request's submission and wait by file offset."""
+
+    def __init__(self, native, log: list) -> None:
+        self.native, self.log = native, log
+        self.offsets: dict[int, int] = {}
+
+    def submit_write(self, ptr, nbytes, target, offset, keepalive, **options):
+        self.log.append(("write", offset))
+        request = self.native.submit_write(ptr, nbytes, target, offset, keepalive, **options)
+        self.offsets[id(request)] = offset
+        return request
+
+    def submit_read(self, ptr, nbytes, target, offset, keepalive, **options):
+        self.log.append(("read", offset))
+        request = self.native.submit_read(ptr, nbytes, target, offset, keepalive, **options)
+        self.offsets[id(request)] = offset
+        return request
+
+    def wait_request(self, request):
+        self.log.append(("done", self.offsets[id(request)]))
+        return self.native.wait_request(request)
+
+    def __getattr__(self, name):
+        return getattr(self.native, name)
+
+
+@pytest.fixture
+def cpu_ring(monkeypatch):
+    """An AioHandle whose CUDA ring (``_ring_write`` / ``_ring_read``) runs on CPU tensors: the copies are plain
+    CPU copies, events and the side stream stand-ins that log. Yields ``make(**kwargs) -> (handle, log)``."""
+    import contextlib
+
+    log: list = []
+    monkeypatch.setattr(_FakeEvent, "log", log)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(AioHandle, "_side_stream", lambda self, device: _FakeStream())
+
+    def make(**kwargs):
+        handle = AioHandle(cuda_chunk_bytes=64 << 10, cuda_chunks=3, **kwargs)
+        handle._handle = _LoggedHandle(handle._handle, log)
+        return handle
+
+    return make, log
+
+
+@pytest.mark.parametrize(("nbytes", "file_offset"), [(1, 0), ((64 << 10) * 7 + 5, 0), ((64 << 10) * 7 + 5, 4097)])
+def test_the_cuda_ring_round_trips_and_keeps_its_order(disk_dir, cpu_ring, nbytes, file_offset):
+    """Chunk by chunk through 3 slots: a chunk's copy is waited for before its write, a slot's last write before
+    its next copy; reads run 3 ahead, each slot refilled once its chunk was copied out."""
+    make, log = cpu_ring
+    handle = make()
+    source = _random(nbytes, torch.uint8, seed=nbytes)
+    path = os.path.join(disk_dir, "ring.bin")
+    file = engine.File(path, "w", direct=True, truncate=True)
+    try:
+        handle._ring_write(source, file, file_offset, True, None)
+    finally:
+        file.close()
+    with open(path, "rb") as f:
+        f.seek(file_offset)
+        assert f.read() == _bytes(source)
+    chunks = [offset for offset in range(0, nbytes, 64 << 10)]
+    expected = []
+    for k, offset in enumerate(chunks):
+        if k >= 3:
+            expected.append(("done", file_offset + chunks[k - 3]))
+        expected += [("record", k), ("synchronize", k), ("write", file_offset + offset)]
+    expected.append(("stream synchronize", None))
+    last = sorted(range(len(chunks))[-3:], key=lambda k: k % 3)  # leaving the ring waits slot by slot
+    expected += [("done", file_offset + chunks[k]) for k in last]
+    assert log == expected
+
+    log.clear()
+    out = torch.zeros(nbytes, dtype=torch.uint8)
+    file = engine.File(path, "r", direct=True)
+    try:
+        handle._ring_read(out, file, file_offset, None)
+    finally:
+        file.close()
+    assert torch.equal(out, source)
+    expected = [("read", file_offset + offset) for offset in chunks[:3]]
+    for k, offset in enumerate(chunks):
+        expected += [("done", file_offset + offset), ("record", k)]
+        if k + 3 < len(chunks):
+            expected += [("synchronize", k), ("read", file_offset + chunks[k + 3])]
+    expected.append(("stream synchronize", None))  # the last copies: `out` is complete on return
+    assert log == expected
+
+
+def test_a_failing_ring_write_waits_for_every_request_and_returns_its_chunks(disk_dir, cpu_ring):
+    from fastpersist.io import memory
+
+    make, log = cpu_ring
+    with engine.inject_fault(nth=4, op="write", count=0):  # the 4th write fails, and every one after it
+        handle = make()
+    source = _random((64 << 10) * 9, torch.uint8)
+    path = os.path.join(disk_dir, "fail.bin")
+    before = None
+    for _ in range(3):
+        log.clear()
+        file = engine.File(path, "w", direct=True, truncate=True)
+        try:
+            with pytest.raises(OSError) as raised:
+                handle._ring_write(source, file, 0, False, None)
+        finally:
+            file.close()
+        assert raised.value.errno == errno.EIO
+        submitted = [offset for kind, offset in log if kind == "write"]
+        assert sorted(offset for kind, offset in log if kind == "done") == sorted(submitted)  # each waited for
+        assert submitted == [k * (64 << 10) for k in range(len(submitted))]
+        before = memory.pooled_bytes() if before is None else before
+        assert memory.pooled_bytes() == before  # the same chunks, back in the pool each time
+
+
+def test_a_ring_read_past_the_end_raises_once_every_read_is_done(disk_dir, cpu_ring):
+    make, log = cpu_ring
+    handle = make()
+    path = os.path.join(disk_dir, "short.bin")
+    with open(path, "wb") as f:
+        f.write(b"x" * ((64 << 10) * 4 + 10))
+    out = torch.zeros((64 << 10) * 8, dtype=torch.uint8)
+    file = engine.File(path, "r", direct=True)
+    try:
+        with pytest.raises(EOFError):
+            handle._ring_read(out, file, 0, None)
+    finally:
+        file.close()
+    submitted = [offset for kind, offset in log if kind == "read"]
+    assert sorted(offset for kind, offset in log if kind == "done") == sorted(submitted)
+    assert bytes(host_memoryview(out[: (64 << 10) * 4])) == b"x" * ((64 << 10) * 4)
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 

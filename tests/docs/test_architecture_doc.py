@@ -228,3 +228,55 @@ def test_the_exception_finder_finds_every_kind_of_base():
         "class H(MyWarning, dict): pass\n"
     )
     assert exception_classes(source, _exception_names()) == ["A:2", "B:3", "C:4", "D:5", "H:9", "G:8"]
+
+
+RING_LEASE_ALLOWED = {
+    "fastpersist/io/ring.py",  # the one pinned ring
+    "fastpersist/io/memory.py",  # defines lease_buffers (reserve_ring warms the pool with it)
+    # Benchmarks that time a lease of their own next to the product's ring (not product code):
+    "fastpersist/bench/stages.py",
+    "fastpersist/bench/safetensors_bench.py",
+}
+
+
+def _lease_callers(root: str) -> set[str]:
+    """Modules under ``root``/fastpersist that name ``lease_buffers`` (a call, an import, an attribute)."""
+    import ast
+
+    callers = set()
+    for directory, _, files in os.walk(os.path.join(root, "fastpersist")):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(directory, name)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                named = (
+                    (isinstance(node, ast.Attribute) and node.attr == "lease_buffers")
+                    or (isinstance(node, ast.Name) and node.id == "lease_buffers")
+                    or (isinstance(node, ast.ImportFrom) and any(a.name == "lease_buffers" for a in node.names))
+                    or (isinstance(node, ast.FunctionDef) and node.name == "lease_buffers")
+                )
+                if named:
+                    callers.add(os.path.relpath(path, root))
+                    break
+    return callers
+
+
+def test_only_the_ring_leases_pinned_buffers():
+    """Every staging ring is ``io.ring.Ring``: no other product module leases buffers from the pool."""
+    callers = _lease_callers(ROOT)
+    assert "fastpersist/io/ring.py" in callers
+    assert sorted(callers - RING_LEASE_ALLOWED) == []
+
+
+def test_the_lease_finder_finds_a_lease_however_it_is_named(tmp_path):
+    package = tmp_path / "fastpersist"
+    package.mkdir()
+    (package / "a.py").write_text(
+        "from fastpersist.io import memory\nwith memory.lease_buffers(2, 8) as b:\n    pass\n"
+    )
+    (package / "b.py").write_text("from fastpersist.io.memory import lease_buffers\n")
+    (package / "c.py").write_text("lease = getattr(object, 'other_name')\n")
+    assert _lease_callers(str(tmp_path)) == {"fastpersist/a.py", "fastpersist/b.py"}

@@ -1,4 +1,4 @@
-"""The ring that streams file windows into device storages (``reader._stream_windows``), driven on CPU.
+"""The CUDA load path (``reader._stream_windows`` on an ``io.ring.Ring``) streaming windows into storages, on CPU.
 
 The ring serves CUDA targets; its scheduling (which slot reads which window, refills on a helper
 thread, errors, nothing left in flight) does not depend on the device, so these tests run it with CPU
@@ -182,10 +182,10 @@ def test_checksums_of_a_window_whose_copies_fail_are_waited_for(tmp_path, monkey
     monkeypatch.setattr(reader, "_queue_crcs", lambda *args: queued.append(SlowCrc()) or [queued[-1]])
     real_copies = reader._queue_copies
 
-    def failing_copies(window, buffer, streams):
+    def failing_copies(window, slot, ring):
         if len(queued) == 3:
             raise RuntimeError("injected copy failure")
-        return real_copies(window, buffer, streams)
+        return real_copies(window, slot, ring)
 
     monkeypatch.setattr(reader, "_queue_copies", failing_copies)
     path, _, records = _checkpoint(tmp_path)
@@ -307,11 +307,11 @@ def test_ctrl_c_in_the_ring_leaves_nothing_in_flight(tmp_path, monkeypatch, devi
     real_copies = reader._queue_copies
     calls = []
 
-    def interrupted_copies(window, buffer, streams):
+    def interrupted_copies(window, slot, ring):
         calls.append(window)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real_copies(window, buffer, streams)
+        return real_copies(window, slot, ring)
 
     monkeypatch.setattr(reader, "_queue_copies", interrupted_copies)
     path, _, records = _checkpoint(tmp_path)
