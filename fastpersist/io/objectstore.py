@@ -57,8 +57,10 @@ collective save (:mod:`fastpersist.distributed.objectstore`) uploads each
 writer's byte range of the file with :func:`commit_plan` (``byte_range=``)
 and commits a manifest with :func:`put_bytes`, and cleans up with
 :func:`list_keys`, :func:`remove_keys` and :func:`abort_uploads`; a DCP
-checkpoint (:mod:`fastpersist.dcp.objectstore`) uploads several ``.distcp``
-files with :func:`commit_plan` and its ``.metadata`` with :func:`put_bytes`.
+checkpoint under a prefix uploads several ``.distcp`` files with
+:func:`commit_plan` and its ``.metadata`` with :func:`put_bytes`. The entry
+points reach all of this through the S3 target
+(:class:`fastpersist.io.targets.S3Object`), never directly.
 
 Endpoint, region and credentials come from boto3's standard chain (the
 ``AWS_*`` environment variables, ``~/.aws/config`` and ``~/.aws/credentials``,
