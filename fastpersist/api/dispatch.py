@@ -32,6 +32,7 @@ import torch
 
 from fastpersist.errors import CorruptCheckpointError, UnsupportedObjectError
 from fastpersist.format.safetensors import looks_like_safetensors
+from fastpersist.io import targets
 
 __all__ = [
     "FORMATS",
@@ -192,30 +193,33 @@ def _decode(node: dict, tensors: dict[str, torch.Tensor]) -> Any:
 # ----------------------------------------------------------------------------- save / load
 
 
-def save_safetensors(obj: Any, f: Any, settings: dict[str, Any]) -> None:
-    """``fastpersist.save(obj, f, format="safetensors")``: a path or an ``s3://`` URL goes through save_file; a file
-    object gets the bytes."""
+def save_safetensors(obj: Any, destination: targets.Target, settings: dict[str, Any]) -> None:
+    """``fastpersist.save(obj, f, format="safetensors")``: a path or a URL goes through save_file; a file object
+    gets the bytes."""
     from fastpersist.api import safetensors
 
     tensors, metadata = flatten(obj)
-    if isinstance(f, (str, os.PathLike)):
-        safetensors.save_file(tensors, f, metadata=metadata, **settings)
+    if not isinstance(destination, targets.FileObject):
+        safetensors.save_file(tensors, destination, metadata=metadata, **settings)
         return
     if settings:
         raise TypeError(f"settings {sorted(settings)} apply to saves to a path, not to a file object")
-    f.write(safetensors.save(tensors, metadata=metadata))
-    if callable(getattr(f, "flush", None)):
-        f.flush()
+    stream = destination.checked().stream
+    stream.write(safetensors.save(tensors, metadata=metadata))
+    if callable(getattr(stream, "flush", None)):
+        stream.flush()
 
 
-def async_save_safetensors(obj: Any, f: Any, settings: dict[str, Any]):
-    """``fastpersist.async_save(obj, path, format="safetensors")`` (``path`` may be an ``s3://`` URL)."""
+def async_save_safetensors(obj: Any, destination: targets.Target, settings: dict[str, Any]):
+    """``fastpersist.async_save(obj, path, format="safetensors")`` (``path`` may be a URL)."""
     from fastpersist.api import safetensors
 
-    if not isinstance(f, (str, os.PathLike)):
-        raise TypeError(f"async_save needs a file path, got {type(f).__name__}; use save() for file objects")
+    if isinstance(destination, targets.FileObject):
+        raise TypeError(
+            f"async_save needs a file path, got {type(destination.stream).__name__}; use save() for file objects"
+        )
     tensors, metadata = flatten(obj)
-    return safetensors.async_save_file(tensors, f, metadata=metadata, **settings)
+    return safetensors.async_save_file(tensors, destination, metadata=metadata, **settings)
 
 
 def _map(tensors: dict[str, torch.Tensor], map_location: Any) -> dict[str, torch.Tensor]:

@@ -33,7 +33,8 @@ A third way, for object stores: the **two-tier save**,
 first saved to the local ``path`` by the ordinary synchronous local save
 (atomic, fsync, O_DIRECT) -- at disk speed, before ``async_save`` returns, so
 the state may change at once -- and the local file is then uploaded by the
-same background queue (:func:`fastpersist.io.objectstore.upload_file`): one
+same background queue (the target's ``upload_file``; for S3
+:func:`fastpersist.io.objectstore.upload_file`): one
 queued job per save, whose future raises the upload's errors, completes at
 interpreter exit and behaves after ``fork()`` as every other. The local file
 is kept: it is the fast tier a restart may load.
@@ -53,8 +54,8 @@ from fastpersist.api import dispatch, saving
 from fastpersist.distributed import save as distributed_save
 from fastpersist.errors import TensorModifiedError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
-from fastpersist.io import device_crc, memory, objectstore, staging, timeline
-from fastpersist.io.commit import anchored, commit_plan, releasing, target, target_kind
+from fastpersist.io import device_crc, memory, staging, targets, timeline
+from fastpersist.io.commit import releasing, target_kind
 from fastpersist.io.queue import (
     SaveFuture,
     pending_saves,
@@ -276,13 +277,13 @@ def async_save(
     ``divergence="error"`` refusals raise here, on every rank. A collective
     save or load made while one is pending first waits for it (docs/distributed.md).
 
-    **Two-tier save** (``f`` an ``s3://`` URL and ``local_copy`` a local path):
+    **Two-tier save** (``f`` a URL, ``s3://`` or any fsspec store's, and ``local_copy`` a local path):
     the checkpoint is saved to ``local_copy`` first, synchronously, by the
     ordinary local save (``fastpersist.save``: atomic, fsync, O_DIRECT), in
     the format the URL asks for (``format=`` or a ``.safetensors`` key); then
     this returns, the state may change at once (``mode`` does not apply), and
     the background queue uploads the local file to ``f``
-    (:func:`fastpersist.io.objectstore.upload_file`). The future (mode
+    (:meth:`fastpersist.io.targets.base.Target.upload_file`). The future (mode
     ``"upload"``, ``local_copy`` set) finishes when the object is committed
     and raises the upload's errors; the object then holds exactly the local
     file's bytes. The local file is kept. The upload reads the file this save
@@ -291,9 +292,9 @@ def async_save(
 
     Args:
         obj, f, pickle_module, pickle_protocol: as :func:`fastpersist.save`
-            (``f`` must be a path or an ``s3://bucket/key`` URL).
+            (``f`` must be a path or a URL: ``s3://bucket/key``, ``memory://``...).
         mode: ``"pipelined"`` or ``"snapshot"`` (default: setting ``async_mode``).
-        local_copy: (``s3://`` targets only) the local file of a two-tier save.
+        local_copy: (URL targets only) the local file of a two-tier save.
         group, layout, writers, divergence, per_rank, timeout: a collective
             save, as :func:`fastpersist.save` takes them.
         **settings: per-call overrides of ``fastpersist.config`` settings.
@@ -302,42 +303,42 @@ def async_save(
         UnsupportedObjectError, IsADirectoryError, FileNotFoundError,
         PermissionError, TypeError, ConfigError: at once, as :func:`save`.
         MemoryError: (snapshot) the staging area cannot be allocated.
-        ValueError: (``s3://``) at once: a malformed URL; ``local_copy`` with
-            a target that is not an ``s3://`` URL, a ``local_copy`` that is a
+        ValueError: (a URL) at once: a malformed URL; ``local_copy`` with
+            a target that is not a URL, a ``local_copy`` that is a
             URL or a special file, or ``atomic=False``.
         OSError: (``local_copy``) at once: what the local save raises; nothing
             is uploaded then and the previous object is intact.
-        ObjectStoreError and its subclasses: (``s3://``) at ``result()``, as
+        ObjectStoreError and its subclasses: (a URL) at ``result()``, as
             :func:`fastpersist.save` raises them; ObjectStoreUnavailableError
             (boto3 missing) at ``result()`` too. A failed upload of a two-tier
             save leaves the previous object intact and the local file in place.
         DistributedCheckpointError: (``group=``) on every rank, here or at
             ``result()``, as :func:`fastpersist.save` raises it.
     """
+    destination = targets.resolve(f)  # the one decision of where the bytes go (fastpersist.io.targets)
     if distributed_save.is_collective(group):
         if local_copy is not None:
             raise ValueError("local_copy= (a two-tier save) cannot be combined with group= (a collective save)")
         choices = dict(layout=layout, writers=writers, divergence=divergence, per_rank=per_rank, timeout=timeout)
-        chosen = distributed_save.options(f, pickle_module=pickle_module, pickle_protocol=pickle_protocol, **choices)
-        return _collective_async_save(obj, f, group, chosen, mode, settings, _released_by_hooks)
-    remote = objectstore.is_object_url(f)  # s3://bucket/key: a multipart upload (docs/object-storage.md)
+        chosen = distributed_save.options(
+            destination, pickle_module=pickle_module, pickle_protocol=pickle_protocol, **choices
+        )
+        return _collective_async_save(obj, f, destination, group, chosen, mode, settings, _released_by_hooks)
     if local_copy is not None:
-        return _save_through_local_copy(obj, f, local_copy, pickle_module, pickle_protocol, settings)
+        return _save_through_local_copy(obj, f, destination, local_copy, pickle_module, pickle_protocol, settings)
     if dispatch.wants_safetensors(f, settings.pop("format", None)):
-        return dispatch.async_save_safetensors(obj, f, settings)
+        return dispatch.async_save_safetensors(obj, destination, settings)
     resolved = _begin(f, mode, settings)
-    destination = objectstore.target(f) if remote else target(f)
-    commit = objectstore.commit_plan if remote else commit_plan
+    destination = destination.checked()
     path = destination.path
     pipelined = resolved.async_mode == "pipelined"
     # Versions are recorded when someone must decide whether the tensors changed during the reads.
     recorded: list | None = [] if pipelined or _released_by_hooks else None
     plan = _plan_recording(obj, archive_name_for(destination.given), pickle_module, pickle_protocol, recorded)
     timeline.mark("pickled")
-    if not remote:
-        # The commit lands in the directory that is there now, even if it is renamed or deleted meanwhile
-        # (an error path below closes the anchor when the target is dropped).
-        destination = anchored(destination)
+    # A local commit lands in the directory that is there now, even if it is renamed or deleted meanwhile
+    # (an error path below closes the anchor when the target is dropped).
+    destination = destination.anchored()
     future = SaveFuture(path, resolved.async_mode)
     # Wait for a slot before snapshotting, so at most async_max_pending staging areas exist.
     wait_for_slot(resolved.async_max_pending)
@@ -370,9 +371,8 @@ def async_save(
                     taken = staging.snapshot_plan(plan, caller_waits=False, leased=leased, streams=streams)
                     release.reads_queued(taken.events)
                 taken.wait_copies()
-                commit(
+                destination.commit_plan(
                     taken.plan,
-                    destination,
                     resolved,
                     streams={},
                     before_commit=None if release is None else release.decide_at_commit,
@@ -397,9 +397,8 @@ def async_save(
         def work() -> None:
             nonlocal plan, streams
             try:
-                commit(
+                destination.commit_plan(
                     plan,
-                    destination,
                     resolved,
                     streams,
                     before_commit=release.decide_at_commit,
@@ -434,7 +433,14 @@ def _begin(f: Any, mode: str | None, settings: dict[str, Any]) -> config.Setting
 
 
 def _collective_async_save(
-    obj: object, f: Any, group: Any, chosen: Any, mode: str | None, settings: dict[str, Any], released_by_hooks: bool
+    obj: object,
+    f: Any,
+    destination: targets.Target,
+    group: Any,
+    chosen: Any,
+    mode: str | None,
+    settings: dict[str, Any],
+    released_by_hooks: bool,
 ) -> SaveFuture:
     """``async_save`` with ``group=``: plan, verify and capture here; write and commit on the save thread.
 
@@ -450,7 +456,7 @@ def _collective_async_save(
     module, protocol = chosen.pickle_module, chosen.pickle_protocol
     operation = distributed_save.CollectiveSave(
         obj,
-        f,
+        destination,
         None if group is True else group,
         chosen,
         resolved,
@@ -547,19 +553,25 @@ def prepare(obj: object, *, mode: str | None = None, **settings: Any) -> int:
 
 
 def _save_through_local_copy(
-    obj: object, url: Any, local_copy: Any, pickle_module: Any, pickle_protocol: int, settings: dict[str, Any]
+    obj: object,
+    url: Any,
+    destination: targets.Target,
+    local_copy: Any,
+    pickle_module: Any,
+    pickle_protocol: int,
+    settings: dict[str, Any],
 ) -> SaveFuture:
     """The two-tier save of :func:`async_save`: the local save here and now, the upload as one queued job."""
-    if not objectstore.is_object_url(url):
+    if not destination.remote:
         raise ValueError(
-            f"local_copy= is for saves to an object store (an s3://bucket/key target), got {url!r}; "
+            f"local_copy= is for saves to an object store (a URL target), got {url!r}; "
             "to save to a local file, pass that path as the target"
         )
     if not isinstance(local_copy, (str, os.PathLike)):
         raise TypeError(f"local_copy must be a local path, got {type(local_copy).__name__}")
-    if objectstore.is_object_url(local_copy):
+    if targets.is_url(local_copy):
         raise ValueError(f"local_copy must be a local path (the fast tier), got the URL {local_copy!r}")
-    destination = objectstore.target(url)
+    destination = destination.checked()
     local = os.fspath(local_copy)
     settings = dict(settings)
     chosen = "safetensors" if dispatch.wants_safetensors(url, settings.pop("format", None)) else "torch"
@@ -582,7 +594,7 @@ def _save_through_local_copy(
 
         def work() -> None:
             try:
-                objectstore.upload_file(source, destination, resolved)
+                destination.upload_file(source, resolved)
             finally:
                 source.close()
 

@@ -13,16 +13,17 @@ from typing import Any, BinaryIO
 import torch
 
 from fastpersist import config
-from fastpersist.api import archive, dispatch, objectstore
+from fastpersist.api import archive, dispatch
 from fastpersist.api.verification import verify_file_object
 from fastpersist.distributed import load as distributed_load
 from fastpersist.distributed import save as distributed_save
-from fastpersist.distributed.manifest import is_manifest
+from fastpersist.distributed.manifest import HEAD_SIZE, is_manifest, looks_like_manifest
 from fastpersist.errors import CorruptCheckpointError, FastPersistError, TruncatedCheckpointError, torch_compatible
 from fastpersist.format.deserializer import archive_prefix
+from fastpersist.format.safetensors import looks_like_safetensors
 from fastpersist.format.zipformat import MissingEndRecordError, RecordTable, read_directory, read_rows
-from fastpersist.io import engine
-from fastpersist.io.reader import FileStorageProvider, MmapStorageProvider
+from fastpersist.io import engine, targets
+from fastpersist.io.reader import FileStorageProvider, MemoryStorageProvider, MmapStorageProvider
 from fastpersist.io.records import HeaderCache
 from fastpersist.tensors import host_memoryview, torch_serialization_config
 
@@ -83,8 +84,9 @@ def load(
 
     Args:
         f: a path, or a readable binary file object (handled by torch.load),
-            or ``s3://bucket/key`` (an S3 or S3-compatible object store,
-            downloaded whole into memory; docs/object-storage.md).
+            or a URL: ``s3://bucket/key`` (an S3 or S3-compatible object store),
+            ``memory://``, ``gs://``... (any fsspec filesystem), downloaded
+            whole into memory (docs/object-storage.md).
         map_location: as torch.load (str, torch.device, dict or callable).
         pickle_module: as torch.load (only with ``weights_only=False``).
         weights_only: as torch.load (default True: torch's safe unpickler).
@@ -98,7 +100,7 @@ def load(
             (``layout="parts"``) when each rank sees only some parts; they
             travel between ranks through torch.distributed. A sharded
             checkpoint whose parts are all visible loads without a group.
-            For ``s3://`` URLs every rank sees the whole store, so each
+            For URLs every rank sees the whole store, so each
             reads the object (and a collective save's part objects) itself:
             ``group`` changes nothing there.
         timeout: (with ``group``) seconds to wait for the other ranks.
@@ -113,8 +115,8 @@ def load(
         ChecksumMismatchError: (verify) a record's bytes do not match its CRC-32.
         pickle.UnpicklingError: weights_only refused an object (torch's message).
         ObjectNotFoundError, BucketNotFoundError, ObjectStoreCredentialsError,
-            ObjectStoreError, ObjectStoreUnavailableError: (``s3://``) see
-            :func:`fastpersist.api.objectstore.load`.
+            ObjectStoreError, ObjectStoreUnavailableError: (a URL) see
+            :func:`_load_from_store`.
     """
     overrides, pickle_load_args = config.split_overrides("load", kwargs, allow_other=True)
     resolved = config.resolve(overrides)
@@ -135,9 +137,10 @@ def load(
         if verify and explicit:
             verify_file_object(f)
         return _TORCH_LOAD(f, map_location, **torch_kwargs)
-    if objectstore.is_object_url(f):  # s3://bucket/key: ranged GETs into memory (docs/object-storage.md)
-        return objectstore.load(
-            f,
+    source = targets.resolve(f)  # the one decision of where the bytes come from (fastpersist.io.targets)
+    if source.remote:  # a store: ranged reads into memory (docs/object-storage.md)
+        return _load_from_store(
+            source,
             map_location,
             pickle_module,
             weights_only,
@@ -198,6 +201,85 @@ def _load_sharded(path: str, group: Any, timeout: float | None, verify: bool, lo
         data = distributed_load.read_parts(path, verify=verify)
         return load(io.BytesIO(host_memoryview(data)), **load_kwargs)
     return _NOT_SHARDED
+
+
+def _load_from_store(
+    source: targets.Target,
+    map_location: Any,
+    pickle_module: Any,
+    weights_only: bool,
+    verify: bool,
+    settings: config.Settings,
+    torch_kwargs: dict[str, Any],
+    pickle_load_args: dict[str, Any],
+    *,
+    warn_unverifiable: bool,
+) -> Any:
+    """``fastpersist.load(url, ...)``: the file or object of a store, with the arguments as ``load`` resolved them.
+
+    It is downloaded whole into one page-aligned buffer (host memory: its
+    size, :meth:`~fastpersist.io.targets.base.Target.download`), parsed and
+    verified as a local file is; CPU storages are views of that buffer (as an
+    mmap load's are of the mapping), CUDA storages copies. Safetensors files
+    and legacy torch files are recognised by their first bytes, as for paths
+    (a safetensors file's CPU tensors are views of the buffer as well); so is
+    the manifest of a collective save, whose part objects are then fetched
+    into one buffer and verified the same way
+    (:func:`fastpersist.distributed.objectstore.read_parts`). ``group=`` needs
+    no exchange here: every rank reads the store itself.
+
+    Raises:
+        ObjectNotFoundError, BucketNotFoundError: (``FileNotFoundError``); also a
+            missing part object of a collective save's checkpoint.
+        TruncatedCheckpointError: empty; a part object has another size than its manifest says.
+        ObjectStoreCredentialsError: (``PermissionError``) the credentials were refused.
+        ObjectStoreError: a network error; the object was replaced during the load.
+        ObjectStoreUnavailableError: boto3 (or fsspec) is missing.
+        ValueError: a collective save's manifest in a store that holds no part objects.
+        CorruptCheckpointError, ChecksumMismatchError: as for a local file.
+        pickle.UnpicklingError: weights_only refused an object.
+    """
+    source = source.checked()
+    path = source.path
+    buffer, size = source.download(settings)
+    view = memoryview(buffer).cast("B")[:size]
+    if size == 0:
+        raise TruncatedCheckpointError(f"{path} is empty (0 bytes): it is not a checkpoint", path=path)
+    if looks_like_manifest(bytes(view[:HEAD_SIZE])):  # a collective save's manifest: the checkpoint is in its parts
+        if "parts" not in source.layouts:
+            raise ValueError(f"{path} is the manifest of a collective save, whose parts this store does not hold")
+        from fastpersist.distributed import objectstore as parts  # torch.distributed only where needed
+
+        buffer, size = parts.read_parts(source, bytes(view), settings)
+        view = memoryview(buffer).cast("B")[:size]
+    head = bytes(view[:16])
+    if looks_like_safetensors(head):
+        return dispatch.load_safetensors_buffer(buffer, size, map_location, path)
+    if head[:4] != b"PK\x03\x04":  # legacy (pre-1.6) or foreign format: torch.load knows them
+        return _TORCH_LOAD(io.BytesIO(view), map_location, **torch_kwargs)
+
+    def read_at(offset: int, length: int) -> bytes:
+        return bytes(view[offset : offset + length])
+
+    records = RecordTable(read_rows(read_at, size, path, check=verify))
+    prefix = archive_prefix(list(records), path)
+    if prefix + "constants.pkl" in records:  # a TorchScript archive
+        return _TORCH_LOAD(io.BytesIO(view), map_location, **torch_kwargs)
+    pickle_bytes, order, verify = archive.metadata(read_at, records, prefix, path, verify, warn_unverifiable)
+    whole = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+    provider = MemoryStorageProvider(whole, verify=verify, path=path)
+    return archive.rebuild(
+        pickle_bytes,
+        records,
+        prefix,
+        provider,
+        map_location=map_location,
+        pickle_module=pickle_module,
+        weights_only=weights_only,
+        byteorder=order,
+        path=path,
+        pickle_load_args={"encoding": "utf-8", **pickle_load_args},
+    )
 
 
 def _open_records(file, path: str, verify: bool) -> tuple[RecordTable, Callable[[int, int], bytes]]:

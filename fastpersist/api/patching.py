@@ -16,8 +16,8 @@ Routing (everything not listed goes to the original, unchanged):
 * ``torch.save(obj, f, ...)``: a path or a file object -> :func:`fastpersist.save`
   (atomic, durable; file objects are streamed). The legacy format
   (``_use_new_zipfile_serialization=False``) and saves inside
-  ``torch.serialization.skip_data()`` are torch's own, as are ``s3://`` strings
-  (torch treats them as local paths).
+  ``torch.serialization.skip_data()`` are torch's own, as are URL strings
+  (``s3://``, ``memory://``...: torch treats them as local paths).
 * ``torch.load(f, ...)``: a path to a zip checkpoint -> :func:`fastpersist.load`.
   File objects, ``mmap=True`` (or torch's ``load.mmap`` setting), legacy and
   non-checkpoint files, and keywords that fastpersist would take as settings
@@ -59,7 +59,7 @@ from typing import Any
 from fastpersist import config, errors
 from fastpersist.api import futures, loading, saving
 from fastpersist.api import safetensors as safetensors_api
-from fastpersist.io import objectstore
+from fastpersist.io import targets
 from fastpersist.io.commit import target_kind
 from fastpersist.io.queue import SaveFuture, pending_saves
 from fastpersist.tensors import torch_serialization_config
@@ -175,7 +175,7 @@ def _wait_for_other_directories(identity: tuple[int, int]) -> None:
 
 
 def _is_local_path(f: Any) -> bool:
-    return isinstance(f, (str, os.PathLike)) and not objectstore.is_object_url(f)
+    return isinstance(f, (str, os.PathLike)) and not targets.is_url(f)
 
 
 def _save_later(options: _Options, path: Any, start) -> bool:
@@ -206,7 +206,7 @@ def torch_save(
     """``torch.save`` through fastpersist (see the module docstring); torch's own otherwise."""
     options = _options()
     arguments = (obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization, _disable_byteorder_record)
-    if options is None or objectstore.is_object_url(f) or saving.torch_writes_it(_use_new_zipfile_serialization):
+    if options is None or targets.is_url(f) or saving.torch_writes_it(_use_new_zipfile_serialization):
         _count("original", "torch.save")
         return _original("torch", "torch.save")(*arguments)
     _raise_failed_saves()

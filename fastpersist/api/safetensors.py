@@ -18,13 +18,13 @@ types for what it refuses), with:
 
 Files are byte-compatible both ways with the safetensors library.
 
-Every function that takes a file name also takes ``s3://bucket/key``
-(docs/object-storage.md): a save uploads exactly the bytes of the local file,
-the writer's ring becoming the parts of a multipart upload
-(:func:`fastpersist.io.objectstore.commit_plan`); a load or a ``safe_open``
-reads the header and then the tensors' byte ranges with concurrent ranged GETs
-(:class:`fastpersist.io.objectstore.ObjectReader`: one HEAD, then
-:func:`~fastpersist.io.objectstore.read_ranges` pinned to its ETag).
+Every function that takes a file name also takes a URL: ``s3://bucket/key``,
+or a file of any fsspec filesystem (``memory://``, ``gs://``...; docs/object-storage.md).
+A save commits through the target (:meth:`fastpersist.io.targets.base.Target.commit_plan`:
+for S3, the writer's ring becomes the parts of a multipart upload); a load or a
+``safe_open`` reads the header and then the tensors' byte ranges through the
+target's reader (:meth:`~fastpersist.io.targets.base.Target.open_reader`: for
+S3, one HEAD, then ranged GETs pinned to its ETag).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from fastpersist import config
 from fastpersist.errors import InvalidSafetensorsError
 from fastpersist.format import safetensors as layout
 from fastpersist.format.zipformat import ZipRecordInfo
-from fastpersist.io import engine, objectstore, staging
-from fastpersist.io.commit import anchored, commit_plan, releasing, target
+from fastpersist.io import engine, staging, targets
+from fastpersist.io.commit import releasing
 from fastpersist.io.queue import SaveFuture, report_unchecked_as_warnings, run_in_order, submit, wait_for_slot
 from fastpersist.io.reader import FileStorageProvider
 from fastpersist.io.writer import side_streams
@@ -204,10 +204,8 @@ def save_file(
     check_tensors(tensors)
     resolved = _settings("save_file", settings)
     plan = layout.plan_save_file(_byte_views(tensors), metadata, alignment)
-    if objectstore.is_object_url(filename):
-        objectstore.commit_plan(plan, objectstore.target(filename), resolved, streams=None)
-        return
-    commit_plan(plan, target(filename), resolved, streams=None)
+    destination = targets.resolve(filename).checked()
+    destination.commit_plan(plan, resolved, streams=None)
 
 
 def async_save_file(
@@ -243,17 +241,15 @@ def async_save_file(
         settings = {**settings, "async_mode": mode}
     resolved = _settings("async_save_file", settings)
     plan = layout.plan_save_file(_byte_views(tensors), metadata, alignment)
-    remote = objectstore.is_object_url(filename)
-    destination = objectstore.target(filename) if remote else anchored(target(filename))
-    commit = objectstore.commit_plan if remote else commit_plan
+    destination = targets.resolve(filename).anchored()
     if resolved.async_mode == "snapshot":
-        return _snapshot_save(plan, destination, commit, resolved)
+        return _snapshot_save(plan, destination, resolved)
     streams = side_streams(plan)  # ordered after the caller's queued work, on the caller's thread
-    work = releasing(lambda: commit(plan, destination, resolved, streams), destination)
+    work = releasing(lambda: destination.commit_plan(plan, resolved, streams), destination)
     return run_in_order(work, destination.path)
 
 
-def _snapshot_save(plan, destination, commit, resolved: config.Settings):
+def _snapshot_save(plan, destination: targets.Target, resolved: config.Settings):
     """Copies the plan's tensors into a staging area now; the save thread writes the copies."""
     report_unchecked_as_warnings()
     wait_for_slot(resolved.async_max_pending)  # at most async_max_pending staging areas exist
@@ -263,7 +259,7 @@ def _snapshot_save(plan, destination, commit, resolved: config.Settings):
         nonlocal taken
         try:
             taken.wait_copies()
-            commit(taken.plan, destination, resolved, streams={})
+            destination.commit_plan(taken.plan, resolved, streams={})
         finally:
             taken.release()
             taken = None  # the future outlives the save: it must not hold the staging area
@@ -357,20 +353,21 @@ class _Reader:
         return {entry.name: _tensor_over(storage, entry) for entry, storage in zip(entries, storages)}
 
 
-class _ObjectReader(_Reader):
-    """An open safetensors object (``s3://bucket/key``): its header, and ranged GETs of the tensors' bytes.
+class _StoreReader(_Reader):
+    """An open safetensors file of a store (a URL): its header, and ranged reads of the tensors' bytes.
 
-    The object's size and ETag are read once (``HeadObject``); every later GET
-    is conditional on that ETag, so an object replaced while it is open fails
-    the read (``ObjectStoreError``) instead of mixing two versions.
+    Through the target's :meth:`~fastpersist.io.targets.base.Target.open_reader`:
+    for S3 the object's size and ETag are read once (``HeadObject``) and every
+    later GET is conditional on that ETag, so an object replaced while it is
+    open fails the read (``ObjectStoreError``) instead of mixing two versions.
     """
 
-    _FIRST_READ = 64 << 10  # one GET reads the header of almost every file (ours are padded to 4 KiB)
+    _FIRST_READ = 64 << 10  # one request reads the header of almost every file (ours are padded to 4 KiB)
 
-    def __init__(self, url: str, settings: config.Settings):
-        self.path = url
+    def __init__(self, source: targets.Target, settings: config.Settings):
+        self.path = url = source.path
         self.settings = settings
-        self.object = objectstore.ObjectReader(objectstore.target(url), settings)
+        self.object = source.open_reader(settings)
         try:
             size = self.object.size
             first = self._bytes(0, min(size, self._FIRST_READ))
@@ -386,9 +383,7 @@ class _ObjectReader(_Reader):
         return bytes(memoryview(self.object.read(start, end)).cast("B")[: end - start])
 
     def close(self) -> None:
-        close = getattr(self.object.client, "close", None)  # its connections (botocore >= 1.29)
-        if close is not None:
-            close()
+        self.object.close()  # its connections
 
     def read(self, pieces: Iterable[tuple[str, int, int]], device: torch.device) -> list[torch.UntypedStorage]:
         """``(name, start, end)`` object ranges, fetched as one span with concurrent ranged GETs.
@@ -533,10 +528,8 @@ class safe_open:
             raise ValueError(f"unknown backend {backend!r}; expected 'mmap' or 'pread' (both read with fastpersist)")
         self._device = _device(device)
         resolved = _settings("safe_open", settings)
-        if objectstore.is_object_url(filename):
-            self._reader: _Reader | None = _ObjectReader(filename, resolved)
-        else:
-            self._reader = _Reader(filename, resolved)
+        source = targets.resolve(filename)
+        self._reader: _Reader | None = _StoreReader(source, resolved) if source.remote else _Reader(filename, resolved)
 
     def __enter__(self) -> safe_open:
         return self

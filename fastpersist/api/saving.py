@@ -10,13 +10,10 @@ from typing import Any, BinaryIO
 import torch
 
 from fastpersist import config
-from fastpersist.api import dispatch, objectstore
+from fastpersist.api import dispatch
 from fastpersist.distributed import save as distributed_save
-from fastpersist.errors import NotWritableError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
-from fastpersist.io import timeline
-from fastpersist.io.commit import commit_plan, fsync_file_object, target
-from fastpersist.io.stream import write_plan_to_stream
+from fastpersist.io import targets, timeline
 from fastpersist.tensors import torch_serialization_config
 
 __all__ = ["save", "torch_writes_it"]
@@ -55,8 +52,9 @@ def save(
     Args:
         obj: what to save (anything ``torch.save`` accepts).
         f: a path, or a writable binary file object (slower path: the bytes
-            are streamed through its ``write`` method), or ``s3://bucket/key``
-            (an S3 or S3-compatible object store; docs/object-storage.md).
+            are streamed through its ``write`` method), or a URL: ``s3://bucket/key``
+            (an S3 or S3-compatible object store), ``memory://``, ``gs://``...
+            (any fsspec filesystem); docs/object-storage.md.
         pickle_module, pickle_protocol, _use_new_zipfile_serialization,
             _disable_byteorder_record: as ``torch.save``.
         group: a ``torch.distributed`` process group (or ``True`` for the
@@ -113,39 +111,37 @@ def save(
         ObjectStoreError: (``s3://``, a CheckpointIOError) the upload failed;
             it was aborted and the previous object is intact. Its subclasses
             ObjectStoreCredentialsError and BucketNotFoundError name the cause;
-            ObjectStoreUnavailableError (an ImportError) means boto3 is missing.
+            ObjectStoreUnavailableError (an ImportError) means boto3 (for other
+            URLs: fsspec, or the package it names for the scheme) is missing.
+            Other URLs fail as the store fails, the previous file intact
+            (docs/object-storage.md).
             With ``group``, a collective save to ``s3://``: a failed rank's
             upload error is raised on every rank as DistributedCheckpointError.
     """
-    if objectstore.is_object_url(f):  # s3://bucket/key: a multipart upload (docs/object-storage.md)
-        objectstore.save(
-            obj,
-            f,
-            pickle_module,
-            pickle_protocol,
-            _use_new_zipfile_serialization,
-            _disable_byteorder_record,
-            group=group,
-            torch_crc32=_torch_compute_crc32(),
-            settings=settings,
-            collective=dict(layout=layout, writers=writers, divergence=divergence, per_rank=per_rank, timeout=timeout),
+    destination = targets.resolve(f)  # the one decision of where the bytes go (fastpersist.io.targets)
+    if destination.remote and "local_copy" in settings:
+        raise TypeError(
+            "save() has no local_copy: a two-tier save is fastpersist.async_save(obj, url, local_copy=path) (call "
+            "result() on its future to wait for the upload)"
         )
-        return
     if dispatch.wants_safetensors(f, settings.pop("format", None)):
-        if distributed_save.is_collective(group):
-            raise distributed_save.safetensors_refused(f)
-        dispatch.save_safetensors(obj, f, settings)  # format="safetensors" or a .safetensors path
+        # A store refuses any group=, a path only one of several ranks (without a process group it is a plain save).
+        if distributed_save.is_collective(group) or (destination.remote and distributed_save.wants_group(group)):
+            raise distributed_save.safetensors_refused(destination.path)
+        dispatch.save_safetensors(obj, destination, settings)  # format="safetensors" or a .safetensors path
         return
+    if destination.remote and not _use_new_zipfile_serialization:
+        raise ValueError(
+            f"the legacy format (_use_new_zipfile_serialization=False) cannot be saved to {destination.path}"
+        )
     overrides, _ = config.split_overrides("save", settings, allow_other=False)
     resolved = config.resolve(overrides)
     if resolved.checksum and not _torch_compute_crc32():
         resolved = resolved.replace(checksum=False)  # torch.serialization.set_crc32_options(False)
     if distributed_save.is_collective(group):
-        if not isinstance(f, (str, os.PathLike)):
-            raise TypeError("a collective save (group=...) needs a path, not a file object")
         distributed_save.save(
             obj,
-            f,
+            destination,
             group=group,
             layout=layout,
             writers=writers,
@@ -158,29 +154,16 @@ def save(
             settings=resolved,
         )
         return
-    if torch_writes_it(_use_new_zipfile_serialization):
+    if not destination.remote and torch_writes_it(_use_new_zipfile_serialization):
         _TORCH_SAVE(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization, _disable_byteorder_record)
         return
-    if isinstance(f, (str, os.PathLike)):
-        timeline.mark("call")
-        destination = target(f)
-        plan = plan_save(
-            obj, archive_name_for(destination.given), pickle_module, pickle_protocol, _disable_byteorder_record
-        )
-        timeline.mark("pickled")
-        commit_plan(plan, destination, resolved, streams=None)
-    else:
-        if not callable(getattr(f, "write", None)):
-            raise NotWritableError(
-                f"expected 'f' to be a string, path, or a file-like object with a 'write' attribute, "
-                f"got {type(f).__name__}"
-            )
-        plan = plan_save(obj, archive_name_for(None), pickle_module, pickle_protocol, _disable_byteorder_record)
-        write_plan_to_stream(plan, f, checksum=resolved.checksum, chunk_size=resolved.buffer_size)
-        if callable(getattr(f, "flush", None)):
-            f.flush()
-        if resolved.fsync:
-            fsync_file_object(f)
+    timeline.mark("call")
+    destination = destination.checked()
+    plan = plan_save(
+        obj, archive_name_for(destination.given), pickle_module, pickle_protocol, _disable_byteorder_record
+    )
+    timeline.mark("pickled")
+    destination.commit_plan(plan, resolved, streams=None)
 
 
 def torch_writes_it(use_new_zipfile_serialization: bool = True) -> bool:

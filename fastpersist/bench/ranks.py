@@ -50,6 +50,7 @@ import torch
 
 from fastpersist import config
 from fastpersist.bench import measure
+from fastpersist.io import targets
 from fastpersist.tuning import workloads
 
 __all__ = ["SCHEMA", "build_parser", "main", "to_markdown"]
@@ -139,13 +140,12 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
         else:
             stats = dsave.save(
                 state,
-                path,
+                targets.Sink() if args.get("sink") else path,
                 group=dist.group.WORLD,
                 layout=args["layout"],
                 writers=args["writers"],
                 timeout=args["timeout"],
                 settings=config.settings(),
-                sink=bool(args.get("sink")),
             )
             write_seconds, written = stats.write_seconds, stats.bytes_written
             steps, digest_seconds = stats.steps, stats.digest_seconds
@@ -208,15 +208,9 @@ def _bound_rounds(rank: int, world: int, state: dict, repeat: int, barrier) -> l
 def _sink_save(state: dict) -> int:
     """The single-process pipeline into /dev/null (the N = 1 baseline of ``--sink``); returns the plan's bytes."""
     from fastpersist.format.serializer import plan_save
-    from fastpersist.io import engine
-    from fastpersist.io.writer import write_plan
 
     plan = plan_save(state, "ranks-bench")
-    sink = engine.File("/dev/null", "w", direct=False, create=False)
-    try:
-        write_plan(plan, sink, config.settings())
-    finally:
-        sink.close()
+    targets.Sink().commit_plan(plan, config.settings())
     return plan.layout.central_directory_offset
 
 

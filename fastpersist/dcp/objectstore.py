@@ -1,4 +1,9 @@
-"""DCP checkpoints under an ``s3://bucket/prefix``: where each file goes, and the requests around the commit.
+"""DCP checkpoints under an ``s3://bucket/prefix``: the prefix and the check before the commit, by their names.
+
+The writer and the reader reach a prefix through its target
+(:class:`fastpersist.io.targets.S3Object`, :mod:`fastpersist.io.targets`), as
+they reach any store's; these are the names this module had before the
+targets, kept for code that calls them.
 
 A checkpoint under a prefix holds, as objects, exactly the files a local
 checkpoint directory holds, under the same names: ``{prefix}/.metadata`` and
@@ -10,13 +15,13 @@ gives a checkpoint that DCP's ``FileSystemReader`` loads, and a
 The order of a save (``FastPersistWriter``), which makes ``.metadata`` the
 commit record as in a directory:
 
-1. the coordinator deletes a stale ``.metadata`` (:func:`retract`) before any
-   rank uploads (DCP plans globally before anyone writes);
-2. each rank uploads its files (``io.objectstore.commit_plan``: a multipart
-   upload fed by the writer's ring, aborted on failure);
+1. the coordinator deletes a stale ``.metadata`` before any rank uploads
+   (DCP plans globally before anyone writes);
+2. each rank uploads its files (a multipart upload fed by the writer's ring,
+   aborted on failure);
 3. the coordinator checks that every rank's object is there with its size
-   (:func:`check_committed`), then stores ``.metadata`` in one PutObject
-   (:func:`store`): the commit.
+   (:func:`check_committed`), then stores ``.metadata`` in one PutObject: the
+   commit.
 
 A save that fails anywhere leaves no ``.metadata`` (and no upload in
 progress): readers see no checkpoint, not a mix of old and new objects.
@@ -24,129 +29,33 @@ progress): readers see no checkpoint, not a mix of old and new objects.
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
-import errno
 import os
 from collections.abc import Mapping
 
 from fastpersist.config import Settings
-from fastpersist.errors import ObjectNotFoundError, ObjectStoreError
-from fastpersist.io import objectstore
+from fastpersist.io import targets
 
-__all__ = ["Prefix", "prefix_of", "exists", "retract", "check_committed", "store", "fetch"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Prefix:
-    """``s3://bucket/key``, the "directory" of a DCP checkpoint (``key`` without a trailing ``/``; ``""``: the
-    bucket's top)."""
-
-    bucket: str
-    key: str
-
-    @property
-    def url(self) -> str:
-        return f"{objectstore.SCHEME}{self.bucket}/{self.key}" if self.key else f"{objectstore.SCHEME}{self.bucket}"
-
-    def object(self, name: str) -> objectstore.ObjectURL:
-        """The object of the checkpoint's file ``name`` (``.metadata``, ``__0_0.distcp``)."""
-        return objectstore.ObjectURL(self.bucket, f"{self.key}/{name}" if self.key else name)
-
-    def __str__(self) -> str:
-        return self.url
+__all__ = ["prefix_of", "check_committed"]
 
 
-def prefix_of(location: str | os.PathLike) -> Prefix | None:
-    """The prefix ``location`` names, or None where it is a local path.
+def prefix_of(location: str | os.PathLike) -> targets.S3Object | None:
+    """The prefix ``location`` names (an :class:`~fastpersist.io.targets.S3Object`), or None where it is not
+    an S3 URL.
 
     Raises:
-        ValueError: an ``s3://`` URL without a bucket, or a ``pathlib`` path
-            made from one (``Path("s3://b/p")`` is ``s3:/b/p``: pass a string).
+        ValueError: an S3 URL without a bucket, or a ``pathlib`` path made from one
+            (``Path("s3://b/p")`` is ``s3:/b/p``: pass a string).
     """
-    objectstore.is_object_url(location)  # raises for a URL that pathlib collapsed
-    text = os.fspath(location)
-    if isinstance(text, bytes):
-        return None
-    if not objectstore.is_object_url(text):
-        return None
-    bucket, _, key = text[len(objectstore.SCHEME) :].partition("/")
-    if not bucket:
-        raise ValueError(f"expected a checkpoint prefix like 's3://bucket/path/to/step-100', got {text!r}")
-    return Prefix(bucket, key.strip("/"))
+    target = targets.resolve(location)
+    return target.as_directory() if isinstance(target, targets.S3Object) else None
 
 
-def exists(prefix: Prefix, name: str, *, client) -> bool:
-    """Whether the checkpoint's file ``name`` is an object under ``prefix``.
-
-    Raises:
-        BucketNotFoundError: no such bucket.
-        ObjectStoreCredentialsError, ObjectStoreError: the store refused, or the network failed.
-    """
-    try:
-        objectstore.head(prefix.object(name), client=client, action=f"looking for {prefix.object(name)}")
-    except ObjectNotFoundError:  # (a missing bucket is a BucketNotFoundError, raised)
-        return False
-    return True
-
-
-def retract(prefix: Prefix, name: str, *, client) -> None:
-    """Deletes the object of the checkpoint's file ``name`` (S3's delete succeeds where there is none).
-
-    Raises:
-        BucketNotFoundError, ObjectStoreCredentialsError, ObjectStoreError: the store refused, or the network failed.
-    """
-    objectstore.remove(prefix.object(name).path, client=client)
-
-
-def check_committed(prefix: Prefix, sizes: Mapping[str, int], settings: Settings, *, client) -> None:
-    """Checks, with concurrent HEADs, that each file of ``sizes`` (name -> bytes) is an object of that size.
-
-    DCP calls the writer's ``finish`` only once every rank's ``write_data``
-    returned, and a rank returns once its uploads are complete; this makes
-    sure before the commit that the store shows them.
+def check_committed(prefix: targets.S3Object, sizes: Mapping[str, int], settings: Settings, *, client) -> None:
+    """Checks, with concurrent HEADs through ``client``, that each file of ``sizes`` (name -> bytes) is an object
+    of that size under ``prefix``: :meth:`fastpersist.io.targets.S3Object.check_sizes`.
 
     Raises:
         ObjectNotFoundError: (``FileNotFoundError``) a rank's object is missing.
-        ObjectStoreError: an object has another size (something else wrote
-            it), or the store refused, or the network failed.
+        ObjectStoreError: an object has another size, or the store refused, or the network failed.
     """
-
-    def check(name: str) -> None:
-        url = prefix.object(name)
-        size, _ = objectstore.head(url, client=client, action=f"checking the upload of {url} before the commit")
-        if size != sizes[name]:
-            raise ObjectStoreError(
-                errno.EIO,
-                f"{url} holds {size} bytes where its rank uploaded {sizes[name]}: another save wrote to "
-                f"{prefix} at the same time. The checkpoint was not committed; save it again",
-                url.path,
-                code="SizeMismatch",
-            )
-
-    if not sizes:
-        return
-    workers = max(1, min(settings.s3_concurrency, len(sizes)))
-    with concurrent.futures.ThreadPoolExecutor(workers, "fastpersist-s3-head") as pool:
-        for future in [pool.submit(check, name) for name in sorted(sizes)]:
-            future.result()
-
-
-def store(prefix: Prefix, name: str, data: bytes, *, client) -> None:
-    """Stores ``data`` as the checkpoint's file ``name`` in one PutObject (for ``.metadata``: the commit).
-
-    Raises:
-        BucketNotFoundError, ObjectStoreCredentialsError, ObjectStoreError: the store refused, or the network failed.
-    """
-    objectstore.put_bytes(prefix.object(name), data, client=client)
-
-
-def fetch(prefix: Prefix, name: str, settings: Settings, *, client) -> bytes:
-    """The whole object of the checkpoint's file ``name``.
-
-    Raises:
-        ObjectNotFoundError, BucketNotFoundError: (``FileNotFoundError``).
-        ObjectStoreCredentialsError, ObjectStoreError: the store refused, or the network failed.
-    """
-    buffer, size = objectstore.download(prefix.object(name), settings, client=client)
-    return bytes(memoryview(buffer).cast("B")[:size])
+    prefix.connected(settings, client=client).check_sizes(dict(sizes), settings)

@@ -26,10 +26,11 @@ Items without the extension (FileSystemWriter's) are read with the engine,
 their archive's zip CRC-32s are verified (when the writer computed them) and
 they are unpickled with ``torch.load(weights_only=True)``, as DCP's reader does.
 
-Under an ``s3://bucket/prefix`` (:mod:`fastpersist.dcp.objectstore`) the
-same files are objects: ``read_metadata`` fetches ``.metadata``, and each
-rank's items are read with concurrent ranged GETs
-(``io.objectstore.read_ranges``: ``s3_concurrency`` GETs of at most
+Under a URL (``s3://bucket/prefix``, ``memory://dir``...; :mod:`fastpersist.io.targets`)
+the same files are objects: ``read_metadata`` fetches ``.metadata``, and each
+rank's items are read with ranged reads through the target
+(:meth:`~fastpersist.io.targets.base.Target.read_ranges`; for S3
+``io.objectstore.read_ranges``: ``s3_concurrency`` GETs of at most
 ``s3_part_size``, reads of one object that touch or lie within 64 KiB
 sharing one, every GET conditional on the ETag the object had when first
 asked for). Whole chunks land straight in the tensors DCP provides (CPU) and
@@ -63,15 +64,13 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from fastpersist import config
-from fastpersist.dcp import objectstore as s3
 from fastpersist.dcp.layout import PAGE
 from fastpersist.dcp.writer import validate_checkpoint_path
 from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, ObjectNotFoundError
 from fastpersist.format.dcp import METADATA_FILE, extension_of
 from fastpersist.format.deserializer import archive_prefix, deserialize
 from fastpersist.format.zipformat import read_directory
-from fastpersist.io import engine
-from fastpersist.io import objectstore as s3_io
+from fastpersist.io import engine, targets
 from fastpersist.io.reader import stream_to_device
 from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
 
@@ -85,8 +84,9 @@ class FastPersistReader(StorageReader):
     """DCP StorageReader with parallel, in-place, verified reads.
 
     Args:
-        path: the checkpoint directory, or the ``s3://bucket/prefix`` (a
-            string) of one. ``dcp.load(..., checkpoint_id=...)`` replaces it.
+        path: the checkpoint directory, or the URL (a string:
+            ``s3://bucket/prefix``, ``memory://dir``...) of one.
+            ``dcp.load(..., checkpoint_id=...)`` replaces it.
         verify: check every item's CRC-32 (fastpersist's extension, or the
             zip CRC-32s of FileSystemWriter archives). Default: the
             ``verify`` setting (on).
@@ -96,7 +96,8 @@ class FastPersistReader(StorageReader):
             ``s3://``: ``s3_part_size``, ``s3_concurrency``).
 
     Raises:
-        ValueError: an ``s3://`` URL without a bucket, or made a ``pathlib`` path.
+        ValueError: a URL without a bucket, or made a ``pathlib`` path; a scheme no store knows.
+        ObjectStoreUnavailableError: the package of the URL's store is missing.
 
     Raises (from ``dcp.load``, wrapped by DCP in a ``CheckpointException`` on every rank):
         ChecksumMismatchError: an item's bytes do not match their CRC-32.
@@ -140,7 +141,7 @@ class FastPersistReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-        if self.prefix is not None:
+        if not self.target.local:
             metadata = self._fetch_metadata(name)
         else:
             metadata = self._open_metadata(self.path / name)
@@ -162,18 +163,18 @@ class FastPersistReader(StorageReader):
             ) from None
 
     def _fetch_metadata(self, name: str) -> Metadata:
-        client = s3_io.make_client(1)
+        stored = self.target.connected(self.settings).child(name)
         try:
-            data = s3.fetch(self.prefix, name, self.settings, client=client)
+            buffer, size = stored.download(self.settings)
         except ObjectNotFoundError as e:
             raise ObjectNotFoundError(
                 e.errno,
-                f"{self.prefix} holds no committed checkpoint (no {name} object): the save did not finish, or "
-                f"this is not a checkpoint prefix (aws s3 ls {self.prefix}/)",
+                f"{self.target.path} holds no committed checkpoint (no {name} object): the save did not finish, "
+                f"or this is not a checkpoint prefix (list {self.target.path}/ to see what it holds)",
                 e.filename,
                 code=e.code,
             ) from None
-        return pickle.loads(data)
+        return pickle.loads(memoryview(buffer).cast("B")[:size])
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
@@ -189,7 +190,7 @@ class FastPersistReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        (_PlanReader if self.prefix is None else _ObjectPlanReader)(self, planner).run(plan.items)
+        (_PlanReader if self.target.local else _StorePlanReader)(self, planner).run(plan.items)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -200,11 +201,11 @@ class FastPersistReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return s3_io.is_object_url(checkpoint_id) or validate_checkpoint_path(checkpoint_id)
+        return validate_checkpoint_path(checkpoint_id)
 
     def _locate(self, path: str | os.PathLike) -> None:
-        self.prefix = s3.prefix_of(path)
-        self.path = Path(path) if self.prefix is None else self.prefix.url
+        self.target = targets.resolve(path).as_directory()  # where the files are (fastpersist.io.targets)
+        self.path = Path(path) if self.target.local else self.target.path
 
 
 def _whole_chunk(request: ReadItem, shape: tuple) -> bool:
@@ -480,8 +481,8 @@ class _PlanReader:
             )
 
 
-class _ObjectPlanReader(_PlanReader):
-    """Carries out one rank's LoadPlan from objects under an ``s3://`` prefix: ranged GETs, not file reads.
+class _StorePlanReader(_PlanReader):
+    """Carries out one rank's LoadPlan from the files under a URL: ranged reads of the target, not file reads.
 
     The paths are the file reader's; only where the bytes come from differs.
     Whole chunks into contiguous CPU tensors are fetched straight into them
@@ -489,22 +490,22 @@ class _ObjectPlanReader(_PlanReader):
     of at most ``s3_concurrency * s3_part_size`` bytes, into page-aligned
     host buffers that :meth:`_read_exact` then hands to the file reader's
     code (CUDA destinations take the staged path: fetched, verified, copied).
-    Each object is asked for its ETag once, and every GET is conditional on it.
+    One connection serves the whole load (:meth:`~fastpersist.io.targets.base.Target.connected`):
+    for S3, each object is asked for its ETag once, and every GET is conditional on it.
     """
 
     def __init__(self, reader: FastPersistReader, planner: LoadPlanner):
         super().__init__(reader, planner)
-        self.client = s3_io.make_client(self.settings.s3_concurrency)
-        self.seen: dict = {}  # object -> (size, ETag), for every GET of this load
+        self.store = reader.target.connected(self.settings)
         self.fetched: dict[tuple[str, int, int], torch.Tensor] = {}
 
     def _where(self, info) -> str:
-        return self.reader.prefix.object(info.relative_path).path
+        return self.store.child(info.relative_path).path
 
     def _fetch(self, reads: list) -> None:
         """``(relative path, offset, destination memoryview)`` reads, all at once."""
-        objects = [(self.reader.prefix.object(name), offset, destination) for name, offset, destination in reads]
-        s3_io.read_ranges(objects, self.settings, client=self.client, seen=self.seen)
+        files = [(self.store.child(name), offset, destination) for name, offset, destination in reads]
+        self.store.read_ranges(files, self.settings)
 
     def _carry_out(self, in_place, to_device, staged, foreign, raw, transformed) -> None:
         self._read_in_place(in_place)

@@ -30,15 +30,19 @@ into place, then the directory is fsynced. An existing ``.metadata`` in the
 directory is removed (durably) before any rank writes, so a save that dies
 half way never leaves a ``.metadata`` pointing at half-written files.
 
-To an ``s3://bucket/prefix`` (:mod:`fastpersist.dcp.objectstore`), the same
-files become objects under the prefix, byte for byte: each rank uploads each
-of its files as one multipart upload fed by the ring writer
-(``io.objectstore.commit_plan`` executing a :class:`~fastpersist.dcp.layout.FilePlan`:
-``s3_concurrency`` parts of ``s3_part_size`` in flight, host memory bounded
-by the ring, the upload aborted on any failure). The coordinator deletes a
-stale ``.metadata`` object before any rank uploads, and ``finish`` checks
-that every rank's objects are there before it stores ``.metadata`` with one
-PutObject, the commit.
+Under a URL (``s3://bucket/prefix``, ``memory://dir``, any fsspec
+filesystem's; :mod:`fastpersist.io.targets`), the same files become objects
+(or files) under the prefix, byte for byte: each rank writes each of its
+files through the target's commit, executing a
+:class:`~fastpersist.dcp.layout.FilePlan` (for S3 one multipart upload fed by
+the ring writer: ``s3_concurrency`` parts of ``s3_part_size`` in flight, host
+memory bounded by the ring, the upload aborted on any failure). The
+coordinator deletes a stale ``.metadata`` before any rank writes, and
+``finish`` checks that every rank's files are there with their sizes before it
+stores ``.metadata`` (for S3 one PutObject), the commit. A checkpoint under a
+prefix holds exactly the files of a local directory, under the same names, so
+a copied prefix loads with DCP's ``FileSystemReader`` and an uploaded
+directory from a URL.
 """
 
 from __future__ import annotations
@@ -62,7 +66,6 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from fastpersist import config
-from fastpersist.dcp import objectstore as s3
 from fastpersist.dcp.layout import (
     BytesItem,
     FileLayout,
@@ -71,8 +74,7 @@ from fastpersist.dcp.layout import (
     place_items,
 )
 from fastpersist.format.dcp import EXTENSION_ATTRIBUTE, EXTENSION_VERSION, METADATA_FILE
-from fastpersist.io import engine
-from fastpersist.io import objectstore as s3_io
+from fastpersist.io import engine, targets
 from fastpersist.io.commit import fsync_directory
 from fastpersist.io.writer import write_plan
 
@@ -82,7 +84,15 @@ CURRENT_DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT
 
 
 def validate_checkpoint_path(checkpoint_id: str | os.PathLike) -> bool:
-    """What ``FileSystem.validate_checkpoint_id`` accepts: a local path with a writable ancestor."""
+    """Whether fastpersist's writer and reader take ``checkpoint_id``: a URL whose store can be reached (its
+    package installed), or, as ``FileSystem.validate_checkpoint_id`` accepts, a local path with a writable
+    ancestor."""
+    try:
+        target = targets.resolve(checkpoint_id)
+    except (ValueError, ImportError):
+        return False  # a scheme no store knows, a store whose package is missing, a URL made a path object
+    if target.remote:
+        return True
     if isinstance(checkpoint_id, Path):
         return True
     if "://" in str(checkpoint_id):
@@ -94,33 +104,35 @@ class FastPersistWriter(StorageWriter):
     """DCP StorageWriter that writes FileSystemWriter-compatible checkpoints with fastpersist's engine.
 
     Args:
-        path: the checkpoint directory (created if missing), or an
-            ``s3://bucket/prefix`` (a string) under which the files become
-            objects. ``dcp.save(..., checkpoint_id=...)`` replaces it.
+        path: the checkpoint directory (created if missing), or a URL (a
+            string: ``s3://bucket/prefix``, ``memory://dir``...) under which
+            the files become objects. ``dcp.save(..., checkpoint_id=...)`` replaces it.
         files_per_rank: ``.distcp`` files each rank writes (items are spread
             by size, like FileSystemWriter's ``thread_count``). One file is
             usually fastest: the engine parallelises within it.
         sync_files: fsync every file and the directory (durable checkpoint).
             With False a crash may leave a checkpoint that fails its checksums.
-            (Objects are durable once stored: no effect on ``s3://``.)
+            (No effect under a URL: the store's commit is what it is.)
         overwrite: allow saving into a directory that holds a checkpoint
             (its ``.metadata`` is removed first); False raises instead.
         **settings: ``fastpersist.config`` overrides (``buffer_size``,
             ``buffer_count``, ``engine``, ``direct``, ``block_size``,
-            ``queue_depth``, ``intra_op_parallelism``, ``checksum``; for
-            ``s3://``: ``s3_part_size``, ``s3_concurrency``, ``checksum``).
+            ``queue_depth``, ``intra_op_parallelism``, ``checksum``; under a
+            URL: ``buffer_size``, ``buffer_count``, for ``s3://`` also
+            ``s3_part_size``, ``s3_concurrency``).
 
     Raises:
         TypeError: an unknown keyword argument.
         ConfigError: an invalid setting value.
-        ValueError: an ``s3://`` URL without a bucket, or made a ``pathlib`` path.
+        ValueError: a URL without a bucket, or made a ``pathlib`` path; a scheme no store knows.
+        ObjectStoreUnavailableError: the package of the URL's store is missing.
 
     Raises from ``dcp.save`` (DCP wraps a rank's error in a ``CheckpointException``
     raised on every rank; no ``.metadata`` is left behind):
         FileExistsError: ``overwrite=False`` and the target holds a checkpoint.
         OSError: a local write failed (``errno`` and ``filename`` set).
         BucketNotFoundError, ObjectStoreCredentialsError, ObjectStoreError:
-            an ``s3://`` request failed (the rank's upload in progress is
+            a request under a URL failed (the rank's upload in progress is
             aborted), or a rank's object is missing or was overwritten
             before the commit; ObjectStoreUnavailableError: boto3 is missing.
 
@@ -165,7 +177,9 @@ class FastPersistWriter(StorageWriter):
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        if self.prefix is None:  # (under a prefix, the coordinator's retraction checks overwrite)
+        if not self.target.local:  # (under a URL, the coordinator's retraction checks overwrite)
+            self.target.make_directory()
+        else:
             self.path.mkdir(parents=True, exist_ok=True)
             if self._metadata_path(0 if not self.use_collectives else None).exists() and not self.overwrite:
                 raise FileExistsError(
@@ -190,7 +204,7 @@ class FastPersistWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix: _StoragePrefix = plan.storage_data
         buckets = _split_by_size_and_type(self.files_per_rank, list(plan.items))
-        client = s3_io.make_client(self.settings.s3_concurrency) if self.prefix is not None and plan.items else None
+        store = self.target.connected(self.settings) if not self.target.local and plan.items else None
         results: list[WriteResult] = []
         for number, bucket in enumerate(b for b in buckets if b):
             entries = []
@@ -202,8 +216,8 @@ class FastPersistWriter(StorageWriter):
                 entries.append((item.index, data))
             layout = place_items(file_name(prefix.prefix, number), entries)
             del entries
-            results += self._write_file(layout, client)
-        if self.sync_files and results and self.prefix is None:
+            results += self._write_file(layout, store)
+        if self.sync_files and results and self.target.local:
             fsync_directory(str(self.path))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -217,11 +231,11 @@ class FastPersistWriter(StorageWriter):
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
         per_rank = not self.use_collectives and self.rank is not None
-        if self.prefix is not None:
-            client = s3_io.make_client(self.settings.s3_concurrency)
-            s3.check_committed(self.prefix, _file_sizes(results), self.settings, client=client)
-            s3.store(
-                self.prefix, self._metadata_name(self.rank if per_rank else None), pickle.dumps(metadata), client=client
+        if not self.target.local:
+            store = self.target.connected(self.settings)
+            store.check_sizes(_file_sizes(results), self.settings)
+            store.child(self._metadata_name(self.rank if per_rank else None)).put_bytes(
+                pickle.dumps(metadata), self.settings
             )
             return
         target = self._metadata_path(self.rank if per_rank else None)
@@ -244,13 +258,13 @@ class FastPersistWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return s3_io.is_object_url(checkpoint_id) or validate_checkpoint_path(checkpoint_id)
+        return validate_checkpoint_path(checkpoint_id)
 
     # -- internals -------------------------------------------------------------
 
     def _locate(self, path: str | os.PathLike) -> None:
-        self.prefix = s3.prefix_of(path)
-        self.path = Path(path) if self.prefix is None else self.prefix.url
+        self.target = targets.resolve(path).as_directory()  # where the files go (fastpersist.io.targets)
+        self.path = Path(path) if self.target.local else self.target.path
 
     def _metadata_name(self, rank: int | None = None) -> str:
         return METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
@@ -260,13 +274,13 @@ class FastPersistWriter(StorageWriter):
 
     def _retract_metadata(self, rank: int | None = None) -> None:
         name = self._metadata_name(rank)
-        client = None
-        if self.prefix is None:
+        stored = None
+        if self.target.local:
             if not self._metadata_path(rank).exists():
                 return
         else:
-            client = s3_io.make_client(1)
-            if not s3.exists(self.prefix, name, client=client):
+            stored = self.target.connected(self.settings).child(name)
+            if not stored.exists():
                 return
         if not self.overwrite:
             raise FileExistsError(f"{self.path} already holds a checkpoint and overwrite=False")
@@ -274,20 +288,19 @@ class FastPersistWriter(StorageWriter):
             f"Detected an existing checkpoint in {self.path}, overwriting it",
             stacklevel=3,
         )
-        if self.prefix is not None:
-            s3.retract(self.prefix, name, client=client)
+        if stored is not None:
+            stored.remove()
             return
         self._metadata_path(rank).unlink()
         if self.sync_files:
             fsync_directory(str(self.path))
 
-    def _write_file(self, layout: FileLayout, client=None) -> list[WriteResult]:
-        if self.prefix is None:
+    def _write_file(self, layout: FileLayout, store=None) -> list[WriteResult]:
+        if store is None:
             crcs = write_layout(layout, str(self.path / layout.name), self.settings, fsync=self.sync_files)
         else:
             plan = FilePlan.of(layout)
-            destination = self.prefix.object(layout.name)
-            crcs = plan.payload_crcs(s3_io.commit_plan(plan, destination, self.settings, None, client=client))
+            crcs = plan.payload_crcs(store.child(layout.name).commit_plan(plan, self.settings, None))
         results = []
         for position, item in enumerate(layout.items):
             info = _StorageInfo(layout.name, item.base, item.length)

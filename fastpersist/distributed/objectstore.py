@@ -51,7 +51,7 @@ from fastpersist.distributed.load import assemble_into, check_part_size
 from fastpersist.distributed.manifest import HEAD_SIZE, Manifest, PartInfo, looks_like_manifest
 from fastpersist.errors import BucketNotFoundError, ObjectNotFoundError, ObjectStoreError
 from fastpersist.format.names import check_file_name
-from fastpersist.io import engine, objectstore
+from fastpersist.io import engine, objectstore, targets
 
 __all__ = ["ObjectParts", "part_url", "read_parts", "remove_checkpoint"]
 
@@ -86,8 +86,8 @@ class ObjectParts:
 
     seen_by_every_rank = True
 
-    def __init__(self, url: str, settings: Settings):
-        self.url = objectstore.target(url)
+    def __init__(self, destination, settings: Settings):
+        self.url = destination.url  # an io.targets.S3Object: its parsed URL
         self.client = objectstore.make_client(settings.s3_concurrency)
 
     @property
@@ -171,17 +171,25 @@ def remove_checkpoint(url: str, settings: Settings | None = None) -> None:
 
     The manifest goes first, so a failure never leaves a manifest without its
     parts. Nothing happens if there is no object (as S3's delete). Needs no
-    permission to list the bucket: the parts are read from the manifest.
+    permission to list the bucket: the parts are read from the manifest. A URL
+    of a store that holds no collective saves (an fsspec filesystem) is one
+    file, removed (:meth:`~fastpersist.io.targets.base.Target.remove`).
 
     Raises:
-        ValueError: a malformed URL.
+        ValueError: a malformed URL; a local path (remove it with ``os.remove``).
         CorruptCheckpointError: the object looks like a manifest but is damaged, or
             (``UnsafeFileNameError``) names a part that is not a plain name beside it; nothing is deleted.
         ObjectStoreError and its subclasses: the object could not be
             read or deleted, or some part objects could not be deleted (named
             in the message).
     """
-    where = objectstore.target(url)
+    target = targets.resolve(url).checked()
+    if not target.remote:
+        raise ValueError(f"remove_checkpoint takes the URL of a store, got the local path {url!r}")
+    if "parts" not in target.layouts:
+        target.remove()
+        return
+    where = target.url
     settings = settings or config.settings()
     client = objectstore.make_client(settings.s3_concurrency)
     parts = _manifest_parts(where, settings, client)
@@ -232,10 +240,9 @@ def _listed(url: objectstore.ObjectURL, left: dict[str, str]) -> str:
     return shown + (f"; and {len(left) - _SHOWN} more" if len(left) > _SHOWN else "")
 
 
-def read_parts(
-    url: objectstore.ObjectURL, manifest_bytes: bytes, settings: Settings, *, client=None
-) -> tuple[Any, int]:
-    """The ordinary file's bytes of the sharded checkpoint whose manifest is the object at ``url``.
+def read_parts(source, manifest_bytes: bytes, settings: Settings, *, client=None) -> tuple[Any, int]:
+    """The ordinary file's bytes of the sharded checkpoint whose manifest is the object ``source`` (an
+    :class:`~fastpersist.io.targets.S3Object`).
 
     Each part object's size and ETag are asked first (concurrently), then
     every part is fetched with ``s3_concurrency`` concurrent ranged GETs of
@@ -256,6 +263,7 @@ def read_parts(
         ObjectStoreError and its subclasses: a request failed; a part was
             replaced during the load.
     """
+    url = source.url
     manifest = Manifest.from_bytes(manifest_bytes, url.path)
     if client is None:
         client = objectstore.make_client(settings.s3_concurrency)

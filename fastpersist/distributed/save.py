@@ -56,10 +56,14 @@ rank, naming the rank; the previous checkpoint at the path stays. Other
 ranks open rank 0's temporary file without creating it, so a rank that
 arrives after a failure never recreates it.
 
-Where the parts and the manifest go is a small store object: files beside
-the path (``_LocalParts``), or, for an ``s3://bucket/key`` target (always
-``layout="parts"``), part objects beside the key and a manifest object whose
-``PutObject`` is the commit (:class:`fastpersist.distributed.objectstore.ObjectParts`).
+The save resolves its target once (:func:`fastpersist.io.targets.resolve`),
+whose store says which layouts it holds. Where the parts and the manifest go
+is a small store object: files beside the path (``_LocalParts``), or, for an
+``s3://bucket/key`` target (always ``layout="parts"``), part objects beside
+the key and a manifest object whose ``PutObject`` is the commit
+(:class:`fastpersist.distributed.objectstore.ObjectParts`). A
+:class:`~fastpersist.io.targets.Sink` target (benchmarks) runs every phase
+into ``/dev/null``: no temporary file, no parts, nothing committed.
 A failed ``layout="parts"`` save removes its parts: each rank its own before
 the commit step; rank 0 every part of the save's token it can see, and in
 the commit step every writer's as long as the manifest was not sent.
@@ -89,7 +93,7 @@ from fastpersist.distributed.sharding import DEFAULT_ALIGNMENT, ByteRange, shard
 from fastpersist.errors import DistributedCheckpointError, ReplicaDivergenceWarning, warn_at_caller
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
-from fastpersist.io import commit, engine, objectstore, queue
+from fastpersist.io import commit, engine, queue, targets
 from fastpersist.io.checksum import crc32_combine_all
 from fastpersist.io.writer import idle_work, side_streams, write_plan
 from fastpersist.tensors import host_memoryview
@@ -157,12 +161,10 @@ class Options:
     pickle_module: Any = pickle
     pickle_protocol: int = DEFAULT_PROTOCOL
     disable_byteorder_record: bool = False
-    sink: bool = False
-    """Benchmarks: every writer writes into ``/dev/null`` and nothing is committed (the pipeline without storage)."""
 
 
 def options(
-    path: Any,
+    destination: Any,
     *,
     layout: str | None = None,
     writers: str = "all",
@@ -173,15 +175,16 @@ def options(
     pickle_module: Any = pickle,
     pickle_protocol: int = DEFAULT_PROTOCOL,
     disable_byteorder_record: bool = False,
-    sink: bool = False,
 ) -> Options:
-    """The :class:`Options` of a collective save to ``path``, checked before any exchange.
+    """The :class:`Options` of a collective save to ``destination`` (a path, a URL or a target), checked before
+    any exchange.
 
     Raises:
         ValueError: an unknown layout, writers or divergence mode, a timeout
-            that is not positive, ``layout="file"`` for an ``s3://`` URL, or a
-            malformed URL.
-        TypeError: ``per_rank`` is not an iterable of strings.
+            that is not positive, a layout the target's store does not hold
+            (``layout="file"`` for an object store URL; any for a store
+            without collective saves), or a malformed URL.
+        TypeError: ``per_rank`` is not an iterable of strings; a file object.
     """
     if writers not in WRITERS:
         raise ValueError(f"writers must be one of {WRITERS}, got {writers!r}")
@@ -193,7 +196,7 @@ def options(
     if isinstance(per_rank, str) or not all(isinstance(p, str) for p in per_rank):
         raise TypeError(f"per_rank must be an iterable of key paths (str), got {per_rank!r}")
     return Options(
-        _layout_for(path, layout),
+        _layout_for(targets.resolve(destination), layout),
         writers,
         divergence,
         timeout,
@@ -202,7 +205,6 @@ def options(
         pickle_module,
         pickle_protocol,
         disable_byteorder_record,
-        sink,
     )
 
 
@@ -251,6 +253,9 @@ def save(
             (rank 0) and the parts each writer wrote beside its own ``path``.
             Or ``s3://bucket/key``: a manifest object at the key and part
             objects beside it (:mod:`fastpersist.distributed.objectstore`).
+            Or a target (:mod:`fastpersist.io.targets`): a
+            :class:`~fastpersist.io.targets.Sink` runs the save into
+            ``/dev/null`` and commits nothing (benchmarks).
         group: the process group (``None`` or ``True``: the default group).
         settings: resolved fastpersist settings (default: current ones).
         **choices: :func:`options`' keywords: ``layout`` (``"file"`` or
@@ -259,7 +264,7 @@ def save(
             ``divergence`` (``"warn"``, ``"error"``, ``"ignore"``),
             ``per_rank`` (key paths of per-rank state), ``timeout`` (seconds
             each rank waits for the others at each step), ``alignment``, the
-            pickling options, ``sink``.
+            pickling options.
 
     Returns:
         What this rank did (:class:`SaveStats`).
@@ -301,7 +306,8 @@ class CollectiveSave:
         self, obj: object, path: Any, group: Any, choices: Options, settings: config.Settings, *, planner=None
     ):
         self.obj = obj
-        self.path = path
+        self.destination = targets.resolve(path)  # where the bytes go (checked in the plan step, on every rank)
+        self.discarding = self.destination.discards  # a sink: nothing created, written for real or committed
         self.options = choices
         self.settings = settings
         self.planner: Callable[[object, str], SavePlan] = planner or (
@@ -310,7 +316,7 @@ class CollectiveSave:
             )
         )
         self.began = time.perf_counter()
-        description = f"{choices.layout}, writers={choices.writers}, {os.path.basename(os.fspath(path))}"
+        description = f"{choices.layout}, writers={choices.writers}, {os.path.basename(self.destination.path)}"
         self.coordinator = Coordinator(group, choices.timeout, "save", description)
         self.rank = self.coordinator.rank
         self.marks: dict[str, float] = {}
@@ -379,14 +385,16 @@ class CollectiveSave:
         self.shared_file = reports[0].get("temporary")
 
     def _plan_locally(self) -> None:
-        if objectstore.is_object_url(self.path):
-            self.store = ObjectParts(self.path, self.settings)
-            self.target = self.store.target
-        else:
-            destination = commit.target(self.path)
+        destination = self.destination.checked()
+        if destination.local:
             self.target, self.directory = destination.path, destination.directory
             if self.options.layout == "parts":
                 self.store = _LocalParts(destination.path, destination.directory)
+        elif self.discarding:
+            self.target = destination.path
+        else:  # an object store (the only remote store whose collective_layout accepts a collective save)
+            self.store = ObjectParts(destination, self.settings)
+            self.target = self.store.target
         self._own = self.planner(self.obj, archive_name_for(self.target))
 
     def _prepare(self) -> dict[str, Any]:
@@ -395,7 +403,7 @@ class CollectiveSave:
         if self.rank == 0:
             self.token = secrets.token_hex(6)
             payload.update(skeleton=_skeleton(own), token=self.token)
-            if self.options.layout == "file" and not self.options.sink:
+            if self.options.layout == "file" and not self.discarding:
                 payload["temporary"] = self.temporary = _create_presized(
                     self.target, self.directory, own.size, self.settings
                 )
@@ -595,9 +603,9 @@ class CollectiveSave:
         }
 
     def _write_pieces(self, plan: SavePlan, pieces, streams, after_reads=None):
-        """Writes ``pieces`` (into rank 0's temporary file, this rank's parts, or /dev/null)."""
-        if self.options.sink:
-            return _write_ranges(plan, "/dev/null", pieces, self.settings, streams, after_reads, sink=True), []
+        """Writes ``pieces`` (into rank 0's temporary file, this rank's parts, or a sink's /dev/null)."""
+        if self.discarding:
+            return _write_ranges(plan, self.target, pieces, self.settings, streams, after_reads, sink=True), []
         if self.options.layout == "file":
             return _write_ranges(plan, self.shared_file, pieces, self.settings, streams, after_reads), []
         slices, parts = [], []
@@ -628,7 +636,7 @@ class CollectiveSave:
         self.marks["commit"] = time.perf_counter() - self.began
         if self.rank == 0:
             self.temporary = None
-        if self.store is not None and not self.options.sink and (self.rank == 0 or not self.store.seen_by_every_rank):
+        if self.store is not None and (self.rank == 0 or not self.store.seen_by_every_rank):
             self.store.remove_old(self.token)
 
     def _commit(self) -> dict[str, Any]:
@@ -655,7 +663,7 @@ class CollectiveSave:
             slices = [s for s in slices if (s[0], s[1]) not in redone]
             repaired = sum(h.length for h in holes) + sum(end - start for _, start, end in redo)
             ranges += holes
-            if not self.options.sink:
+            if not self.discarding:
                 if self.options.layout == "file":
                     slices += _rewrite_in_file(plan, self.shared_file, holes, redo, self.settings)
                 else:
@@ -673,7 +681,7 @@ class CollectiveSave:
             "divergent": [plan.storages[o].key for o in self.divergent],
             "repaired": repaired,
         }
-        if self.options.sink:
+        if self.discarding:
             return outcome
         crcs = _combined_crcs(plan, slices, self.settings.checksum)
         patches += _descriptor_patches(plan, crcs, sorted(ranges, key=lambda r: r.start), rewritten)
@@ -719,7 +727,7 @@ class CollectiveSave:
         if self.temporary:
             commit.discard_temporary(self.temporary)
             self.temporary = None
-        if self.store is not None and not self.options.sink:
+        if self.store is not None:
             note = self._discard_parts()
             if note:
                 error.add_note(note)
@@ -872,25 +880,17 @@ def _storage_bytes(record: StorageRecord, lo: int, hi: int, chunk: int = 64 << 2
         yield start, bytes(host_memoryview(view[start - offset : end - offset].cpu()))
 
 
-def _layout_for(path, layout: str | None) -> str:
-    """The layout a collective save to ``path`` uses: ``layout``, or by default "file" (paths), "parts" (URLs).
+def _layout_for(destination: targets.Target, layout: str | None) -> str:
+    """The layout a collective save to ``destination`` uses: ``layout``, or its store's default ("file" for
+    paths, "parts" for object stores).
 
     Raises:
-        ValueError: an unknown layout, ``"file"`` for an ``s3://`` URL, a malformed URL.
+        ValueError: an unknown layout; one the store does not hold; a malformed URL.
+        TypeError: a file object.
     """
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not objectstore.is_object_url(path):
-        return layout or "file"
-    if layout == "file":
-        raise ValueError(
-            f"a collective save to an object store cannot use layout='file' ({path}): ranks cannot write one object "
-            "in place. Leave layout at its default (for s3:// URLs: layout='parts', each writer uploads its share "
-            "as a part object and rank 0 commits a manifest object at the key; fastpersist.load reads it), or save "
-            "to a shared filesystem with layout='file'"
-        )
-    objectstore.target(path)  # a malformed URL fails here, on every rank, before any exchange
-    return "parts"
+    return destination.collective_layout(layout)
 
 
 class _LocalParts:

@@ -32,7 +32,7 @@ from typing import Any
 import fastpersist
 from fastpersist.api import futures
 from fastpersist.api.checkpointer import Checkpointer
-from fastpersist.io import objectstore
+from fastpersist.io import targets
 
 __all__ = [
     "FastPersistCheckpointIO",  # noqa: F822 (built lazily by __getattr__)
@@ -74,6 +74,12 @@ def _collective(checkpoint: dict[str, Any], group: Any, divergence: str) -> dict
 def _is_local(path: Any) -> bool:
     text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
     return "://" not in text or text.startswith("file://")
+
+
+def _in_store(path: Any) -> bool:
+    """Whether fastpersist reads and writes ``path`` in a store itself (io.targets: S3 through boto3, the other
+    URLs through fsspec); ``file://`` paths are local files."""
+    return not _is_local(path) and targets.resolve(str(path)).remote
 
 
 def _local(path: Any) -> str:
@@ -211,7 +217,7 @@ class _CheckpointIOMixin:
         collective = {} if group is None else _collective(checkpoint, group, divergence)
         if not _is_local(path):
             self._wait()  # remote saves are synchronous, after what is pending
-            if objectstore.is_object_url(str(path)):
+            if _in_store(path):
                 fastpersist.save(checkpoint, str(path), **collective, **settings)
             else:
                 self._cloud_io._atomic_save(checkpoint, path)
@@ -241,7 +247,7 @@ class _CheckpointIOMixin:
         """
         self._wait()
         settings = {k: v for k, v in self.settings.items() if k not in ("async_mode", "async_max_pending")}
-        if objectstore.is_object_url(str(path)):
+        if _in_store(path):
             return fastpersist.load(str(path), map_location=map_location, weights_only=weights_only, **settings)
         if not _is_local(path):
             return self._cloud_io._load(path, map_location=map_location, weights_only=weights_only)
@@ -252,7 +258,7 @@ class _CheckpointIOMixin:
 
     def remove_checkpoint(self, path: Any) -> None:
         """Removes the checkpoint file (or directory) at ``path``; nothing if it does not exist."""
-        if objectstore.is_object_url(str(path)):
+        if _in_store(path):
             from fastpersist.distributed.objectstore import remove_checkpoint
 
             remove_checkpoint(str(path))  # and the part objects, if a collective save wrote it

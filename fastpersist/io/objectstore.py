@@ -57,8 +57,10 @@ collective save (:mod:`fastpersist.distributed.objectstore`) uploads each
 writer's byte range of the file with :func:`commit_plan` (``byte_range=``)
 and commits a manifest with :func:`put_bytes`, and cleans up with
 :func:`list_keys`, :func:`remove_keys` and :func:`abort_uploads`; a DCP
-checkpoint (:mod:`fastpersist.dcp.objectstore`) uploads several ``.distcp``
-files with :func:`commit_plan` and its ``.metadata`` with :func:`put_bytes`.
+checkpoint under a prefix uploads several ``.distcp`` files with
+:func:`commit_plan` and its ``.metadata`` with :func:`put_bytes`. The entry
+points reach all of this through the S3 target
+(:class:`fastpersist.io.targets.S3Object`), never directly.
 
 Endpoint, region and credentials come from boto3's standard chain (the
 ``AWS_*`` environment variables, ``~/.aws/config`` and ``~/.aws/credentials``,
@@ -100,7 +102,6 @@ __all__ = [
     "SCHEME",
     "MAX_PARTS",
     "ObjectURL",
-    "is_object_url",
     "target",
     "make_client",
     "part_size_for",
@@ -159,31 +160,6 @@ class ObjectURL:
 
     def __str__(self) -> str:
         return self.path
-
-
-def is_object_url(f: Any) -> bool:
-    """Whether ``f`` names an object in an object store (a string starting with ``s3://``).
-
-    Every entry point that takes a path or a URL asks this first, so it is
-    also where a URL made into a path object is caught.
-
-    Raises:
-        ValueError: ``f`` is a path object (not a ``str``) made from a URL:
-            ``pathlib.Path("s3://bucket/key")`` collapses the two slashes to
-            ``s3:/bucket/key``, which would name a folder ``s3:`` here.
-    """
-    if isinstance(f, str):
-        return f.startswith(SCHEME)
-    if isinstance(f, os.PathLike):
-        text = os.fspath(f)
-        collapsed = SCHEME[:-1]  # "s3:/"
-        if isinstance(text, str) and text.startswith(collapsed) and not text.startswith(SCHEME):
-            raise ValueError(
-                f"{f!r} looks like an {SCHEME} URL that pathlib collapsed to {text!r} (a path object merges "
-                f"the two slashes, and would name a local folder {collapsed[:-1]!r}): pass the URL as a string, "
-                f"{SCHEME + text[len(collapsed) :]!r}"
-            )
-    return False
 
 
 def target(url: str) -> ObjectURL:
@@ -945,6 +921,7 @@ class ObjectReader:
     def __init__(self, url: ObjectURL, settings: Settings, *, client=None):
         self.url = url
         self.settings = settings
+        self._owns_client = client is None
         self.client = client if client is not None else make_client(settings.s3_concurrency)
         self._action = f"loading {url}"
         self.size, self.etag = head(url, client=self.client, action=self._action)
@@ -974,6 +951,12 @@ class ObjectReader:
         buffer = engine.AlignedBuffer(max(end - start, 1), lock=False)
         self.read_into(start, memoryview(buffer).cast("B")[: end - start])
         return buffer
+
+    def close(self) -> None:
+        """Closes the client's connections where this reader made the client (botocore >= 1.29); idempotent."""
+        close = getattr(self.client, "close", None)
+        if self._owns_client and close is not None:
+            close()
 
 
 def download(url: ObjectURL, settings: Settings, *, client=None) -> tuple[Any, int]:

@@ -280,3 +280,53 @@ def test_the_lease_finder_finds_a_lease_however_it_is_named(tmp_path):
     (package / "b.py").write_text("from fastpersist.io.memory import lease_buffers\n")
     (package / "c.py").write_text("lease = getattr(object, 'other_name')\n")
     assert _lease_callers(str(tmp_path)) == {"fastpersist/a.py", "fastpersist/b.py"}
+
+
+_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "memory://")
+"""URL schemes product code may name only where targets are resolved or implemented (``file://`` is left
+out: the Lightning plugins strip it to keep their local fast path)."""
+_STORES = (
+    "fastpersist/io/targets/",  # resolve() and one file per store
+    "fastpersist/io/objectstore.py",  # the S3 requests (boto3)
+    "fastpersist/distributed/objectstore.py",  # collective saves as S3 part objects
+    "fastpersist/bench/",  # a leaf: the benchmarks name the stores they measure
+)
+
+
+def _scheme_uses(path: str) -> list[str]:
+    """Where ``path`` names a URL scheme in code (string literals that are not docstrings) or calls the old
+    scheme test ``is_object_url``."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    prose = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}  # docstrings
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            found += [f"line {node.lineno}: {scheme}" for scheme in _SCHEMES if scheme in node.value]
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if name == "is_object_url":
+            found.append(f"line {node.lineno}: is_object_url")
+    return found
+
+
+def test_only_the_targets_decide_where_bytes_go():
+    """A new store is one file under io/targets/: no entry point tests for a scheme itself (it calls
+    io.targets.resolve and uses the target's methods)."""
+    offenders = {}
+    for path, _ in gen_architecture.python_modules(ROOT):
+        if not path.startswith(_STORES):
+            uses = _scheme_uses(os.path.join(ROOT, path))
+            if uses:
+                offenders[path] = uses
+    assert offenders == {}
+
+
+def test_the_scheme_check_sees_code_and_skips_docstrings(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        '"""Saves to ``s3://bucket/key``."""\n'
+        "def f(url):\n"
+        '    """Takes memory:// too."""\n'
+        '    return url.startswith("s3://") or objectstore.is_object_url(url) or f"gs://{url}"\n'
+    )
+    assert sorted(_scheme_uses(str(module))) == ["line 4: gs://", "line 4: is_object_url", "line 4: s3://"]
