@@ -34,11 +34,16 @@ import torch
 
 from fastpersist import system
 from fastpersist.bench.methods.ceilings import fio_command, fio_job
-from fastpersist.io import checksum, memory
+from fastpersist.io import checksum, engine, memory
 
 __all__ = [
     "CopyCeiling",
+    "engine_read",
+    "engine_write",
+    "file_problem",
     "fio_write_seconds",
+    "fsync_file",
+    "preallocate",
     "read_ceiling",
     "shared_write_ceiling",
     "takes_o_direct",
@@ -59,6 +64,61 @@ def takes_o_direct(directory: str) -> bool:
     os.close(fd)
     os.unlink(probe)
     return True
+
+
+def fsync_file(path: str) -> None:
+    """fsync of ``path``'s data (not of its directory entry)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def preallocate(path: str, nbytes: int, direct: bool = True) -> None:
+    """A fresh ``path`` of ``nbytes`` with its blocks allocated, as fio lays out a file before its clock starts."""
+    if os.path.exists(path):
+        os.unlink(path)
+    with engine.File(path, "w", direct=direct, truncate=True) as f:
+        f.allocate(0, nbytes)
+
+
+def engine_write(
+    path: str, buffer: torch.Tensor, nbytes: int, handle: Any, *, direct: bool = True, allocate: bool = False
+) -> None:
+    """The first ``nbytes`` of page-aligned host ``buffer`` written into ``path`` by the engine's ``handle``, then
+    fsync'ed: what the storage takes from host memory with no format (``allocate``: the file's blocks allocated
+    first, inside the call, where O_DIRECT works)."""
+    with engine.File(path, "w", direct=direct) as f:
+        if allocate and f.direct:
+            f.allocate(0, nbytes)
+        handle.submit_write(buffer.data_ptr(), nbytes, f, 0, keepalive=buffer)
+        handle.wait()
+        f.fsync()
+
+
+def engine_read(path: str, buffer: torch.Tensor, nbytes: int, handle: Any, *, direct: bool = True) -> None:
+    """The first ``nbytes`` of ``path`` read into page-aligned host ``buffer`` by the engine's ``handle``."""
+    with engine.File(path, "r", direct=direct) as f:
+        handle.submit_read(buffer.data_ptr(), nbytes, f, 0, keepalive=buffer)
+        handle.wait()
+
+
+def file_problem(path: str, expected: torch.Tensor) -> str | None:
+    """Compares the file's bytes with ``expected`` (read through the page cache, 64 MiB at a time)."""
+    size = expected.numel()
+    actual = os.path.getsize(path)
+    if actual != size:
+        return f"{path} has {actual} bytes, expected {size}"
+    step = 64 << 20
+    with open(path, "rb") as f:
+        for offset in range(0, size, step):
+            chunk = f.read(step)
+            if not torch.equal(
+                torch.frombuffer(bytearray(chunk), dtype=torch.uint8), expected[offset : offset + len(chunk)]
+            ):
+                return f"{path} differs from the bytes written in [{offset}, {offset + len(chunk)})"
+    return None
 
 
 def fio_write_seconds(path: str, nbytes: int) -> float:

@@ -28,11 +28,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastpersist import display
-from fastpersist.tuning.measure import write_json
+from fastpersist.bench import SUBCOMMANDS
 
 __all__ = [
     "load_result",
-    "write_json",
     "format_table",
     "to_markdown",
     "save_png",
@@ -463,35 +462,6 @@ def _results_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(parts)
 
 
-def dcp_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
-    """One table per ``python -m fastpersist.bench dcp --json`` result: GB/s and the ratio to the ceiling of the op."""
-    parts = []
-    for name, document in documents:
-        config, results = document["config"], document["results"]
-        parts.append(
-            f"`docs/results/{name}`: {config['total_bytes'] / 2**30:.2f} GiB, {config['ranks']} ranks, "
-            f"{config['device']}, {config['repeats']} repeats, commit "
-            f"{document['machine']['code']['commit'][:12]}"
-        )
-        parts.append("")
-        parts.append("| method | GB/s median (min-max) | of ceiling |")
-        parts.append("| --- | ---: | ---: |")
-        for method, value in results.items():
-            gbps = value.get("GBps") or {}
-            if not gbps:
-                continue
-            ceiling = (
-                results.get("ceiling_read" if "read" in method else "ceiling_write", {}).get("GBps", {}).get("median")
-            )
-            ratio = gbps["median"] / ceiling if ceiling else None
-            cell = "-" if ratio is None else f"{ratio:.2f}" + (" MEASUREMENT PROBLEM" if ratio > 1.0 else "")
-            parts.append(
-                f"| {_md_escape(method)} | {gbps['median']:.2f} ({gbps['min']:.2f}-{gbps['max']:.2f}) | {cell} |"
-            )
-        parts.append("")
-    return "\n".join(parts)
-
-
 RESULTS_DIR = os.path.join("docs", "results")
 
 
@@ -541,16 +511,13 @@ _SCHEMAS = {
 }
 
 
-def _per_document(module: str, function: str):
-    """A block renderer calling ``module.function(document)`` for each result, under its file name."""
+def _rendered_by(name: str):
+    """The block renderer of benchmark ``name``: its :meth:`~fastpersist.bench.harness.Benchmark.render_documents`
+    of the documents under their paths in docs/results/ (imported when a block of it is rendered)."""
 
     def render(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
-        render_one = getattr(importlib.import_module(module), function)
-        parts = []
-        for name, document in documents:
-            commit = ((document.get("machine") or {}).get("code") or {}).get("commit", "")[:12]
-            parts += [f"`docs/results/{name}` (commit {commit})", "", render_one(document).rstrip("\n"), ""]
-        return "\n".join(parts)
+        benchmark = importlib.import_module(SUBCOMMANDS[name][0]).BENCHMARK
+        return benchmark.render_documents([(f"docs/results/{file}", document) for file, document in documents])
 
     return render
 
@@ -558,20 +525,10 @@ def _per_document(module: str, function: str):
 RENDERERS: dict[str, Any] = {
     "summary": summary_markdown,
     "results": _results_markdown,
-    "dcp": dcp_markdown,
-    "ranks": _per_document("fastpersist.bench.ranks", "to_markdown"),
-    "training": _per_document("fastpersist.bench.training", "to_markdown"),
-    "safetensors": _per_document("fastpersist.bench.safetensors_bench", "to_markdown"),
-    "shapes": _per_document("fastpersist.bench.shapes", "markdown"),
-    "aio_handle": _per_document("fastpersist.bench.aio_handle", "to_markdown"),
-    "gds": _per_document("fastpersist.bench.gds", "to_markdown"),
-    "stages": _per_document("fastpersist.bench.stages", "to_markdown"),
-    "offload": _per_document("fastpersist.bench.offload", "to_markdown"),
-    "s3": _per_document("fastpersist.bench.s3", "to_markdown"),
-    "trainer": _per_document("fastpersist.bench.trainer", "to_markdown"),
-    "pace": _per_document("fastpersist.bench.pace", "to_markdown"),
+    **{name: _rendered_by(name) for name in SUBCOMMANDS if name not in ("checkpoint", "report")},
 }
-"""Docs block name (``<!-- fastpersist:NAME -->``) -> renderer of the results of that kind."""
+"""Docs block name (``<!-- fastpersist:NAME -->``) -> renderer of the results of that kind: the checkpoint
+benchmark's two blocks, and one block per other benchmark, rendered as its ``--report`` prints them."""
 
 
 def render_docs(text: str, documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
