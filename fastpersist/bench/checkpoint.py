@@ -29,14 +29,7 @@ import torch
 from fastpersist import config, display, system
 from fastpersist.bench import measure, report
 from fastpersist.bench.harness import Benchmark, UsageError, option
-from fastpersist.bench.methods import (
-    LOAD_METHODS,
-    SAVE_METHODS,
-    BenchContext,
-    LoadMethod,
-    SaveMethod,
-    register,
-)
+from fastpersist.bench.methods import LOAD_METHODS, SAVE_METHODS, BenchContext, LoadMethod, SaveMethod, register
 from fastpersist.bench.runner import MethodResult, run_benchmark
 from fastpersist.tuning import workloads
 

@@ -107,11 +107,7 @@ class _Run:
         while left > 0:
             count = min(rows, max(1, left // (2 * columns)))
             state[f"rank{self.rank}.tensor{index}"] = torch.randn(
-                count,
-                columns,
-                generator=generator,
-                device=self.device,
-                dtype=torch.bfloat16,
+                count, columns, generator=generator, device=self.device, dtype=torch.bfloat16
             )
             left -= count * columns * 2
             index += 1
@@ -202,17 +198,11 @@ def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
     def record(name: str, value: float) -> None:
         seconds.setdefault(name, []).append(value)
         if run.rank == 0:
-            print(
-                f"  {name:<24} {run.total / value / _GB:7.2f} GB/s ({value:.2f} s)",
-                flush=True,
-            )
+            print(f"  {name:<24} {run.total / value / _GB:7.2f} GB/s ({value:.2f} s)", flush=True)
 
     for repeat in range(args.repeats):
         if run.rank == 0:
-            print(
-                f"repeat {repeat + 1}/{args.repeats}: {run.total / _GB:.2f} GB over {run.world} ranks",
-                flush=True,
-            )
+            print(f"repeat {repeat + 1}/{args.repeats}: {run.total / _GB:.2f} GB over {run.world} ranks", flush=True)
         write, read = _ceiling(run, os.path.join(args.dir, "ceiling"))
         record("ceiling_write", write)
         record("ceiling_read", read)
@@ -222,10 +212,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
             run.remove(path)
 
             def save_theirs(path=path, count=count) -> None:
-                dcp.save(
-                    run.state,
-                    storage_writer=FileSystemWriter(path, thread_count=count, sync_files=True),
-                )
+                dcp.save(run.state, storage_writer=FileSystemWriter(path, thread_count=count, sync_files=True))
                 _durable(path, run.rank)
 
             record(f"filesystem_writer[t={count}]", run.timed(save_theirs))
@@ -233,10 +220,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
                 run.remove(path)
         path = os.path.join(args.dir, f"filesystem-t{threads[-1]}")
         cache_modes.add(run.drop_caches(path))
-        record(
-            "filesystem_reader",
-            _timed_load(run, dcp, FileSystemReader(path), check=repeat == 0),
-        )
+        record("filesystem_reader", _timed_load(run, dcp, FileSystemReader(path), check=repeat == 0))
         run.remove(path)
 
         path = os.path.join(args.dir, "fastpersist")
@@ -248,10 +232,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
 
         record("fastpersist_writer", run.timed(save_ours))
         cache_modes.add(run.drop_caches(path))
-        record(
-            "fastpersist_reader",
-            _timed_load(run, dcp, FastPersistReader(path), check=repeat == 0),
-        )
+        record("fastpersist_reader", _timed_load(run, dcp, FastPersistReader(path), check=repeat == 0))
         run.remove(path)
 
     document = _document(args, run, seconds, sorted(m for m in cache_modes if m)) if run.rank == 0 else None

@@ -260,7 +260,7 @@ def to_markdown(document: dict[str, Any]) -> str:
         f"{machine.get('device_name', 'GPU')}, Llama-shaped model of {config['model_bytes'] / 1e9:.2f} GB bf16 "
         f"({config['layers']} layers), GPU budget {config['gpu_budget'] / 1e9:.2f} GB, prompt {config['prompt']}; "
         f"ceilings in the same run: disk read {ceilings['disk_read_GBps']:.2f} GB/s, "
-        f"host to device {ceilings['host_to_device_GBps']:.2f} GB/s",
+        f"host to device {ceilings['host_to_device_GBps']:.2f} GB/s"
     ]
     if config.get("accelerate_reads"):
         lines.append(f"accelerate: {config['accelerate_reads']}")
