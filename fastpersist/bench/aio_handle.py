@@ -1,20 +1,10 @@
 """AioHandle tensor I/O: ``python -m fastpersist.bench aio_handle --dir D [--size 2GiB] [--json OUT]``.
 
-Measures blocking ``sync_pwrite``/``sync_pread`` of one tensor through
-:class:`fastpersist.AioHandle` (the DeepNVMe-compatible handle):
-
-* ``cpu_locked``: a tensor from ``new_cpu_locked_tensor`` (in place, no copy);
-* ``cuda_ring`` (with a GPU): a CUDA tensor through the handle's chunked pinned
-  ring (default 4 x 8 MiB) on a side stream;
-* ``cuda_bounce`` (with a GPU, the baseline): the previous design, a copy of
-  the whole tensor into a pinned host buffer of its size (allocated before the
-  clock starts, in the baseline's favour), then the write; reads the reverse.
-
-Reports GB/s (median of ``--repeat`` rounds, the methods interleaved), the
-ring's ratio to the bounce baseline, and the pinned host bytes each CUDA
-method needed. Files are removed between runs; writes are not fsynced (the
-handle does not fsync, in either method), direct I/O is used where the
-filesystem allows it.
+Blocking ``sync_pwrite``/``sync_pread`` of one tensor through :class:`fastpersist.AioHandle`, GB/s medians
+of ``--repeat`` interleaved rounds: ``cpu_locked`` (a ``new_cpu_locked_tensor``, in place) and, with a GPU,
+``cuda_ring`` (a CUDA tensor through the handle's pinned chunk ring) against ``cuda_bounce`` (the whole
+tensor copied into a pinned buffer of its size), with the pinned bytes each needs. Writes are not fsynced
+(the handle does not fsync); see docs/deepnvme-parity.md.
 """
 
 from __future__ import annotations

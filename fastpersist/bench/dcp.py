@@ -1,27 +1,12 @@
 """``python -m fastpersist.bench dcp``: torch.distributed.checkpoint with FileSystemWriter vs FastPersistWriter.
 
-Starts ``--ranks`` processes (a process group on this host: gloo, or NCCL
-with ``--backend nccl``, one GPU per rank); each rank holds its own share of
-a ``--size`` state (bf16 tensors of ``--tensor-size`` on ``--device``; with
-CUDA, rank r uses GPU ``r % device_count``) and every
-repeat times, in this order, barrier to barrier on rank 0:
-
-* ``ceiling_write``: each rank writes its share of bytes from page-aligned
-  host memory with the native engine (O_DIRECT, queue depth), fsync -- what
-  the storage can take in this run;
-* ``filesystem_writer[t=N]``: durable ``dcp.save`` with DCP's
-  ``FileSystemWriter(thread_count=N, sync_files=True)``, for each N of
-  ``--threads`` (thread_count tuned);
-* ``fastpersist_writer``: durable ``dcp.save`` with ``FastPersistWriter``;
-* ``ceiling_read``, ``filesystem_reader``, ``fastpersist_reader``: the loads,
-  after dropping the page cache, into a preallocated state on ``--device``
-  (FileSystemReader reads the checkpoint of the last thread count).
-
-Every save ends with an fsync of all its files and directories (a no-op for
-files the method already synced). Loads are compared with the saved state on
-the first repeat. Reported: GB/s (10^9 bytes of tensor payload over all
-ranks per second), median/min/max over repeats, and the ratios against the
-best FileSystemWriter/Reader and against the ceiling of the same run.
+``--ranks`` processes (one process group on this host, gloo or NCCL) each hold their share of a ``--size``
+bf16 state and time, barrier to barrier on rank 0, every repeat: ``ceiling_write``/``ceiling_read`` (each
+rank's bytes through the engine, O_DIRECT), durable ``dcp.save`` with ``FileSystemWriter(thread_count=N,
+sync_files=True)`` for each N of ``--threads`` and with ``FastPersistWriter``, and the cold loads with
+``FileSystemReader`` and ``FastPersistReader`` into a preallocated state (compared with the saved one on
+the first repeat). GB/s of payload over all ranks, and the ratios to the best FileSystemWriter/Reader and
+to the ceiling; see docs/dcp.md.
 """
 
 from __future__ import annotations

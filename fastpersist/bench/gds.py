@@ -1,27 +1,12 @@
 """GdsHandle throughput: ``python -m fastpersist.bench gds --dir D [--size 1G] [--json [PATH]]`` (needs a CUDA device).
 
-One CUDA tensor of ``--size`` bytes is written to a file in ``--dir`` and read
-back, by each method in the same run, round by round (the order rotates each
-round; medians are reported):
-
-* ``ceiling``: the storage's ceiling for this file size, our raw O_DIRECT
-  write/read of page-locked host memory through the engine (no device copy);
-* ``aio_copy``: the baseline a DeepNVMe user without GDS writes:
-  ``AioHandle`` on a pinned host tensor of the whole size, plus the torch copy
-  device -> host before the write (host -> device after the read), both timed;
-* ``gds_bounce``: ``GdsHandle(path="bounce")``, the pinned chunk ring;
-* ``gds_cufile``: ``GdsHandle(path="cufile")``, NVIDIA cuFile (compatibility
-  mode without nvidia-fs); recorded as unavailable, with the reason, where
-  cuFile cannot start.
-
-Writes go to a fresh preallocated file (fallocate outside the timing, as fio
-does) and are timed to durability (fsync). Before each read the file's page
-cache is dropped; reads are timed until the bytes are on the device. Every
-write and read is verified byte for byte outside the timing. Results: GB/s
-(10^9 bytes/s) per method and the ratios to ``ceiling`` and to ``aio_copy``.
-``--json`` prints the document (``--json PATH`` writes it there instead);
-``python -m fastpersist.bench report`` renders it into docs/deepnvme-parity.md
-when it is placed in docs/results/.
+One CUDA tensor of ``--size`` bytes written to a fresh preallocated file (timed to fsync) and read back
+cold (timed until on the device) by each method, rounds rotating the order, every byte verified outside
+the clock: ``ceiling`` (the engine's raw O_DIRECT write/read of page-locked host memory), ``aio_copy``
+(``AioHandle`` on a pinned host tensor plus the torch copy to or from the device: DeepNVMe without GDS),
+``gds_bounce`` and ``gds_cufile`` (:class:`fastpersist.GdsHandle`'s two paths; one that cannot start is
+recorded as unavailable, with the reason). GB/s medians and the ratios to ``ceiling`` and ``aio_copy``;
+the method and results are in docs/deepnvme-parity.md.
 """
 
 from __future__ import annotations

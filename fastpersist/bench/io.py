@@ -1,43 +1,21 @@
 """``python -m fastpersist.bench io``: sequential engine throughput, optionally against fio.
 
-Like DeepSpeed's ``ds_io``: write ``--size`` bytes to one file with the
-engine, read them back, repeat, and print the median GB/s (10^9 bytes per
-second). With ``--fio`` the same file size, block size, queue depth and
-O_DIRECT setting are run through ``fio --ioengine=io_uring`` in the same
-invocation, interleaved repeat by repeat, and the ratio engine/fio is printed.
-
-Method (both tools treated alike):
-
-* write: a fresh file, preallocated with fallocate (fio's default
-  ``fallocate=native``; ``--no-fallocate`` turns it off for both), written
-  sequentially, then fsync'ed; the time includes the fsync.
-* read: the file just written, read sequentially (O_DIRECT bypasses the
-  page cache; with ``--buffered`` the file's pages are dropped first, see
-  :class:`fastpersist.system.CacheDropper`).
-* the engine's source and destination buffers are allocated and touched once,
-  outside the timing; each read is verified byte for byte against the source
-  (outside the timing).
-
-Example::
+Like DeepSpeed's ``ds_io``: ``--size`` bytes written to one fresh file with the engine (preallocated
+outside the clock unless ``--no-fallocate``, timed to fsync), read back (O_DIRECT, or buffered after
+dropping its pages) and verified outside the clock, repeated; median GB/s (10^9 bytes/s). With ``--fio``
+fio runs the same file size, block size, queue depth and O_DIRECT setting, alternating first, and the
+ratio engine/fio is printed. ``--gpu`` moves a CUDA tensor through a pinned bounce buffer, ``--gpu
+--use_gds`` through :class:`fastpersist.GdsHandle`. Example::
 
     python -m fastpersist.bench io --size 4G --block-size 16M --queue-depth 32 --fio
 
-DeepSpeed ``ds_io`` command lines work with the program name replaced
-(:func:`apply_ds_io`; the table is in docs/deepnvme-parity.md)::
+DeepSpeed ``ds_io`` command lines work with the program name replaced (:func:`apply_ds_io`; the table of
+flags is in docs/deepnvme-parity.md): one naming ``--folder``, ``--folder_to_device_mapping`` or
+``--io_size`` writes (``--read``: reads), defaults to ds_io's 1M blocks and also prints ds_io's ``E2E ...
+Latency`` / ``Speed`` lines (GB = 2**30 bytes there)::
 
     fastpersist bench io --folder /local_nvme --io_size 400M --read --block_size 1M \\
         --queue_depth 32 --io_parallel 4 --loops 3 --validate
-
-``--gpu --use_gds`` moves the device tensor with :class:`fastpersist.GdsHandle`
-(DeepNVMe's ``gds_handle``): its ``cufile`` or ``bounce`` path as the
-``gds_path`` setting or ``--gds_path`` chooses; the path taken is reported.
-``--gpu`` alone keeps ds_io's meaning: the engine with a pinned bounce buffer.
-
-A command line that names ``--folder``, ``--folder_to_device_mapping`` or
-``--io_size`` is a ``ds_io`` command line: it writes (or reads, with
-``--read``) and defaults to ds_io's block size (1M). Besides the table it
-prints ds_io's ``E2E Write Latency = ... sec`` / ``E2E Write Speed = ... GB/sec``
-lines (GB = 2**30 bytes there, as in ds_io).
 """
 
 from __future__ import annotations

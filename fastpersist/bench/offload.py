@@ -1,25 +1,13 @@
 """``python -m fastpersist.bench offload``: generation with a Llama-shaped model streamed from the checkpoint.
 
-Builds a Llama-shaped ``transformers`` model of about ``--size`` bytes of
-bf16 with random weights (no downloads), saves it as one safetensors file in
-``--dir``, and times greedy generation (``--prompt`` tokens, ``--new-tokens``
-new ones, each ``--batch``) for each method:
-
-* ``full-gpu``: the checkpoint fully loaded on the GPU (where it fits): the compute
-  bound, and the tokens every other method must reproduce;
-* ``fastpersist-disk``: ``fastpersist.offload.dispatch`` with
-  ``max_gpu_memory=--gpu-budget``: the weights that do not fit are read from
-  the file for every forward pass;
-* ``fastpersist-host``: the same plus a host tier of the model's size: the
-  first pass reads the disk, later ones copy from pinned host memory;
-* ``accelerate-disk``: accelerate's ``load_checkpoint_and_dispatch`` with the
-  same GPU budget and ``offload_folder`` (where accelerate is installed).
-
-Measured in the same run: the disk's read ceiling (O_DIRECT, page cache
-dropped) and the host-to-device copy ceiling, giving each tier's bound in
-tokens/s: ``batch x ceiling / bytes streamed per forward pass``. Reported
-per method: time to first token, decoding tokens/s (batch x steps / time of
-the decoding steps), peak GPU memory, peak host RSS, and the ratio to its bound.
+A random Llama-shaped model of about ``--size`` bytes of bf16 saved as one safetensors file in ``--dir``,
+then greedy generation timed for each method: ``full-gpu`` (the checkpoint loaded on the GPU: the compute
+bound, and the tokens every other method must reproduce), ``fastpersist-disk``
+(``fastpersist.offload.dispatch`` with ``max_gpu_memory=--gpu-budget``), ``fastpersist-host`` (plus a host
+tier of the model's size) and ``accelerate-disk`` (``load_checkpoint_and_dispatch``, where installed).
+Each tier's bound in tokens/s comes from the disk's read ceiling and the host-to-device copy ceiling
+measured in the same run; reported: time to first token, decoding tokens/s, peak GPU and host memory, the
+ratio to the bound. See docs/offload.md.
 """
 
 from __future__ import annotations

@@ -3,27 +3,11 @@
     python -m fastpersist.bench pace --disk /mnt/nvme/fp --shm /dev/shm/fp --json out.json
     python -m fastpersist.bench pace --report out.json
 
-Four measurements, each against its own ceiling in the same run:
-
-* **training**: ``python -m fastpersist.bench training`` with a checkpoint
-  every iteration, to the shm directory and to the disk directory, methods
-  ``fastpersist-pipelined`` and ``fastpersist-snapshot``; the ratio is the
-  steady time per iteration over that benchmark's own bound (the larger of
-  the iteration without checkpoints and one checkpoint's write at the
-  ceiling).
-* **disk save**: a ``--size`` bf16 state dict on the GPU saved durably
-  (``fastpersist.save``) to the disk directory, in ``--rounds`` rounds; each
-  round also runs fio's O_DIRECT write of as many bytes into a fresh file
-  (16 MiB blocks, QD 32, io_uring, ``end_fsync``), the two in alternating
-  order. Ratio per round: fio's seconds over the save's; the median is the
-  figure, every round's ratio is in the JSON. fio must be on ``PATH``.
-* **verified load**: the same state saved once into the shm directory and
-  loaded to the GPU with and without CRC-32 verification
-  (``fastpersist.load(..., verify=...)``), alternating, ``--rounds`` rounds
-  after an untimed one; ratio: unverified seconds over verified.
-
-The document lists each target with its measured ratio and whether it is
-met; ``--report`` prints it again.
+Each measurement against its own ceiling in the same run: ``training`` with a checkpoint every iteration
+(pipelined and snapshot, to shm and to disk) against that benchmark's bound; a ``--size`` GPU state saved
+durably to disk against fio's O_DIRECT write of as many bytes, alternating, per round (fio must be on
+``PATH``); the same state loaded from shm to the GPU verified against unverified. The document lists each
+target (:data:`TARGETS`), its ratio and whether it is met; see docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,13 @@
 """``python -m fastpersist.bench ranks``: data-parallel sharded save against the number of ranks.
 
-For each N in ``--ranks`` it spawns N processes (torch.multiprocessing, one
-``torch.distributed`` group, gloo by default), each holding the same state of
-``--size`` bytes (on ``cuda:rank % device_count`` with ``--device cuda``), and
-times ``--repeat`` collective saves (``fastpersist.save(..., group=...)``):
-
-* per rank: bytes written (~ total/N) and its write time (range write + fsync);
-* end to end: first rank's start (after a barrier) to last rank's return, i.e.
-  until rank 0 has committed the durable file;
-* N = 1 is the single-process ``fastpersist.save`` (always run: the
-  single-writer baseline of the same run).
-
-``--sink`` runs the same saves into ``/dev/null`` (nothing is committed):
-the pipeline without storage -- pickling, the identity check, device-to-host
-copies, CRC-32s, the exchanges -- i.e. what separate drives per rank would
-see when they are faster than the pipeline. Each rank's identity check (the
-digests of its storages that decide which bytes it may write, see
-:mod:`fastpersist.distributed.replicas`) is timed as ``digest_seconds``.
-
-With ``--sink`` each N also gets its **bound**, measured in the same run:
-all N ranks at once (after a barrier) copy their share of the state
-(every N-th tensor, from rank's own) into a ring of page-locked windows, each
-window checksummed as it lands when checksums are on
-(:class:`fastpersist.bench.bounds.CopyCeiling`); the end-to-end time of that
-is what the ranks' shared host allows, with no format and no coordination.
-
-With one shared disk, the end-to-end time should not exceed the single
-writer's. With per-rank targets whose rates are independent (one SSD per
-rank; give ``--dir`` one directory per rank with ``--layout parts``), the
-N-rank time is projected from the measured single-writer rate as
-``(total/N) / rate_1 + coordination``, where coordination is the measured
-end-to-end time minus the slowest rank's write time. Every saved checkpoint
-is verified (structure and CRC-32s) and its first run is loaded back and
-compared. See docs/distributed.md.
+For each N in ``--ranks`` (1 always: the single writer of the same run), N processes of one process group
+hold the same ``--size`` state and time ``--repeat`` collective saves (``fastpersist.save(...,
+group=...)``): each rank's bytes and write time, and end to end (first start after a barrier to the last
+return). ``--sink`` saves into ``/dev/null`` (the pipeline without storage) and measures each N's bound:
+all ranks at once copying their share to the host (:class:`fastpersist.bench.bounds.CopyCeiling`). For
+per-rank targets (``--dir`` a comma list, ``--layout parts``) the N-rank time is projected from the single
+writer's rate plus the measured coordination. Every checkpoint is verified, the first loaded back and
+compared; see docs/distributed.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
 """``python -m fastpersist.bench s3``: checkpoints in an S3-compatible store, fastpersist against boto3 and s3fs.
 
-One run, on one CPU state of ``--size`` bytes (random bf16 and float32 tensors
-of about 16 MiB each, plus a few non-tensor leaves), against one endpoint: by
-default a moto server that the benchmark starts itself, in a child process on
-127.0.0.1 (moto keeps objects in memory, in Python: the figures measure the
-client side and the server's Python overhead, not a network); with
-``--endpoint URL`` a real store (MinIO, S3, ...) with credentials from the
-environment (boto3's standard chain).
-
-* **saves**, durable when the call returns (``CompleteMultipartUpload`` done):
-  ``fastpersist.save(state, "s3://...")`` against ``torch.save`` into a
-  ``BytesIO`` then boto3's ``upload_fileobj`` (same part size and
-  concurrency), and, where importable, ``torch.save`` into s3fs's
-  ``fs.open(url, "wb")`` and s3torchconnector's ``S3Checkpoint.writer``
-  (skipped with the reason otherwise; one that raises, as s3torchconnector's
-  client does against moto, is reported as failed with the reason, and is
-  not a problem of the run: the run measures fastpersist);
-* **loads**: ``fastpersist.load("s3://...")`` against boto3's ``get_object``
-  read into a ``BytesIO`` and ``torch.load``, and the s3fs / s3torchconnector
-  readers where importable. Each method loads the object its own save wrote.
-
-Methods are interleaved repeat by repeat; median, min and max are reported,
-with ratios against boto3 of the same run. Peak extra RSS is this process's
-(the moto server runs in another process); for loads it includes the loaded
-state itself. fastpersist's ring of page-locked buffers is pooled, as in a
-training run: it is allocated by an untimed warm-up, and its cost is reported
-separately, by one save after the pool is freed. Every object is loaded back
-and compared with the state byte for byte (untimed), and each object is also
-read by the other library (a torch.save object by ``fastpersist.load``, a
-fastpersist object by ``torch.load``).
+One CPU state of ``--size`` bytes saved (durable when the call returns) and loaded against one endpoint:
+by default a moto server the benchmark starts in a child process on 127.0.0.1 (the figures measure the
+client side, not a network), or ``--endpoint URL`` with credentials from the environment. Methods:
+``fastpersist.save``/``load`` of ``s3://...``, ``torch.save`` into a ``BytesIO`` + boto3 (same part size
+and concurrency), and, where importable, s3fs and s3torchconnector (their failures are their results).
+Methods interleaved per repeat; median, min and max; every object loaded back and compared, and read by
+the other library; fastpersist's pooled ring allocated by an untimed warm-up, its cost reported apart.
+See docs/object-storage.md.
 
 ::
 

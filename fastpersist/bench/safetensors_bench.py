@@ -1,24 +1,11 @@
 """``python -m fastpersist.bench safetensors``: safetensors files, fastpersist against the safetensors library.
 
-One run, on the same real-shaped state dict (random bf16, Llama-shaped layers):
-
-* **durable save** (file and directory fsynced): ``fastpersist.save_file``
-  against ``safetensors.torch.save_file`` + fsync, and against the storage
-  ceiling: one O_DIRECT write of the same number of bytes from a locked
-  buffer by the native engine (fallocate, write, fsync);
-* **cold load** (page cache dropped before every load; as root the whole
-  cache, otherwise the file's pages with ``posix_fadvise``; CPU results are
-  touched, one byte a page, inside the timing, since safetensors maps the
-  file and reads it on first touch):
-  ``fastpersist.load_file(device=...)`` (of the library's file, and of its
-  own) against
-  ``safetensors.torch.load_file(device=...)``, and the read ceiling (one
-  O_DIRECT read of the file into a locked buffer).
-
-Methods are interleaved repeat by repeat (the disk's speed drifts); medians are
-reported, with ratios against the baselines of the same run. Every saved file
-is loaded back by the other library, and every load is compared with the
-original tensors, before any figure is reported.
+One real-shaped bf16 state dict, methods interleaved per repeat, medians with ratios to the baselines of
+the same run: durable saves (``fastpersist.save_file`` against ``safetensors.torch.save_file`` + fsync and
+the engine's O_DIRECT write of as many bytes) and cold loads (``fastpersist.load_file`` of the library's
+file and of its own against ``safetensors.torch.load_file`` and the O_DIRECT read; CPU results touched
+inside the clock). Every file is read back by the other library and every load compared with the
+original; see docs/safetensors.md.
 
 ::
 

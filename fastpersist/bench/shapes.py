@@ -3,49 +3,14 @@
 ``python -m fastpersist.bench shapes --shape many-small --tensors 20000 --tensor-bytes 16-256``
 (or ``python -m fastpersist.bench checkpoint --shape ...``, which comes here).
 
-Shapes:
-
-* ``many-small``: ``--tensors`` tensors of ``--tensor-bytes`` each (a range
-  ``16-256`` cycles through 16, 32, 64, 128, 256 bytes);
-* ``many-medium``: ``--tensors`` equal tensors (an LLM's 120 matrices, ...)
-  totalling ``--size``;
-* ``huge``: one tensor of ``--size`` (above 4 GiB exercises zip64);
-* ``mixed``: 1,000+ parameters of LLM-like sizes, optimizer state with Python
-  scalars (``step``, ``lr``), and half the tensors on the GPU when
-  ``--device cuda``.
-
-Methods (each timed in every round, rounds interleaved, medians reported):
-
-* saves: ``fastpersist`` (durable), ``torch.save`` (+ fsync), and with
-  ``--fio`` fio's write on its own row (16 MiB blocks, QD 32, io_uring,
-  O_DIRECT where the filesystem takes it, blocks allocated inside the clock,
-  end_fsync, same byte count, written right after);
-* loads: ``fastpersist`` verified / unverified, ``weights_only`` True /
-  False, and ``torch.load`` in both ``weights_only`` modes;
-* ``--sink``: the **pipelines without storage** -- ``fastpersist-sink`` runs
-  the real save pipeline (device-to-host copies, CRC-32, ring, native engine)
-  into ``/dev/null``, which discards the bytes; ``fastpersist-sink-load`` runs
-  the real load pipeline (engine reads, CRC-32, host-to-device copies) from
-  ``/dev/zero`` on an all-zero state of the same shape. They show where the
-  software stops, for storage faster than this machine's; they store nothing.
-
-**Bounds** (unless ``--no-ceiling``): every round also measures what the
-machine allows for the same bytes with no format
-(:mod:`fastpersist.bench.bounds`), and every result is given as a fraction
-of its bound (``of bound``; 1.00 = as fast as the plain program):
-
-* storage saves: ``ceiling: write``, the best of one and eight ``pwrite``
-  threads and fio (when installed) writing a fresh file + fsync;
-* storage loads: ``ceiling: read``, eight ``pread`` threads reading the saved
-  file back, page cache dropped first (as before every load);
-* sink saves: ``ceiling: copy to host``, the device-to-host copies into a
-  ring of page-locked windows, ``+ CRC-32`` when checksums are on (the
-  windows checksummed on the CRC pool as they land);
-* sink loads: ``ceiling: copy to device``, host-to-device copies out of the
-  ring, ``+ CRC-32`` for verified loads.
-
-Results are labelled with their kind (``storage``, ``sink`` or ``ceiling``)
-in the table and the JSON (``--json PATH``).
+Shapes (:func:`build_shape`): ``many-small`` (``--tensor-bytes`` each, a range cycling through its powers of
+two), ``many-medium`` (``--tensors`` equal tensors totalling ``--size``), ``huge`` (one tensor; above 4 GiB:
+zip64), ``mixed`` (1,000+ parameters, optimizer state with Python scalars, half on the GPU with CUDA).
+Saves: ``fastpersist`` (durable), ``torch.save`` + fsync, fio's write with ``--fio``; loads: fastpersist
+verified or not, ``weights_only`` or not, and ``torch.load``; ``--sink``: the real pipelines into
+``/dev/null`` and from ``/dev/zero``, storing nothing. Unless ``--no-ceiling``, every result is given
+against its bound, measured in the same rounds (:mod:`fastpersist.bench.bounds`: ``ceiling: write``,
+``ceiling: read``, ``ceiling: copy to host`` / ``to device``, ``+ CRC-32``); see docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Where a CUDA load's time goes: ``python -m fastpersist.bench stages [--source PATH | --sink] [--json OUT]``.
 
-A load moves each window of its file through one ring of page-locked
-buffers (:func:`fastpersist.io.reader.stream_to_device`): the read (a native
-handle per buffer), the CRC-32 (the native pool) and the host-to-device copy
-(a side stream). This runs the same ring with the stages added one at a
-time, on the calling thread, each buffer refilled as soon as the stages named
-are done for it (in window order), and in between plain ``pread`` threads
-into the same buffers, with no engine:
-
-* ``read``, ``read + CRC-32``, and with a GPU ``read + copy``,
-  ``read + copy + CRC-32`` (the CRC-32 on the CPU pool from the buffer) and
-  ``read + copy + device CRC-32`` (on the GPU after the copy, as a verified
-  load does with the ``device_checksum`` setting: :mod:`fastpersist.io.device_crc`; a window's tail
-  shorter than a segment on the CPU);
-* ``pread x 8``, ``pread x 16``: what the source gives to plain threads.
-
-The source is a file (``--source``; by default a fresh one of ``--size``
-random bytes in ``--dir``, removed afterwards), read buffered (from the page
-cache, or tmpfs), or ``--sink``: ``/dev/zero``, the load pipeline without
-storage. Each stage moves the same whole windows
-(``--size`` rounded down), ``--rounds`` times after one untimed round, the
-stages alternating within a round; GB/s are medians. Every CRC-32 stage's
-checksums, joined, must equal the CRC-32 of the bytes the source holds
-(``crc_checked`` in the results), so a fast stage is a correct one.
+A load's ring of page-locked buffers (:func:`fastpersist.io.reader.stream_to_device`) run with its stages
+added one at a time, on the calling thread, each buffer refilled as soon as its stages are done: ``read``,
+``read + CRC-32`` and, with a GPU, ``read + copy``, ``read + copy + CRC-32`` and ``read + copy + device
+CRC-32`` (:mod:`fastpersist.io.device_crc`); against ``pread x 8`` / ``x 16``, plain threads into the same
+buffers. The source is a file read buffered (``--source``, or a fresh one in ``--dir``) or ``--sink``
+(``/dev/zero``). Every stage moves the same whole windows ``--rounds`` times after an untimed round; every
+CRC-32 stage's joined checksum must be the source's (``crc_checked``). See docs/performance.md.
 """
 
 from __future__ import annotations

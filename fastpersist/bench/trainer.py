@@ -3,38 +3,14 @@
     python -m fastpersist.bench trainer --dir /mnt/nvme/fp --dir /dev/shm/fp --json out.json
     python -m fastpersist.bench trainer --report out.json --svg docs/images/trainer.svg
 
-Each method trains the same Llama-shaped model (bf16 parameters, AdamW, random
-tokens) with ``transformers.Trainer`` and ``save_steps``/``save_total_limit``,
-in a fresh process per method and directory, and times every checkpoint the
-Trainer saves (model weights through safetensors' ``save_file``, the optimizer,
-scheduler and RNG state through ``torch.save``, the JSON files through
-``open``), with Trainer's own callbacks only: the clock starts at
-``on_step_end`` of a step that saves (after a device synchronisation, so the
-step's own work is not counted) and stops at ``on_save``.
-
-* ``unpatched``: Trainer as shipped. Its files are in the page cache, not
-  durable, when it returns.
-* ``unpatched+fsync``: the same, then ``fsync`` of every file of the
-  checkpoint, the checkpoint directory and the output directory, in
-  ``on_save``: what it takes for the checkpoint to survive a crash of the
-  machine.
-* ``patched``: under ``fastpersist.patch()``: every file fastpersist writes is
-  durable when its call returns; the same fsync pass then covers the files
-  Trainer writes itself (JSON).
-* ``patched-async``: under ``fastpersist.patch(mode="snapshot")``: each save
-  returns once its state is copied into host staging, the write goes on in
-  the background; the fsync pass covers the other files; the checkpoint is
-  durable when its last background save has committed (``add_done_callback``
-  on the pending futures).
-
-Per checkpoint: ``blocked_s`` (``on_step_end`` to the end of ``on_save``) and
-``durable_s`` (to the moment every file is durable; none for
-``unpatched``). The first checkpoint of a process pays one-time costs (pools,
-pinned staging); ``steady`` is the median of the later ones. After training,
-the last checkpoint is read back with the original ``safetensors`` and
-``torch.load`` and compared with the live model and optimizer, tensor by
-tensor (``verified``). The write ceiling of each directory is measured in the
-same run with the checkpoint's size (:func:`fastpersist.bench.bounds.write_ceiling`).
+Each method trains the same Llama-shaped model with ``transformers.Trainer`` (``save_steps``), in a fresh
+process per method and directory, and times every checkpoint from ``on_step_end`` of a saving step (device
+synchronised) to ``on_save`` (``blocked_s``) and until every file is durable (``durable_s``):
+``unpatched`` (Trainer as shipped, not durable), ``unpatched+fsync`` (then every file and directory
+fsynced), ``patched`` (under ``fastpersist.patch()``, durable on return) and ``patched-async`` (under
+``patch(mode="snapshot")``: durable when its background saves commit). The last checkpoint is read back
+with safetensors and ``torch.load`` and compared with the live state; each directory's write ceiling is
+measured in the same run. See docs/patch.md.
 """
 
 from __future__ import annotations

@@ -3,59 +3,16 @@
     python -m fastpersist.bench training --dir /dev/shm/fp --json out.json        # GPU if present
     python -m fastpersist.bench training --report out.json --svg docs/images/async.svg   # table + chart
 
-For each method the same training loop (forward, backward, AdamW step,
-``loss.item()``) runs ``--warmup`` iterations without checkpoints, then
-``--iterations`` timed iterations, checkpointing model + optimizer state
-after the first timed iteration and every ``--every`` after it: the first
-saves of the process are timed. The time per iteration is compared with the
-same loop without checkpoints, in the same run. Each method runs in a fresh
-process (so pools and caches of one do not help or hurt the next), in
-interleaved order when ``--repeats`` > 1. The Checkpointer methods call
-``Checkpointer.prepare`` after the warm-up (``--no-prepare``: not), which
-allocates and pins the staging memory before the loop, as a training script
-should.
-
-**The bound** ("possible"): no checkpointing method can beat
-``max(iteration without checkpoints, one checkpoint's write at the storage
-ceiling)``. The ceiling is measured in the same run, on the same directory,
-with the checkpoint's size (:func:`fastpersist.bench.bounds.write_ceiling`:
-the best of a single-thread and an 8-thread ``pwrite`` of a fresh file +
-fsync, O_DIRECT where the filesystem takes it, and fio when installed, with
-the file's blocks allocated inside the clock as a save's are); each method's
-steady time per iteration is reported
-against that bound. Per save the report also gives where the time goes
-(:mod:`fastpersist.io.timeline`): the caller's share (pickling, waiting for a
-slot, queueing the copies) and the background write's phases.
-
-Methods:
-
-* ``none`` -- no checkpoint (the baseline);
-* ``fastpersist-pipelined`` -- ``fastpersist.Checkpointer`` (async, no copy;
-  the optimizer step waits for the pending save);
-* ``fastpersist-snapshot`` -- ``Checkpointer(mode="snapshot")`` (async, pinned host copy);
-* ``fastpersist-sync`` -- ``fastpersist.save`` (durable on return);
-* ``torch.save`` -- ``torch.save`` + ``fsync`` (durable, like ours);
-* ``lightning-async`` -- Lightning's ``AsyncCheckpointIO`` around its
-  ``TorchCheckpointIO`` as shipped (clones every tensor on the device, no fsync).
-
-The time of a run includes waiting, after the last iteration, for the saves
-still pending (``drained``); ``steady`` excludes it. Memory: peak device
-memory allocated and peak host RSS over the timed loop, above what the loop
-without checkpoints uses.
-
-With ``--ranks N`` (N > 1) each method runs as N processes, one per GPU
-(NCCL; gloo on the CPU), training one DistributedDataParallel model on
-per-rank batches, and the methods are those of data-parallel jobs:
-``fastpersist-collective`` (``fastpersist.save(..., group=WORLD)`` on every
-rank: each writes its share of rank 0's checkpoint),
-``fastpersist-collective-pipelined`` / ``-snapshot`` (the same in the
-background: ``Checkpointer(optimizer, group=WORLD)`` on every rank),
-``fastpersist-sync`` and ``torch.save`` on rank 0 while the others wait at a
-barrier (what Lightning does), and the asynchronous ``fastpersist-pipelined``
-/ ``-snapshot`` on rank 0 (the others go on). Rank 0's timings are reported.
-The collective methods' bound is the larger of the iteration and the
-slowest writer's share at the ceiling of N concurrent writers
-(:func:`fastpersist.bench.bounds.shared_write_ceiling`), measured in the same run.
+Each method runs the same loop (forward, backward, AdamW step) in a fresh process, ``--warmup`` iterations
+then ``--iterations`` timed ones checkpointing model + optimizer after the first and every ``--every``, and
+is compared with the loop without checkpoints (``none``) and with the bound: ``max(iteration, one
+checkpoint's write at the storage ceiling / every)`` (:func:`fastpersist.bench.bounds.write_ceiling`,
+measured in the same run). Methods: ``fastpersist-pipelined`` / ``-snapshot`` (``fastpersist.Checkpointer``,
+prepared after the warm-up unless ``--prepare false``), ``fastpersist-sync``, ``torch.save`` + fsync and
+Lightning's ``AsyncCheckpointIO``; with ``--ranks N``, DDP over N processes and the collective methods
+(``fastpersist-collective``, ``-collective-pipelined``, ``-collective-snapshot``), bounded by N concurrent
+writers (:func:`fastpersist.bench.bounds.shared_write_ceiling`). Per save, where the time goes
+(:mod:`fastpersist.io.timeline`); see docs/async.md.
 """
 
 from __future__ import annotations
