@@ -199,7 +199,7 @@ class Benchmark:
             return 0
         try:
             if paths:
-                documents = [read_document(path, self) for path in paths]
+                documents = [read_document(path, self.name, self.schema) for path in paths]
                 print(self.render_documents(list(zip(paths, documents))), end="")
             else:
                 documents = [self.measure(args)]
@@ -235,19 +235,19 @@ def _importable(module: str) -> bool:
         return False
 
 
-def read_document(path: str, benchmark: Benchmark) -> dict[str, Any]:
-    """The JSON document at ``path``.
+def read_document(path: str, name: str, schema: str | None) -> dict[str, Any]:
+    """The result document at ``path``, of benchmark ``name`` (its ``schema`` starts with ``schema``, if given).
 
     Raises:
-        UsageError: unreadable, not JSON, or (with a :attr:`Benchmark.schema`) not one of ``benchmark``'s results.
+        UsageError: unreadable, not JSON, or not a result of that benchmark.
     """
     try:
         with open(path, encoding="utf-8") as f:
             document = json.load(f)
     except (OSError, ValueError) as e:
         raise UsageError(f"{path}: {e}") from e
-    if benchmark.schema and not str(document.get("schema", "")).startswith(benchmark.schema):
-        raise UsageError(f"{path}: not a result of 'python -m fastpersist.bench {benchmark.name} --json'")
+    if not isinstance(document, dict) or (schema and not str(document.get("schema", "")).startswith(schema)):
+        raise UsageError(f"{path}: not a result of 'python -m fastpersist.bench {name} --json'")
     return document
 
 
