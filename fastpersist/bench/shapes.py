@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 import fastpersist
-from fastpersist import config, display, system
+from fastpersist import config, system
 from fastpersist.bench import bounds, measure
-from fastpersist.bench.harness import Benchmark, Rounds, UsageError, option, timed
+from fastpersist.bench.harness import Benchmark, Rounds, UsageError, markdown_table, option, timed
 from fastpersist.config import parse_size
 from fastpersist.io import timeline
 from fastpersist.tuning.workloads import format_bytes
@@ -465,13 +465,13 @@ def markdown(doc: dict[str, Any]) -> str:
         ]
     waiting = [r for r in doc["results"] if r.get("caller_waits_s")]  # documents from before 8555fbf have none
     if waiting:
-        lines += display.markdown_section(
+        caption = (
             "Where each load's calling thread spends its time, medians in seconds: waiting for reads, for a ring "
             "slot's refill (its copies and CRC-32s), for the last CRC-32s and device copies, and the rest (parsing, "
-            "unpickling, allocating, submitting); `-`: not recorded by that run's code:",
-            ["load", *_WAITS],
-            [[r["method"], *(_seconds(r["caller_waits_s"].get(label)) for label in _WAITS)] for r in waiting],
+            "unpickling, allocating, submitting); `-`: not recorded by that run's code:"
         )
+        table = [[r["method"], *(_seconds(r["caller_waits_s"].get(label)) for label in _WAITS)] for r in waiting]
+        lines += ["", caption, "", *markdown_table(["load", *_WAITS], "<" + ">" * len(_WAITS), table)]
     return "\n".join(lines)
 
 

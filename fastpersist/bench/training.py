@@ -27,24 +27,16 @@ import tempfile
 import time
 from typing import Any
 
-from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, option, spawn
+from fastpersist.bench import bounds
+from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, markdown_table, option, spawn
 
 __all__ = ["BENCHMARK", "METHODS", "RANK_METHODS", "SCHEMA", "main", "save_phases", "to_markdown", "to_svg"]
 
 SCHEMA = "fastpersist-training-bench/1"
 METHODS = ["none", "fastpersist-pipelined", "fastpersist-snapshot", "fastpersist-sync", "torch.save", "lightning-async"]
-RANK_METHODS = [
-    "none",
-    "fastpersist-collective",
-    "fastpersist-collective-pipelined",
-    "fastpersist-collective-snapshot",
-    "fastpersist-pipelined",
-    "fastpersist-snapshot",
-    "fastpersist-sync",
-    "torch.save",
-]
-"""The methods with ``--ranks`` > 1 (see the module docstring)."""
 _COLLECTIVE = ("fastpersist-collective", "fastpersist-collective-pipelined", "fastpersist-collective-snapshot")
+RANK_METHODS = ["none", *_COLLECTIVE, "fastpersist-pipelined", "fastpersist-snapshot", "fastpersist-sync", "torch.save"]
+"""The methods with ``--ranks`` > 1 (see the module docstring)."""
 
 
 def _build(args, device, seed: int = 0):
@@ -146,8 +138,7 @@ def _run_one(args) -> dict[str, Any]:
         elif method == "torch.save":
             timeline.mark("call")  # torch marks nothing itself: the whole save is one phase
             torch.save(state(), path)
-            with open(path, "rb+") as f:
-                os.fsync(f.fileno())
+            bounds.fsync_file(path)
             timeline.mark("committed")
         elif method == "lightning-async":
             lightning_io.save_checkpoint(state(), path)
@@ -311,23 +302,10 @@ def _measure_d2h(args) -> float | None:
     return min(times)
 
 
-# The options a method's process runs with (its children get the same command line), recorded in the config.
-_RUN_OPTIONS = (
-    "dir",
-    "device",
-    "d_model",
-    "layers",
-    "heads",
-    "vocab",
-    "batch",
-    "seq",
-    "iterations",
-    "warmup",
-    "every",
-    "ranks",
-    "layout",
-    "prepare",
+_RUN_OPTIONS = tuple(
+    "dir device d_model layers heads vocab batch seq iterations warmup every ranks layout prepare".split()
 )
+"""The options a method's process runs with (its children get the same command line), recorded in the config."""
 
 
 def _measure(args) -> dict[str, Any]:
@@ -387,8 +365,6 @@ def _measure(args) -> dict[str, Any]:
                 "samples": samples[method],
             }
         )
-    from fastpersist.bench import bounds
-
     checkpoint_bytes = max((r.get("checkpoint_bytes") or 0) for r in results)
     ceiling = bounds.write_ceiling(args.dir, checkpoint_bytes) if checkpoint_bytes and not args.no_ceiling else None
     possible = None
@@ -429,7 +405,6 @@ def _mib(n) -> str:
 
 def to_markdown(document: dict[str, Any]) -> str:
     """The result as Markdown: one row per method against the bound, then where each save's time goes."""
-    from fastpersist import display
 
     config = document["config"]
     base = next((r for r in document["results"] if r["method"] == "none" and "error" not in r), None)
@@ -505,7 +480,7 @@ def to_markdown(document: dict[str, Any]) -> str:
                     cell += f" ({first * 1000:.1f})"
                 cells.append(cell)
             rows.append(cells)
-        lines += display.markdown_section(
+        caption = (
             "Where a save's time goes (median ms over the saves after the first; the first save's in brackets): "
             "`pickle`, `wait for slot` and `copies queued` are the caller's"
             + (
@@ -516,10 +491,9 @@ def to_markdown(document: dict[str, Any]) -> str:
             )
             + "; the rest runs in the background "
             "(in the caller for fastpersist-sync). `read`: until the last device-to-host copy is queued; "
-            "`write`: until the last byte is written.",
-            ["method", *names],
-            rows,
+            "`write`: until the last byte is written."
         )
+        lines += ["", caption, "", *markdown_table(["method", *names], "<" + ">" * len(names), rows)]
     return "\n".join(lines) + "\n"
 
 
