@@ -148,15 +148,8 @@ def _print_models() -> None:
     for name, spec in workloads.CATALOGUE.items():
         layers = spec.default_layers if spec.default_layers is not None else spec.num_layers
         params = workloads.parameter_count(spec, layers)
-        rows.append(
-            (
-                name,
-                f"{layers}/{spec.num_layers}",
-                f"{params / 1e6:,.1f} M",
-                workloads.format_bytes(params * 2),
-                spec.description,
-            )
-        )
+        size = workloads.format_bytes(params * 2)
+        rows.append((name, f"{layers}/{spec.num_layers}", f"{params / 1e6:,.1f} M", size, spec.description))
     print(display.format_table(("model", "layers", "params", "bf16", "description"), rows, "<>>><", rule=False))
 
 

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from fastpersist.bench.harness import Benchmark, Rounds, bf16_state, option
+from fastpersist.bench.measure import remove_path
 
 __all__ = ["BENCHMARK", "SCHEMA", "TARGETS", "main", "to_markdown"]
 
@@ -66,8 +67,7 @@ def _disk_rounds(directory: str, state: dict, rounds: int) -> dict[str, Any]:
 
     def run(name: str, _round: int) -> float:
         for stale in (path, fio_path):
-            if os.path.exists(stale):
-                os.unlink(stale)
+            remove_path(stale)
         os.sync()
         if name == "fio":
             return bounds.fio_write_seconds(fio_path, nbytes)
@@ -78,8 +78,7 @@ def _disk_rounds(directory: str, state: dict, rounds: int) -> dict[str, Any]:
     measured = Rounds(rounds, order="reverse", catch=False).run([["fio", "fastpersist"]], run).samples
     records = [{"fio": f, "fastpersist": s, "ratio": f / s} for f, s in zip(measured["fio"], measured["fastpersist"])]
     for stale in (path, fio_path):
-        if os.path.exists(stale):
-            os.unlink(stale)
+        remove_path(stale)
     return {
         "bytes": nbytes,
         "rounds": records,

@@ -119,21 +119,16 @@ def moto_server(timeout: float = _SERVER_START_S) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _environment(values: dict[str, str | None]) -> Iterator[None]:
-    """Sets (or, for None, removes) environment variables for the block; restores them after."""
-    old = {name: os.environ.get(name) for name in values}
+    """Sets (or, for None, removes) environment variables for the block; restores the environment after."""
+    old = dict(os.environ)
     try:
-        for name, value in values.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        os.environ.update({name: value for name, value in values.items() if value is not None})
+        for name in (name for name, value in values.items() if value is None):
+            os.environ.pop(name, None)
         yield
     finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        os.environ.clear()
+        os.environ.update(old)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ import tempfile
 import time
 from typing import Any
 
+from fastpersist.bench.bounds import fsync_file
 from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, option, spawn
 from fastpersist.io.commit import fsync_directory
 
@@ -53,11 +54,7 @@ def fsync_tree(directory: str) -> int:
         for name in files:
             if _is_fastpersist_temporary(name):
                 continue
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(os.path.join(root, name))
             count += 1
         fsync_directory(root)
     fsync_directory(os.path.dirname(os.path.abspath(directory)))
