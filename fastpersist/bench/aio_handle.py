@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fastpersist.bench.harness import Benchmark, Rounds, markdown_table, option, size, timed
+from fastpersist.bench.harness import Benchmark, Rounds, UsageError, markdown_table, option, size, timed
 from fastpersist.bench.measure import machine_info
 from fastpersist.deepnvme.handle import AioHandle
 from fastpersist.io import memory
@@ -24,7 +24,7 @@ __all__ = ["BENCHMARK", "main", "to_markdown"]
 
 
 def _options(p: argparse.ArgumentParser) -> None:
-    option(p, "dir", required=True, help="directory to write the test file in (removed afterwards)")
+    option(p, "dir", help="directory to write the test file in (required to measure; the file is removed)")
     option(p, "size", default=1 << 30, help="tensor bytes (default 1GiB)")
     option(p, "repeats", "--repeat")
     p.add_argument("--block-size", type=size, default=1 << 20)
@@ -34,6 +34,8 @@ def _options(p: argparse.ArgumentParser) -> None:
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.dir:
+        raise UsageError("the following arguments are required: --dir")
     os.makedirs(args.dir, exist_ok=True)
     path = os.path.join(args.dir, "fastpersist-bench-aio-handle.bin")
     n = args.size
@@ -127,5 +129,5 @@ def to_markdown(document: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-BENCHMARK = Benchmark("aio_handle", _options, _measure, to_markdown, description=__doc__.split("\n")[0], report=None)
+BENCHMARK = Benchmark("aio_handle", _options, _measure, to_markdown, description=__doc__.split("\n")[0])
 main = BENCHMARK.main

@@ -1,24 +1,13 @@
 """What this machine allows, measured in the same run: the bounds the benchmarks print next to each figure.
 
-Each function times the same bytes moved with no format and no bookkeeping,
-the way the fastest plain program would:
-
-* :func:`write_ceiling`: a fresh file of the checkpoint's size written and
-  fsync'ed by one and by eight ``pwrite`` threads (O_DIRECT where the
-  filesystem takes it) and by fio when installed; the best of them.
-* :func:`fio_write_seconds`: fio's write of a fresh file. fio allocates a
-  file's blocks before its clock starts unless told not to; a save allocates
-  them inside its own time (on tmpfs that is most of the cost), so the
-  ceiling runs with ``--fallocate=none``.
-* :func:`read_ceiling`: the file read back by eight ``pread`` threads into
-  page-aligned memory (O_DIRECT where the filesystem takes it; the caller
-  drops the page cache first).
-* :class:`CopyCeiling`: the tensors' bytes copied device-to-host into a ring
-  of page-locked windows, or host-to-device out of one, on a side stream;
-  with ``crc`` the windows are also checksummed on the CRC pool, overlapped
-  with the copies (the save and load pipelines' own work, with no file
-  format). For CPU tensors the copy is a memcpy on the CRC pool, fused with
-  the CRC-32 into one pass when saving (as the save does).
+Each function times the same bytes moved with no format and no bookkeeping, the way the fastest plain
+program would (the bounds and what they bound are tabled in docs/performance.md): :func:`write_ceiling`
+(one and eight ``pwrite`` threads and fio, the best), :func:`fio_write_seconds` (its blocks allocated inside
+the clock, as a save's are), :func:`read_ceiling` (``pread`` threads), :func:`shared_write_ceiling` (N
+writers at once), :class:`CopyCeiling` (the pipelines' copies and CRC-32s through a ring of page-locked
+windows, no format), and the engine's raw transfer of host memory (:func:`engine_write`,
+:func:`engine_read`; :func:`preallocate`, :func:`fsync_file` and :func:`file_problem` lay files down and
+check them).
 """
 
 from __future__ import annotations

@@ -37,12 +37,14 @@ def _options(parser: argparse.ArgumentParser) -> None:
     option(parser, "device", choices=["cpu", "cuda"])
     parser.add_argument("--threads", default="1,4,8", help="FileSystemWriter thread_count values to try")
     option(parser, "repeats")
-    option(parser, "dir", required=True, help="directory on the storage to measure")
+    option(parser, "dir", help="directory on the storage to measure (required to measure)")
     option(parser, "no_drop_caches", help="do not drop the page cache before loads")
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
     """Starts ``--ranks`` processes on this host (the children of :func:`_worker`); returns rank 0's document."""
+    if not args.dir:
+        raise UsageError("the following arguments are required: --dir")
     if args.backend == "nccl" and args.device != "cuda":
         raise UsageError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only)")
     os.makedirs(args.dir, exist_ok=True)

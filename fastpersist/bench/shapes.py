@@ -38,7 +38,6 @@ from fastpersist.tuning.workloads import format_bytes
 __all__ = ["BENCHMARK", "SHAPES", "build_shape", "main", "markdown", "sink_save"]
 
 SHAPES = ("many-small", "many-medium", "huge", "mixed")
-_SMALL_SIZES = (16, 32, 64, 128, 256)
 
 
 def _tensor_sizes(text: str) -> list[int]:
