@@ -391,7 +391,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 row["repeat"] = _agreement(again["tokens"], reference[batch], again["logits"], reference_logits[batch])
             results.setdefault("full-gpu", []).append(row)
             print(f"full-gpu batch {batch}: {row['decode_tokens_per_second']:.1f} tokens/s", flush=True)
-    del model
+        del model
     torch.cuda.empty_cache()
     read_ceiling, copy_ceiling = _read_ceiling(path), _copy_ceiling()
     print(f"ceilings: disk read {read_ceiling:.2f} GB/s, host-to-device {copy_ceiling:.2f} GB/s", flush=True)
