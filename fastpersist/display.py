@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-__all__ = ["Progress", "format_table", "markdown_section"]
+__all__ = ["Progress", "format_table"]
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "", rule: bool = True) -> str:
@@ -107,10 +107,3 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def markdown_section(caption: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """Lines of a captioned Markdown table: a blank line, ``caption``, a blank line, the header (the first
-    column left-aligned, the others right-aligned, as figures are) and one line per row."""
-    lines = ["", caption, "", "| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]

@@ -1,10 +1,15 @@
 """Benchmarks: ``python -m fastpersist.bench <subcommand> [options]``.
 
-Subcommands live in modules of this package, each with ``main(argv) -> int``,
-listed with a line each in :data:`SUBCOMMANDS` (``python -m fastpersist.bench
---help`` and ``fastpersist bench --help`` print them, through :func:`listing`). The checkpoint benchmark is split by job: the methods in
-:mod:`fastpersist.bench.methods`, the rounds in :mod:`fastpersist.bench.runner`,
-output and the docs' tables in :mod:`fastpersist.bench.report`.
+Subcommands live in modules of this package, listed with a line each in
+:data:`SUBCOMMANDS` (``python -m fastpersist.bench --help`` and ``fastpersist
+bench --help`` print them, through :func:`listing`). Each declares itself as
+one :class:`fastpersist.bench.harness.Benchmark` (``BENCHMARK``, its ``main``
+is ``BENCHMARK.main``): its options, what it measures and how its documents
+read; the harness does the command line, rounds, child processes, JSON,
+reports and charts the same way for all. The checkpoint benchmark's methods
+are in :mod:`fastpersist.bench.methods`, its rounds in
+:mod:`fastpersist.bench.runner`, its tables and the docs' blocks in
+:mod:`fastpersist.bench.report`.
 
 Add one with :func:`register` (or by adding it to :data:`SUBCOMMANDS`); the
 module is imported only when its subcommand runs.
@@ -37,7 +42,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pace": ("fastpersist.bench.pace", "every storage-pace target ratio of one GPU in one run (training, disk, load)"),
     "s3": ("fastpersist.bench.s3", "save/load to an S3-compatible store (moto by default): fastpersist vs boto3, s3fs"),
 }
-"""Subcommand name -> (module defining ``main(argv)``, one-line description)."""
+"""Subcommand name -> (module declaring ``BENCHMARK`` and ``main(argv)``, one-line description)."""
 
 
 def register(name: str, module: str, description: str = "") -> None:

@@ -1,24 +1,13 @@
 """What this machine allows, measured in the same run: the bounds the benchmarks print next to each figure.
 
-Each function times the same bytes moved with no format and no bookkeeping,
-the way the fastest plain program would:
-
-* :func:`write_ceiling`: a fresh file of the checkpoint's size written and
-  fsync'ed by one and by eight ``pwrite`` threads (O_DIRECT where the
-  filesystem takes it) and by fio when installed; the best of them.
-* :func:`fio_write_seconds`: fio's write of a fresh file. fio allocates a
-  file's blocks before its clock starts unless told not to; a save allocates
-  them inside its own time (on tmpfs that is most of the cost), so the
-  ceiling runs with ``--fallocate=none``.
-* :func:`read_ceiling`: the file read back by eight ``pread`` threads into
-  page-aligned memory (O_DIRECT where the filesystem takes it; the caller
-  drops the page cache first).
-* :class:`CopyCeiling`: the tensors' bytes copied device-to-host into a ring
-  of page-locked windows, or host-to-device out of one, on a side stream;
-  with ``crc`` the windows are also checksummed on the CRC pool, overlapped
-  with the copies (the save and load pipelines' own work, with no file
-  format). For CPU tensors the copy is a memcpy on the CRC pool, fused with
-  the CRC-32 into one pass when saving (as the save does).
+Each function times the same bytes moved with no format and no bookkeeping, the way the fastest plain
+program would (the bounds and what they bound are tabled in docs/performance.md): :func:`write_ceiling`
+(one and eight ``pwrite`` threads and fio, the best), :func:`fio_write_seconds` (its blocks allocated inside
+the clock, as a save's are), :func:`read_ceiling` (``pread`` threads), :func:`shared_write_ceiling` (N
+writers at once), :class:`CopyCeiling` (the pipelines' copies and CRC-32s through a ring of page-locked
+windows, no format), and the engine's raw transfer of host memory (:func:`engine_write`,
+:func:`engine_read`; :func:`preallocate`, :func:`fsync_file` and :func:`file_problem` lay files down and
+check them).
 """
 
 from __future__ import annotations
@@ -34,11 +23,16 @@ import torch
 
 from fastpersist import system
 from fastpersist.bench.methods.ceilings import fio_command, fio_job
-from fastpersist.io import checksum, memory
+from fastpersist.io import checksum, engine, memory
 
 __all__ = [
     "CopyCeiling",
+    "engine_read",
+    "engine_write",
+    "file_problem",
     "fio_write_seconds",
+    "fsync_file",
+    "preallocate",
     "read_ceiling",
     "shared_write_ceiling",
     "takes_o_direct",
@@ -59,6 +53,61 @@ def takes_o_direct(directory: str) -> bool:
     os.close(fd)
     os.unlink(probe)
     return True
+
+
+def fsync_file(path: str) -> None:
+    """fsync of ``path``'s data (not of its directory entry)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def preallocate(path: str, nbytes: int, direct: bool = True) -> None:
+    """A fresh ``path`` of ``nbytes`` with its blocks allocated, as fio lays out a file before its clock starts."""
+    if os.path.exists(path):
+        os.unlink(path)
+    with engine.File(path, "w", direct=direct, truncate=True) as f:
+        f.allocate(0, nbytes)
+
+
+def engine_write(
+    path: str, buffer: torch.Tensor, nbytes: int, handle: Any, *, direct: bool = True, allocate: bool = False
+) -> None:
+    """The first ``nbytes`` of page-aligned host ``buffer`` written into ``path`` by the engine's ``handle``, then
+    fsync'ed: what the storage takes from host memory with no format (``allocate``: the file's blocks allocated
+    first, inside the call, where O_DIRECT works)."""
+    with engine.File(path, "w", direct=direct) as f:
+        if allocate and f.direct:
+            f.allocate(0, nbytes)
+        handle.submit_write(buffer.data_ptr(), nbytes, f, 0, keepalive=buffer)
+        handle.wait()
+        f.fsync()
+
+
+def engine_read(path: str, buffer: torch.Tensor, nbytes: int, handle: Any, *, direct: bool = True) -> None:
+    """The first ``nbytes`` of ``path`` read into page-aligned host ``buffer`` by the engine's ``handle``."""
+    with engine.File(path, "r", direct=direct) as f:
+        handle.submit_read(buffer.data_ptr(), nbytes, f, 0, keepalive=buffer)
+        handle.wait()
+
+
+def file_problem(path: str, expected: torch.Tensor) -> str | None:
+    """Compares the file's bytes with ``expected`` (read through the page cache, 64 MiB at a time)."""
+    size = expected.numel()
+    actual = os.path.getsize(path)
+    if actual != size:
+        return f"{path} has {actual} bytes, expected {size}"
+    step = 64 << 20
+    with open(path, "rb") as f:
+        for offset in range(0, size, step):
+            chunk = f.read(step)
+            if not torch.equal(
+                torch.frombuffer(bytearray(chunk), dtype=torch.uint8), expected[offset : offset + len(chunk)]
+            ):
+                return f"{path} differs from the bytes written in [{offset}, {offset + len(chunk)})"
+    return None
 
 
 def fio_write_seconds(path: str, nbytes: int) -> float:

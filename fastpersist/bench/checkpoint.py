@@ -28,18 +28,13 @@ import torch
 
 from fastpersist import config, display, system
 from fastpersist.bench import measure, report
-from fastpersist.bench.methods import (
-    LOAD_METHODS,
-    SAVE_METHODS,
-    BenchContext,
-    LoadMethod,
-    SaveMethod,
-    register,
-)
+from fastpersist.bench.harness import Benchmark, UsageError, option
+from fastpersist.bench.methods import LOAD_METHODS, SAVE_METHODS, BenchContext, LoadMethod, SaveMethod, register
 from fastpersist.bench.runner import MethodResult, run_benchmark
 from fastpersist.tuning import workloads
 
 __all__ = [
+    "BENCHMARK",
     "BenchContext",
     "SaveMethod",
     "LoadMethod",
@@ -48,7 +43,6 @@ __all__ = [
     "LOAD_METHODS",
     "register",
     "run_benchmark",
-    "build_parser",
     "main",
     "SCHEMA",
 ]
@@ -65,27 +59,20 @@ def _default_dcp_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m fastpersist.bench checkpoint",
-        description=(
-            "Save and load a synthetic checkpoint with the exact tensor shapes of a real model, "
-            "with torch.save, safetensors, torch DCP and fastpersist, and compare them: time to "
-            "durable (fsync), cold loads (page cache dropped), peak host memory; every result "
-            "verified byte for byte."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     what = parser.add_argument_group("what to save")
     what.add_argument("--model", default=workloads.DEFAULT_MODEL, help="model whose shapes to use (see --list-models)")
     what.add_argument("--layers", type=int, default=None, help="keep only the first N transformer blocks")
-    what.add_argument(
-        "--size",
+    option(
+        what,
+        "size",
+        type=str,
         default=None,
         help="keep as many blocks as fit in this size (e.g. 2G, 512MiB); overrides --layers",
     )
     what.add_argument("--dtype", choices=sorted(workloads.DTYPES), default="bf16", help="parameter dtype")
-    what.add_argument("--device", default="cpu", help="where the state lives and loads go: cpu, cuda or cuda:N")
+    option(what, "device")
     what.add_argument(
         "--training-state",
         action="store_true",
@@ -100,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated save and load methods to run (default: every default method; see --list-methods)",
     )
     how.add_argument("--skip", default="", help="comma-separated methods to leave out")
-    how.add_argument("--repeats", type=int, default=3, help="timed rounds (medians and min-max are reported)")
+    option(how, "repeats")
     how.add_argument(
         "--load-repeats",
         type=int,
@@ -109,13 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"{_LOAD_REPEATS_DEFAULT}: loads are cheap next to saves, and a noisy disk bends a median of few loads)",
     )
     how.add_argument("--warmup", type=int, default=1, help="untimed rounds first (still verified)")
-    how.add_argument(
-        "--dir",
-        default=None,
+    option(
+        how,
+        "dir",
         help="directory on the filesystem to test; a temporary subdirectory is made there and removed "
         "afterwards (default: the current directory)",
     )
-    how.add_argument("--no-drop-caches", action="store_true", help="leave the page cache alone (warm loads)")
+    option(how, "no_drop_caches")
     how.add_argument(
         "--settle",
         type=float,
@@ -151,19 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     out = parser.add_argument_group("output")
-    out.add_argument("--json", default=None, metavar="PATH", help="write every sample and the machine description")
-    out.add_argument("--png", default=None, metavar="PATH", help="bar chart of the medians (needs matplotlib)")
-    out.add_argument(
-        "--markdown",
-        nargs="+",
-        default=None,
-        metavar="JSON",
-        help="do not benchmark: print Markdown tables of earlier --json results and exit",
-    )
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     out.add_argument("--list-models", action="store_true", help="list the model catalogue and exit")
     out.add_argument("--list-methods", action="store_true", help="list the methods and exit")
-    return parser
 
 
 def _print_models() -> None:
@@ -171,15 +148,8 @@ def _print_models() -> None:
     for name, spec in workloads.CATALOGUE.items():
         layers = spec.default_layers if spec.default_layers is not None else spec.num_layers
         params = workloads.parameter_count(spec, layers)
-        rows.append(
-            (
-                name,
-                f"{layers}/{spec.num_layers}",
-                f"{params / 1e6:,.1f} M",
-                workloads.format_bytes(params * 2),
-                spec.description,
-            )
-        )
+        size = workloads.format_bytes(params * 2)
+        rows.append((name, f"{layers}/{spec.num_layers}", f"{params / 1e6:,.1f} M", size, spec.description))
     print(display.format_table(("model", "layers", "params", "bf16", "description"), rows, "<>>><", rule=False))
 
 
@@ -199,14 +169,14 @@ def _select_methods(args: argparse.Namespace) -> tuple[list[SaveMethod], list[Lo
         wanted = [s.strip() for s in args.methods.split(",") if s.strip()]
         unknown = [w for w in wanted if w not in SAVE_METHODS and w not in LOAD_METHODS]
         if unknown:
-            raise SystemExit(
+            raise UsageError(
                 f"unknown method(s) {', '.join(unknown)}; known: {', '.join(list(SAVE_METHODS) + list(LOAD_METHODS))}"
             )
     else:
         wanted = [n for n, m in SAVE_METHODS.items() if m.default] + [n for n, m in LOAD_METHODS.items() if m.default]
     unknown = skip - set(SAVE_METHODS) - set(LOAD_METHODS)
     if unknown:
-        raise SystemExit(f"unknown method(s) in --skip: {', '.join(sorted(unknown))}")
+        raise UsageError(f"unknown method(s) in --skip: {', '.join(sorted(unknown))}")
     saves = [SAVE_METHODS[n] for n in wanted if n in SAVE_METHODS and n not in skip]
     loads = [LOAD_METHODS[n] for n in wanted if n in LOAD_METHODS and n not in skip]
     return saves, loads
@@ -216,7 +186,7 @@ def _parse_fp_settings(items: Sequence[str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise SystemExit(f"--fp-setting takes NAME=VALUE, got {item!r}")
+            raise UsageError(f"--fp-setting takes NAME=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         values[key.strip()] = value.strip()
     if values:
@@ -224,23 +194,20 @@ def _parse_fp_settings(items: Sequence[str]) -> dict[str, Any]:
     return values
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m fastpersist.bench checkpoint``.
+def _measure(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Entry point of a run: the process group under torchrun, then :func:`_main`.
 
-    Returns:
-        0 when every method that ran verified, 1 when one FAILED, 2 on bad
-        arguments or an unusable directory, 130 when interrupted.
+    Raises:
+        UsageError: bad arguments or an unusable directory (exit 2); SystemExit: 130 when interrupted, and on
+        ranks other than 0 their status (they print nothing).
     """
-    if any(a == "--shape" or a.startswith("--shape=") for a in (sys.argv[1:] if argv is None else argv)):
-        from fastpersist.bench import shapes  # --shape many-small|many-medium|huge|mixed, --sink (issue 15)
-
-        return shapes.main(argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    if args.list_models:
+        _print_models()
+        return None
     dist = measure.DistributedEnv()
     process_group = _init_process_group(dist)
     try:
-        return _main(parser, args, dist)
+        return _main(args, dist)
     finally:
         if process_group:
             import torch.distributed
@@ -260,54 +227,41 @@ def _init_process_group(dist: measure.DistributedEnv) -> bool:
     return True
 
 
-def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measure.DistributedEnv) -> int:
+def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, Any] | None:
     say = print if dist.is_main else (lambda *a, **k: None)
-
-    if args.markdown:
-        try:
-            documents = [report.load_result(p) for p in args.markdown]
-        except (OSError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(report.to_markdown(documents), end="")
-        return 0
-    if args.list_models:
-        _print_models()
-        return 0
-
     try:
         device = torch.device(args.device)
     except RuntimeError as e:
-        parser.error(f"--device: {e}")
+        raise UsageError(f"--device: {e}") from e
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            parser.error("--device cuda: no CUDA device is available to this torch build")
+            raise UsageError("--device cuda: no CUDA device is available to this torch build")
         if device.index is None:
             device = torch.device("cuda", dist.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     elif device.type != "cpu":
-        parser.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
+        raise UsageError(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if args.repeats < 1 or args.load_repeats < 1 or args.warmup < 0:
-        parser.error("--repeats and --load-repeats must be at least 1 and --warmup at least 0")
+        raise UsageError("--repeats and --load-repeats must be at least 1 and --warmup at least 0")
 
     try:
         overrides = _parse_fp_settings(args.fp_setting)
-    except SystemExit:
+    except UsageError:
         raise
-    except Exception as e:  # noqa: BLE001 - ConfigError, ValueError...: reported as a usage error
-        parser.error(str(e))
+    except Exception as e:  # ConfigError, ValueError...: reported as a usage error
+        raise UsageError(str(e)) from e
     if args.config:
         try:
             config.load_file(args.config)
-        except Exception as e:  # noqa: BLE001 - any unreadable file is a usage error here
-            parser.error(f"--config: {e}")
+        except Exception as e:  # any unreadable file is a usage error here
+            raise UsageError(f"--config: {e}") from e
     ctx = BenchContext(device=device, dist=dist, dcp_threads=args.dcp_threads, fastpersist_overrides=overrides)
     if args.list_methods:
         _print_methods(ctx)
-        return 0
+        return None
     saves, loads = _select_methods(args)
     if not saves and not loads:
-        parser.error("no methods left to run")
+        raise UsageError("no methods left to run")
 
     try:
         spec = workloads.get_model(args.model)
@@ -319,23 +273,20 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
             layers = spec.default_layers if spec.default_layers is not None else spec.num_layers
         expected_bytes = workloads.state_bytes(spec, dtype, layers, args.training_state)
     except (KeyError, ValueError) as e:
-        parser.error(str(e.args[0] if isinstance(e, KeyError) else e))
+        raise UsageError(str(e.args[0] if isinstance(e, KeyError) else e)) from e
 
     parent = os.path.abspath(args.dir or os.getcwd())
     if not os.path.isdir(parent):
-        print(f"error: --dir {parent} is not a directory", file=sys.stderr)
-        return 2
+        raise UsageError(f"--dir {parent} is not a directory")
     fs = system.filesystem_of(parent)
     outputs = len(saves) + sum(1 for m in loads if m.source not in {s.name for s in saves})
     need = int(expected_bytes * 1.05) * max(outputs, 1) * dist.world_size
     if fs.get("free_bytes") is not None and fs["free_bytes"] < need:
-        print(
-            f"error: {parent} has {workloads.format_bytes(fs['free_bytes'])} free; this run keeps one copy per "
+        raise UsageError(
+            f"{parent} has {workloads.format_bytes(fs['free_bytes'])} free; this run keeps one copy per "
             f"save method at a time, about {workloads.format_bytes(need)}. Use --dir elsewhere, fewer --methods, "
-            "or a smaller --size.",
-            file=sys.stderr,
+            "or a smaller --size."
         )
-        return 2
     available = system.available_memory()
     if available is not None and device.type == "cpu" and expected_bytes * 3 > available and dist.is_main:
         print(
@@ -408,24 +359,22 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, dist: measu
 
     if interrupted:
         print("\ninterrupted; temporary files removed, nothing reported", file=sys.stderr)
-        return 130
+        raise SystemExit(130)
     assert document is not None
     if not dist.is_main:
-        return 1 if failed else 0
-    print(report.format_table(document))
+        raise SystemExit(1 if failed else 0)
+    return document
+
+
+def _text(document: dict[str, Any]) -> str:
+    """The terminal's report (:func:`report.format_table`), and a warning when a method beat the ceiling."""
     problems = report.measurement_problems(document)
-    if problems:
-        print(
-            f"\nMEASUREMENT PROBLEM: {', '.join(problems)} exceeded the storage ceiling measured in this run; "
-            "the ceiling or the method's timing is wrong, so these ratios are not results."
-        )
-    if args.json:
-        report.write_json(document, args.json)
-        print(f"\nresults written to {args.json}")
-    if args.png:
-        note = report.save_png(document, args.png)
-        print(f"chart: {note}")
-    return 1 if failed else 0
+    if not problems:
+        return report.format_table(document)
+    return report.format_table(document) + (
+        f"\n\nMEASUREMENT PROBLEM: {', '.join(problems)} exceeded the storage ceiling measured in this run; "
+        "the ceiling or the method's timing is wrong, so these ratios are not results."
+    )
 
 
 def _measure_ceiling(
@@ -514,5 +463,23 @@ def _document(
     }
 
 
-if __name__ == "__main__":  # python -m fastpersist.bench.checkpoint
-    sys.exit(main())
+BENCHMARK = Benchmark(
+    "checkpoint",
+    _options,
+    _measure,
+    report.to_markdown,
+    description=(
+        "Save and load a synthetic checkpoint with the exact tensor shapes of a real model, "
+        "with torch.save, safetensors, torch DCP and fastpersist, and compare them: time to "
+        "durable (fsync), cold loads (page cache dropped), peak host memory; every result "
+        "verified byte for byte."
+    ),
+    schema=report.SCHEMA_PREFIX,
+    show=_text,
+    render=lambda documents: report.to_markdown([document for _, document in documents]),
+    png=report.save_png,
+    report="--markdown",
+    status=lambda document: 1 if any(r["status"] == "FAILED" for r in document["results"]) else 0,
+    redirect=("--shape", "shapes"),  # --shape many-small|many-medium|huge|mixed, --sink (issue 15)
+)
+main = BENCHMARK.main

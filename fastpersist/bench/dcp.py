@@ -1,56 +1,30 @@
 """``python -m fastpersist.bench dcp``: torch.distributed.checkpoint with FileSystemWriter vs FastPersistWriter.
 
-Starts ``--ranks`` processes (a process group on this host: gloo, or NCCL
-with ``--backend nccl``, one GPU per rank); each rank holds its own share of
-a ``--size`` state (bf16 tensors of ``--tensor-size`` on ``--device``; with
-CUDA, rank r uses GPU ``r % device_count``) and every
-repeat times, in this order, barrier to barrier on rank 0:
-
-* ``ceiling_write``: each rank writes its share of bytes from page-aligned
-  host memory with the native engine (O_DIRECT, queue depth), fsync -- what
-  the storage can take in this run;
-* ``filesystem_writer[t=N]``: durable ``dcp.save`` with DCP's
-  ``FileSystemWriter(thread_count=N, sync_files=True)``, for each N of
-  ``--threads`` (thread_count tuned);
-* ``fastpersist_writer``: durable ``dcp.save`` with ``FastPersistWriter``;
-* ``ceiling_read``, ``filesystem_reader``, ``fastpersist_reader``: the loads,
-  after dropping the page cache, into a preallocated state on ``--device``
-  (FileSystemReader reads the checkpoint of the last thread count).
-
-Every save ends with an fsync of all its files and directories (a no-op for
-files the method already synced). Loads are compared with the saved state on
-the first repeat. Reported: GB/s (10^9 bytes of tensor payload over all
-ranks per second), median/min/max over repeats, and the ratios against the
-best FileSystemWriter/Reader and against the ceiling of the same run.
+``--ranks`` processes (one process group on this host, gloo or NCCL) each hold their share of a ``--size``
+bf16 state and time, barrier to barrier on rank 0, every repeat: ``ceiling_write``/``ceiling_read`` (each
+rank's bytes through the engine, O_DIRECT), durable ``dcp.save`` with ``FileSystemWriter(thread_count=N,
+sync_files=True)`` for each N of ``--threads`` and with ``FastPersistWriter``, and the cold loads with
+``FileSystemReader`` and ``FastPersistReader`` into a preallocated state (compared with the saved one on
+the first repeat). GB/s of payload over all ranks, and the ratios to the best FileSystemWriter/Reader and
+to the ceiling; see docs/dcp.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from typing import Any
 
-__all__ = ["build_parser", "main"]
+from fastpersist.bench import bounds, measure
+from fastpersist.bench.harness import Benchmark, UsageError, markdown_table, option, size, spawn
+
+__all__ = ["BENCHMARK", "main"]
 
 _GB = 1e9
 
 
-def _size(text: str) -> int:
-    from fastpersist.config import size_argument  # the one size syntax (binary units)
-
-    return size_argument(text)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m fastpersist.bench dcp",
-        description="dcp.save/dcp.load with FileSystemWriter/Reader vs FastPersistWriter/Reader, several ranks",
-    )
+def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="processes (one process group on this host)")
     parser.add_argument(
         "--backend",
@@ -58,61 +32,26 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["gloo", "nccl"],
         help="process group backend (nccl needs --device cuda and a GPU per rank)",
     )
-    parser.add_argument(
-        "--size",
-        type=_size,
-        default=_size("4G"),
-        help="total state bytes over all ranks",
-    )
-    parser.add_argument("--tensor-size", type=_size, default=_size("64M"), help="bytes per tensor")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    option(parser, "size", default=4 << 30, help="total state bytes over all ranks")
+    parser.add_argument("--tensor-size", type=size, default=64 << 20, help="bytes per tensor")
+    option(parser, "device", choices=["cpu", "cuda"])
     parser.add_argument("--threads", default="1,4,8", help="FileSystemWriter thread_count values to try")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", required=True, help="directory on the storage to measure")
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument(
-        "--no-drop-caches",
-        action="store_true",
-        help="do not drop the page cache before loads",
-    )
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return parser
+    option(parser, "repeats")
+    option(parser, "dir", help="directory on the storage to measure (required to measure)")
+    option(parser, "no_drop_caches", help="do not drop the page cache before loads")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Starts ``--ranks`` processes on this host (the children of :func:`_worker`); returns rank 0's document."""
+    if not args.dir:
+        raise UsageError("the following arguments are required: --dir")
     if args.backend == "nccl" and args.device != "cuda":
-        parser.error("--backend nccl needs --device cuda (NCCL moves CUDA tensors only)")
-    if args.worker:
-        return _worker(args)
-    return _launch(args, argv if argv is not None else sys.argv[1:])
-
-
-# ----------------------------------------------------------------------------- launcher
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+        raise UsageError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only)")
     os.makedirs(args.dir, exist_ok=True)
-    env = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(args.ranks),
-    )
-    command = [sys.executable, "-m", "fastpersist.bench.dcp", *argv, "--worker"]
-    processes = [subprocess.Popen(command, env=dict(env, RANK=str(rank))) for rank in range(args.ranks)]
-    codes = [p.wait() for p in processes]
-    if any(codes):
-        print(f"dcp benchmark: ranks exited with {codes}", file=sys.stderr)
-        return 1
-    return 0
+    results, error = spawn("dcp", args.argv, ranks=args.ranks, capture=False, group=True)
+    if error:
+        raise SystemExit(f"dcp benchmark: ranks failed ({error})")
+    return results[0]
 
 
 # ----------------------------------------------------------------------------- worker
@@ -155,11 +94,7 @@ class _Run:
         while left > 0:
             count = min(rows, max(1, left // (2 * columns)))
             state[f"rank{self.rank}.tensor{index}"] = torch.randn(
-                count,
-                columns,
-                generator=generator,
-                device=self.device,
-                dtype=torch.bfloat16,
+                count, columns, generator=generator, device=self.device, dtype=torch.bfloat16
             )
             left -= count * columns * 2
             index += 1
@@ -186,11 +121,9 @@ class _Run:
         return mode
 
     def remove(self, path: str) -> None:
-        from fastpersist.bench.measure import remove_path
-
         self.barrier()
         if self.rank == 0:
-            remove_path(path)
+            measure.remove_path(path)
         self.barrier()
 
     def blank(self) -> dict:
@@ -203,10 +136,8 @@ class _Run:
 
 
 def _durable(path: str, rank: int) -> None:
-    from fastpersist.bench.measure import fsync_paths
-
     if rank == 0:
-        fsync_paths(path)
+        measure.fsync_paths(path)
 
 
 def _ceiling(run: _Run, path: str) -> tuple[float, float]:
@@ -219,31 +150,10 @@ def _ceiling(run: _Run, path: str) -> tuple[float, float]:
     buffer.fill_(7)
     name = os.path.join(path, f"ceiling.{run.rank}")
     os.makedirs(path, exist_ok=True)
-
-    def write() -> None:
-        file = engine.File(name, "w", direct=True, truncate=True)
-        try:
-            if file.direct:
-                file.allocate(0, run.payload)
-            handle = engine.make_handle(settings)
-            handle.submit_write(buffer.data_ptr(), run.payload, file, 0, buffer)
-            handle.wait()
-            file.fsync()
-        finally:
-            file.close()
-
-    def read() -> None:
-        file = engine.File(name, "r", direct=True)
-        try:
-            handle = engine.make_handle(settings)
-            handle.submit_read(buffer.data_ptr(), run.payload, file, 0, buffer)
-            handle.wait()
-        finally:
-            file.close()
-
-    seconds_write = run.timed(write)
+    handle = engine.make_handle(settings)
+    seconds_write = run.timed(lambda: bounds.engine_write(name, buffer, run.payload, handle, allocate=True))
     run.drop_caches(path)
-    seconds_read = run.timed(read)
+    seconds_read = run.timed(lambda: bounds.engine_read(name, buffer, run.payload, handle))
     run.remove(path)
     return seconds_write, seconds_read
 
@@ -257,7 +167,8 @@ def _timed_load(run: _Run, dcp, reader, *, check: bool) -> float:
     return seconds
 
 
-def _worker(args: argparse.Namespace) -> int:
+def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
+    """One rank's part: every repeat of every method, timed barrier to barrier; rank 0 returns the document."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -274,17 +185,11 @@ def _worker(args: argparse.Namespace) -> int:
     def record(name: str, value: float) -> None:
         seconds.setdefault(name, []).append(value)
         if run.rank == 0:
-            print(
-                f"  {name:<24} {run.total / value / _GB:7.2f} GB/s ({value:.2f} s)",
-                flush=True,
-            )
+            print(f"  {name:<24} {run.total / value / _GB:7.2f} GB/s ({value:.2f} s)", flush=True)
 
     for repeat in range(args.repeats):
         if run.rank == 0:
-            print(
-                f"repeat {repeat + 1}/{args.repeats}: {run.total / _GB:.2f} GB over {run.world} ranks",
-                flush=True,
-            )
+            print(f"repeat {repeat + 1}/{args.repeats}: {run.total / _GB:.2f} GB over {run.world} ranks", flush=True)
         write, read = _ceiling(run, os.path.join(args.dir, "ceiling"))
         record("ceiling_write", write)
         record("ceiling_read", read)
@@ -294,10 +199,7 @@ def _worker(args: argparse.Namespace) -> int:
             run.remove(path)
 
             def save_theirs(path=path, count=count) -> None:
-                dcp.save(
-                    run.state,
-                    storage_writer=FileSystemWriter(path, thread_count=count, sync_files=True),
-                )
+                dcp.save(run.state, storage_writer=FileSystemWriter(path, thread_count=count, sync_files=True))
                 _durable(path, run.rank)
 
             record(f"filesystem_writer[t={count}]", run.timed(save_theirs))
@@ -305,10 +207,7 @@ def _worker(args: argparse.Namespace) -> int:
                 run.remove(path)
         path = os.path.join(args.dir, f"filesystem-t{threads[-1]}")
         cache_modes.add(run.drop_caches(path))
-        record(
-            "filesystem_reader",
-            _timed_load(run, dcp, FileSystemReader(path), check=repeat == 0),
-        )
+        record("filesystem_reader", _timed_load(run, dcp, FileSystemReader(path), check=repeat == 0))
         run.remove(path)
 
         path = os.path.join(args.dir, "fastpersist")
@@ -320,32 +219,20 @@ def _worker(args: argparse.Namespace) -> int:
 
         record("fastpersist_writer", run.timed(save_ours))
         cache_modes.add(run.drop_caches(path))
-        record(
-            "fastpersist_reader",
-            _timed_load(run, dcp, FastPersistReader(path), check=repeat == 0),
-        )
+        record("fastpersist_reader", _timed_load(run, dcp, FastPersistReader(path), check=repeat == 0))
         run.remove(path)
 
-    if run.rank == 0:
-        document = _document(args, run, seconds, sorted(m for m in cache_modes if m))
-        _print_table(document)
-        if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(document, f, indent=2)
-            print(f"results written to {args.json}")
+    document = _document(args, run, seconds, sorted(m for m in cache_modes if m)) if run.rank == 0 else None
     run.barrier()
     run.dist.destroy_process_group()
-    return 0
+    return document
 
 
 def _document(args, run: _Run, seconds: dict[str, list[float]], cache_modes: list[str]) -> dict[str, Any]:
-    from fastpersist.bench.measure import machine_info, summarize
-
     results = {}
     for name, values in seconds.items():
         rates = [run.total / v / _GB for v in values]
-        results[name] = {"seconds": values, "GBps": summarize(rates)}
+        results[name] = {"seconds": values, "GBps": measure.summarize(rates)}
 
     def median(name: str) -> float:
         return results[name]["GBps"]["median"]
@@ -361,7 +248,7 @@ def _document(args, run: _Run, seconds: dict[str, list[float]], cache_modes: lis
     }
     return {
         "benchmark": "dcp",
-        "machine": machine_info(args.dir, str(run.device)),
+        "machine": measure.machine_info(args.dir, str(run.device)),
         "config": {
             "ranks": run.world,
             "backend": args.backend,
@@ -380,19 +267,55 @@ def _document(args, run: _Run, seconds: dict[str, list[float]], cache_modes: lis
     }
 
 
-def _print_table(document: dict[str, Any]) -> None:
+def _text(document: dict[str, Any]) -> str:
+    """The terminal's table: GB/s of every method (median, min-max), then the ratios."""
     config = document["config"]
-    print(
+    lines = [
         f"\n{config['total_bytes'] / _GB:.2f} GB, {config['ranks']} ranks ({config.get('backend', 'gloo')}), "
-        f"{config['device']}, "
-        f"median of {config['repeats']} (min-max), GB/s"
-    )
+        f"{config['device']}, median of {config['repeats']} (min-max), GB/s"
+    ]
     for name, result in document["results"].items():
         rates = result["GBps"]
-        print(f"  {name:<26} {rates['median']:7.2f}  ({rates['min']:.2f}-{rates['max']:.2f})")
-    for name, value in document["ratios"].items():
-        print(f"  {name:<40} {value:.2f}x")
+        lines.append(f"  {name:<26} {rates['median']:7.2f}  ({rates['min']:.2f}-{rates['max']:.2f})")
+    lines += [f"  {name:<40} {value:.2f}x" for name, value in document["ratios"].items()]
+    return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def render(documents: list[tuple[str, dict[str, Any]]]) -> str:
+    """One table per document, under its path: GB/s and the ratio to the ceiling of the op."""
+    parts = []
+    for path, document in documents:
+        config, results = document["config"], document["results"]
+        parts.append(
+            f"`{path}`: {config['total_bytes'] / 2**30:.2f} GiB, {config['ranks']} ranks, "
+            f"{config['device']}, {config['repeats']} repeats, commit "
+            f"{document['machine']['code']['commit'][:12]}"
+        )
+        rows = []
+        for method, value in results.items():
+            gbps = value.get("GBps") or {}
+            if not gbps:
+                continue
+            ceiling = (
+                results.get("ceiling_read" if "read" in method else "ceiling_write", {}).get("GBps", {}).get("median")
+            )
+            ratio = gbps["median"] / ceiling if ceiling else None
+            cell = "-" if ratio is None else f"{ratio:.2f}" + (" MEASUREMENT PROBLEM" if ratio > 1.0 else "")
+            rows.append(
+                [method.replace("|", "\\|"), f"{gbps['median']:.2f} ({gbps['min']:.2f}-{gbps['max']:.2f})", cell]
+            )
+        parts += ["", *markdown_table(["method", "GB/s median (min-max)", "of ceiling"], "<>>", rows), ""]
+    return "\n".join(parts)
+
+
+BENCHMARK = Benchmark(
+    "dcp",
+    _options,
+    _measure,
+    None,
+    description="dcp.save/dcp.load with FileSystemWriter/Reader vs FastPersistWriter/Reader, several ranks",
+    show=_text,
+    render=render,
+    child=_worker,
+)
+main = BENCHMARK.main

@@ -1,69 +1,41 @@
 """``python -m fastpersist.bench io``: sequential engine throughput, optionally against fio.
 
-Like DeepSpeed's ``ds_io``: write ``--size`` bytes to one file with the
-engine, read them back, repeat, and print the median GB/s (10^9 bytes per
-second). With ``--fio`` the same file size, block size, queue depth and
-O_DIRECT setting are run through ``fio --ioengine=io_uring`` in the same
-invocation, interleaved repeat by repeat, and the ratio engine/fio is printed.
-
-Method (both tools treated alike):
-
-* write: a fresh file, preallocated with fallocate (fio's default
-  ``fallocate=native``; ``--no-fallocate`` turns it off for both), written
-  sequentially, then fsync'ed; the time includes the fsync.
-* read: the file just written, read sequentially (O_DIRECT bypasses the
-  page cache; with ``--buffered`` the file's pages are dropped first, see
-  :class:`fastpersist.system.CacheDropper`).
-* the engine's source and destination buffers are allocated and touched once,
-  outside the timing; each read is verified byte for byte against the source
-  (outside the timing).
-
-Example::
+Like DeepSpeed's ``ds_io``: ``--size`` bytes written to one fresh file with the engine (preallocated
+outside the clock unless ``--no-fallocate``, timed to fsync), read back (O_DIRECT, or buffered after
+dropping its pages) and verified outside the clock, repeated; median GB/s (10^9 bytes/s). With ``--fio``
+fio runs the same file size, block size, queue depth and O_DIRECT setting, alternating first, and the
+ratio engine/fio is printed. ``--gpu`` moves a CUDA tensor through a pinned bounce buffer, ``--gpu
+--use_gds`` through :class:`fastpersist.GdsHandle`. Example::
 
     python -m fastpersist.bench io --size 4G --block-size 16M --queue-depth 32 --fio
 
-DeepSpeed ``ds_io`` command lines work with the program name replaced
-(:func:`apply_ds_io`; the table is in docs/deepnvme-parity.md)::
+DeepSpeed ``ds_io`` command lines work with the program name replaced (:func:`apply_ds_io`; the table of
+flags is in docs/deepnvme-parity.md): one naming ``--folder``, ``--folder_to_device_mapping`` or
+``--io_size`` writes (``--read``: reads), defaults to ds_io's 1M blocks and also prints ds_io's ``E2E ...
+Latency`` / ``Speed`` lines (GB = 2**30 bytes there)::
 
     fastpersist bench io --folder /local_nvme --io_size 400M --read --block_size 1M \\
         --queue_depth 32 --io_parallel 4 --loops 3 --validate
-
-``--gpu --use_gds`` moves the device tensor with :class:`fastpersist.GdsHandle`
-(DeepNVMe's ``gds_handle``): its ``cufile`` or ``bounce`` path as the
-``gds_path`` setting or ``--gds_path`` chooses; the path taken is reported.
-``--gpu`` alone keeps ds_io's meaning: the engine with a pinned bounce buffer.
-
-A command line that names ``--folder``, ``--folder_to_device_mapping`` or
-``--io_size`` is a ``ds_io`` command line: it writes (or reads, with
-``--read``) and defaults to ds_io's block size (1M). Besides the table it
-prints ds_io's ``E2E Write Latency = ... sec`` / ``E2E Write Speed = ... GB/sec``
-lines (GB = 2**30 bytes there, as in ds_io).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
 
-from fastpersist import config, display, system
-from fastpersist.bench import measure
+from fastpersist import display, system
+from fastpersist.bench import bounds, measure
+from fastpersist.bench.harness import Benchmark, Rounds, UsageError, option, size, timed
 from fastpersist.bench.methods import ceilings
 from fastpersist.io import engine, memory
 
-__all__ = ["main", "build_parser", "apply_ds_io", "is_ds_io", "ds_io_summary", "run", "UsageError"]
-
-
-def _size(text: str) -> int:
-    return config.size_argument(text)  # the one size syntax (binary units)
-
+__all__ = ["BENCHMARK", "UsageError", "apply_ds_io", "build_parser", "ds_io_summary", "is_ds_io", "main"]
 
 DS_IO_ENGINES = ("aio_handle", "aio_basic", "torch_io", "torch_fastio")
 """``ds_io --engine`` values; the first two run on the fastpersist engine."""
@@ -72,23 +44,14 @@ DS_IO_DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_BLOCK_SIZE = 16 << 20
 
 
-class UsageError(ValueError):
-    """A command line that cannot run as given; the message says what to use instead."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m fastpersist.bench io",
-        description="Sequential write/read throughput of the fastpersist I/O engine (optionally vs fio). "
-        "Also accepts DeepSpeed ds_io's options (see the 'DeepSpeed ds_io' group).",
-    )
-    p.add_argument("--dir", default=None, help="directory for the test file (default: current directory)")
-    p.add_argument("--size", type=_size, default=None, help="bytes per file, e.g. 4G (default 1G)")
+def _options(p: argparse.ArgumentParser) -> None:
+    option(p, "dir", help="directory for the test file (default: current directory)")
+    option(p, "size", default=None, help="bytes per file, e.g. 4G (default 1G)")
     p.add_argument(
         "--block-size",
         "--block_size",
         dest="block_size",
-        type=_size,
+        type=size,
         default=None,
         help="bytes per I/O request (default 16M; 1M for a ds_io command line)",
     )
@@ -126,13 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-fallocate", action="store_true", help="do not preallocate the file (both tools)")
     p.add_argument("--no-huge-pages", action="store_true", help="engine buffers on 4 KiB pages (fio's default memory)")
-    p.add_argument(
-        "--repeats", "--loops", dest="repeats", type=int, default=3, help="repeats; the median is reported (default 3)"
-    )
+    option(p, "repeats", "--repeats", "--loops", dest="repeats", help="repeats; the median is reported (default 3)")
     p.add_argument("--mode", choices=("both", "write", "read"), default=None, help="default both (ds_io: write)")
     p.add_argument("--fio", action="store_true", help="also run fio (ioengine=io_uring) with the same settings")
     p.add_argument("--no-verify", action="store_true", help="skip the byte-for-byte check of each read")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
 
     ds = p.add_argument_group(
         "DeepSpeed ds_io",
@@ -147,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FOLDER:DEVICE",
         help="one FOLDER:DEVICE (the CUDA device used with --gpu); several (one process each) are not supported",
     )
-    ds.add_argument("--io_size", type=_size, default=None, help="bytes to read or write, e.g. 400M (= --size)")
+    ds.add_argument("--io_size", type=size, default=None, help="bytes to read or write, e.g. 400M (= --size)")
     ds.add_argument("--read", action="store_true", help="read instead of write (= --mode read)")
     ds.add_argument("--validate", action="store_true", help="check the bytes of every read and write")
     ds.add_argument("--handle", action="store_true", help="accepted: I/O always goes through one handle")
@@ -173,7 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--slow_bounce_buffer", action="store_true", help="not supported")
     ds.add_argument("--torch_legacy_save", action="store_true", help="only for --engine torch_fastio (not supported)")
     ds.add_argument("--fast_io_size", default=None, help="only for --engine torch_fastio (not supported)")
-    return p
 
 
 def is_ds_io(args: argparse.Namespace) -> bool:
@@ -244,7 +203,7 @@ def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
             raise UsageError("--size and --io_size name the same thing; give one")
         args.size = args.io_size
     if args.size is None:
-        args.size = _size("1G")
+        args.size = 1 << 30
     if args.block_size is None:
         args.block_size = DS_IO_DEFAULT_BLOCK_SIZE if ds_io else DEFAULT_BLOCK_SIZE
     if args.threads is None:
@@ -279,130 +238,13 @@ def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _engine_write(
-    handle: Any,
-    source: torch.Tensor,
-    path: str,
-    size: int,
-    fallocate: bool,
-    direct: bool,
-    device_source: torch.Tensor | None = None,
-) -> float:
-    """Seconds to write ``source`` durably; with ``device_source`` the copy device -> ``source`` is timed too."""
-    if os.path.exists(path):
-        os.unlink(path)
-    with engine.File(path, "w", direct=direct, truncate=True) as f:
-        if fallocate:
-            f.allocate(0, size)
-        start = time.perf_counter()
-        if device_source is not None:
-            source.copy_(device_source)  # to the pinned bounce buffer (synchronous)
-        handle.submit_write(source.data_ptr(), size, f, 0, keepalive=source)
-        handle.wait()
-        f.fsync()
-        elapsed = time.perf_counter() - start
-    return elapsed
-
-
-def _engine_read(
-    handle: Any,
-    destination: torch.Tensor,
-    path: str,
-    size: int,
-    direct: bool,
-    device_destination: torch.Tensor | None = None,
-) -> float:
-    """Seconds to read ``path``; with ``device_destination`` the copy to the device is timed too."""
-    if not direct:
-        system.CacheDropper().drop([path])
-    with engine.File(path, "r", direct=direct) as f:
-        start = time.perf_counter()
-        handle.submit_read(destination.data_ptr(), size, f, 0, keepalive=destination)
-        handle.wait()
-        if device_destination is not None:
-            device_destination.copy_(destination)
-            torch.cuda.synchronize(device_destination.device)
-        elapsed = time.perf_counter() - start
-    return elapsed
-
-
-def _gds_write(gds: Any, device_source: torch.Tensor, path: str, size: int, fallocate: bool, direct: bool) -> float:
-    """Seconds to write the device tensor durably through GdsHandle (its own open; fsync after, both timed)."""
-    if os.path.exists(path):
-        os.unlink(path)
-    with engine.File(path, "w", direct=direct, truncate=True) as f:
-        if fallocate:
-            f.allocate(0, size)  # preallocated as for the engine and fio, outside the timing
-    torch.cuda.synchronize(device_source.device)
-    start = time.perf_counter()
-    gds.sync_pwrite(device_source, path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return time.perf_counter() - start
-
-
-def _gds_read(gds: Any, device_destination: torch.Tensor, path: str, direct: bool) -> float:
-    """Seconds to read ``path`` into the device tensor through GdsHandle (complete on the device when it returns)."""
-    if not direct:
-        system.CacheDropper().drop([path])
-    torch.cuda.synchronize(device_destination.device)
-    start = time.perf_counter()
-    gds.sync_pread(device_destination, path)
-    torch.cuda.synchronize(device_destination.device)
-    return time.perf_counter() - start
-
-
-def _file_problem(path: str, expected: torch.Tensor) -> str | None:
-    """Compares the file's bytes with ``expected`` (read through the page cache, 64 MiB at a time)."""
-    size = expected.numel()
-    actual = os.path.getsize(path)
-    if actual != size:
-        return f"{path} has {actual} bytes, expected {size}"
-    step = 64 << 20
-    with open(path, "rb") as f:
-        for offset in range(0, size, step):
-            chunk = f.read(step)
-            if not torch.equal(
-                torch.frombuffer(bytearray(chunk), dtype=torch.uint8), expected[offset : offset + len(chunk)]
-            ):
-                return f"{path} differs from the bytes written in [{offset}, {offset + len(chunk)})"
-    return None
-
-
-def _fio(path: str, rw: str, args: argparse.Namespace) -> float:
-    """fio bandwidth in GB/s for one sequential job with the engine's settings."""
-    if rw == "read" and args.buffered:
-        system.CacheDropper().drop([path])
-    command = ceilings.fio_command(
-        path,
-        rw,
-        args.size,
-        args.block_size,
-        args.queue_depth,
-        direct=not args.buffered,
-        threads=args.threads,
-        fallocate=not args.no_fallocate,
-        verify=False,
-    )
-    return ceilings.run_fio(command, rw) / 1e9
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Runs the benchmark; returns the results document (see ``--json``).
-
-    ``args`` from :func:`build_parser`; ds_io's options are mapped by
-    :func:`apply_ds_io` here if the caller has not done it.
-    """
-    if not hasattr(args, "ds_io"):
-        args = argparse.Namespace(**{**vars(build_parser().parse_args([])), **vars(args)})
-        apply_ds_io(args)
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs the benchmark; returns the results document (see ``--json``), ds_io's options mapped first."""
+    apply_ds_io(args)
     direct = not args.buffered
     size = args.size
     if size % 4096 or args.block_size % 4096:
-        raise SystemExit("--size and --block-size must be multiples of 4096")
+        raise UsageError("--size and --block-size must be multiples of 4096")
     use_fio = args.fio
     if use_fio and system.find_fio() is None:
         print(f"{system.FIO_INSTALL_HINT}; running the engine only", file=sys.stderr)
@@ -411,9 +253,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     on_gpu = device.type == "cuda"
     if on_gpu:
         torch.cuda.init()  # before allocating: locked host buffers are then registered with CUDA (pinned)
-    use_gds = bool(getattr(args, "use_gds", False))
     gds = None
-    if use_gds:
+    if args.use_gds:
         from fastpersist.deepnvme.gds import GdsHandle
 
         gds = GdsHandle(
@@ -422,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.single_submit,
             not args.no_overlap_events,
             args.threads,
-            path=getattr(args, "gds_path", None),
+            path=args.gds_path,
             engine=args.engine,
             direct=direct,
         )
@@ -439,93 +280,134 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     do_write = args.mode in ("both", "write")
     do_read = args.mode in ("both", "read")
     verify_reads = args.validate or not args.no_verify
+    fallocate = not args.no_fallocate
 
     # Random bytes (no pattern a deduplicating or compressing backend could
     # exploit), written once: this also touches every page outside the timing
     # (page faults on fresh memory are far slower than the disk here).
     source = memory.aligned_empty(size, huge_pages=not args.no_huge_pages, lock=on_gpu)
-    words = source.view(torch.int64) if size % 8 == 0 else None
     generator = torch.Generator().manual_seed(0)
-    step = 32 << 20
-    if words is not None:
-        for start in range(0, words.numel(), step):
-            chunk = words[start : start + step]
-            chunk.random_(generator=generator)
+    if size % 8 == 0:
+        words = source.view(torch.int64)
+        for start in range(0, words.numel(), 32 << 20):
+            words[start : start + (32 << 20)].random_(generator=generator)
     else:
         source.random_(0, 256, generator=generator)
-    host_destination = do_read and not use_gds  # GdsHandle reads straight into the device tensor
-    destination = (
-        memory.aligned_empty(size, huge_pages=not args.no_huge_pages, lock=on_gpu) if host_destination else None
-    )
-    if destination is not None:
-        destination.fill_(0)
     # --gpu: the data lives on the device; source/destination are the pinned bounce buffers.
+    destination = None
+    if do_read and gds is None:  # GdsHandle reads straight into the device tensor
+        destination = memory.aligned_empty(size, huge_pages=not args.no_huge_pages, lock=on_gpu).fill_(0)
     device_source = source.to(device) if on_gpu and do_write else None
     device_destination = torch.zeros(size, dtype=torch.uint8, device=device) if on_gpu and do_read else None
     expected = source.clone() if on_gpu and (do_write or verify_reads) else source
+    sync = device if on_gpu else None
+
+    def write(path: str) -> float:
+        """Seconds to write the data durably (into a file preallocated outside the timing, unless --no-fallocate)."""
+        if fallocate:
+            bounds.preallocate(path, size, direct)
+        elif os.path.exists(path):
+            os.unlink(path)
+        if gds is not None:
+            return timed(lambda: (gds.sync_pwrite(device_source, path), bounds.fsync_file(path)), sync)[1]["seconds"]
+
+        def engine_write() -> None:
+            if device_source is not None:
+                source.copy_(device_source)  # to the pinned bounce buffer (synchronous)
+            bounds.engine_write(path, source, size, handle, direct=direct)
+
+        return timed(engine_write, sync)[1]["seconds"]
+
+    def read(path: str) -> float:
+        """Seconds to read ``path`` (to the device with --gpu); its cached pages dropped first when buffered."""
+        if not direct:
+            system.CacheDropper().drop([path])
+        if gds is not None:
+            return timed(lambda: gds.sync_pread(device_destination, path), sync)[1]["seconds"]
+
+        def engine_read() -> None:
+            bounds.engine_read(path, destination, size, handle, direct=direct)
+            if device_destination is not None:
+                device_destination.copy_(destination)
+
+        return timed(engine_read, sync)[1]["seconds"]
 
     def check_read() -> None:
         got = device_destination.cpu() if device_destination is not None else destination
         if not torch.equal(got, expected):
             raise RuntimeError("read-back verification failed: bytes read differ from bytes written")
-        if destination is not None:
-            destination.fill_(0)
-        if device_destination is not None:
-            device_destination.zero_()
+        for buffer in (destination, device_destination):
+            if buffer is not None:
+                buffer.zero_()
+
+    def fio(path: str, rw: str) -> float:
+        """fio bandwidth in GB/s for one sequential job with the engine's settings."""
+        if rw == "read" and args.buffered:
+            system.CacheDropper().drop([path])
+        command = ceilings.fio_command(
+            path,
+            rw,
+            size,
+            args.block_size,
+            args.queue_depth,
+            direct=direct,
+            threads=args.threads,
+            fallocate=fallocate,
+            verify=False,
+        )
+        return ceilings.run_fio(command, rw) / 1e9
 
     workdir = measure.scratch_dir(args.dir, ".fastpersist-bench-")
-    path = os.path.join(workdir, "engine.bin")
-    fio_path = os.path.join(workdir, "fio.bin")
-    samples: dict[str, list[float]] = {"engine_write": [], "engine_read": [], "fio_write": [], "fio_read": []}
-    seconds: dict[str, list[float]] = {"engine_write": [], "engine_read": []}
-    fallocate = not args.no_fallocate
+    path, fio_path = os.path.join(workdir, "engine.bin"), os.path.join(workdir, "fio.bin")
+
+    def run(tool: str, index: int) -> dict[str, float] | None:
+        sample = {}
+        if tool == "engine":
+            if do_write:
+                sample["write_s"] = write(path)
+                problem = bounds.file_problem(path, expected) if args.validate else None
+                if problem:
+                    raise RuntimeError(f"write verification failed: {problem}")
+            if do_read:
+                sample["read_s"] = read(path)
+                if verify_reads:
+                    check_read()
+            if do_write:
+                os.unlink(path)
+        elif index >= args.warmup_loops:
+            if do_write or not os.path.exists(fio_path):
+                measure.remove_path(fio_path)
+                rate = fio(fio_path, "write")
+                if do_write:
+                    sample["write"] = rate
+            if do_read:
+                sample["read"] = fio(fio_path, "read")
+            if do_write:
+                os.unlink(fio_path)
+        for op in ("write", "read"):
+            if f"{op}_s" in sample:
+                sample[op] = size / 1e9 / sample[f"{op}_s"]
+        return sample
+
     try:
         if not do_write:  # read only: lay the file down once
-            _engine_write(handle, expected, path, size, fallocate, direct)
-        for repeat in range(args.warmup_loops + args.repeats):
-            timed = repeat >= args.warmup_loops
-            # Alternate who goes first: this disk is fastest right after an
-            # idle period and slows down under sustained writing.
-            order = ("engine", "fio") if repeat % 2 == 0 else ("fio", "engine")
-            for tool in order:
-                if tool == "engine":
-                    if do_write and gds is not None:
-                        elapsed = _gds_write(gds, device_source, path, size, fallocate, direct)
-                    elif do_write:
-                        elapsed = _engine_write(handle, source, path, size, fallocate, direct, device_source)
-                    if do_write:
-                        if args.validate:
-                            problem = _file_problem(path, expected)
-                            if problem:
-                                raise RuntimeError(f"write verification failed: {problem}")
-                        if timed:
-                            samples["engine_write"].append(size / 1e9 / elapsed)
-                            seconds["engine_write"].append(elapsed)
-                    if do_read and gds is not None:
-                        elapsed = _gds_read(gds, device_destination, path, direct)
-                    elif do_read:
-                        elapsed = _engine_read(handle, destination, path, size, direct, device_destination)
-                    if do_read:
-                        if verify_reads:
-                            check_read()
-                        if timed:
-                            samples["engine_read"].append(size / 1e9 / elapsed)
-                            seconds["engine_read"].append(elapsed)
-                    if do_write and os.path.exists(path):
-                        os.unlink(path)
-                elif use_fio and timed:
-                    if do_write or not os.path.exists(fio_path):
-                        if os.path.exists(fio_path):
-                            os.unlink(fio_path)
-                        rate = _fio(fio_path, "write", args)
-                        if do_write:
-                            samples["fio_write"].append(rate)
-                    if do_read:
-                        samples["fio_read"].append(_fio(fio_path, "read", args))
-                    if do_write and os.path.exists(fio_path):
-                        os.unlink(fio_path)
+            if fallocate:
+                bounds.preallocate(path, size, direct)
+            bounds.engine_write(path, expected, size, handle, direct=direct)
+        tools = ["engine", "fio"] if use_fio else ["engine"]
+        # Who goes first alternates: this disk is fastest right after an idle period and slows under writing.
+        rounds = Rounds(args.repeats, warmup=args.warmup_loops, order="reverse", catch=False).run([tools], run)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+    samples = {
+        f"{tool}_{op}": [s[op] for s in rounds.samples.get(tool, []) if op in s]
+        for tool in ("engine", "fio")
+        for op in ("write", "read")
+    }
+    seconds = {
+        f"engine_{op}": [s[f"{op}_s"] for s in rounds.samples["engine"] if f"{op}_s" in s] for op in ("write", "read")
+    }
 
     def median(values: list[float]) -> float | None:
         return statistics.median(values) if values else None
@@ -579,15 +461,10 @@ def ds_io_summary(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _print_table(doc: dict[str, Any]) -> None:
+def _text(doc: dict[str, Any]) -> str:
+    """The terminal's table (median GB/s of the engine and fio, their ratio, every sample), then ds_io's lines."""
     s = doc["settings"]
     via = f", GdsHandle path {s['gds_path']}" if s.get("gds_path") else ""
-    print(
-        f"fastpersist io bench{via}: {s['size'] / 2**30:.2f} GiB, block {s['block_size'] >> 10} KiB, "
-        f"queue depth {s['queue_depth']}, lanes {s['threads']}, engine {s['engine']}, "
-        f"direct {s['direct']}, fallocate {s['fallocate']}, fs {doc['filesystem']['fs_type']}, "
-        f"median of {s['repeats']}"
-    )
     rows = []
     for op in ("write", "read"):
         e = doc["gbps_median"][f"engine_{op}"]
@@ -599,25 +476,29 @@ def _print_table(doc: dict[str, Any]) -> None:
         fs = " ".join(f"{v:.2f}" for v in doc["gbps_samples"][f"fio_{op}"])
         rows.append((op, f"{e:.2f}", f"{f:.2f}" if f else "-", f"{100 * r:.0f}%" if r else "-", f"{es} | {fs}"))
     header = ("op", "engine GB/s", "fio GB/s", "ratio", "samples (engine | fio)")
-    print(display.format_table(header, rows, "<>>><", rule=False))
+    title = (
+        f"fastpersist io bench{via}: {s['size'] / 2**30:.2f} GiB, block {s['block_size'] >> 10} KiB, "
+        f"queue depth {s['queue_depth']}, lanes {s['threads']}, engine {s['engine']}, "
+        f"direct {s['direct']}, fallocate {s['fallocate']}, fs {doc['filesystem']['fs_type']}, "
+        f"median of {s['repeats']}"
+    )
+    return "\n".join([title, display.format_table(header, rows, "<>>><", rule=False), *ds_io_summary(doc)])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        apply_ds_io(args)
-    except UsageError as e:
-        parser.error(str(e))
-    doc = run(args)
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        _print_table(doc)
-        for line in ds_io_summary(doc):
-            print(line)
-    return 0
+BENCHMARK = Benchmark(
+    "io",
+    _options,
+    _measure,
+    None,
+    description="Sequential write/read throughput of the fastpersist I/O engine (optionally vs fio). "
+    "Also accepts DeepSpeed ds_io's options (see the 'DeepSpeed ds_io' group).",
+    show=_text,
+    json="print",
+    report=None,
+)
+main = BENCHMARK.main
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m fastpersist.bench io`` (ds_io's options included)."""
+    return BENCHMARK.parser()

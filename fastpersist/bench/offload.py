@@ -1,55 +1,39 @@
 """``python -m fastpersist.bench offload``: generation with a Llama-shaped model streamed from the checkpoint.
 
-Builds a Llama-shaped ``transformers`` model of about ``--size`` bytes of
-bf16 with random weights (no downloads), saves it as one safetensors file in
-``--dir``, and times greedy generation (``--prompt`` tokens, ``--new-tokens``
-new ones, each ``--batch``) for each method:
-
-* ``full-gpu``: the checkpoint fully loaded on the GPU (where it fits): the compute
-  bound, and the tokens every other method must reproduce;
-* ``fastpersist-disk``: ``fastpersist.offload.dispatch`` with
-  ``max_gpu_memory=--gpu-budget``: the weights that do not fit are read from
-  the file for every forward pass;
-* ``fastpersist-host``: the same plus a host tier of the model's size: the
-  first pass reads the disk, later ones copy from pinned host memory;
-* ``accelerate-disk``: accelerate's ``load_checkpoint_and_dispatch`` with the
-  same GPU budget and ``offload_folder`` (where accelerate is installed).
-
-Measured in the same run: the disk's read ceiling (O_DIRECT, page cache
-dropped) and the host-to-device copy ceiling, giving each tier's bound in
-tokens/s: ``batch x ceiling / bytes streamed per forward pass``. Reported
-per method: time to first token, decoding tokens/s (batch x steps / time of
-the decoding steps), peak GPU memory, peak host RSS, and the ratio to its bound.
+A random Llama-shaped model of about ``--size`` bytes of bf16 saved as one safetensors file in ``--dir``,
+then greedy generation timed for each method: ``full-gpu`` (the checkpoint loaded on the GPU: the compute
+bound, and the tokens every other method must reproduce), ``fastpersist-disk``
+(``fastpersist.offload.dispatch`` with ``max_gpu_memory=--gpu-budget``), ``fastpersist-host`` (plus a host
+tier of the model's size) and ``accelerate-disk`` (``load_checkpoint_and_dispatch``, where installed).
+Each tier's bound in tokens/s comes from the disk's read ceiling and the host-to-device copy ceiling
+measured in the same run; reported: time to first token, decoding tokens/s, peak GPU and host memory, the
+ratio to the bound. See docs/offload.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
-import sys
 import time
 from typing import Any
 
 import torch
 
-from fastpersist import config
+from fastpersist.bench.harness import Benchmark, Svg, UsageError, option, size
 
-__all__ = ["build_parser", "main", "to_markdown", "to_svg"]
+__all__ = ["BENCHMARK", "METHODS", "main", "to_markdown", "to_svg"]
 
 METHODS = ("full-gpu", "fastpersist-disk", "fastpersist-host", "accelerate-disk")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fastpersist.bench offload", description=__doc__.split("\n")[0])
-    parser.add_argument("--size", type=config.size_argument, default=config.size_argument("4G"), help="model bytes")
-    parser.add_argument("--dir", help="where the model file is written (the storage to measure); required to run")
+def _options(parser: argparse.ArgumentParser) -> None:
+    option(parser, "size", default=4 << 30, help="model bytes")
+    option(parser, "dir", help="where the model file is written (the storage to measure); required to run")
     parser.add_argument("--batch", default="32", help="comma-separated batch sizes")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument(
-        "--gpu-budget", type=config.size_argument, default=None, help="GPU bytes for weights (default: size/4)"
-    )
+    parser.add_argument("--gpu-budget", type=size, default=None, help="GPU bytes for weights (default: size/4)")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--accelerate-tokens", type=int, default=4, help="new tokens for accelerate (it is slow)")
     parser.add_argument(
@@ -69,10 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave cuBLAS and torch free to pick nondeterministic kernels (default: deterministic ones, so that "
         "every method's tokens can be compared with full-gpu's bit for bit)",
     )
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--report", metavar="JSON", help="print the table of an earlier result (no GPU needed)")
-    parser.add_argument("--svg", help="with --report: write its chart here")
-    return parser
 
 
 def _llama_config(size: int):
@@ -268,7 +248,7 @@ def to_markdown(document: dict[str, Any]) -> str:
         f"{machine.get('device_name', 'GPU')}, Llama-shaped model of {config['model_bytes'] / 1e9:.2f} GB bf16 "
         f"({config['layers']} layers), GPU budget {config['gpu_budget'] / 1e9:.2f} GB, prompt {config['prompt']}; "
         f"ceilings in the same run: disk read {ceilings['disk_read_GBps']:.2f} GB/s, "
-        f"host to device {ceilings['host_to_device_GBps']:.2f} GB/s",
+        f"host to device {ceilings['host_to_device_GBps']:.2f} GB/s"
     ]
     if config.get("accelerate_reads"):
         lines.append(f"accelerate: {config['accelerate_reads']}")
@@ -308,10 +288,9 @@ def to_markdown(document: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_svg(document: dict[str, Any]) -> str:
+def to_svg(documents: list[dict[str, Any]]) -> str:
     """A bar chart of decoding tokens/s per method and batch (log scale), each tier's bound as a tick."""
-    import math
-
+    document = documents[0]
     rows = [(method, row) for method, method_rows in document["results"].items() for row in method_rows]
     values = [row["decode_tokens_per_second"] for _, row in rows] + [
         row["bound_tokens_per_second"] for _, row in rows if row.get("bound_tokens_per_second")
@@ -324,33 +303,23 @@ def to_svg(document: dict[str, Any]) -> str:
 
     colors = {"full-gpu": "#888", "accelerate-disk": "#c96", "fastpersist-disk": "#2a7", "fastpersist-host": "#275"}
     config = document["config"]
-    title = (
+    svg, y = Svg(), 30
+    svg.title(
+        18,
         f"{config['model_bytes'] / 1e9:.0f} GB Llama-shaped model, GPU budget {config['gpu_budget'] / 1e9:.1f} GB, "
-        f"prompt {config['prompt']}: decoding tokens/s (log scale; | = the tier's bound)"
+        f"prompt {config['prompt']}: decoding tokens/s (log scale; | = the tier's bound)",
+        13,
     )
-    parts, y = [f'<text x="10" y="18" font-size="13" font-weight="bold">{title}</text>'], 30
     for method, row in rows:
         value = row["decode_tokens_per_second"]
-        parts.append(
-            f'<text x="{left - 6}" y="{y + 13}" font-size="12" text-anchor="end">{method}, batch {row["batch"]}</text>'
-        )
-        parts.append(
-            f'<rect x="{left}" y="{y}" width="{x(value) - left:.1f}" height="{bar}" '
-            f'fill="{colors.get(method, "#888")}"/>'
-        )
-        parts.append(f'<text x="{x(value) + 4:.1f}" y="{y + 13}" font-size="12">{value:.2f}</text>')
+        svg.label(left - 6, y + 13, f"{method}, batch {row['batch']}")
+        svg.bar(left, y, x(value) - left, bar, colors.get(method, "#888"))
+        svg.text(f"{x(value) + 4:.1f}", y + 13, f"{value:.2f}")
         bound = row.get("bound_tokens_per_second")
         if bound:
-            parts.append(
-                f'<line x1="{x(bound):.1f}" y1="{y - 2}" x2="{x(bound):.1f}" y2="{y + bar + 2}" '
-                'stroke="#c33" stroke-width="2"/>'
-            )
+            svg.line(x(bound), y - 2, x(bound), y + bar + 2, 'stroke="#c33" stroke-width="2"')
         y += bar + gap
-    header = (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 80}" height="{y + 10}" '
-        'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>'
-    )
-    return header + "".join(parts) + "</svg>\n"
+    return svg.document(left + width + 80, y + 10)
 
 
 def _number(value: float | None, pattern: str) -> str:
@@ -366,29 +335,14 @@ def _same(row: dict[str, Any]) -> str:
     return "no" if share is None else f"no ({share:.1%} of tokens)"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.report:
-        with open(args.report) as f:
-            document = json.load(f)
-        print(to_markdown(document), end="")
-        if args.svg:
-            with open(args.svg, "w") as f:
-                f.write(to_svg(document))
-        return 0
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Builds and saves the model, then generates with every method; returns the document."""
     if not torch.cuda.is_available():
-        print("python -m fastpersist.bench offload needs a CUDA GPU", file=sys.stderr)
-        return 2
-    try:
-        import transformers
-    except ImportError:
-        print("python -m fastpersist.bench offload needs transformers (pip install transformers)", file=sys.stderr)
-        return 2
+        raise UsageError("python -m fastpersist.bench offload needs a CUDA GPU")
     if not args.dir:
-        print(
-            "python -m fastpersist.bench offload: --dir is required (where the model file is written)", file=sys.stderr
-        )
-        return 2
+        raise UsageError("--dir is required (where the model file is written)")
+    import transformers
+
     import fastpersist
     from fastpersist.bench.measure import current_rss, machine_info
     from fastpersist.offload import dispatch
@@ -437,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["repeat"] = _agreement(again["tokens"], reference[batch], again["logits"], reference_logits[batch])
             results.setdefault("full-gpu", []).append(row)
             print(f"full-gpu batch {batch}: {row['decode_tokens_per_second']:.1f} tokens/s", flush=True)
-    del model
+        del model
     torch.cuda.empty_cache()
     read_ceiling, copy_ceiling = _read_ceiling(path), _copy_ceiling()
     print(f"ceilings: disk read {read_ceiling:.2f} GB/s, host-to-device {copy_ceiling:.2f} GB/s", flush=True)
@@ -503,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault("accelerate-disk", []).append(row)
                 print(f"accelerate-disk batch {batch}: {row['decode_tokens_per_second']:.3f} tokens/s", flush=True)
             del model
-    document = {
+    return {
         "benchmark": "offload",
         "machine": machine_info(args.dir, "cuda"),
         "config": {
@@ -522,12 +476,15 @@ def main(argv: list[str] | None = None) -> int:
         "streamed_bytes_per_pass": streamed_bytes,
         "results": results,
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(document, f, indent=2)
-        print(f"results written to {args.json}")
-    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+BENCHMARK = Benchmark(
+    "offload",
+    _options,
+    _measure,
+    to_markdown,
+    description=__doc__.split("\n")[0],
+    svg=to_svg,
+    requires=("transformers",),
+)
+main = BENCHMARK.main

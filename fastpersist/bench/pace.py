@@ -3,27 +3,11 @@
     python -m fastpersist.bench pace --disk /mnt/nvme/fp --shm /dev/shm/fp --json out.json
     python -m fastpersist.bench pace --report out.json
 
-Four measurements, each against its own ceiling in the same run:
-
-* **training**: ``python -m fastpersist.bench training`` with a checkpoint
-  every iteration, to the shm directory and to the disk directory, methods
-  ``fastpersist-pipelined`` and ``fastpersist-snapshot``; the ratio is the
-  steady time per iteration over that benchmark's own bound (the larger of
-  the iteration without checkpoints and one checkpoint's write at the
-  ceiling).
-* **disk save**: a ``--size`` bf16 state dict on the GPU saved durably
-  (``fastpersist.save``) to the disk directory, in ``--rounds`` rounds; each
-  round also runs fio's O_DIRECT write of as many bytes into a fresh file
-  (16 MiB blocks, QD 32, io_uring, ``end_fsync``), the two in alternating
-  order. Ratio per round: fio's seconds over the save's; the median is the
-  figure, every round's ratio is in the JSON. fio must be on ``PATH``.
-* **verified load**: the same state saved once into the shm directory and
-  loaded to the GPU with and without CRC-32 verification
-  (``fastpersist.load(..., verify=...)``), alternating, ``--rounds`` rounds
-  after an untimed one; ratio: unverified seconds over verified.
-
-The document lists each target with its measured ratio and whether it is
-met; ``--report`` prints it again.
+Each measurement against its own ceiling in the same run: ``training`` with a checkpoint every iteration
+(pipelined and snapshot, to shm and to disk) against that benchmark's bound; a ``--size`` GPU state saved
+durably to disk against fio's O_DIRECT write of as many bytes, alternating, per round (fio must be on
+``PATH``); the same state loaded from shm to the GPU verified against unverified. The document lists each
+target (:data:`TARGETS`), its ratio and whether it is met; see docs/performance.md.
 """
 
 from __future__ import annotations
@@ -38,7 +22,10 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["SCHEMA", "TARGETS", "main", "to_markdown"]
+from fastpersist.bench.harness import Benchmark, Rounds, bf16_state, option
+from fastpersist.bench.measure import remove_path
+
+__all__ = ["BENCHMARK", "SCHEMA", "TARGETS", "main", "to_markdown"]
 
 SCHEMA = "fastpersist.bench.pace/1"
 TARGETS = {
@@ -70,20 +57,6 @@ def _training(directory: str, iterations: int, scratch: str) -> dict[str, Any]:
     }
 
 
-def _state(size: int, device: str) -> dict[str, Any]:
-    """``size`` bytes of bf16 tensors of 64 MiB (the last shorter) on ``device``: a checkpoint's bulk."""
-    import torch
-
-    piece = 32 << 20  # elements: 64 MiB of bf16
-    total, state, index = size // 2, {}, 0
-    while total > 0:
-        count = min(piece, total)
-        state[f"layer{index}.weight"] = torch.randn(count, device=device, dtype=torch.float32).to(torch.bfloat16)
-        total -= count
-        index += 1
-    return state
-
-
 def _disk_rounds(directory: str, state: dict, rounds: int) -> dict[str, Any]:
     import fastpersist
     from fastpersist.bench import bounds
@@ -91,24 +64,21 @@ def _disk_rounds(directory: str, state: dict, rounds: int) -> dict[str, Any]:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     path, fio_path = os.path.join(directory, "pace-save.pt"), os.path.join(directory, "pace-fio.bin")
     fastpersist.save(state, path)  # untimed: pools and the file system's first allocation
-    records = []
-    for index in range(rounds):
-        seconds = {}
-        for name in ("fio", "fastpersist") if index % 2 == 0 else ("fastpersist", "fio"):
-            for stale in (path, fio_path):
-                if os.path.exists(stale):
-                    os.unlink(stale)
-            os.sync()
-            if name == "fio":
-                seconds[name] = bounds.fio_write_seconds(fio_path, nbytes)
-            else:
-                started = time.perf_counter()
-                fastpersist.save(state, path)
-                seconds[name] = time.perf_counter() - started
-        records.append({**seconds, "ratio": seconds["fio"] / seconds["fastpersist"]})
+
+    def run(name: str, _round: int) -> float:
+        for stale in (path, fio_path):
+            remove_path(stale)
+        os.sync()
+        if name == "fio":
+            return bounds.fio_write_seconds(fio_path, nbytes)
+        started = time.perf_counter()
+        fastpersist.save(state, path)
+        return time.perf_counter() - started
+
+    measured = Rounds(rounds, order="reverse", catch=False).run([["fio", "fastpersist"]], run).samples
+    records = [{"fio": f, "fastpersist": s, "ratio": f / s} for f, s in zip(measured["fio"], measured["fastpersist"])]
     for stale in (path, fio_path):
-        if os.path.exists(stale):
-            os.unlink(stale)
+        remove_path(stale)
     return {
         "bytes": nbytes,
         "rounds": records,
@@ -126,23 +96,22 @@ def _load_rounds(directory: str, state: dict, rounds: int, device: str) -> dict[
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     path = os.path.join(directory, "pace-load.pt")
     fastpersist.save(state, path)
-    records = []
-    try:
-        for index in range(rounds + 1):
-            seconds = {}
-            for verify in (True, False) if index % 2 == 0 else (False, True):
-                started = time.perf_counter()
-                loaded = fastpersist.load(path, map_location=device, verify=verify)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                seconds["verified" if verify else "unverified"] = time.perf_counter() - started
-                if index == 0 and verify and any(not torch.equal(loaded[k], state[k]) for k in state):
-                    raise AssertionError("the verified load differs from the saved state")
-                del loaded
-            if index:  # the first round is untimed
-                records.append({**seconds, "ratio": seconds["unverified"] / seconds["verified"]})
+
+    def run(verify: bool, index: int) -> float:
+        started = time.perf_counter()
+        loaded = fastpersist.load(path, map_location=device, verify=verify)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        if index == 0 and verify and any(not torch.equal(loaded[k], state[k]) for k in state):
+            raise AssertionError("the verified load differs from the saved state")
+        return seconds
+
+    try:  # the first round is untimed
+        measured = Rounds(rounds, warmup=1, order="reverse", catch=False).run([[True, False]], run).samples
     finally:
         os.unlink(path)
+    records = [{"verified": v, "unverified": u, "ratio": u / v} for v, u in zip(measured[True], measured[False])]
     return {
         "bytes": nbytes,
         "rounds": records,
@@ -159,7 +128,7 @@ def _met(name: str, value: float | None) -> bool | None:
     return value <= target if comparison == "<=" else value >= target
 
 
-def measure(args) -> dict[str, Any]:
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from fastpersist import system
@@ -177,7 +146,7 @@ def measure(args) -> dict[str, Any]:
             for mode in ("pipelined", "snapshot"):
                 figures[f"training-{where}-{mode}"] = (result.get("of_bound") or {}).get(f"fastpersist-{mode}")
             print(f"training {where}: {result.get('of_bound', result.get('error'))}", file=sys.stderr)
-    state = _state(args.size, device)
+    state = bf16_state(args.size, device)
     parts["disk-save"] = _disk_rounds(args.disk, state, args.rounds)
     figures["disk-save"] = parts["disk-save"]["ratio"]
     print(f"disk save: {[round(r['ratio'], 3) for r in parts['disk-save']['rounds']]}", file=sys.stderr)
@@ -218,35 +187,13 @@ def to_markdown(document: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastpersist.bench pace", description=__doc__.split("\n\n")[0])
+def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk", default=tempfile.gettempdir(), help="a directory on the disk")
     parser.add_argument("--shm", default="/dev/shm/fastpersist-pace", help="a directory on tmpfs")
-    parser.add_argument("--size", type=_size, default=_size("4G"), help="the state of the save and load parts")
-    parser.add_argument("--rounds", type=int, default=5)
+    option(parser, "size", default=4 << 30, help="the state of the save and load parts")
+    option(parser, "repeats", "--rounds", default=5, help="rounds of the disk save and of the load, alternating")
     parser.add_argument("--iterations", type=int, default=12, help="timed iterations of each training run")
-    parser.add_argument("--json", help="write the document here")
-    parser.add_argument("--report", help="print the tables of an earlier document")
-    args = parser.parse_args(argv)
-    if args.report:
-        with open(args.report) as f:
-            document = json.load(f)
-        if document.get("schema") != SCHEMA:
-            raise SystemExit(f"{args.report}: not a result of 'python -m fastpersist.bench pace --json'")
-    else:
-        document = measure(args)
-        if args.json:
-            from fastpersist.bench.report import write_json
-
-            write_json(document, args.json)
-    print(to_markdown(document), end="")
-    return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+BENCHMARK = Benchmark("pace", _options, _measure, to_markdown, description=__doc__.split("\n\n")[0], schema=SCHEMA)
+main = BENCHMARK.main

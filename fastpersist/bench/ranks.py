@@ -1,47 +1,19 @@
 """``python -m fastpersist.bench ranks``: data-parallel sharded save against the number of ranks.
 
-For each N in ``--ranks`` it spawns N processes (torch.multiprocessing, one
-``torch.distributed`` group, gloo by default), each holding the same state of
-``--size`` bytes (on ``cuda:rank % device_count`` with ``--device cuda``), and
-times ``--repeat`` collective saves (``fastpersist.save(..., group=...)``):
-
-* per rank: bytes written (~ total/N) and its write time (range write + fsync);
-* end to end: first rank's start (after a barrier) to last rank's return, i.e.
-  until rank 0 has committed the durable file;
-* N = 1 is the single-process ``fastpersist.save`` (always run: the
-  single-writer baseline of the same run).
-
-``--sink`` runs the same saves into ``/dev/null`` (nothing is committed):
-the pipeline without storage -- pickling, the identity check, device-to-host
-copies, CRC-32s, the exchanges -- i.e. what separate drives per rank would
-see when they are faster than the pipeline. Each rank's identity check (the
-digests of its storages that decide which bytes it may write, see
-:mod:`fastpersist.distributed.replicas`) is timed as ``digest_seconds``.
-
-With ``--sink`` each N also gets its **bound**, measured in the same run:
-all N ranks at once (after a barrier) copy their share of the state
-(every N-th tensor, from rank's own) into a ring of page-locked windows, each
-window checksummed as it lands when checksums are on
-(:class:`fastpersist.bench.bounds.CopyCeiling`); the end-to-end time of that
-is what the ranks' shared host allows, with no format and no coordination.
-
-With one shared disk, the end-to-end time should not exceed the single
-writer's. With per-rank targets whose rates are independent (one SSD per
-rank; give ``--dir`` one directory per rank with ``--layout parts``), the
-N-rank time is projected from the measured single-writer rate as
-``(total/N) / rate_1 + coordination``, where coordination is the measured
-end-to-end time minus the slowest rank's write time. Every saved checkpoint
-is verified (structure and CRC-32s) and its first run is loaded back and
-compared. See docs/distributed.md.
+For each N in ``--ranks`` (1 always: the single writer of the same run), N processes of one process group
+hold the same ``--size`` state and time ``--repeat`` collective saves (``fastpersist.save(...,
+group=...)``): each rank's bytes and write time, and end to end (first start after a barrier to the last
+return). ``--sink`` saves into ``/dev/null`` (the pipeline without storage) and measures each N's bound:
+all ranks at once copying their share to the host (:class:`fastpersist.bench.bounds.CopyCeiling`). For
+per-rank targets (``--dir`` a comma list, ``--layout parts``) the N-rank time is projected from the single
+writer's rate plus the measured coordination. Every checkpoint is verified, the first loaded back and
+compared; see docs/distributed.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
-import sys
 import tempfile
 import time
 from typing import Any
@@ -51,23 +23,23 @@ import torch
 from fastpersist import config
 from fastpersist.bench import measure
 from fastpersist.io import targets
+from fastpersist.bench.harness import Benchmark, bf16_state, option, spawn
+from fastpersist.bench.shapes import sink_save
 from fastpersist.tuning import workloads
 
-__all__ = ["SCHEMA", "build_parser", "main", "to_markdown"]
+__all__ = ["BENCHMARK", "SCHEMA", "main", "to_markdown"]
 
 SCHEMA = "fastpersist.bench.ranks/1"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fastpersist.bench ranks", description=__doc__.split("\n")[0])
+def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (1 is always added)")
-    parser.add_argument("--size", default="2G", help="checkpoint size (e.g. 256M, 2G)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where each rank's state lives")
-    parser.add_argument(
-        "--dir",
-        default=None,
-        help="target directory; a comma list gives rank r the directory r %% len (per-rank targets, "
-        "with --layout parts)",
+    option(parser, "size", type=str, default="2G", help="checkpoint size (e.g. 256M, 2G)")
+    option(parser, "device", choices=["cpu", "cuda"], help="where each rank's state lives")
+    option(
+        parser,
+        "dir",
+        help="target directory; a comma list gives rank r the directory r %% len (per-rank targets, with --layout parts)",
     )
     parser.add_argument("--layout", default="file", choices=["file", "parts"])
     parser.add_argument("--writers", default="all", choices=["all", "node"])
@@ -75,63 +47,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sink", action="store_true", help="write into /dev/null and commit nothing: the pipeline without storage"
     )
-    parser.add_argument("--repeat", type=int, default=3)
+    option(parser, "repeats", "--repeat")
     parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--json", default=None, help="write the result document here")
     parser.add_argument("--markdown", default=None, help="write the table and a text chart (Markdown) here")
-    parser.add_argument(
-        "--render",
-        nargs="+",
-        default=None,
-        metavar="JSON",
-        help="do not run: print the Markdown of earlier --json results",
-    )
-    return parser
 
 
-def _state(size: int, device: str, rank: int) -> dict[str, torch.Tensor]:
-    """``size`` bytes of bf16 in 64 MiB tensors plus an odd-sized last one; the same on every rank."""
-    if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = f"cuda:{torch.cuda.current_device()}"
-    generator = torch.Generator(device=device).manual_seed(0)
-    state, index, left = {}, 0, size // 2
-    while left > 0:
-        count = min(left, 32 << 20)
-        if left - count == 0 and count > 1000:
-            count -= 1000  # an odd tail, so ranges and records do not line up
-        state[f"t{index}"] = torch.randn(count, dtype=torch.float32, device=device, generator=generator).to(
-            torch.bfloat16
-        )
-        left -= count
-        index += 1
-    return state
-
-
-def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> None:
+def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One rank's part (a child of :func:`_measure`): ``--repeat`` collective saves, checked; its records."""
     import torch.distributed as dist
 
     import fastpersist
     from fastpersist.distributed import save as dsave
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(args["backend"], rank=rank, world_size=world)
-    if args["backend"] == "nccl":
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.device == "cuda" or args.backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    state = _state(args["size"], args["device"], rank)
-    if args["device"] == "cuda":
-        torch.cuda.synchronize()
-    directories = args["dirs"]
+    dist.init_process_group(args.backend)
+    state = bf16_state(config.parse_size(args.size), args.device, odd_tail=True)
+    directories = args.dir.split(",")
     path = os.path.join(directories[rank % len(directories)], "ranks-bench.pt")
     records = []
-    for repeat in range(args["repeat"]):
+    for repeat in range(args.repeat):
         dist.barrier()
         start = time.time()
         digest_seconds = prepare_seconds = launch_seconds = 0.0
         if world == 1:
             began = time.perf_counter()
-            if args.get("sink"):
-                written = _sink_save(state)
+            if args.sink:
+                written = sink_save(state, config.settings())
             else:
                 fastpersist.save(state, path)
                 written = os.path.getsize(path)
@@ -140,11 +83,11 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
         else:
             stats = dsave.save(
                 state,
-                targets.Sink() if args.get("sink") else path,
+                targets.Sink() if args.sink else path,
                 group=dist.group.WORLD,
-                layout=args["layout"],
-                writers=args["writers"],
-                timeout=args["timeout"],
+                layout=args.layout,
+                writers=args.writers,
+                timeout=args.timeout,
                 settings=config.settings(),
             )
             write_seconds, written = stats.write_seconds, stats.bytes_written
@@ -153,7 +96,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
         end = time.time()
         dist.barrier()
         check = {}
-        if args.get("sink"):
+        if args.sink:
             check = {"sink": True}
         elif rank == 0:
             report = fastpersist.verify(path)
@@ -178,12 +121,11 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
                 **check,
             }
         )
-    if args.get("sink"):
-        records += _bound_rounds(rank, world, state, args["repeat"], dist.barrier)
-    with open(os.path.join(out, f"rank-{rank}.json"), "w") as handle:
-        json.dump(records, handle)
+    if args.sink:
+        records += _bound_rounds(rank, world, state, args.repeat, dist.barrier)
     dist.barrier()
     dist.destroy_process_group()
+    return records
 
 
 def _bound_rounds(rank: int, world: int, state: dict, repeat: int, barrier) -> list[dict[str, Any]]:
@@ -205,15 +147,6 @@ def _bound_rounds(rank: int, world: int, state: dict, repeat: int, barrier) -> l
     return rows
 
 
-def _sink_save(state: dict) -> int:
-    """The single-process pipeline into /dev/null (the N = 1 baseline of ``--sink``); returns the plan's bytes."""
-    from fastpersist.format.serializer import plan_save
-
-    plan = plan_save(state, "ranks-bench")
-    targets.Sink().commit_plan(plan, config.settings())
-    return plan.layout.central_directory_offset
-
-
 def _files_of(path: str) -> list[str]:
     from fastpersist.distributed.manifest import is_manifest, read_manifest
 
@@ -221,24 +154,6 @@ def _files_of(path: str) -> list[str]:
         return [path]
     manifest = read_manifest(path)
     return [path] + [os.path.join(os.path.dirname(path), p.name) for p in manifest.parts]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(world: int, args: dict[str, Any]) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(world, _free_port(), args, out), nprocs=world, start_method="spawn")
-        rows = []
-        for rank in range(world):
-            with open(os.path.join(out, f"rank-{rank}.json")) as handle:
-                rows.extend(json.load(handle))
-    return rows
 
 
 def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
@@ -315,45 +230,48 @@ def _project(results: list[dict[str, Any]]) -> None:
             r["bound_speedup"] = single["bound_seconds"]["median"] / r["bound_seconds"]["median"]
 
 
-def _print(document: dict[str, Any]) -> None:
-    print(
-        f"size {workloads.format_bytes(document['size'])}, device {document['device']}, layout {document['layout']}, "
-        f"writers {document['writers']}, repeat {document['repeat']}, dirs {document['dirs']}"
-    )
-    print(
-        f"{'N':>3} {'per-rank bytes':>15} {'per-rank write s':>17} {'per-rank GB/s':>14} {'end-to-end s':>13} "
-        f"{'GB/s':>6} {'vs N=1':>7} {'projected s':>12} {'proj. x':>8} ok"
-    )
-    for r in document["results"]:
-        bytes_ = max(p["bytes"] for p in r["per_rank"])
-        write = max(p["write_seconds"]["median"] for p in r["per_rank"])
-        rate = (
-            min(p["write_GBps"] or 0 for p in r["per_rank"] if p["bytes"])
-            if any(p["bytes"] for p in r["per_rank"])
-            else 0
-        )
-        print(
-            f"{r['ranks']:>3} {workloads.format_bytes(bytes_):>15} {write:>17.3f} {rate:>14.2f} "
-            f"{r['end_to_end_seconds']['median']:>13.3f} {r['end_to_end_GBps']:>6.2f} {r['measured_speedup']:>6.2f}x "
-            f"{r['projected_independent_seconds']:>12.3f} {r['projected_speedup']:>7.2f}x {r['verified']}"
-        )
-        if r.get("of_bound"):
-            print(
-                f"      bound (the ranks' host, no format): {r['bound_seconds']['median']:.3f} s, "
-                f"{document['size'] / r['bound_seconds']['median'] / 1e9:.2f} GB/s, {r['bound_speedup']:.2f}x the "
-                f"1-rank bound; measured {r['of_bound']:.2f} of it"
-            )
-        if r["ranks"] > 1:
-            for p in r["per_rank"]:
-                ms = {
-                    k: p.get(k, {}).get("median", 0.0) * 1e3
-                    for k in ("prepare_seconds", "launch_seconds", "digest_seconds")
-                }
-                print(
-                    f"      rank {p['rank']}: write {p['write_seconds']['median'] * 1e3:.1f} ms (prepare "
-                    f"{ms['prepare_seconds']:.1f}, digest launch {ms['launch_seconds']:.1f}), digest wait "
-                    f"{ms['digest_seconds']:.1f} ms"
-                )
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    ranks = sorted({1, *(int(n) for n in args.ranks.split(",") if n.strip())})
+    size = config.parse_size(args.size)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    with tempfile.TemporaryDirectory(dir=(args.dir or ".").split(",")[0]) as scratch:
+        dirs = [d for d in args.dir.split(",")] if args.dir and "," in args.dir else [scratch]
+        settings = {
+            "size": size,
+            "device": args.device,
+            "layout": args.layout,
+            "writers": args.writers,
+            "backend": args.backend,
+            "repeat": args.repeat,
+            "timeout": args.timeout,
+            "dirs": dirs,
+            "sink": args.sink,
+            "checksum": config.settings().checksum,
+        }
+        results = []
+        for world in ranks:
+            records, error = spawn("ranks", [*args.argv, "--dir", ",".join(dirs)], ranks=world, group=True)
+            if error:
+                raise RuntimeError(f"{world} ranks failed:\n{error}")
+            results.append(_summarize(world, [row for rows in records for row in rows], size))
+            for d in dirs:
+                for name in os.listdir(d):
+                    if name.startswith("ranks-bench.pt"):
+                        os.unlink(os.path.join(d, name))
+    _project(results)
+    document = {
+        "schema": SCHEMA,
+        "machine": measure.machine_info(dirs[0] if os.path.isdir(dirs[0]) else None, args.device),
+        **{k: v for k, v in settings.items() if k != "dirs"},
+        "dirs": args.dir or "(temporary)",
+        "config": {k: v for k, v in settings.items() if k != "dirs"},
+        "results": results,
+    }
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(to_markdown(document))
+    return document
 
 
 def _bar(value: float, scale: float, width: int = 40) -> str:
@@ -361,11 +279,11 @@ def _bar(value: float, scale: float, width: int = 40) -> str:
     return "\u2588" * (cells // 8) + ("\u258f\u258e\u258d\u258c\u258b\u258a\u2589"[cells % 8 - 1] if cells % 8 else "")
 
 
-def to_markdown(document: dict[str, Any], title: str | None = None) -> str:
+def to_markdown(document: dict[str, Any]) -> str:
     """A Markdown table of one result document, and a text bar chart of end-to-end GB/s against N."""
     machine = document["machine"]
     lines = [
-        f"#### {title or 'sharded save against N ranks'}",
+        "#### sharded save against N ranks",
         "",
         f"{machine.get('cpu_count')} cores, {machine.get('device_name')}, torch {machine.get('torch')}, "
         f"{workloads.format_bytes(document['size'])} bf16 on {document['device']} per rank, "
@@ -422,59 +340,15 @@ def to_markdown(document: dict[str, Any], title: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.render:
-        for path in args.render:
-            with open(path) as handle:
-                print(to_markdown(json.load(handle), os.path.basename(path)))
-        return 0
-    ranks = sorted({1, *(int(n) for n in args.ranks.split(",") if n.strip())})
-    size = config.parse_size(args.size)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device here", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory(dir=(args.dir or ".").split(",")[0]) as scratch:
-        dirs = [d for d in args.dir.split(",")] if args.dir and "," in args.dir else [scratch]
-        settings = {
-            "size": size,
-            "device": args.device,
-            "layout": args.layout,
-            "writers": args.writers,
-            "backend": args.backend,
-            "repeat": args.repeat,
-            "timeout": args.timeout,
-            "dirs": dirs,
-            "sink": args.sink,
-            "checksum": config.settings().checksum,
-        }
-        results = []
-        for world in ranks:
-            rows = _run(world, settings)
-            results.append(_summarize(world, rows, size))
-            for d in dirs:
-                for name in os.listdir(d):
-                    if name.startswith("ranks-bench.pt"):
-                        os.unlink(os.path.join(d, name))
-    _project(results)
-    document = {
-        "schema": SCHEMA,
-        "machine": measure.machine_info(dirs[0] if os.path.isdir(dirs[0]) else None, args.device),
-        **{k: v for k, v in settings.items() if k != "dirs"},
-        "dirs": args.dir or "(temporary)",
-        "config": {k: v for k, v in settings.items() if k != "dirs"},
-        "results": results,
-    }
-    _print(document)
-    if args.markdown:
-        with open(args.markdown, "w") as handle:
-            handle.write(to_markdown(document))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as handle:
-            json.dump(document, handle, indent=2)
-    return 0 if all(r["verified"] for r in results) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+BENCHMARK = Benchmark(
+    "ranks",
+    _options,
+    _measure,
+    to_markdown,
+    description=__doc__.split("\n")[0],
+    schema=SCHEMA,
+    report="--render",
+    child=_worker,
+    status=lambda document: 0 if all(r["verified"] for r in document["results"]) else 1,
+)
+main = BENCHMARK.main

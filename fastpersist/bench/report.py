@@ -28,11 +28,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastpersist import display
-from fastpersist.tuning.measure import write_json
+from fastpersist.bench import SUBCOMMANDS
+from fastpersist.bench.harness import markdown_table, read_document
 
 __all__ = [
     "load_result",
-    "write_json",
     "format_table",
     "to_markdown",
     "save_png",
@@ -51,17 +51,9 @@ def load_result(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Reads a result document.
 
     Raises:
-        OSError: unreadable file.
-        ValueError: not JSON, or not a checkpoint-benchmark result.
+        ValueError: unreadable, not JSON, or not a checkpoint-benchmark result.
     """
-    with open(path, encoding="utf-8") as f:
-        try:
-            document = json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{path}: not JSON ({e})") from e
-    if not isinstance(document, dict) or not str(document.get("schema", "")).startswith(SCHEMA_PREFIX):
-        raise ValueError(f"{path}: not a result of 'python -m fastpersist.bench checkpoint --json'")
-    return document
+    return read_document(os.fspath(path), "checkpoint", SCHEMA_PREFIX)
 
 
 # ----------------------------------------------------------------------------- rows
@@ -115,41 +107,15 @@ def _ceiling_rows(document: dict[str, Any]) -> list[dict[str, str]]:
     out = []
     for op, kind in CEILING_OP.items():
         part = ceiling.get(kind)
-        row = {
-            "op": op,
-            "method": f"ceiling-{kind}",
-            "seconds": "-",
-            "blocked": "-",
-            "rss_delta": "-",
-            "peak_rss": "-",
-            "ratio": "-",
-            "ceiling_ratio": "1.00x",
-        }
-        if ceiling.get("error") or not part:
-            if ceiling.get("error"):
-                out.append(
-                    dict(
-                        row,
-                        label=f"storage {kind} ceiling",
-                        gbps="-",
-                        range="-",
-                        ceiling_ratio="-",
-                        status=f"not measured: {ceiling['error']}",
-                    )
-                )
-            continue
-        best = part.get("best")
-        if not best:
-            out.append(
-                dict(
-                    row,
-                    label=f"storage {kind} ceiling",
-                    gbps="-",
-                    range="-",
-                    ceiling_ratio="-",
-                    status="FAILED: no candidate completed and verified",
-                )
-            )
+        row = dict(op=op, method=f"ceiling-{kind}", seconds="-", blocked="-", rss_delta="-", peak_rss="-", ratio="-")
+        best = (part or {}).get("best")
+        if ceiling.get("error") or not best:
+            if ceiling.get("error") or part:
+                status = "FAILED: no candidate completed and verified"
+                if ceiling.get("error"):
+                    status = f"not measured: {ceiling['error']}"
+                label = f"storage {kind} ceiling"
+                out.append(dict(row, label=label, gbps="-", range="-", ceiling_ratio="-", status=status))
             continue
         values = [s["gbps"] for s in part["samples"] if s.get("gbps")]
         tools = "fio and engine" if (ceiling.get("fio") or {}).get("path") else "engine (fio not installed)"
@@ -161,6 +127,7 @@ def _ceiling_rows(document: dict[str, Any]) -> list[dict[str, str]]:
                 label=f"{kind} ceiling: {best['tool']} {size} QD{best['queue_depth']} (best of {tools} grid)",
                 gbps=f"{part['gbps']:.2f}",
                 range=f"{min(values):.2f}-{max(values):.2f}",
+                ceiling_ratio="1.00x",
                 status="verified (bytes read back compared)",
             )
         )
@@ -325,30 +292,10 @@ def to_markdown(documents: dict[str, Any] | Sequence[dict[str, Any]]) -> str:
         parts.append(f"**{_md_escape(headline[0])}**  ")
         parts.extend(f"{_md_escape(text)}  " for text in headline[1:] if text)
         parts.append("")
-        parts.append(
-            "| op | method | GB/s | range | time s | blocked s | RSS delta | vs baseline | of ceiling | result |"
-        )
-        parts.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-        for r in rows(document):
-            parts.append(
-                "| "
-                + " | ".join(
-                    _md_escape(x)
-                    for x in (
-                        r["op"],
-                        r["label"],
-                        r["gbps"],
-                        r["range"],
-                        r["seconds"],
-                        r["blocked"],
-                        r["rss_delta"],
-                        r["ratio"],
-                        r["ceiling_ratio"],
-                        r["status"],
-                    )
-                )
-                + " |"
-            )
+        keys = ("op", "label", "gbps", "range", "seconds", "blocked", "rss_delta", "ratio", "ceiling_ratio", "status")
+        header = ["op", "method", "GB/s", "range", "time s", "blocked s", "RSS delta", "vs baseline", "of ceiling"]
+        table = [[_md_escape(r[key]) for key in keys] for r in rows(document)]
+        parts += markdown_table([*header, "result"], "<<>>>>>>><", table)
         parts.append("")
         parts.append(f"_{_baseline_note(document)}._")
         parts.append("")
@@ -429,8 +376,8 @@ def _summary_cell(document: dict[str, Any], op: str, method: str, baseline: str 
 
 def summary_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
     """The README's table: one row per (file name, document); GB/s medians, ratios to torch in the same run."""
-    header = "| result | checkpoint | torch.save + fsync | fastpersist.save | write ceiling | torch.load | fastpersist.load | read ceiling |"
-    lines = [header, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    header = ["result", "checkpoint", "torch.save + fsync", "fastpersist.save", "write ceiling", "torch.load"]
+    lines = markdown_table([*header, "fastpersist.load", "read ceiling"], "<<>>>>>>", [])
     for name, document in documents:
         st, se, m = document["state"], document["settings"], document["machine"]
         fs = (m.get("filesystem") or {}).get("type", "?")
@@ -454,41 +401,8 @@ def summary_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
 def _results_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
     parts = []
     for name, document in documents:
-        parts.append(f"### {name}")
-        parts.append("")
-        parts.append(f"`docs/results/{name}`, regenerated by `python -m fastpersist.bench report --update-docs`:")
-        parts.append("")
-        parts.append(to_markdown(document).rstrip("\n"))
-        parts.append("")
-    return "\n".join(parts)
-
-
-def dcp_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
-    """One table per ``python -m fastpersist.bench dcp --json`` result: GB/s and the ratio to the ceiling of the op."""
-    parts = []
-    for name, document in documents:
-        config, results = document["config"], document["results"]
-        parts.append(
-            f"`docs/results/{name}`: {config['total_bytes'] / 2**30:.2f} GiB, {config['ranks']} ranks, "
-            f"{config['device']}, {config['repeats']} repeats, commit "
-            f"{document['machine']['code']['commit'][:12]}"
-        )
-        parts.append("")
-        parts.append("| method | GB/s median (min-max) | of ceiling |")
-        parts.append("| --- | ---: | ---: |")
-        for method, value in results.items():
-            gbps = value.get("GBps") or {}
-            if not gbps:
-                continue
-            ceiling = (
-                results.get("ceiling_read" if "read" in method else "ceiling_write", {}).get("GBps", {}).get("median")
-            )
-            ratio = gbps["median"] / ceiling if ceiling else None
-            cell = "-" if ratio is None else f"{ratio:.2f}" + (" MEASUREMENT PROBLEM" if ratio > 1.0 else "")
-            parts.append(
-                f"| {_md_escape(method)} | {gbps['median']:.2f} ({gbps['min']:.2f}-{gbps['max']:.2f}) | {cell} |"
-            )
-        parts.append("")
+        regenerated = f"`docs/results/{name}`, regenerated by `python -m fastpersist.bench report --update-docs`:"
+        parts += [f"### {name}", "", regenerated, "", to_markdown(document).rstrip("\n"), ""]
     return "\n".join(parts)
 
 
@@ -541,16 +455,13 @@ _SCHEMAS = {
 }
 
 
-def _per_document(module: str, function: str):
-    """A block renderer calling ``module.function(document)`` for each result, under its file name."""
+def _rendered_by(name: str):
+    """The block renderer of benchmark ``name``: its :meth:`~fastpersist.bench.harness.Benchmark.render_documents`
+    of the documents under their paths in docs/results/ (imported when a block of it is rendered)."""
 
     def render(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
-        render_one = getattr(importlib.import_module(module), function)
-        parts = []
-        for name, document in documents:
-            commit = ((document.get("machine") or {}).get("code") or {}).get("commit", "")[:12]
-            parts += [f"`docs/results/{name}` (commit {commit})", "", render_one(document).rstrip("\n"), ""]
-        return "\n".join(parts)
+        benchmark = importlib.import_module(SUBCOMMANDS[name][0]).BENCHMARK
+        return benchmark.render_documents([(f"docs/results/{file}", document) for file, document in documents])
 
     return render
 
@@ -558,20 +469,10 @@ def _per_document(module: str, function: str):
 RENDERERS: dict[str, Any] = {
     "summary": summary_markdown,
     "results": _results_markdown,
-    "dcp": dcp_markdown,
-    "ranks": _per_document("fastpersist.bench.ranks", "to_markdown"),
-    "training": _per_document("fastpersist.bench.training", "to_markdown"),
-    "safetensors": _per_document("fastpersist.bench.safetensors_bench", "to_markdown"),
-    "shapes": _per_document("fastpersist.bench.shapes", "markdown"),
-    "aio_handle": _per_document("fastpersist.bench.aio_handle", "to_markdown"),
-    "gds": _per_document("fastpersist.bench.gds", "to_markdown"),
-    "stages": _per_document("fastpersist.bench.stages", "to_markdown"),
-    "offload": _per_document("fastpersist.bench.offload", "to_markdown"),
-    "s3": _per_document("fastpersist.bench.s3", "to_markdown"),
-    "trainer": _per_document("fastpersist.bench.trainer", "to_markdown"),
-    "pace": _per_document("fastpersist.bench.pace", "to_markdown"),
+    **{name: _rendered_by(name) for name in SUBCOMMANDS if name not in ("checkpoint", "report")},
 }
-"""Docs block name (``<!-- fastpersist:NAME -->``) -> renderer of the results of that kind."""
+"""Docs block name (``<!-- fastpersist:NAME -->``) -> renderer of the results of that kind: the checkpoint
+benchmark's two blocks, and one block per other benchmark, rendered as its ``--report`` prints them."""
 
 
 def render_docs(text: str, documents: Sequence[tuple[str, dict[str, Any]]]) -> str:

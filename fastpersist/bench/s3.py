@@ -1,34 +1,13 @@
 """``python -m fastpersist.bench s3``: checkpoints in an S3-compatible store, fastpersist against boto3 and s3fs.
 
-One run, on one CPU state of ``--size`` bytes (random bf16 and float32 tensors
-of about 16 MiB each, plus a few non-tensor leaves), against one endpoint: by
-default a moto server that the benchmark starts itself, in a child process on
-127.0.0.1 (moto keeps objects in memory, in Python: the figures measure the
-client side and the server's Python overhead, not a network); with
-``--endpoint URL`` a real store (MinIO, S3, ...) with credentials from the
-environment (boto3's standard chain).
-
-* **saves**, durable when the call returns (``CompleteMultipartUpload`` done):
-  ``fastpersist.save(state, "s3://...")`` against ``torch.save`` into a
-  ``BytesIO`` then boto3's ``upload_fileobj`` (same part size and
-  concurrency), and, where importable, ``torch.save`` into s3fs's
-  ``fs.open(url, "wb")`` and s3torchconnector's ``S3Checkpoint.writer``
-  (skipped with the reason otherwise; one that raises, as s3torchconnector's
-  client does against moto, is reported as failed with the reason, and is
-  not a problem of the run: the run measures fastpersist);
-* **loads**: ``fastpersist.load("s3://...")`` against boto3's ``get_object``
-  read into a ``BytesIO`` and ``torch.load``, and the s3fs / s3torchconnector
-  readers where importable. Each method loads the object its own save wrote.
-
-Methods are interleaved repeat by repeat; median, min and max are reported,
-with ratios against boto3 of the same run. Peak extra RSS is this process's
-(the moto server runs in another process); for loads it includes the loaded
-state itself. fastpersist's ring of page-locked buffers is pooled, as in a
-training run: it is allocated by an untimed warm-up, and its cost is reported
-separately, by one save after the pool is freed. Every object is loaded back
-and compared with the state byte for byte (untimed), and each object is also
-read by the other library (a torch.save object by ``fastpersist.load``, a
-fastpersist object by ``torch.load``).
+One CPU state of ``--size`` bytes saved (durable when the call returns) and loaded against one endpoint:
+by default a moto server the benchmark starts in a child process on 127.0.0.1 (the figures measure the
+client side, not a network), or ``--endpoint URL`` with credentials from the environment. Methods:
+``fastpersist.save``/``load`` of ``s3://...``, ``torch.save`` into a ``BytesIO`` + boto3 (same part size
+and concurrency), and, where importable, s3fs and s3torchconnector (their failures are their results).
+Methods interleaved per repeat; median, min and max; every object loaded back and compared, and read by
+the other library; fastpersist's pooled ring allocated by an untimed warm-up, its cost reported apart.
+See docs/object-storage.md.
 
 ::
 
@@ -40,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
+import dataclasses
 import io
 import os
 import socket
@@ -54,10 +33,10 @@ import torch
 
 from fastpersist import config, system
 from fastpersist.bench import measure
+from fastpersist.bench.harness import Benchmark, Rounds, free_port, markdown_table, option, timed
 from fastpersist.tuning import workloads
-from fastpersist.tuning.measure import write_json
 
-__all__ = ["build_parser", "make_state", "moto_server", "run", "to_markdown", "main"]
+__all__ = ["BENCHMARK", "SCHEMA", "main", "make_state", "moto_server", "to_markdown"]
 
 SCHEMA = "fastpersist.bench.s3/1"
 _MiB = 1 << 20
@@ -65,10 +44,9 @@ _TENSOR_BYTES = 16 * _MiB
 _SERVER_START_S = 60.0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fastpersist.bench s3", description=__doc__.splitlines()[0])
-    p.add_argument("--size", default="256M", help="state size, e.g. 256M (binary units; default 256M)")
-    p.add_argument("--repeats", type=int, default=3, help="repeats per method; median, min, max (default 3)")
+def _options(p: argparse.ArgumentParser) -> None:
+    option(p, "size", type=str, default="256M", help="state size, e.g. 256M (binary units; default 256M)")
+    option(p, "repeats", help="repeats per method; median, min, max (default 3)")
     p.add_argument("--part-size", default=None, help="fastpersist's s3_part_size (and boto3's chunk size)")
     p.add_argument("--concurrency", type=int, default=None, help="fastpersist's s3_concurrency (and boto3's)")
     p.add_argument(
@@ -78,8 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bucket", default="fastpersist-bench", help="bucket (created if missing; default %(default)s)")
     p.add_argument("--prefix", default="fastpersist-bench/", help="key prefix of the objects (deleted at the end)")
-    p.add_argument("--json", default=None, help="write the result document here")
-    return p
 
 
 # ----------------------------------------------------------------------------- the state
@@ -105,12 +81,6 @@ def make_state(size: int, seed: int = 0) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the endpoint
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextlib.contextmanager
 def moto_server(timeout: float = _SERVER_START_S) -> Iterator[str]:
     """Runs moto's S3 server in a child process on a free port of 127.0.0.1; yields its URL.
@@ -121,7 +91,7 @@ def moto_server(timeout: float = _SERVER_START_S) -> Iterator[str]:
     Raises:
         RuntimeError: the server exited or did not answer within ``timeout`` seconds.
     """
-    port = _free_port()
+    port = free_port()
     child = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
@@ -149,21 +119,16 @@ def moto_server(timeout: float = _SERVER_START_S) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _environment(values: dict[str, str | None]) -> Iterator[None]:
-    """Sets (or, for None, removes) environment variables for the block; restores them after."""
-    old = {name: os.environ.get(name) for name in values}
+    """Sets (or, for None, removes) environment variables for the block; restores the environment after."""
+    old = dict(os.environ)
     try:
-        for name, value in values.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        os.environ.update({name: value for name, value in values.items() if value is not None})
+        for name in (name for name, value in values.items() if value is None):
+            os.environ.pop(name, None)
         yield
     finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        os.environ.clear()
+        os.environ.update(old)
 
 
 @contextlib.contextmanager
@@ -196,47 +161,34 @@ def _endpoint(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
 # ----------------------------------------------------------------------------- the methods
 
 
+@dataclasses.dataclass
 class _Method:
-    """One way to save and load: its label, its save and load callables, or why it is skipped.
+    """One way to save and load: its labels, its save and load callables, or why it is skipped.
 
     ``optional``: another library's method, compared where it runs; its
     failure is reported ("failed: <reason>"), not a problem of the run.
     """
 
-    def __init__(
-        self,
-        name: str,
-        save_label: str,
-        load_label: str,
-        save: Callable[[dict[str, Any]], None] | None = None,
-        load: Callable[[], Any] | None = None,
-        skipped: str | None = None,
-        optional: bool = False,
-    ):
-        self.name = name
-        self.save_label = save_label
-        self.load_label = load_label
-        self.save = save
-        self.load = load
-        self.skipped = skipped
-        self.optional = optional
+    name: str
+    save_label: str
+    load_label: str
+    save: Callable[[dict[str, Any]], None] | None = None
+    load: Callable[[], Any] | None = None
+    skipped: str | None = None
+    optional: bool = False
 
 
-def _methods(
-    args: argparse.Namespace, endpoint: str, settings: config.Settings, client, keys: dict[str, str], size: int
-):
+def _methods(endpoint: str, bucket: str, settings: config.Settings, client, keys: dict[str, str], size: int):
     import boto3.s3.transfer
 
     import fastpersist
 
-    bucket = args.bucket
     overrides = {"s3_part_size": settings.s3_part_size, "s3_concurrency": settings.s3_concurrency}
     transfer = boto3.s3.transfer.TransferConfig(
         multipart_threshold=settings.s3_part_size,
         multipart_chunksize=settings.s3_part_size,
         max_concurrency=settings.s3_concurrency,
     )
-
     # Load-only context: moto answers a ranged GET by reading the whole object and slicing it.
     one_get = dict(overrides, s3_part_size=min(5 << 30, max(settings.s3_part_size, -(-size // _MiB) * _MiB)))
 
@@ -251,8 +203,38 @@ def _methods(
 
     def boto3_load() -> Any:
         body = client.get_object(Bucket=bucket, Key=keys["boto3"])["Body"]
-        buffer = io.BytesIO(body.read())
-        return torch.load(buffer, weights_only=True)
+        return torch.load(io.BytesIO(body.read()), weights_only=True)
+
+    def s3fs_methods() -> tuple[Callable, Callable]:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
+
+        def save(state: dict[str, Any]) -> None:
+            with fs.open(url("s3fs"), "wb", block_size=settings.s3_part_size) as f:
+                torch.save(state, f)
+
+        def load() -> Any:
+            with fs.open(url("s3fs"), "rb", block_size=settings.s3_part_size) as f:
+                return torch.load(f, weights_only=True)
+
+        return save, load
+
+    def connector_methods() -> tuple[Callable, Callable]:
+        from s3torchconnector import S3Checkpoint
+
+        region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
+        checkpoint = S3Checkpoint(region=region, endpoint=endpoint)
+
+        def save(state: dict[str, Any]) -> None:
+            with checkpoint.writer(url("s3torchconnector")) as writer:
+                torch.save(state, writer)
+
+        def load() -> Any:
+            with checkpoint.reader(url("s3torchconnector")) as reader:
+                return torch.load(reader, weights_only=True)
+
+        return save, load
 
     methods = [
         _Method(
@@ -277,75 +259,14 @@ def _methods(
             boto3_load,
         ),
     ]
-
-    try:
-        import s3fs
-    except ImportError as e:
-        methods.append(
-            _Method(
-                "s3fs",
-                "torch.save to s3fs fs.open(url, 'wb')",
-                "torch.load(fs.open(url, 'rb'))",
-                skipped=str(e),
-                optional=True,
-            )
-        )
-    else:
-        fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
-
-        def s3fs_save(state: dict[str, Any]) -> None:
-            with fs.open(url("s3fs"), "wb", block_size=settings.s3_part_size) as f:
-                torch.save(state, f)
-
-        def s3fs_load() -> Any:
-            with fs.open(url("s3fs"), "rb", block_size=settings.s3_part_size) as f:
-                return torch.load(f, weights_only=True)
-
-        methods.append(
-            _Method(
-                "s3fs",
-                "torch.save to s3fs fs.open(url, 'wb')",
-                "torch.load(fs.open(url, 'rb'))",
-                s3fs_save,
-                s3fs_load,
-                optional=True,
-            )
-        )
-
-    try:
-        from s3torchconnector import S3Checkpoint
-    except ImportError as e:
-        methods.append(
-            _Method(
-                "s3torchconnector",
-                "torch.save to S3Checkpoint.writer",
-                "torch.load(S3Checkpoint.reader)",
-                skipped=str(e),
-                optional=True,
-            )
-        )
-    else:
-        region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
-        checkpoint = S3Checkpoint(region=region, endpoint=endpoint)
-
-        def connector_save(state: dict[str, Any]) -> None:
-            with checkpoint.writer(url("s3torchconnector")) as writer:
-                torch.save(state, writer)
-
-        def connector_load() -> Any:
-            with checkpoint.reader(url("s3torchconnector")) as reader:
-                return torch.load(reader, weights_only=True)
-
-        methods.append(
-            _Method(
-                "s3torchconnector",
-                "torch.save to S3Checkpoint.writer",
-                "torch.load(S3Checkpoint.reader)",
-                connector_save,
-                connector_load,
-                optional=True,
-            )
-        )
+    for name, save_label, load_label, make in (
+        ("s3fs", "torch.save to s3fs fs.open(url, 'wb')", "torch.load(fs.open(url, 'rb'))", s3fs_methods),
+        ("s3torchconnector", "torch.save to S3Checkpoint.writer", "torch.load(S3Checkpoint.reader)", connector_methods),
+    ):
+        try:
+            methods.append(_Method(name, save_label, load_label, *make(), optional=True))
+        except ImportError as e:
+            methods.append(_Method(name, save_label, load_label, skipped=str(e), optional=True))
     return methods
 
 
@@ -363,14 +284,14 @@ def _ensure_bucket(client, bucket: str) -> None:
         client.create_bucket(Bucket=bucket)
 
 
-def _summary(seconds: list[float], peaks: list[int], nbytes: int, label: str) -> dict[str, Any]:
-    stats = measure.summarize(seconds)
-    assert stats is not None
+def _summary(samples: list[dict[str, float]], nbytes: int, label: str) -> dict[str, Any]:
+    stats = measure.summarize([s["seconds"] for s in samples])
+    peaks = [s["peak_rss_delta"] for s in samples]
     return {
         "label": label,
         "status": "ok",
         "seconds": stats,
-        "samples_s": seconds,
+        "samples_s": [s["seconds"] for s in samples],
         "gb_per_s": {
             "median": nbytes / stats["median"] / 1e9,
             "min": nbytes / stats["max"] / 1e9,
@@ -380,7 +301,7 @@ def _summary(seconds: list[float], peaks: list[int], nbytes: int, label: str) ->
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the benchmark; returns the result document (see the module docstring).
 
     Raises:
@@ -399,8 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.concurrency is not None:
         overrides["s3_concurrency"] = args.concurrency
     settings = config.resolve(overrides)
-    size = config.parse_size(args.size)
-    state = make_state(size)
+    state = make_state(config.parse_size(args.size))
     expected = workloads.flatten_state(state)
     nbytes = sum(t.numel() * t.element_size() for t in expected[0].values())
     keys = {name: f"{args.prefix}{name}.pt" for name in ("fastpersist", "boto3", "s3fs", "s3torchconnector", "warm-up")}
@@ -410,62 +330,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "s3", config=Config(max_pool_connections=max(10, settings.s3_concurrency + 2))
         )
         _ensure_bucket(client, args.bucket)
-        methods = _methods(args, endpoint, settings, client, keys, nbytes + _MiB)
-        active = [m for m in methods if m.skipped is None]
-        times: dict[str, dict[str, list[float]]] = {"save": {}, "load": {}}
-        peaks: dict[str, dict[str, list[int]]] = {"save": {}, "load": {}}
-        failed: dict[str, dict[str, str]] = {"save": {}, "load": {}}
-        verified: dict[str, bool | str] = {}
+        methods = _methods(endpoint, args.bucket, settings, client, keys, nbytes + _MiB)
+        active = {m.name: m for m in methods if m.skipped is None}
+        rounds = Rounds(args.repeats)
 
         # Untimed warm-up of every method on a tiny state: imports, connections, fastpersist's pooled ring.
-        warm_up = {"warm-up": torch.ones(1)}
-        for method in active:
-            if method.save is None:
-                continue
-            saved_key = keys[method.name]
-            keys[method.name] = keys["warm-up"]
-            try:
-                method.save(warm_up)
-                method.load()
-            except Exception as e:  # noqa: BLE001 - a method that cannot run is reported, not fatal
-                failed["save"][method.name] = f"warm-up: {type(e).__name__}: {e}"
-            finally:
-                keys[method.name] = saved_key
+        for method in active.values():
+            if method.save is not None:
+                saved_key, keys[method.name] = keys[method.name], keys["warm-up"]
+                try:
+                    method.save({"warm-up": torch.ones(1)})
+                    method.load()
+                except Exception as e:  # noqa: BLE001 - a method that cannot run is reported, not fatal
+                    rounds.errors[("save", method.name)] = f"warm-up: {type(e).__name__}: {e}"
+                finally:
+                    keys[method.name] = saved_key
         fastpersist.save(state, f"s3://{args.bucket}/{keys['warm-up']}", **overrides)  # the ring at full size
 
-        for repeat in range(args.repeats):
-            for kind in ("save", "load"):
-                for method in active:
-                    if method.name in failed["save"] or method.name in failed[kind]:
-                        continue
-                    if kind == "save" and method.save is None:
-                        continue
-                    system.release_memory()
-                    result = None
-                    try:
-                        with measure.PeakMemory() as peak:
-                            start = time.perf_counter()
-                            if kind == "save":
-                                method.save(state)
-                            else:
-                                result = method.load()
-                                measure.touch_pages(result)
-                            elapsed = time.perf_counter() - start
-                    except Exception as e:  # noqa: BLE001
-                        failed[kind][method.name] = f"{type(e).__name__}: {e}"
-                        continue
-                    times[kind].setdefault(method.name, []).append(elapsed)
-                    peaks[kind].setdefault(method.name, []).append(peak.delta)
-                    if kind == "load" and repeat == 0:
-                        problem = measure.verify_state(expected, workloads.flatten_state(result))
-                        verified[method.name] = True if problem is None else problem
-                        if problem:
-                            problems.append(f"load {method.name}: {problem}")
-                    del result
+        def run(method: tuple[str, str], index: int) -> dict[str, float] | None:
+            kind, name = method
+            if ("save", name) in rounds.errors:
+                return None  # its save failed: nothing to load
+            system.release_memory()
+            if kind == "save":
+                return timed(lambda: active[name].save(state), memory=True)[1]
+            result, stats = timed(active[name].load, memory=True, touch=True)
+            if index == 0:
+                problem = measure.verify_state(expected, workloads.flatten_state(result))
+                verified[name] = True if problem is None else problem
+                if problem:
+                    problems.append(f"load {name}: {problem}")
+            return stats
+
+        verified: dict[str, bool | str] = {}
+        saves = [("save", name) for name, m in active.items() if m.save is not None]
+        rounds.run([saves, [("load", name) for name in active]], run)
 
         # Cross-reads (untimed): each library reads the other's object.
         cross: dict[str, bool | str] = {}
-        if "fastpersist" in times["save"] and "boto3" in times["save"]:
+        if rounds.samples.get(("save", "fastpersist")) and rounds.samples.get(("save", "boto3")):
             readers = {
                 "fastpersist.load of the torch.save object": lambda: fastpersist.load(
                     f"s3://{args.bucket}/{keys['boto3']}", weights_only=True, **overrides
@@ -483,12 +386,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # The ring's cost: one fastpersist save after the pool is freed (its time is not a result).
         ring_rss = None
-        if "fastpersist" in times["save"]:
+        if rounds.samples.get(("save", "fastpersist")):
             memory.release_pooled_buffers()
             system.release_memory()
-            with measure.PeakMemory() as peak:
-                fastpersist.save(state, f"s3://{args.bucket}/{keys['fastpersist']}", **overrides)
-            ring_rss = peak.delta
+            ring_rss = timed(
+                lambda: fastpersist.save(state, f"s3://{args.bucket}/{keys['fastpersist']}", **overrides), memory=True
+            )[1]["peak_rss_delta"]
 
         for key in keys.values():
             with contextlib.suppress(Exception):
@@ -498,18 +401,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for method in methods:
             label = method.save_label if kind == "save" else method.load_label
+            own, save_error = rounds.errors.get((kind, method.name)), rounds.errors.get(("save", method.name))
             if kind == "save" and method.save is None and method.skipped is None:
                 continue
             if method.skipped is not None:
                 out[method.name] = {"label": label, "status": "skipped", "reason": method.skipped}
-            elif method.name in failed["save"] or method.name in failed[kind]:
-                own = failed[kind].get(method.name)
-                reason = own or f"its save failed: {failed['save'][method.name]}"
+            elif own or save_error:
+                reason = own or f"its save failed: {save_error}"
                 out[method.name] = {"label": label, "status": "failed", "reason": reason}
                 if own and not method.optional:  # another library failing is its result, not a problem of ours
                     problems.append(f"{kind} {method.name} failed: {reason}")
             else:
-                out[method.name] = _summary(times[kind][method.name], peaks[kind][method.name], nbytes, label)
+                out[method.name] = _summary(rounds.samples[(kind, method.name)], nbytes, label)
                 if kind == "load":
                     out[method.name]["verified"] = verified.get(method.name, "not loaded")
         return out
@@ -559,31 +462,31 @@ def to_markdown(document: dict[str, Any]) -> str:
     """The result as Markdown: one row per operation and method, skipped methods with their reason, the ratios."""
     cfg = document["config"]
     machine = document["machine"]
-    lines = [
-        f"{workloads.format_bytes(cfg['bytes'])} in {cfg['tensors']} CPU tensors ({cfg['dtypes']}), "
-        f"{cfg['repeats']} repeats, s3_part_size {cfg['s3_part_size'] // _MiB} MiB, "
-        f"s3_concurrency {cfg['s3_concurrency']}; {cfg['server']}; "
-        f"{machine.get('cpu_count')} CPUs ({machine.get('cpu_model') or 'unknown CPU'})",
-        "",
-        "| operation | method | seconds median (min-max) | GB/s median (min-max) | peak extra RSS | verified |",
-        "| --- | --- | ---: | ---: | ---: | --- |",
-    ]
+    rows = []
     for kind in ("save", "load"):
         for entry in document["results"][kind].values():
             if entry["status"] != "ok":
-                lines.append(f"| {kind} | {entry['label']} | {entry['status']}: {entry['reason']} | - | - | - |")
+                rows.append([kind, entry["label"], f"{entry['status']}: {entry['reason']}", "-", "-", "-"])
                 continue
             s, g = entry["seconds"], entry["gb_per_s"]
             rss = _mib(entry["peak_extra_rss_bytes"]["median"])
             if "first_save_peak_extra_rss_bytes" in entry:
                 rss += f" ({_mib(entry['first_save_peak_extra_rss_bytes'])} first save)"
             check = entry.get("verified", "-")
-            check = "yes" if check is True else str(check)
-            lines.append(
-                f"| {kind} | {entry['label']} | {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | "
-                f"{g['median']:.2f} ({g['min']:.2f}-{g['max']:.2f}) | {rss} | {check} |"
+            rows.append(
+                [kind, entry["label"], f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"]
+                + [f"{g['median']:.2f} ({g['min']:.2f}-{g['max']:.2f})", rss, "yes" if check is True else str(check)]
             )
-    lines.append("")
+    header = ["operation", "method", "seconds median (min-max)", "GB/s median (min-max)", "peak extra RSS", "verified"]
+    lines = [
+        f"{workloads.format_bytes(cfg['bytes'])} in {cfg['tensors']} CPU tensors ({cfg['dtypes']}), "
+        f"{cfg['repeats']} repeats, s3_part_size {cfg['s3_part_size'] // _MiB} MiB, "
+        f"s3_concurrency {cfg['s3_concurrency']}; {cfg['server']}; "
+        f"{machine.get('cpu_count')} CPUs ({machine.get('cpu_model') or 'unknown CPU'})",
+        "",
+        *markdown_table(header, "<<>>><", rows),
+        "",
+    ]
     lines += [f"- {name}: {ratio:.2f}x" for name, ratio in document["ratios"].items()]
     for name, outcome in document.get("cross_reads", {}).items():
         lines.append(f"- {name}: {'verified' if outcome is True else outcome}")
@@ -591,21 +494,14 @@ def to_markdown(document: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    missing = [m for m in ("boto3",) + (() if args.endpoint else ("moto.server",)) if not _importable(m)]
-    if missing:
-        print(f"the s3 benchmark needs {', '.join(missing)}: pip install boto3 'moto[server]'", file=sys.stderr)
-        return 2
-    document = run(args)
-    print(to_markdown(document), end="")
-    if args.json:
-        write_json(document, args.json)
-    return 1 if document["problems"] else 0
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:
-        return False
+BENCHMARK = Benchmark(
+    "s3",
+    _options,
+    _measure,
+    to_markdown,
+    description=__doc__.splitlines()[0],
+    schema=SCHEMA,
+    requires=lambda args: ("boto3",) if args.endpoint else ("boto3", "moto.server"),
+    status=lambda document: 1 if document["problems"] else 0,
+)
+main = BENCHMARK.main

@@ -3,57 +3,20 @@
 ``python -m fastpersist.bench shapes --shape many-small --tensors 20000 --tensor-bytes 16-256``
 (or ``python -m fastpersist.bench checkpoint --shape ...``, which comes here).
 
-Shapes:
-
-* ``many-small``: ``--tensors`` tensors of ``--tensor-bytes`` each (a range
-  ``16-256`` cycles through 16, 32, 64, 128, 256 bytes);
-* ``many-medium``: ``--tensors`` equal tensors (an LLM's 120 matrices, ...)
-  totalling ``--size``;
-* ``huge``: one tensor of ``--size`` (above 4 GiB exercises zip64);
-* ``mixed``: 1,000+ parameters of LLM-like sizes, optimizer state with Python
-  scalars (``step``, ``lr``), and half the tensors on the GPU when
-  ``--device cuda``.
-
-Methods (each timed in every round, rounds interleaved, medians reported):
-
-* saves: ``fastpersist`` (durable), ``torch.save`` (+ fsync), and with
-  ``--fio`` fio's write on its own row (16 MiB blocks, QD 32, io_uring,
-  O_DIRECT where the filesystem takes it, blocks allocated inside the clock,
-  end_fsync, same byte count, written right after);
-* loads: ``fastpersist`` verified / unverified, ``weights_only`` True /
-  False, and ``torch.load`` in both ``weights_only`` modes;
-* ``--sink``: the **pipelines without storage** -- ``fastpersist-sink`` runs
-  the real save pipeline (device-to-host copies, CRC-32, ring, native engine)
-  into ``/dev/null``, which discards the bytes; ``fastpersist-sink-load`` runs
-  the real load pipeline (engine reads, CRC-32, host-to-device copies) from
-  ``/dev/zero`` on an all-zero state of the same shape. They show where the
-  software stops, for storage faster than this machine's; they store nothing.
-
-**Bounds** (unless ``--no-ceiling``): every round also measures what the
-machine allows for the same bytes with no format
-(:mod:`fastpersist.bench.bounds`), and every result is given as a fraction
-of its bound (``of bound``; 1.00 = as fast as the plain program):
-
-* storage saves: ``ceiling: write``, the best of one and eight ``pwrite``
-  threads and fio (when installed) writing a fresh file + fsync;
-* storage loads: ``ceiling: read``, eight ``pread`` threads reading the saved
-  file back, page cache dropped first (as before every load);
-* sink saves: ``ceiling: copy to host``, the device-to-host copies into a
-  ring of page-locked windows, ``+ CRC-32`` when checksums are on (the
-  windows checksummed on the CRC pool as they land);
-* sink loads: ``ceiling: copy to device``, host-to-device copies out of the
-  ring, ``+ CRC-32`` for verified loads.
-
-Results are labelled with their kind (``storage``, ``sink`` or ``ceiling``)
-in the table and the JSON (``--json PATH``).
+Shapes (:func:`build_shape`): ``many-small`` (``--tensor-bytes`` each, a range cycling through its powers of
+two), ``many-medium`` (``--tensors`` equal tensors totalling ``--size``), ``huge`` (one tensor; above 4 GiB:
+zip64), ``mixed`` (1,000+ parameters, optimizer state with Python scalars, half on the GPU with CUDA).
+Saves: ``fastpersist`` (durable), ``torch.save`` + fsync, fio's write with ``--fio``; loads: fastpersist
+verified or not, ``weights_only`` or not, and ``torch.load``; ``--sink``: the real pipelines into
+``/dev/null`` and from ``/dev/zero``, storing nothing. Unless ``--no-ceiling``, every result is given
+against its bound, measured in the same rounds (:mod:`fastpersist.bench.bounds`: ``ceiling: write``,
+``ceiling: read``, ``ceiling: copy to host`` / ``to device``, ``+ CRC-32``); see docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import shutil
 import statistics
 import tempfile
@@ -65,16 +28,16 @@ from typing import Any
 import torch
 
 import fastpersist
-from fastpersist import config, display, system
+from fastpersist import config, system
 from fastpersist.bench import bounds, measure
+from fastpersist.bench.harness import Benchmark, Rounds, UsageError, markdown_table, option, timed
 from fastpersist.config import parse_size
 from fastpersist.io import timeline
 from fastpersist.tuning.workloads import format_bytes
 
-__all__ = ["SHAPES", "build_shape", "main", "build_parser", "run"]
+__all__ = ["BENCHMARK", "SHAPES", "build_shape", "main", "markdown", "sink_save"]
 
 SHAPES = ("many-small", "many-medium", "huge", "mixed")
-_SMALL_SIZES = (16, 32, 64, 128, 256)
 
 
 def _tensor_sizes(text: str) -> list[int]:
@@ -170,10 +133,6 @@ def _tensors_of(state: Any) -> list[torch.Tensor]:
     return []
 
 
-def _state_bytes(state: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors_of(state))
-
-
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
@@ -182,25 +141,6 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
-
-
-def _cpu_seconds() -> float:
-    """User + system CPU time of this process (all threads): the software's cost, whatever the contention."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _measured(action: Callable[[], Any], cuda: bool) -> tuple[Any, float, float, int]:
-    """``(result, seconds, CPU seconds, peak RSS growth)`` of one call (GPU work included)."""
-    with measure.PeakMemory() as peak:
-        cpu_before = _cpu_seconds()
-        start = time.perf_counter()
-        result = action()
-        if cuda:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        cpu = _cpu_seconds() - cpu_before
-    return result, elapsed, cpu, peak.delta
 
 
 _SETTLE_SECONDS = 1.0
@@ -212,21 +152,17 @@ def _torch_save(state: Any, path: str) -> None:
     measure.fsync_paths(path)  # the file and its directory entry
 
 
-def _sink_save(state: Any, settings: config.Settings) -> None:
-    """The real save pipeline (plan, ring, copies, CRC-32, engine) writing into /dev/null."""
+def sink_save(state: Any, settings: config.Settings) -> int:
+    """The real save pipeline (plan, ring, copies, CRC-32, engine) writing into /dev/null; returns its bytes."""
     from fastpersist.format.serializer import plan_save
-    from fastpersist.io import engine
-    from fastpersist.io.writer import write_plan
+    from fastpersist.io import targets
 
     plan = plan_save(state, "sink")
-    sink = engine.File("/dev/null", "w", direct=False)
-    try:
-        write_plan(plan, sink, settings)
-        for device in plan.devices():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-    finally:
-        sink.close()
+    targets.Sink().commit_plan(plan, settings)
+    for device in plan.devices():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return plan.layout.central_directory_offset
 
 
 def _sink_load(path: str, settings: config.Settings, device: str, verify: bool) -> Any:
@@ -260,16 +196,15 @@ def _sink_load(path: str, settings: config.Settings, device: str, verify: bool) 
         zero.close()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fastpersist.bench shapes", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=SHAPES, required=True)
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", choices=SHAPES, help="the state's shape (required to measure)")
     parser.add_argument("--tensors", type=int, default=None, help="number of tensors (parameters for mixed)")
     parser.add_argument("--tensor-bytes", default=None, help="bytes per tensor, or a range like 16-256")
-    parser.add_argument("--size", default="1G", help="total bytes for many-medium / mixed, tensor bytes for huge")
-    parser.add_argument("--device", default="cpu", help="where the state lives and loads go (cpu, cuda)")
-    parser.add_argument("--dir", default=None, help="where files go (default: a temporary directory on disk)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    option(parser, "size", type=str, default="1G", help="total bytes for many-medium / mixed, tensor bytes for huge")
+    option(parser, "device", help="where the state lives and loads go (cpu, cuda)")
+    option(parser, "dir", help="where files go (default: a temporary directory on disk)")
+    option(parser, "repeats")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--sink", action="store_true", help="also run the pipelines without storage (labelled sink)")
     parser.add_argument("--sink-only", action="store_true", help="only the sink pipelines (no storage at all)")
     parser.add_argument("--fio", action="store_true", help="also give fio's write of the same bytes a row of its own")
@@ -279,23 +214,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-torch", action="store_true", help="leave the torch baselines out")
     parser.add_argument("--no-loads", action="store_true")
     parser.add_argument("--loads", default="all", help="comma list of load variants to run (default all)")
-    parser.add_argument("--no-drop-caches", action="store_true")
+    option(parser, "no_drop_caches")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="fastpersist setting")
-    parser.add_argument("--json", default=None, metavar="PATH")
-    return parser
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    if args.shape is None:
+        raise UsageError("the following arguments are required: --shape")
     loadavg_start = list(os.getloadavg())
     size = parse_size(args.size)
     overrides = dict(item.split("=", 1) for item in args.set)
     settings = config.resolve(overrides)
     state = build_shape(args.shape, args.tensors, args.tensor_bytes, size, args.device)
-    nbytes = _state_bytes(state)
+    nbytes = sum(t.numel() * t.element_size() for t in _tensors_of(state))
     directory = measure.scratch_dir(args.dir, "fastpersist-shapes-")
     ours, theirs, ceiling = (os.path.join(directory, n) for n in ("fastpersist.pt", "torch.pt", "fio.bin"))
     dropper = system.CacheDropper(enabled=not args.no_drop_caches)
-    cuda = args.device.startswith("cuda")
+    where = args.device
     saves: dict[str, tuple[str, Callable[[], Any]]] = {}
     loads: dict[str, tuple[str, Callable[[], Any], str]] = {}
     if not args.sink_only:
@@ -310,128 +245,108 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if (args.sink or args.sink_only) and not args.no_ceiling:
         copies = bounds.CopyCeiling(_tensors_of(state), settings.buffer_size, settings.buffer_count)
     if args.sink or args.sink_only:
-        saves["fastpersist-sink"] = ("sink", lambda: _sink_save(state, settings))
+        saves["fastpersist-sink"] = ("sink", lambda: sink_save(state, settings))
         if copies is not None:
             saves[_TO_HOST] = ("ceiling", lambda: copies.to_host(crc=False))
             if settings.checksum:
                 saves[_TO_HOST_CRC] = ("ceiling", lambda: copies.to_host(crc=True))
-    if not args.no_loads:
-        where = args.device
-        if not args.sink_only:
-            for verify in (True, False):
-                for weights_only in (True, False):
-                    name = f"fastpersist {'verified' if verify else 'unverified'} wo={weights_only}"
-                    loads[name] = (
-                        "storage",
-                        (
-                            lambda v=verify, w=weights_only: fastpersist.load(
-                                ours, map_location=where, verify=v, weights_only=w, **overrides
-                            )
-                        ),
-                        ours,
-                    )
-            if not args.no_torch:
-                for weights_only in (True, False):
-                    loads[f"torch.load wo={weights_only}"] = (
-                        "storage",
-                        (lambda w=weights_only: torch.load(theirs, map_location=where, weights_only=w)),
-                        theirs,
-                    )
-            if not args.no_ceiling:
-                loads[_READ] = ("ceiling", lambda: bounds.read_ceiling(ours), ours)
-        if args.sink or args.sink_only:
-            zero_path = os.path.join(directory, "zeros.pt")
-            fastpersist.save(
-                build_shape(args.shape, args.tensors, args.tensor_bytes, size, "cpu", zeros=True), zero_path
-            )
-            for verify in (True, False):
-                loads[f"fastpersist-sink-load {'verified' if verify else 'unverified'}"] = (
-                    "sink",
-                    (lambda v=verify: _sink_load(zero_path, settings, where, v)),
-                    zero_path,
+    if not args.no_loads and not args.sink_only:
+        for verify in (True, False):
+            for weights_only in (True, False):
+                loads[f"fastpersist {'verified' if verify else 'unverified'} wo={weights_only}"] = (
+                    "storage",
+                    lambda v=verify, w=weights_only: fastpersist.load(
+                        ours, map_location=where, verify=v, weights_only=w, **overrides
+                    ),
+                    ours,
                 )
-            if copies is not None:
-                loads[_TO_DEVICE] = ("ceiling", lambda: copies.to_device(crc=False), zero_path)
-                loads[_TO_DEVICE_CRC] = ("ceiling", lambda: copies.to_device(crc=True), zero_path)
-        if args.loads != "all":
-            wanted = [w.strip() for w in args.loads.split(",")]
-            # The bounds stay: they are what the chosen loads are compared with.
-            loads = {k: v for k, v in loads.items() if v[0] == "ceiling" or any(w in k for w in wanted)}
-    samples: dict[str, list[float]] = {name: [] for name in list(saves) + list(loads)}
-    cpu_samples: dict[str, list[float]] = {name: [] for name in samples}
-    peaks: dict[str, int] = {}
-    waited: dict[str, list[dict[str, float]]] = {name: [] for name in loads}  # the caller's waits, per load
+        if not args.no_torch:
+            for weights_only in (True, False):
+                loads[f"torch.load wo={weights_only}"] = (
+                    "storage",
+                    lambda w=weights_only: torch.load(theirs, map_location=where, weights_only=w),
+                    theirs,
+                )
+        if not args.no_ceiling:
+            loads[_READ] = ("ceiling", lambda: bounds.read_ceiling(ours), ours)
+    if not args.no_loads and (args.sink or args.sink_only):
+        zero_path = os.path.join(directory, "zeros.pt")
+        fastpersist.save(build_shape(args.shape, args.tensors, args.tensor_bytes, size, "cpu", zeros=True), zero_path)
+        for verify in (True, False):
+            loads[f"fastpersist-sink-load {'verified' if verify else 'unverified'}"] = (
+                "sink",
+                lambda v=verify: _sink_load(zero_path, settings, where, v),
+                zero_path,
+            )
+        if copies is not None:
+            loads[_TO_DEVICE] = ("ceiling", lambda: copies.to_device(crc=False), zero_path)
+            loads[_TO_DEVICE_CRC] = ("ceiling", lambda: copies.to_device(crc=True), zero_path)
+    if args.loads != "all":
+        wanted = [w.strip() for w in args.loads.split(",")]
+        # The bounds stay: they are what the chosen loads are compared with.
+        loads = {k: v for k, v in loads.items() if v[0] == "ceiling" or any(w in k for w in wanted)}
+    previous = {"fastpersist": ours, "torch.save": theirs, "fio-write (ceiling)": ceiling}
+
+    def save(name: str, index: int) -> dict[str, Any]:
+        system.release_memory()
+        if name in previous and os.path.exists(previous[name]):
+            # Every save, fio's included, writes a fresh file: the previous one is deleted
+            # untimed, and the clock starts once the blocks it freed are given back (on a
+            # disk mounted with discard, freeing 4 GB costs ~0.5 s and goes on after unlink).
+            os.unlink(previous[name])
+            measure.fsync_paths(directory)
+            os.sync()
+            time.sleep(_SETTLE_SECONDS)
+        reported, sample = timed(saves[name][1], where, memory=True)
+        if name == "fio-write (ceiling)" or saves[name][0] == "ceiling":
+            sample["seconds"] = reported  # their own clocks (fio's runtime without its start-up)
+        if index == 0 and name == "fastpersist" and not _same(state, fastpersist.load(ours, weights_only=False)):
+            raise RuntimeError("fastpersist round trip differs from the saved state")
+        return sample
+
+    def load(name: str, index: int) -> dict[str, Any]:
+        system.release_memory()
+        dropper.drop([loads[name][2]])
+        with timeline.recording() as events:
+            loaded, sample = timed(loads[name][1], where, memory=True)
+        if loads[name][0] == "ceiling":
+            sample["seconds"], loaded = loaded, None  # its own clock
+        elif index == 0 and "sink" not in name and not _same(state, loaded):
+            raise RuntimeError(f"{name}: the loaded state differs from the saved one")
+        del loaded
+        waits = timeline.waits(events, threading.current_thread().name)
+        return dict(sample, waits={**waits, "other": sample["seconds"] - sum(waits.values())} if waits else None)
+
+    # Rotated each round: the first load after a free pays the fresh page faults.
+    phases = [[("save", name) for name in saves], [("load", name) for name in loads]]
+    rounds = Rounds(args.repeats, warmup=args.warmup, order="rotate", catch=False)
     try:
-        for round_index in range(args.warmup + args.repeats):
-            timed = round_index >= args.warmup
-            save_order = list(saves.items())
-            save_order = save_order[round_index % len(save_order) :] + save_order[: round_index % len(save_order)]
-            for name, (_, action) in save_order:
-                system.release_memory()
-                previous = {"fastpersist": ours, "torch.save": theirs, "fio-write (ceiling)": ceiling}.get(name)
-                if previous is not None and os.path.exists(previous):
-                    # Every save, fio's included, writes a fresh file: the previous one is deleted
-                    # untimed, and the clock starts once the blocks it freed are given back (on a
-                    # disk mounted with discard, freeing 4 GB costs ~0.5 s and goes on after unlink).
-                    os.unlink(previous)
-                    measure.fsync_paths(directory)
-                    os.sync()
-                    time.sleep(_SETTLE_SECONDS)
-                reported, elapsed, cpu, peak = _measured(action, cuda)
-                if name == "fio-write (ceiling)" or saves[name][0] == "ceiling":
-                    elapsed = reported  # their own clocks (fio's runtime without its start-up)
-                if timed:
-                    samples[name].append(elapsed)
-                    cpu_samples[name].append(cpu)
-                    peaks[name] = max(peaks.get(name, 0), peak)
-            if round_index == 0 and "fastpersist" in saves:
-                loaded = fastpersist.load(ours, weights_only=False)
-                if not _same(state, loaded):
-                    raise RuntimeError("fastpersist round trip differs from the saved state")
-                del loaded
-            # Rotated each round: the first load after a free pays the fresh page faults.
-            order = list(loads.items())
-            order = order[round_index % len(order) :] + order[: round_index % len(order)] if order else order
-            for name, (_, action, path) in order:
-                loaded = None
-                system.release_memory()
-                dropper.drop([path])
-                with timeline.recording() as events:
-                    loaded, elapsed, cpu, peak = _measured(action, cuda)
-                if loads[name][0] == "ceiling":
-                    elapsed, loaded = loaded, None  # its own clock
-                elif round_index == 0 and "sink" not in name and not _same(state, loaded):
-                    raise RuntimeError(f"{name}: the loaded state differs from the saved one")
-                del loaded
-                if timed:
-                    samples[name].append(elapsed)
-                    cpu_samples[name].append(cpu)
-                    peaks[name] = max(peaks.get(name, 0), peak)
-                    waits = timeline.waits(events, threading.current_thread().name)
-                    if waits:
-                        waited[name].append({**waits, "other": elapsed - sum(waits.values())})
+        rounds.run(phases, lambda method, index: (save if method[0] == "save" else load)(method[1], index))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     results = []
-    for name, values in samples.items():
-        if not values:
+    for (op, name), samples in rounds.samples.items():
+        if not samples:
             continue
-        kind = saves[name][0] if name in saves else loads[name][0]
+        values = [s["seconds"] for s in samples]
         median = statistics.median(values)
         results.append(
             {
                 "method": name,
-                "op": "save" if name in saves else "load",
-                "kind": kind,
+                "op": op,
+                "kind": (saves if op == "save" else loads)[name][0],
                 "seconds": values,
                 "median_s": median,
                 "gbps": nbytes / median / 1e9 if median else None,
-                "peak_rss_delta": peaks.get(name),
-                "cpu_seconds_median": statistics.median(cpu_samples[name]) if cpu_samples[name] else None,
+                "peak_rss_delta": max([0] + [s["peak_rss_delta"] for s in samples]),
+                "cpu_seconds_median": statistics.median(s["cpu_seconds"] for s in samples),
             }
         )
-        if waited.get(name):
-            results[-1]["caller_waits_s"] = _median_waits(waited[name])
+        waited = [s["waits"] for s in samples if s.get("waits")]
+        if waited:
+            results[-1]["caller_waits_s"] = {
+                label: statistics.median(w.get(label, 0.0) for w in waited) for label in _WAITS
+            }
     for result in results:
         baseline = {"save": "torch.save", "load": "torch.load wo=True"}[result["op"]]
         if result["op"] == "load" and "wo=False" in result["method"]:
@@ -488,41 +403,8 @@ copies and CRC-32s done on the refill thread), for the last CRC-32s and device c
 (parsing, unpickling, allocating, submitting, copying small records out)."""
 
 
-def _median_waits(rounds: list[dict[str, float]]) -> dict[str, float]:
-    """Median seconds per wait label over the timed rounds (0 where a round did not wait for it)."""
-    return {label: statistics.median(r.get(label, 0.0) for r in rounds) for label in _WAITS}
-
-
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
-
-
-def _print(doc: dict[str, Any]) -> None:
-    print(f"shape {doc['shape']}: {doc['tensors']} tensors, {format_bytes(doc['state_bytes'])}, device {doc['device']}")
-    print(
-        f"{'method':45} {'kind':8} {'median s':>9} {'GB/s':>7} {'x torch':>8} {'of bound':>8} {'x fio':>6} "
-        f"{'peak RSS+':>10} {'CPU s':>6}"
-    )
-    for r in doc["results"]:
-        ratio = f"{r['speedup_vs_torch']:.2f}" if r.get("speedup_vs_torch") else "-"
-        fio = f"{r['fraction_of_fio']:.2f}" if r.get("fraction_of_fio") else "-"
-        bound = f"{r['of_bound']:.2f}" if r.get("of_bound") else "-"
-        rss = format_bytes(r["peak_rss_delta"]) if r.get("peak_rss_delta") is not None else "-"
-        print(
-            f"{r['op'] + ' ' + r['method']:45} {r['kind']:8} {r['median_s']:9.3f} {r['gbps'] or 0:7.2f} "
-            f"{ratio:>8} {bound:>8} {fio:>6} {rss:>10} {r.get('cpu_seconds_median') or 0:6.2f}"
-        )
-    waiting = [r for r in doc["results"] if r.get("caller_waits_s")]
-    if waiting:
-        print(
-            "\nwhere a load's calling thread spends its time (medians, seconds): waiting for " + ", ".join(_WAITS[:4])
-        )
-        print(f"{'method':45} " + " ".join(f"{label:>8}" for label in _WAITS))
-        for r in waiting:
-            print(
-                f"{'load ' + r['method']:45} "
-                + " ".join(f"{_seconds(r['caller_waits_s'].get(label)):>8}" for label in _WAITS)
-            )
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -577,28 +459,15 @@ def markdown(doc: dict[str, Any]) -> str:
         ]
     waiting = [r for r in doc["results"] if r.get("caller_waits_s")]  # documents from before 8555fbf have none
     if waiting:
-        lines += display.markdown_section(
+        caption = (
             "Where each load's calling thread spends its time, medians in seconds: waiting for reads, for a ring "
             "slot's refill (its copies and CRC-32s), for the last CRC-32s and device copies, and the rest (parsing, "
-            "unpickling, allocating, submitting); `-`: not recorded by that run's code:",
-            ["load", *_WAITS],
-            [[r["method"], *(_seconds(r["caller_waits_s"].get(label)) for label in _WAITS)] for r in waiting],
+            "unpickling, allocating, submitting); `-`: not recorded by that run's code:"
         )
+        table = [[r["method"], *(_seconds(r["caller_waits_s"].get(label)) for label in _WAITS)] for r in waiting]
+        lines += ["", caption, "", *markdown_table(["load", *_WAITS], "<" + ">" * len(_WAITS), table)]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(argv) if argv is not None else None
-    if argv and argv[0] == "--markdown":  # python -m fastpersist.bench shapes --markdown RESULT.json ...
-        for path in argv[1:]:
-            with open(path) as handle:
-                print(markdown(json.load(handle)) + "\n")
-        return 0
-    args = build_parser().parse_args(argv)
-    doc = run(args)
-    _print(doc)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as handle:
-            json.dump(doc, handle, indent=1)
-    return 0
+BENCHMARK = Benchmark("shapes", _options, _measure, markdown, description=__doc__.split("\n\n")[0], report="--markdown")
+main = BENCHMARK.main

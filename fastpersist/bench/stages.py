@@ -1,35 +1,18 @@
 """Where a CUDA load's time goes: ``python -m fastpersist.bench stages [--source PATH | --sink] [--json OUT]``.
 
-A load moves each window of its file through one ring of page-locked
-buffers (:func:`fastpersist.io.reader.stream_to_device`): the read (a native
-handle per buffer), the CRC-32 (the native pool) and the host-to-device copy
-(a side stream). This runs the same ring with the stages added one at a
-time, on the calling thread, each buffer refilled as soon as the stages named
-are done for it (in window order), and in between plain ``pread`` threads
-into the same buffers, with no engine:
-
-* ``read``, ``read + CRC-32``, and with a GPU ``read + copy``,
-  ``read + copy + CRC-32`` (the CRC-32 on the CPU pool from the buffer) and
-  ``read + copy + device CRC-32`` (on the GPU after the copy, as a verified
-  load does with the ``device_checksum`` setting: :mod:`fastpersist.io.device_crc`; a window's tail
-  shorter than a segment on the CPU);
-* ``pread x 8``, ``pread x 16``: what the source gives to plain threads.
-
-The source is a file (``--source``; by default a fresh one of ``--size``
-random bytes in ``--dir``, removed afterwards), read buffered (from the page
-cache, or tmpfs), or ``--sink``: ``/dev/zero``, the load pipeline without
-storage. Each stage moves the same whole windows
-(``--size`` rounded down), ``--rounds`` times after one untimed round, the
-stages alternating within a round; GB/s are medians. Every CRC-32 stage's
-checksums, joined, must equal the CRC-32 of the bytes the source holds
-(``crc_checked`` in the results), so a fast stage is a correct one.
+A load's ring of page-locked buffers (:func:`fastpersist.io.reader.stream_to_device`) run with its stages
+added one at a time, on the calling thread, each buffer refilled as soon as its stages are done: ``read``,
+``read + CRC-32`` and, with a GPU, ``read + copy``, ``read + copy + CRC-32`` and ``read + copy + device
+CRC-32`` (:mod:`fastpersist.io.device_crc`); against ``pread x 8`` / ``x 16``, plain threads into the same
+buffers. The source is a file read buffered (``--source``, or a fresh one in ``--dir``) or ``--sink``
+(``/dev/zero``). Every stage moves the same whole windows ``--rounds`` times after an untimed round; every
+CRC-32 stage's joined checksum must be the source's (``crc_checked``). See docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import tempfile
@@ -40,30 +23,28 @@ import torch
 
 from fastpersist import config
 from fastpersist.bench import bounds
+from fastpersist.bench.harness import Benchmark, Rounds, option, size
 from fastpersist.bench.measure import code_version, machine_info
 from fastpersist.io import checksum, engine, memory
 from fastpersist.io.device_crc import DeviceCrc
 
-__all__ = ["main", "run", "to_markdown"]
+__all__ = ["BENCHMARK", "main", "to_markdown"]
 
 _SINK = "/dev/zero"
 _STAGES = ("read", "read + CRC-32", "read + copy", "read + copy + CRC-32", "read + copy + device CRC-32")
 _THREADS = (8, 16)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fastpersist.bench stages", description=__doc__.split("\n")[0])
+def _options(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--source", default=None, help="a file to read (its first --size bytes); kept")
     where.add_argument("--sink", action="store_true", help="read /dev/zero: the load pipeline without storage")
-    p.add_argument("--dir", default=None, help="where the fresh source file goes (default: the temporary directory)")
-    p.add_argument("--size", type=config.size_argument, default=4 << 30, help="bytes per stage (default 4GiB)")
-    p.add_argument("--window", type=config.size_argument, default=None, help="default: read_buffer_size")
+    option(p, "dir", help="where the fresh source file goes (default: the temporary directory)")
+    option(p, "size", default=4 << 30, help="bytes per stage (default 4GiB)")
+    p.add_argument("--window", type=size, default=None, help="default: read_buffer_size")
     p.add_argument("--slots", type=int, default=None, help="ring buffers (default: read_buffer_count)")
-    p.add_argument("--rounds", type=int, default=4)
+    option(p, "repeats", "--rounds", default=4, help="timed rounds after an untimed one, the stages alternating")
     p.add_argument("--no-cuda", action="store_true", help="leave out the copies even when a GPU is present")
-    p.add_argument("--json", default=None, help="write the results document to this path")
-    return p
 
 
 def _write_source(directory: str, size: int) -> str:
@@ -185,7 +166,7 @@ class _Ring:
         return elapsed, checksum.crc32_combine_all([(job, window) for job in jobs]) if crc_wanted else None
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
     settings = config.settings()
     window = args.window or settings.read_buffer_size
     slots = args.slots or settings.read_buffer_count
@@ -204,7 +185,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, fewer than --size ({nbytes})")
     else:
         path = made = _write_source(args.dir or tempfile.gettempdir(), nbytes)
-    samples: dict[str, list[float]] = {name: [] for name in stages + [f"pread x {t}" for t in _THREADS]}
     crc_checked: dict[str, bool] = {}
     # CUDA first: the pool registers its buffers for DMA only in a process that uses CUDA (else the
     # copies would run from pageable memory, at a fraction of the speed a load gets).
@@ -215,25 +195,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             expected = _source_crc(path, nbytes, buffers[0])
             handles = [engine.make_handle(settings) for _ in range(slots)]
             ring = _Ring(path, windows, window, buffers[:slots], handles, target, stream)
-            for round_index in range(args.rounds + 1):
-                for name in samples:
-                    if name.startswith("pread"):
-                        threads = int(name.split()[-1])
-                        seconds = bounds.read_ceiling(path, threads, window, size=nbytes, buffers=buffers, direct=False)
-                        crc = None
-                    else:
-                        seconds, crc = ring.run(name)
-                    if crc is not None:
-                        crc_checked[name] = crc_checked.get(name, True) and crc == expected
-                    if round_index:
-                        samples[name].append(seconds)
+
+            def run(name: str, _round: int) -> float:
+                if name.startswith("pread"):
+                    threads = int(name.split()[-1])
+                    return bounds.read_ceiling(path, threads, window, size=nbytes, buffers=buffers, direct=False)
+                seconds, crc = ring.run(name)
+                if crc is not None:
+                    crc_checked[name] = crc_checked.get(name, True) and crc == expected
+                return seconds
+
+            names = stages + [f"pread x {t}" for t in _THREADS]
+            rounds = Rounds(args.rounds, warmup=1, catch=False).run([names], run)
     finally:
         if made is not None:
             os.unlink(made)
     if not all(crc_checked.values()):
         raise RuntimeError(f"a stage's CRC-32 differs from the source's: {crc_checked}")
     results = []
-    for name, seconds in samples.items():
+    for name, seconds in rounds.samples.items():
         rates = [nbytes / s / 1e9 for s in seconds]
         results.append(
             {
@@ -280,12 +260,5 @@ def to_markdown(document: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    document = run(args)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(document, f, indent=2, default=str)
-    print(to_markdown(document))
-    return 0
+BENCHMARK = Benchmark("stages", _options, _measure, to_markdown, description=__doc__.split("\n")[0])
+main = BENCHMARK.main

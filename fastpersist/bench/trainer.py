@@ -3,60 +3,39 @@
     python -m fastpersist.bench trainer --dir /mnt/nvme/fp --dir /dev/shm/fp --json out.json
     python -m fastpersist.bench trainer --report out.json --svg docs/images/trainer.svg
 
-Each method trains the same Llama-shaped model (bf16 parameters, AdamW, random
-tokens) with ``transformers.Trainer`` and ``save_steps``/``save_total_limit``,
-in a fresh process per method and directory, and times every checkpoint the
-Trainer saves (model weights through safetensors' ``save_file``, the optimizer,
-scheduler and RNG state through ``torch.save``, the JSON files through
-``open``), with Trainer's own callbacks only: the clock starts at
-``on_step_end`` of a step that saves (after a device synchronisation, so the
-step's own work is not counted) and stops at ``on_save``.
-
-* ``unpatched``: Trainer as shipped. Its files are in the page cache, not
-  durable, when it returns.
-* ``unpatched+fsync``: the same, then ``fsync`` of every file of the
-  checkpoint, the checkpoint directory and the output directory, in
-  ``on_save``: what it takes for the checkpoint to survive a crash of the
-  machine.
-* ``patched``: under ``fastpersist.patch()``: every file fastpersist writes is
-  durable when its call returns; the same fsync pass then covers the files
-  Trainer writes itself (JSON).
-* ``patched-async``: under ``fastpersist.patch(mode="snapshot")``: each save
-  returns once its state is copied into host staging, the write goes on in
-  the background; the fsync pass covers the other files; the checkpoint is
-  durable when its last background save has committed (``add_done_callback``
-  on the pending futures).
-
-Per checkpoint: ``blocked_s`` (``on_step_end`` to the end of ``on_save``) and
-``durable_s`` (to the moment every file is durable; none for
-``unpatched``). The first checkpoint of a process pays one-time costs (pools,
-pinned staging); ``steady`` is the median of the later ones. After training,
-the last checkpoint is read back with the original ``safetensors`` and
-``torch.load`` and compared with the live model and optimizer, tensor by
-tensor (``verified``). The write ceiling of each directory is measured in the
-same run with the checkpoint's size (:func:`fastpersist.bench.bounds.write_ceiling`).
+Each method trains the same Llama-shaped model with ``transformers.Trainer`` (``save_steps``), in a fresh
+process per method and directory, and times every checkpoint from ``on_step_end`` of a saving step (device
+synchronised) to ``on_save`` (``blocked_s``) and until every file is durable (``durable_s``):
+``unpatched`` (Trainer as shipped, not durable), ``unpatched+fsync`` (then every file and directory
+fsynced), ``patched`` (under ``fastpersist.patch()``, durable on return) and ``patched-async`` (under
+``patch(mode="snapshot")``: durable when its background saves commit). The last checkpoint is read back
+with safetensors and ``torch.load`` and compared with the live state; each directory's write ceiling is
+measured in the same run. See docs/patch.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-__all__ = ["METHODS", "SCHEMA", "main", "to_markdown", "to_svg"]
+from fastpersist.bench.bounds import fsync_file
+from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, option, spawn
+from fastpersist.io.commit import fsync_directory
+
+__all__ = ["BENCHMARK", "METHODS", "SCHEMA", "fsync_tree", "main", "to_markdown", "to_svg"]
 
 SCHEMA = "fastpersist.bench.trainer/1"
 METHODS = ("unpatched", "unpatched+fsync", "patched", "patched-async")
 _DURABLE = ("unpatched+fsync", "patched", "patched-async")
 _MODEL_OPTIONS = ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "batch", "seq")
 _RUN_OPTIONS = (*_MODEL_OPTIONS, "save_steps", "checkpoints", "device")
+"""The options a run has (its children get the same command line), recorded in the config."""
 
 
 def _is_fastpersist_temporary(name: str) -> bool:
@@ -75,23 +54,11 @@ def fsync_tree(directory: str) -> int:
         for name in files:
             if _is_fastpersist_temporary(name):
                 continue
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(os.path.join(root, name))
             count += 1
-        _fsync_directory(root)
-    _fsync_directory(os.path.dirname(os.path.abspath(directory)))
+        fsync_directory(root)
+    fsync_directory(os.path.dirname(os.path.abspath(directory)))
     return count
-
-
-def _fsync_directory(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _tree_bytes(directory: str) -> int:
@@ -275,14 +242,6 @@ def _run_one(args) -> dict[str, Any]:
     }
 
 
-def _child_argv(args, method: str, target: str, out: str) -> list[str]:
-    argv = [sys.executable, "-m", "fastpersist.bench", "trainer", "--child", "--method", method]
-    argv += ["--target", target, "--out", out]
-    for name in _RUN_OPTIONS:
-        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    return argv
-
-
 def _summary(samples: list[dict]) -> dict[str, Any]:
     """First and steady (median of the later checkpoints) blocked and durable seconds of a method's runs."""
     checkpoints = [c for s in samples for c in s["checkpoints"]]
@@ -320,56 +279,57 @@ def _targets(results: dict[str, dict], ceiling: dict | None, nbytes: int) -> dic
     }
 
 
-def _orchestrate(args) -> dict[str, Any]:
+def _measure(args) -> dict[str, Any]:
+    """Each method in a fresh process per directory, ``--repeats`` times; the document of them all."""
     from fastpersist.bench import bounds
     from fastpersist.bench.measure import machine_info
 
     unknown = set(args.methods) - set(METHODS)
     if unknown:
-        raise SystemExit(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
+        raise UsageError(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
     directories = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for index, directory in enumerate(args.dir):
-            os.makedirs(directory, exist_ok=True)
-            samples: dict[str, list[dict]] = {m: [] for m in args.methods}
-            errors: dict[str, str] = {}
-            for repeat in range(args.repeats):
-                order = args.methods if (repeat + index) % 2 == 0 else list(reversed(args.methods))
-                for method in order:
-                    out = os.path.join(scratch, f"{index}-{method}-{repeat}.json")
-                    run = subprocess.run(_child_argv(args, method, directory, out), capture_output=True, text=True)
-                    if run.returncode != 0:
-                        errors[method] = (run.stderr or run.stdout)[-3000:]
-                        print(f"{directory} {method}: failed\n{errors[method]}", file=sys.stderr)
-                        continue
-                    with open(out) as f:
-                        samples[method].append(json.load(f))
-                    got = _summary(samples[method][-1:])
-                    print(
-                        f"{directory} {method}: blocked {got['blocked_s']:.2f} s, durable "
-                        + ("-" if got["durable_s"] is None else f"{got['durable_s']:.2f} s"),
-                        file=sys.stderr,
-                    )
-            results = {m: {**_summary(s), "samples": s} for m, s in samples.items() if s}
-            results.update({m: {"error": e} for m, e in errors.items() if m not in results})
-            nbytes = max((s["checkpoint_bytes"] for v in samples.values() for s in v), default=0)
-            ceiling = bounds.write_ceiling(directory, nbytes) if nbytes and not args.no_ceiling else None
-            directories.append(
-                {
-                    "dir": directory,
-                    "filesystem": (machine_info(directory).get("filesystem") or {}).get("type"),
-                    "checkpoint_bytes": nbytes,
-                    "write_ceiling": ceiling,
-                    "methods": results,
-                    "targets": _targets(results, ceiling, nbytes),
-                }
+    for index, directory in enumerate(args.dir or [tempfile.gettempdir()]):
+        os.makedirs(directory, exist_ok=True)
+
+        def run(method: str, _round: int, directory: str = directory) -> dict[str, Any]:
+            results, error = spawn("trainer", [*args.argv, "--method", method, "--target", directory])
+            if error:
+                print(f"{directory} {method}: failed\n{error}", file=sys.stderr)
+                raise RuntimeError(error)
+            got = _summary(results)
+            print(
+                f"{directory} {method}: blocked {got['blocked_s']:.2f} s, durable "
+                + ("-" if got["durable_s"] is None else f"{got['durable_s']:.2f} s"),
+                file=sys.stderr,
             )
+            return results[0]
+
+        # Every other directory starts with the last method: no method always runs first.
+        rounds = Rounds(args.repeats, order="reverse").run([args.methods[:: -1 if index % 2 else 1]], run)
+        results = {
+            m: {**_summary(rounds.samples[m]), "samples": rounds.samples[m]}
+            for m in args.methods
+            if rounds.samples.get(m)
+        }
+        results.update({m: {"error": e} for m, e in rounds.errors.items() if m not in results})
+        nbytes = max((s["checkpoint_bytes"] for m in results for s in results[m].get("samples", [])), default=0)
+        ceiling = bounds.write_ceiling(directory, nbytes) if nbytes and not args.no_ceiling else None
+        directories.append(
+            {
+                "dir": directory,
+                "filesystem": (machine_info(directory).get("filesystem") or {}).get("type"),
+                "checkpoint_bytes": nbytes,
+                "write_ceiling": ceiling,
+                "methods": results,
+                "targets": _targets(results, ceiling, nbytes),
+            }
+        )
     import transformers
 
     return {
         "schema": SCHEMA,
         "benchmark": "trainer",
-        "machine": machine_info(args.dir[0], device=args.device),
+        "machine": machine_info(directories[0]["dir"], device=args.device),
         "config": {**{k: getattr(args, k) for k in _RUN_OPTIONS}, "repeats": args.repeats, "methods": args.methods},
         "transformers": transformers.__version__,
         "results": directories,
@@ -437,46 +397,38 @@ def to_svg(documents: list[dict[str, Any]]) -> str:
     """Bars of blocked and durable seconds per method, one panel per directory of each document."""
     entries = [(d, e) for d in documents for e in d["results"]]
     bar, gap, left, width = 14, 4, 150, 420
-    parts, y = [], 10
+    svg, y = Svg(), 10
     top = max(
         [r.get(k) or 0 for _, e in entries for r in e["methods"].values() for k in ("blocked_s", "durable_s")] + [1.0]
     )
     for document, entry in entries:
         title = f"{document['machine'].get('device_name') or document['config']['device']}: {entry['dir']}"
         title += f" ({entry.get('filesystem') or '?'}), {entry['checkpoint_bytes'] / 1e9:.1f} GB checkpoint"
-        parts.append(f'<text x="10" y="{y + 14}" font-size="14" font-weight="bold">{title}</text>')
+        svg.title(y + 14, title)
         y += 24
         for method in document["config"]["methods"]:
             r = entry["methods"].get(method) or {}
             if "error" in r or not r:
                 continue
-            parts.append(f'<text x="{left - 6}" y="{y + 22}" font-size="12" text-anchor="end">{method}</text>')
+            svg.label(left - 6, y + 22, method)
             for key, color in (("blocked_s", "#2a7"), ("durable_s", "#888")):
                 value = r.get(key)
                 if value is not None:
                     length = width * value / top
-                    parts.append(f'<rect x="{left}" y="{y}" width="{length:.1f}" height="{bar}" fill="{color}"/>')
-                    parts.append(
-                        f'<text x="{left + length + 4:.1f}" y="{y + 11}" font-size="11">'
-                        f"{key.split('_')[0]} {value:.2f} s</text>"
-                    )
+                    svg.bar(left, y, length, bar, color)
+                    svg.text(f"{left + length + 4:.1f}", y + 11, f"{key.split('_')[0]} {value:.2f} s", 11)
                 y += bar + gap
             y += 6
         y += 14
-    header = (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 130}" height="{y + 10}" '
-        'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>'
-    )
-    return header + "".join(parts) + "</svg>\n"
+    return svg.document(left + width + 130, y + 10)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _options(parser: argparse.ArgumentParser) -> None:
     import torch
 
     gpu = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(prog="python -m fastpersist.bench trainer", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", action="append", help="where checkpoints go; repeat for several (default: a temp dir)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if gpu else "cpu")
+    option(parser, "dir", action="append", help="where checkpoints go; repeat for several (default: a temp dir)")
+    option(parser, "device", choices=["cpu", "cuda"], default="cuda" if gpu else "cpu")
     # GPU defaults: TinyLlama-1.1B's shape (a 6.6 GB checkpoint with AdamW in bf16); CPU: a toy of the same shape.
     parser.add_argument("--hidden", type=int, default=2048 if gpu else 64)
     parser.add_argument("--intermediate", type=int, default=5632 if gpu else 176)
@@ -488,7 +440,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, default=1024 if gpu else 32)
     parser.add_argument("--save-steps", type=int, default=30 if gpu else 2, help="checkpoint every N steps")
     parser.add_argument("--checkpoints", type=int, default=2 if gpu else 3, help="checkpoints per run")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per method and directory")
+    option(parser, "repeats", default=1, help="runs per method and directory")
     parser.add_argument(
         "--methods",
         type=lambda text: [m for m in text.split(",") if m],
@@ -496,43 +448,18 @@ def _parser() -> argparse.ArgumentParser:
         help=f"comma list (default: {','.join(METHODS)})",
     )
     parser.add_argument("--no-ceiling", action="store_true", help="do not measure the directories' write ceilings")
-    parser.add_argument("--json", help="write the result document here")
-    parser.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of earlier results")
-    parser.add_argument("--svg", help="with --report or a run: write a chart of the documents here")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.child:
-        with open(args.out, "w") as f:
-            json.dump(_run_one(args), f)
-        return 0
-    if args.report:
-        documents = []
-        for path in args.report:
-            with open(path) as f:
-                documents.append(json.load(f))
-            if documents[-1].get("schema") != SCHEMA:
-                raise SystemExit(f"{path}: not a result of 'python -m fastpersist.bench trainer --json'")
-            print(f"`{os.path.basename(path)}`:\n\n" + to_markdown(documents[-1]))
-    else:
-        args.dir = args.dir or [tempfile.gettempdir()]
-        documents = [_orchestrate(args)]
-        print(to_markdown(documents[0]))
-        if args.json:
-            from fastpersist.bench.report import write_json
-
-            write_json(documents[0], args.json)
-    if args.svg:
-        with open(args.svg, "w") as f:
-            f.write(to_svg(documents))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+BENCHMARK = Benchmark(
+    "trainer",
+    _options,
+    _measure,
+    to_markdown,
+    description=__doc__.split("\n\n")[0],
+    schema=SCHEMA,
+    svg=to_svg,
+    child=_run_one,
+)
+main = BENCHMARK.main

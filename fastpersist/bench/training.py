@@ -3,59 +3,16 @@
     python -m fastpersist.bench training --dir /dev/shm/fp --json out.json        # GPU if present
     python -m fastpersist.bench training --report out.json --svg docs/images/async.svg   # table + chart
 
-For each method the same training loop (forward, backward, AdamW step,
-``loss.item()``) runs ``--warmup`` iterations without checkpoints, then
-``--iterations`` timed iterations, checkpointing model + optimizer state
-after the first timed iteration and every ``--every`` after it: the first
-saves of the process are timed. The time per iteration is compared with the
-same loop without checkpoints, in the same run. Each method runs in a fresh
-process (so pools and caches of one do not help or hurt the next), in
-interleaved order when ``--repeats`` > 1. The Checkpointer methods call
-``Checkpointer.prepare`` after the warm-up (``--no-prepare``: not), which
-allocates and pins the staging memory before the loop, as a training script
-should.
-
-**The bound** ("possible"): no checkpointing method can beat
-``max(iteration without checkpoints, one checkpoint's write at the storage
-ceiling)``. The ceiling is measured in the same run, on the same directory,
-with the checkpoint's size (:func:`fastpersist.bench.bounds.write_ceiling`:
-the best of a single-thread and an 8-thread ``pwrite`` of a fresh file +
-fsync, O_DIRECT where the filesystem takes it, and fio when installed, with
-the file's blocks allocated inside the clock as a save's are); each method's
-steady time per iteration is reported
-against that bound. Per save the report also gives where the time goes
-(:mod:`fastpersist.io.timeline`): the caller's share (pickling, waiting for a
-slot, queueing the copies) and the background write's phases.
-
-Methods:
-
-* ``none`` -- no checkpoint (the baseline);
-* ``fastpersist-pipelined`` -- ``fastpersist.Checkpointer`` (async, no copy;
-  the optimizer step waits for the pending save);
-* ``fastpersist-snapshot`` -- ``Checkpointer(mode="snapshot")`` (async, pinned host copy);
-* ``fastpersist-sync`` -- ``fastpersist.save`` (durable on return);
-* ``torch.save`` -- ``torch.save`` + ``fsync`` (durable, like ours);
-* ``lightning-async`` -- Lightning's ``AsyncCheckpointIO`` around its
-  ``TorchCheckpointIO`` as shipped (clones every tensor on the device, no fsync).
-
-The time of a run includes waiting, after the last iteration, for the saves
-still pending (``drained``); ``steady`` excludes it. Memory: peak device
-memory allocated and peak host RSS over the timed loop, above what the loop
-without checkpoints uses.
-
-With ``--ranks N`` (N > 1) each method runs as N processes, one per GPU
-(NCCL; gloo on the CPU), training one DistributedDataParallel model on
-per-rank batches, and the methods are those of data-parallel jobs:
-``fastpersist-collective`` (``fastpersist.save(..., group=WORLD)`` on every
-rank: each writes its share of rank 0's checkpoint),
-``fastpersist-collective-pipelined`` / ``-snapshot`` (the same in the
-background: ``Checkpointer(optimizer, group=WORLD)`` on every rank),
-``fastpersist-sync`` and ``torch.save`` on rank 0 while the others wait at a
-barrier (what Lightning does), and the asynchronous ``fastpersist-pipelined``
-/ ``-snapshot`` on rank 0 (the others go on). Rank 0's timings are reported.
-The collective methods' bound is the larger of the iteration and the
-slowest writer's share at the ceiling of N concurrent writers
-(:func:`fastpersist.bench.bounds.shared_write_ceiling`), measured in the same run.
+Each method runs the same loop (forward, backward, AdamW step) in a fresh process, ``--warmup`` iterations
+then ``--iterations`` timed ones checkpointing model + optimizer after the first and every ``--every``, and
+is compared with the loop without checkpoints (``none``) and with the bound: ``max(iteration, one
+checkpoint's write at the storage ceiling / every)`` (:func:`fastpersist.bench.bounds.write_ceiling`,
+measured in the same run). Methods: ``fastpersist-pipelined`` / ``-snapshot`` (``fastpersist.Checkpointer``,
+prepared after the warm-up unless ``--prepare false``), ``fastpersist-sync``, ``torch.save`` + fsync and
+Lightning's ``AsyncCheckpointIO``; with ``--ranks N``, DDP over N processes and the collective methods
+(``fastpersist-collective``, ``-collective-pipelined``, ``-collective-snapshot``), bounded by N concurrent
+writers (:func:`fastpersist.bench.bounds.shared_write_ceiling`). Per save, where the time goes
+(:mod:`fastpersist.io.timeline`); see docs/async.md.
 """
 
 from __future__ import annotations
@@ -63,29 +20,23 @@ from __future__ import annotations
 import argparse
 import gc
 import glob
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
+from fastpersist.bench import bounds
+from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, markdown_table, option, spawn
+
+__all__ = ["BENCHMARK", "METHODS", "RANK_METHODS", "SCHEMA", "main", "save_phases", "to_markdown", "to_svg"]
+
 SCHEMA = "fastpersist-training-bench/1"
 METHODS = ["none", "fastpersist-pipelined", "fastpersist-snapshot", "fastpersist-sync", "torch.save", "lightning-async"]
-RANK_METHODS = [
-    "none",
-    "fastpersist-collective",
-    "fastpersist-collective-pipelined",
-    "fastpersist-collective-snapshot",
-    "fastpersist-pipelined",
-    "fastpersist-snapshot",
-    "fastpersist-sync",
-    "torch.save",
-]
-"""The methods with ``--ranks`` > 1 (see the module docstring)."""
 _COLLECTIVE = ("fastpersist-collective", "fastpersist-collective-pipelined", "fastpersist-collective-snapshot")
+RANK_METHODS = ["none", *_COLLECTIVE, "fastpersist-pipelined", "fastpersist-snapshot", "fastpersist-sync", "torch.save"]
+"""The methods with ``--ranks`` > 1 (see the module docstring)."""
 
 
 def _build(args, device, seed: int = 0):
@@ -120,7 +71,7 @@ def _iteration(model, optimizer, tokens, amp: bool):
 
 
 def _run_one(args) -> dict[str, Any]:
-    """One method in this process; returns its measurements."""
+    """One method in this process (a child of :func:`_measure`, one per rank with ``--ranks``); its measurements."""
     import torch
 
     import fastpersist
@@ -187,8 +138,7 @@ def _run_one(args) -> dict[str, Any]:
         elif method == "torch.save":
             timeline.mark("call")  # torch marks nothing itself: the whole save is one phase
             torch.save(state(), path)
-            with open(path, "rb+") as f:
-                os.fsync(f.fileno())
+            bounds.fsync_file(path)
             timeline.mark("committed")
         elif method == "lightning-async":
             lightning_io.save_checkpoint(state(), path)
@@ -271,7 +221,6 @@ def _run_one(args) -> dict[str, Any]:
     return result
 
 
-_CALLER_LABELS = ("call", "pickled", "slot", "queued")
 _PHASES = (
     # (name, from label, to label): medians over the saves of a run
     ("pickle", "call", "pickled"),
@@ -353,54 +302,14 @@ def _measure_d2h(args) -> float | None:
     return min(times)
 
 
-# The options a method's process runs with: passed on to each child, and recorded in the report's config.
-_RUN_OPTIONS = (
-    "dir",
-    "device",
-    "d_model",
-    "layers",
-    "heads",
-    "vocab",
-    "batch",
-    "seq",
-    "iterations",
-    "warmup",
-    "every",
-    "ranks",
-    "layout",
-    "prepare",
+_RUN_OPTIONS = tuple(
+    "dir device d_model layers heads vocab batch seq iterations warmup every ranks layout prepare".split()
 )
+"""The options a method's process runs with (its children get the same command line), recorded in the config."""
 
 
-def _child_argv(args, method: str, out: str) -> list[str]:
-    argv = [sys.executable, "-m", "fastpersist.bench", "training", "--child", "--method", method, "--out", out]
-    for name in _RUN_OPTIONS:
-        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    return argv
-
-
-def _run_child(args, method: str, out: str) -> subprocess.CompletedProcess:
-    """One method's process (or ``--ranks`` processes: rank 0 writes ``out``)."""
-    if args.ranks <= 1:
-        return subprocess.run(_child_argv(args, method, out), capture_output=True, text=True)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launcher = [
-        sys.executable,
-        "-c",
-        "import os, subprocess, sys; "
-        "procs = [subprocess.Popen(sys.argv[2:], env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r))) "
-        "for r in range(int(sys.argv[1]))]; sys.exit(max(p.wait() for p in procs))",
-        str(args.ranks),
-    ]
-    env = dict(os.environ, WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    return subprocess.run(launcher + _child_argv(args, method, out), capture_output=True, text=True, env=env)
-
-
-def _orchestrate(args) -> dict[str, Any]:
+def _measure(args) -> dict[str, Any]:
+    """Each method in a fresh process (``--ranks`` of them), ``--repeats`` times; the document of them all."""
     from fastpersist.bench.measure import machine_info
 
     os.makedirs(args.dir, exist_ok=True)
@@ -408,26 +317,23 @@ def _orchestrate(args) -> dict[str, Any]:
     methods = [m for m in (args.methods or ",".join(known)).split(",") if m]
     unknown = set(methods) - set(known)
     if unknown:
-        raise SystemExit(
+        raise UsageError(
             f"unknown methods {sorted(unknown)}; known{' with --ranks' if args.ranks > 1 else ''}: {known}"
         )
     if "none" not in methods:
         methods.insert(0, "none")
-    samples: dict[str, list[dict]] = {m: [] for m in methods}
-    errors: dict[str, str] = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        for repeat in range(args.repeats):
-            order = methods if repeat % 2 == 0 else list(reversed(methods))
-            for method in order:
-                out = os.path.join(scratch, f"{method}-{repeat}.json")
-                run = _run_child(args, method, out)
-                if run.returncode != 0:
-                    errors[method] = (run.stderr or run.stdout)[-2000:]
-                    print(f"{method}: failed\n{errors[method]}", file=sys.stderr)
-                    continue
-                with open(out) as f:
-                    samples[method].append(json.load(f))
-                print(f"{method}: {samples[method][-1]['per_iteration_s'] * 1000:.1f} ms/iteration", file=sys.stderr)
+
+    def run(method: str, _round: int) -> dict[str, Any]:
+        results, error = spawn("training", [*args.argv, "--method", method], ranks=args.ranks)
+        if error:
+            print(f"{method}: failed\n{error}", file=sys.stderr)
+            raise RuntimeError(error[-2000:])
+        print(f"{method}: {results[0]['per_iteration_s'] * 1000:.1f} ms/iteration", file=sys.stderr)
+        return results[0]
+
+    rounds = Rounds(args.repeats, order="reverse").run([methods], run)
+    samples = {m: rounds.samples.get(m, []) for m in methods}
+    errors = rounds.errors
     base = statistics.median(s["per_iteration_s"] for s in samples["none"]) if samples["none"] else None
     base_steady = (
         statistics.median(s["steady_s"] / s["iterations"] for s in samples["none"]) if samples["none"] else None
@@ -459,8 +365,6 @@ def _orchestrate(args) -> dict[str, Any]:
                 "samples": samples[method],
             }
         )
-    from fastpersist.bench import bounds
-
     checkpoint_bytes = max((r.get("checkpoint_bytes") or 0) for r in results)
     ceiling = bounds.write_ceiling(args.dir, checkpoint_bytes) if checkpoint_bytes and not args.no_ceiling else None
     possible = None
@@ -501,7 +405,6 @@ def _mib(n) -> str:
 
 def to_markdown(document: dict[str, Any]) -> str:
     """The result as Markdown: one row per method against the bound, then where each save's time goes."""
-    from fastpersist import display
 
     config = document["config"]
     base = next((r for r in document["results"] if r["method"] == "none" and "error" not in r), None)
@@ -577,7 +480,7 @@ def to_markdown(document: dict[str, Any]) -> str:
                     cell += f" ({first * 1000:.1f})"
                 cells.append(cell)
             rows.append(cells)
-        lines += display.markdown_section(
+        caption = (
             "Where a save's time goes (median ms over the saves after the first; the first save's in brackets): "
             "`pickle`, `wait for slot` and `copies queued` are the caller's"
             + (
@@ -588,53 +491,42 @@ def to_markdown(document: dict[str, Any]) -> str:
             )
             + "; the rest runs in the background "
             "(in the caller for fastpersist-sync). `read`: until the last device-to-host copy is queued; "
-            "`write`: until the last byte is written.",
-            ["method", *names],
-            rows,
+            "`write`: until the last byte is written."
         )
+        lines += ["", caption, "", *markdown_table(["method", *names], "<" + ">" * len(names), rows)]
     return "\n".join(lines) + "\n"
 
 
-def to_svg(documents: list[dict[str, Any]], titles: list[str]) -> str:
+def to_svg(documents: list[dict[str, Any]]) -> str:
     """A horizontal bar chart of the overhead per method, one panel per document."""
     bar, gap, left, width = 18, 6, 190, 420
-    parts, y = [], 10
-    for document, title in zip(documents, titles):
+    svg, y = Svg(), 10
+    for document in documents:
         rows = [r for r in document["results"] if r["method"] != "none" and "error" not in r]
         top = max([abs(r["overhead_pct"]) for r in rows] + [5.0])
-        parts.append(f'<text x="10" y="{y + 14}" font-size="14" font-weight="bold">{title}</text>')
+        title = f"{document['machine'].get('device_name')} ({document['config']['device']}): overhead per iteration"
+        svg.title(y + 14, title)
         y += 24
         for r in rows:
             length = width * max(r["overhead_pct"], 0) / top
             color = "#2a7" if r["method"].startswith("fastpersist-") and r["method"] != "fastpersist-sync" else "#888"
-            parts.append(f'<text x="{left - 6}" y="{y + 13}" font-size="12" text-anchor="end">{r["method"]}</text>')
-            parts.append(f'<rect x="{left}" y="{y}" width="{length:.1f}" height="{bar}" fill="{color}"/>')
-            parts.append(
-                f'<text x="{left + length + 4:.1f}" y="{y + 13}" font-size="12">{r["overhead_pct"]:+.1f}%</text>'
-            )
+            svg.label(left - 6, y + 13, r["method"])
+            svg.bar(left, y, length, bar, color)
+            svg.text(f"{left + length + 4:.1f}", y + 13, f"{r['overhead_pct']:+.1f}%")
             y += bar + gap
         five = left + width * 5 / top
-        parts.append(
-            f'<line x1="{five:.1f}" y1="{y - (bar + gap) * len(rows)}" x2="{five:.1f}" y2="{y}" '
-            'stroke="#c33" stroke-dasharray="4,3"/>'
-        )
-        parts.append(f'<text x="{five + 3:.1f}" y="{y + 12}" font-size="11" fill="#c33">5%</text>')
+        svg.line(five, y - (bar + gap) * len(rows), five, y, 'stroke="#c33" stroke-dasharray="4,3"')
+        svg.text(f"{five + 3:.1f}", y + 12, "5%", 11, ' fill="#c33"')
         y += 26
-    height = y + 10
-    header = (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 90}" height="{height}" '
-        'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>'
-    )
-    return header + "".join(parts) + "</svg>\n"
+    return svg.document(left + width + 90, y + 10)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastpersist.bench training", description=__doc__.split("\n\n")[0])
+def _options(parser: argparse.ArgumentParser) -> None:
     import torch
 
     gpu = torch.cuda.is_available()
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints are written")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if gpu else "cpu")
+    option(parser, "dir", default=tempfile.gettempdir(), help="where checkpoints are written")
+    option(parser, "device", choices=["cpu", "cuda"], default="cuda" if gpu else "cpu")
     # GPU defaults: a ~0.25 GB checkpoint (21M parameters + AdamW) and an iteration of roughly 0.1 s on
     # an H100, so that the write of one checkpoint (~2 GB/s here) can hide behind one iteration.
     parser.add_argument("--d-model", type=int, default=512 if gpu else 256)
@@ -652,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--iterations", type=int, default=20 if gpu else 8)
     parser.add_argument("--warmup", type=int, default=3 if gpu else 2)
-    parser.add_argument("--repeats", type=int, default=1)
+    option(parser, "repeats", default=1, help="runs of each method, in alternating order")
     parser.add_argument(
         "--ranks",
         type=int,
@@ -668,44 +560,17 @@ def main(argv: list[str] | None = None) -> int:
         "first save's allocation in the loop)",
     )
     parser.add_argument("--no-ceiling", action="store_true", help="do not measure the storage's write ceiling")
-    parser.add_argument("--json", help="write the result document here")
-    parser.add_argument("--report", nargs="+", metavar="JSON", help="print Markdown tables of earlier results")
-    parser.add_argument("--svg", help="with --report: write a bar chart of the overheads here")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        result = _run_one(args)
-        if int(os.environ.get("RANK", 0)) == 0:
-            with open(args.out, "w") as f:
-                json.dump(result, f)
-        return 0
-    if args.report:
-        documents = []
-        for path in args.report:
-            with open(path) as f:
-                documents.append(json.load(f))
-            if documents[-1].get("schema") != SCHEMA:
-                raise SystemExit(f"{path}: not a result of 'python -m fastpersist.bench training --json'")
-        for path, document in zip(args.report, documents):
-            print(f"`{os.path.basename(path)}`: " + to_markdown(document))
-        if args.svg:
-            titles = [
-                f"{d['machine'].get('device_name')} ({d['config']['device']}): overhead per iteration"
-                for d in documents
-            ]
-            with open(args.svg, "w") as f:
-                f.write(to_svg(documents, titles))
-        return 0
-    document = _orchestrate(args)
-    print(to_markdown(document))
-    if args.json:
-        from fastpersist.bench.report import write_json
-
-        write_json(document, args.json)
-    return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+BENCHMARK = Benchmark(
+    "training",
+    _options,
+    _measure,
+    to_markdown,
+    description=__doc__.split("\n\n")[0],
+    schema=SCHEMA,
+    svg=to_svg,
+    child=_run_one,
+)
+main = BENCHMARK.main

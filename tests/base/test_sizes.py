@@ -59,17 +59,26 @@ def test_settings_and_environment_use_the_same_parser(monkeypatch):
 def test_bench_io_sizes_mean_the_same():
     args = bench_io.build_parser().parse_args(["--size", "2G", "--block-size", "16M"])
     assert (args.size, args.block_size) == (2 << 30, 16 << 20)
-    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
-        bench_io._size("2X")
+    with pytest.raises(SystemExit):
+        bench_io.build_parser().parse_args(["--size", "2X"])
 
 
 def test_every_size_option_of_the_benchmarks_uses_the_one_parser():
-    from fastpersist.bench import aio_handle, dcp
+    import importlib
 
-    for module in (bench_io, aio_handle, dcp):
-        assert module._size("1.5G") == config.size_argument("1.5G") == 3 << 29
-        with pytest.raises(argparse.ArgumentTypeError, match="units are binary"):
-            module._size("lots")
+    from fastpersist.bench import SUBCOMMANDS, harness
+
+    assert harness.size("1.5G") == config.size_argument("1.5G") == 3 << 29
+    with pytest.raises(argparse.ArgumentTypeError, match="units are binary"):
+        harness.size("lots")
+    typed = []
+    for name, (module, _) in SUBCOMMANDS.items():
+        benchmark = getattr(importlib.import_module(module), "BENCHMARK", None)
+        for action in benchmark.parser()._actions if benchmark else ():
+            if action.dest.endswith("size") and action.type not in (None, str):  # str: parse_size later
+                assert action.type is harness.size, (name, action.dest)
+                typed.append(name)
+    assert {"io", "aio_handle", "dcp", "gds", "stages", "offload", "pace"} <= set(typed)
 
 
 @pytest.mark.parametrize("name", ["buffer_size", "read_buffer_size"])

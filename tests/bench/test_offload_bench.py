@@ -74,9 +74,9 @@ def test_table_of_an_older_document_without_the_new_fields():
 
 
 def test_disk_tokens_default_to_new_tokens(tmp_path):
-    args = offload.build_parser().parse_args(["--dir", str(tmp_path), "--new-tokens", "7"])
+    args = offload.BENCHMARK.parser().parse_args(["--dir", str(tmp_path), "--new-tokens", "7"])
     assert args.disk_tokens is None and args.new_tokens == 7
-    args = offload.build_parser().parse_args(["--dir", str(tmp_path), "--disk-tokens", "3"])
+    args = offload.BENCHMARK.parser().parse_args(["--dir", str(tmp_path), "--disk-tokens", "3"])
     assert args.disk_tokens == 3
 
 

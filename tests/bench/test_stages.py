@@ -26,7 +26,7 @@ def test_stages_of_a_fresh_file(tmp_path, capsys):
 
 
 def test_stages_of_the_sink():
-    document = stages.run(stages.build_parser().parse_args(SMALL + ["--sink"]))
+    document = stages.BENCHMARK.measure(stages.BENCHMARK.parser().parse_args(SMALL + ["--sink"]))
     assert document["config"]["source"] == "sink (/dev/zero)"
     assert next(r for r in document["results"] if r["stage"] == "read + CRC-32")["crc_checked"] is True
 

@@ -1,0 +1,460 @@
+"""The one runner of every benchmark subcommand: command line, rounds, child processes, document, tables, charts.
+
+A subcommand declares itself once, ``BENCHMARK = Benchmark(name, options, measure, markdown, ...)`` and
+``main = BENCHMARK.main``: its own options, what it measures (a function from the parsed arguments to the
+result document) and how a document reads (Markdown: the terminal's table and the docs' block, through
+:mod:`fastpersist.bench.report`). :meth:`Benchmark.main` does the rest the same way for all of them:
+``--json`` (the document, with the machine's description the measure put in it), ``--report`` (the tables
+of earlier documents, their schema checked), ``--svg`` (a chart of the documents), the modules a benchmark
+needs, usage errors, child processes and the exit status. What a measure shares:
+
+* :func:`option`: the options many benchmarks have (``--dir``, ``--repeats``, ``--device``, ``--size`` ...);
+* :class:`Rounds`: methods interleaved round by round, warm-up rounds untimed, a failed method recorded
+  and left out of the later rounds; :func:`summarize` gives medians and min-max;
+* :func:`timed`: one call's seconds (the device synchronised), CPU seconds and peak RSS growth;
+* :func:`spawn`: a benchmark's own command in fresh processes, one per method or one per rank;
+* :func:`markdown_table` and :class:`Svg`: tables from column specs, horizontal bar charts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import random
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from fastpersist import config
+from fastpersist.tuning.measure import summarize, write_json
+
+__all__ = [
+    "Benchmark",
+    "Rounds",
+    "Svg",
+    "UsageError",
+    "bf16_state",
+    "free_port",
+    "markdown_table",
+    "option",
+    "read_document",
+    "size",
+    "spawn",
+    "summarize",
+    "timed",
+    "write_json",
+]
+
+size = config.size_argument
+"""The one size syntax of every option (binary units: ``4G`` = 4 GiB), as an argparse ``type``."""
+
+
+class UsageError(ValueError):
+    """A command line that cannot run as given; the message says what to use instead (a usage error, exit 2)."""
+
+
+# ----------------------------------------------------------------------------- options
+
+_OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "dir": (("--dir",), {"default": None, "help": "directory on the storage to measure (default: a temporary one)"}),
+    "json": (("--json",), {"default": None, "metavar": "PATH", "help": "write the result document here"}),
+    "report": (
+        ("--report",),
+        {"nargs": "+", "metavar": "JSON", "help": "do not measure: print the tables of earlier --json documents"},
+    ),
+    "svg": (("--svg",), {"default": None, "metavar": "PATH", "help": "write a chart of the documents here"}),
+    "repeats": (
+        ("--repeats",),
+        {"type": int, "default": 3, "help": "timed rounds, the methods interleaved; medians are reported"},
+    ),
+    "device": (("--device",), {"default": "cpu", "help": "where the state lives and loads go: cpu or cuda[:N]"}),
+    "size": (("--size",), {"type": size, "help": "bytes (binary units: 4G = 4 GiB)"}),
+    "no_drop_caches": (
+        ("--no-drop-caches",),
+        {"action": "store_true", "help": "warm loads: leave the page cache alone before each load"},
+    ),
+}
+
+
+def option(parser: argparse.ArgumentParser | Any, name: str, *flags: str, **changes: Any) -> None:
+    """Adds the shared option ``name`` (a key of ``_OPTIONS``) to ``parser``: ``flags`` rename it, ``changes``
+    replace its default, help or any other ``add_argument`` keyword."""
+    names, settings = _OPTIONS[name]
+    parser.add_argument(*(flags or names), **{**settings, **changes})
+
+
+# ----------------------------------------------------------------------------- the subcommand
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    """One subcommand of ``python -m fastpersist.bench``, declared as data; :meth:`main` runs it.
+
+    Attributes:
+        name: the subcommand.
+        options: adds the benchmark's own options to its parser (the shared ones through :func:`option`).
+        measure: runs the benchmark from the parsed arguments; returns the result document (None: nothing to
+            report), or raises :class:`UsageError` or ``SystemExit`` (an int: the exit status).
+        markdown: one document as Markdown (None: the benchmark has no table).
+        description: the first line of ``--help``.
+        schema: the ``schema`` string of the documents it writes, checked when ``--report`` reads one.
+        show: the terminal's text of a fresh document (default: ``markdown``).
+        render: documents, each with the path it is known by, as Markdown: what ``--report`` prints and what
+            :mod:`fastpersist.bench.report` puts in the docs' block of this benchmark (default: each
+            document's Markdown under its path and commit).
+        svg: an SVG chart of documents; adds ``--svg``.
+        png: draws a document into a PNG file and says what it did; adds ``--png``.
+        json: ``path`` (``--json PATH`` writes the document), ``print`` (``--json`` prints it instead of the
+            table) or ``either`` (``--json`` prints it, ``--json PATH`` writes it).
+        report: the option that reads earlier documents (None: no such option).
+        requires: modules the benchmark cannot run without, or a function of the arguments giving them (exit 2
+            naming them).
+        child: runs one child process of :func:`spawn` (hidden ``--child --out``); returns what the
+            parent reads back (None: nothing).
+        status: the exit status of a document (default 0).
+        redirect: ``(option, subcommand)``: a command line naming the option runs that subcommand instead.
+    """
+
+    name: str
+    options: Callable[[argparse.ArgumentParser], None]
+    measure: Callable[[argparse.Namespace], dict[str, Any] | None]
+    markdown: Callable[[dict[str, Any]], str] | None
+    description: str = ""
+    schema: str | None = None
+    show: Callable[[dict[str, Any]], str] | None = None
+    render: Callable[[list[tuple[str, dict[str, Any]]]], str] | None = None
+    svg: Callable[[list[dict[str, Any]]], str] | None = None
+    png: Callable[[dict[str, Any], str], str] | None = None
+    json: str = "path"
+    report: str | None = "--report"
+    requires: tuple[str, ...] | Callable[[argparse.Namespace], Sequence[str]] = ()
+    child: Callable[[argparse.Namespace], Any] | None = None
+    status: Callable[[dict[str, Any]], int] | None = None
+    redirect: tuple[str, str] | None = None
+
+    def parser(self) -> argparse.ArgumentParser:
+        """The subcommand's parser: its own options, then the shared output options it declared."""
+        parser = argparse.ArgumentParser(prog=f"python -m fastpersist.bench {self.name}", description=self.description)
+        self.options(parser)
+        if self.json == "print":
+            parser.add_argument("--json", action="store_true", help="print the result document as JSON, no table")
+        elif self.json == "either":
+            option(parser, "json", nargs="?", const="-", help="print the result document as JSON (or write it to PATH)")
+        else:
+            option(parser, "json")
+        if self.report:
+            option(parser, "report", self.report)
+        if self.svg:
+            option(parser, "svg")
+        if self.png:
+            parser.add_argument("--png", metavar="PATH", help="bar chart of the medians (needs matplotlib)")
+        if self.child:
+            parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+            parser.add_argument("--out", help=argparse.SUPPRESS)
+        return parser
+
+    def render_documents(self, documents: list[tuple[str, dict[str, Any]]]) -> str:
+        """``documents`` (path, document) as Markdown: :attr:`render`, or each under its path and commit."""
+        if self.render is not None:
+            return self.render(documents)
+        parts = []
+        for path, document in documents:
+            commit = ((document.get("machine") or {}).get("code") or {}).get("commit", "")[:12]
+            parts += [f"`{path}` (commit {commit})", "", self.markdown(document).rstrip("\n"), ""]
+        return "\n".join(parts)
+
+    def main(self, argv: list[str] | None = None) -> int:
+        """Runs the subcommand: a child's part, a report of earlier documents, or a measurement.
+
+        Returns:
+            0, or :attr:`status` of the document; 2 on a usage error or a missing module.
+        """
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if self.redirect and any(a == self.redirect[0] or a.startswith(self.redirect[0] + "=") for a in argv):
+            from fastpersist.bench import SUBCOMMANDS
+
+            return importlib.import_module(SUBCOMMANDS[self.redirect[1]][0]).main(argv)
+        parser = self.parser()
+        args = parser.parse_args(argv)
+        args.argv = argv  # what spawn passes on to the children
+        paths = getattr(args, self.report.lstrip("-").replace("-", "_"), None) if self.report else None
+        needed = self.requires(args) if callable(self.requires) else self.requires
+        missing = [m for m in needed if not _importable(m)]
+        if missing and not paths:
+            print(f"the {self.name} benchmark needs {', '.join(missing)} (pip install them)", file=sys.stderr)
+            return 2
+        if getattr(args, "child", False):
+            result = self.child(args)
+            if result is not None:
+                write_json(result, f"{args.out}.{os.environ.get('RANK', '0')}")
+            return 0
+        try:
+            if paths:
+                documents = [read_document(path, self.name, self.schema) for path in paths]
+                print(self.render_documents(list(zip(paths, documents))), end="")
+            else:
+                documents = [self.measure(args)]
+        except UsageError as e:
+            parser.error(str(e))
+        except SystemExit as e:  # a measure's own exit status (a message: raised on)
+            if not isinstance(e.code, int):
+                raise
+            return e.code
+        if documents[0] is None:
+            return 0
+        if not paths:
+            if args.json in (True, "-"):
+                print(json.dumps(documents[0], indent=2, default=str))
+            else:
+                print((self.show or self.markdown)(documents[0]).rstrip("\n"))
+                if args.json:
+                    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+                    write_json(documents[0], args.json)
+                    print(f"\nresults written to {args.json}")
+            if getattr(args, "png", None):
+                print(f"chart: {self.png(documents[0], args.png)}")
+        if getattr(args, "svg", None):
+            with open(args.svg, "w") as f:
+                f.write(self.svg(documents))
+        return self.status(documents[0]) if self.status and not paths else 0
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
+def read_document(path: str, name: str, schema: str | None) -> dict[str, Any]:
+    """The result document at ``path``, of benchmark ``name`` (its ``schema`` starts with ``schema``, if given).
+
+    Raises:
+        UsageError: unreadable, not JSON, or not a result of that benchmark.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            document = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: {e}") from e
+    if not isinstance(document, dict) or (schema and not str(document.get("schema", "")).startswith(schema)):
+        raise UsageError(f"{path}: not a result of 'python -m fastpersist.bench {name} --json'")
+    return document
+
+
+# ----------------------------------------------------------------------------- rounds
+
+
+class Rounds:
+    """Methods measured round by round, interleaved: no method always follows another.
+
+    ``warmup`` untimed rounds come first; each round runs every method of each phase (``phases``: a list of
+    method lists, run one after the other) in the round's ``order``:
+
+    * ``fixed``: as given;
+    * ``rotate``: round r starts at the r-th method;
+    * ``reverse``: every other round backwards;
+    * ``shuffle``: a fresh random order from ``random.Random(seed)``.
+
+    ``run(method, round)`` does one method's work of a round and returns its sample (None: nothing to
+    record); the samples of timed rounds are kept in :attr:`samples`. A method that raises, with ``catch``,
+    has its error in :attr:`errors` (``Type: message``) and is left out of the later rounds.
+    """
+
+    def __init__(self, repeats: int, warmup: int = 0, order: str = "fixed", seed: int = 0, catch: bool = True):
+        self.repeats, self.warmup, self.order, self.catch = repeats, warmup, order, catch
+        self.rng = random.Random(seed)
+        self.samples: dict[Hashable, list[Any]] = {}
+        self.errors: dict[Hashable, str] = {}
+
+    def ordered(self, methods: Sequence[Any], index: int) -> list[Any]:
+        """``methods`` in the order of round ``index``."""
+        methods = list(methods)
+        if self.order == "rotate" and methods:
+            shift = index % len(methods)
+            return methods[shift:] + methods[:shift]
+        if self.order == "reverse" and index % 2:
+            return methods[::-1]
+        if self.order == "shuffle":
+            self.rng.shuffle(methods)
+        return methods
+
+    def run(self, phases: Sequence[Sequence[Hashable]], run: Callable[[Any, int], Any]) -> Rounds:
+        """Runs every round (see the class); returns self."""
+        for index in range(self.warmup + self.repeats):
+            for phase in phases:
+                for method in self.ordered(phase, index):
+                    if method in self.errors:
+                        continue
+                    try:
+                        sample = run(method, index)
+                    except Exception as e:  # a method's failure is recorded, the others go on
+                        if not self.catch:
+                            raise
+                        self.errors[method] = f"{type(e).__name__}: {e}"
+                        continue
+                    samples = self.samples.setdefault(method, [])
+                    if index >= self.warmup and sample is not None:
+                        samples.append(sample)
+        return self
+
+    def median(self, method: Hashable, key: str | None = None) -> float | None:
+        """The median of ``method``'s samples (of their ``key``), or None without samples."""
+        values = [s[key] if key else s for s in self.samples.get(method, [])]
+        stats = summarize(values)
+        return stats["median"] if stats else None
+
+
+def timed(
+    action: Callable[[], Any], device: Any = None, memory: bool = False, touch: bool = False
+) -> tuple[Any, dict[str, float]]:
+    """Calls ``action()``: its result and ``{"seconds", "cpu_seconds"}`` of the call (+ ``peak_rss_delta``).
+
+    With a CUDA ``device`` the clock starts and stops with the device idle. CPU seconds are this process's
+    (user + system, all threads): the software's cost, whatever the contention. With ``memory`` the call's
+    peak RSS growth is sampled too (:class:`fastpersist.bench.measure.PeakMemory`); with ``touch`` a byte of
+    every page of the CPU tensors of the result is read before the clock stops (a lazily mapped load is
+    complete only then).
+    """
+    import torch
+
+    from fastpersist.bench.measure import PeakMemory, touch_pages
+
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    cuda = device is not None and torch.device(device).type == "cuda"
+    peak = PeakMemory() if memory else None
+    if cuda:
+        torch.cuda.synchronize(device)
+    with peak or contextlib.nullcontext():
+        cpu_before, start = cpu(), time.perf_counter()
+        result = action()
+        if touch and result is not None:
+            touch_pages(result)
+        if cuda:
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        cpu_seconds = cpu() - cpu_before
+    return result, {"seconds": seconds, "cpu_seconds": cpu_seconds, **({"peak_rss_delta": peak.delta} if peak else {})}
+
+
+def bf16_state(nbytes: int, device: str = "cpu", odd_tail: bool = False) -> dict[str, Any]:
+    """``nbytes`` of random bf16 on ``device`` in 64 MiB tensors ``t0``, ``t1``...: a checkpoint's bulk, the same
+    in every process (seeded). ``odd_tail``: the last 2000 bytes in a tensor of their own, so that ranges and
+    records do not line up."""
+    import torch
+
+    device = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
+    generator = torch.Generator(device=device).manual_seed(0)
+    state, index, left = {}, 0, nbytes // 2
+    while left > 0:
+        count = min(left, 32 << 20)
+        if odd_tail and left - count == 0 and count > 1000:
+            count -= 1000
+        random = torch.randn(count, dtype=torch.float32, device=device, generator=generator)
+        state[f"t{index}"] = random.to(torch.bfloat16)
+        left -= count
+        index += 1
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    return state
+
+
+# ----------------------------------------------------------------------------- child processes
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now (for a process group's rendezvous or a local server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(
+    name: str, argv: Sequence[str], ranks: int = 1, capture: bool = True, group: bool | None = None
+) -> tuple[list[Any], str | None]:
+    """Runs ``python -m fastpersist.bench name *argv --child`` in ``ranks`` fresh processes and waits for them.
+
+    With ``group`` (default: ``ranks`` > 1) the processes form one process group on this host (``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as torchrun sets them). ``capture``: their
+    output is kept (and returned on failure) instead of going to this process's.
+
+    Returns:
+        What each rank's :attr:`Benchmark.child` returned (None where it returned nothing), and None; or no
+        results and the last 3000 characters of their output (or the exit statuses) when one failed.
+    """
+    group = ranks > 1 if group is None else group
+    with tempfile.TemporaryDirectory() as scratch, tempfile.TemporaryFile("w+") as log:
+        out = os.path.join(scratch, "child")
+        command = [sys.executable, "-m", "fastpersist.bench", name, *argv, "--child", "--out", out]
+        env = dict(os.environ)
+        if group:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks))
+        output = {"stdout": log, "stderr": subprocess.STDOUT} if capture else {}
+        processes = [
+            subprocess.Popen(command, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)) if group else env, **output)
+            for r in range(ranks)
+        ]
+        codes = [p.wait() for p in processes]
+        if any(codes):
+            log.seek(0)
+            return [], (log.read() if capture else f"exit statuses {codes}")[-3000:]
+        results = []
+        for rank in range(ranks):
+            path = f"{out}.{rank}"
+            if os.path.exists(path):
+                with open(path) as f:
+                    results.append(json.load(f))
+            else:
+                results.append(None)
+        return results, None
+
+
+# ----------------------------------------------------------------------------- tables and charts
+
+
+def markdown_table(header: Sequence[str], align: str, rows: Sequence[Sequence[Any]]) -> list[str]:
+    """Lines of a Markdown table: ``header``, the alignment row (``align``: ``<`` left, ``>`` right, per
+    column) and one line per row of cells."""
+    rule = "| " + " | ".join("---:" if a == ">" else "---" for a in align) + " |"
+    return ["| " + " | ".join(header) + " |", rule] + ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+
+
+class Svg:
+    """A horizontal bar chart drawn as SVG elements, top to bottom; :meth:`document` closes it."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+
+    def text(self, x: Any, y: Any, text: str, size: int = 12, extra: str = "") -> None:
+        self.parts.append(f'<text x="{x}" y="{y}" font-size="{size}"{extra}>{text}</text>')
+
+    def title(self, y: Any, text: str, size: int = 14) -> None:
+        self.text(10, y, text, size, ' font-weight="bold"')
+
+    def label(self, x: Any, y: Any, text: str) -> None:
+        self.text(x, y, text, 12, ' text-anchor="end"')
+
+    def bar(self, x: Any, y: Any, length: float, height: int, color: str) -> None:
+        self.parts.append(f'<rect x="{x}" y="{y}" width="{length:.1f}" height="{height}" fill="{color}"/>')
+
+    def line(self, x1: float, y1: Any, x2: float, y2: Any, style: str) -> None:
+        self.parts.append(f'<line x1="{x1:.1f}" y1="{y1}" x2="{x2:.1f}" y2="{y2}" {style}/>')
+
+    def document(self, width: int, height: int) -> str:
+        header = (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>'
+        )
+        return header + "".join(self.parts) + "</svg>\n"
