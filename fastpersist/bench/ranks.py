@@ -22,9 +22,9 @@ import torch
 
 from fastpersist import config
 from fastpersist.bench import measure
-from fastpersist.io import targets
 from fastpersist.bench.harness import Benchmark, bf16_state, option, spawn
 from fastpersist.bench.shapes import sink_save
+from fastpersist.io import targets
 from fastpersist.tuning import workloads
 
 __all__ = ["BENCHMARK", "SCHEMA", "main", "to_markdown"]
