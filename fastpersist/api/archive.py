@@ -9,17 +9,19 @@ provider and words a ``weights_only`` refusal as ``torch.load`` does.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from fastpersist.config import Settings
 from fastpersist.errors import CorruptCheckpointError
 from fastpersist.format.deserializer import StorageProvider, deserialize
 from fastpersist.format.zipformat import ReadAt, ZipRecordInfo
 from fastpersist.io.records import has_checksums, record_bytes
 
-__all__ = ["byteorder", "metadata", "rebuild"]
+__all__ = ["LoadRequest", "byteorder", "metadata", "rebuild"]
 
 
 def metadata(
@@ -53,20 +55,34 @@ def byteorder(read_at: ReadAt, records: Mapping[str, ZipRecordInfo], prefix: str
     return order
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadRequest:
+    """What one ``fastpersist.load`` call asks for, resolved once by ``load`` and read by every step after it."""
+
+    map_location: Any
+    pickle_module: Any
+    weights_only: bool
+    mmap: bool
+    verify: bool
+    settings: Settings
+    torch_kwargs: dict[str, Any]
+    """The arguments torch.load takes for what fastpersist hands to it (legacy files, TorchScript, file objects)."""
+    pickle_load_args: dict[str, Any]
+    warn_unverifiable: bool = True
+    """Warn when ``verify`` was asked for explicitly and a record carries no CRC-32."""
+
+
 def rebuild(
     pickle_bytes: bytes,
     records: Mapping[str, ZipRecordInfo],
     prefix: str,
     provider: StorageProvider,
+    request: LoadRequest,
     *,
-    map_location: Any,
-    pickle_module: Any,
-    weights_only: bool,
     byteorder: bytes,
     path: str,
-    pickle_load_args: dict[str, Any],
 ) -> Any:
-    """:func:`~fastpersist.format.deserializer.deserialize`, releasing records as the state grows.
+    """:func:`~fastpersist.format.deserializer.deserialize` as ``request`` asks, releasing records as the state grows.
 
     Raises:
         pickle.UnpicklingError: with torch.load's "Weights only load failed"
@@ -79,16 +95,16 @@ def rebuild(
             records,
             prefix,
             provider,
-            map_location=map_location,
-            pickle_module=pickle_module,
-            weights_only=weights_only,
+            map_location=request.map_location,
+            pickle_module=request.pickle_module,
+            weights_only=request.weights_only,
             byteorder=byteorder,
             path=path,
             release_records=True,
-            **pickle_load_args,
+            **request.pickle_load_args,
         )
     except pickle.UnpicklingError as e:
-        if not weights_only:
+        if not request.weights_only:
             raise
         from torch.serialization import UNSAFE_MESSAGE
 

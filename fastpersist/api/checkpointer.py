@@ -135,7 +135,9 @@ class Checkpointer:
         options = {**self.settings, **settings}
         if self.group is not None:
             options.setdefault("group", self.group)
-        future = futures.async_save(obj, path, mode=self.mode, _released_by_hooks=self._releases, **options)
+        future = (futures.hooked_async_save if self._releases else futures.async_save)(
+            obj, path, mode=self.mode, **options
+        )
         self._pending.append(future)
         return future
 
@@ -179,8 +181,7 @@ class Checkpointer:
     def _release(self) -> None:
         """Lets the state change: each pending save has read it (its copies ordered before what comes next)."""
         for future in self._pending:
-            if future._release is not None and not future.done():
-                future._release.release()
+            future.release_reads()
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         self._release()
@@ -207,4 +208,4 @@ class Checkpointer:
             # still reported (at the next async_save or at exit), not swallowed here.
             pending, self._pending = self._pending, []
             for future in pending:
-                future._finished.wait()
+                future.settle()

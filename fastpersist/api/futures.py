@@ -245,7 +245,6 @@ def async_save(
     divergence: str = "warn",
     per_rank: Iterable[str] = (),
     timeout: float | None = None,
-    _released_by_hooks: bool = False,
     **settings: Any,
 ) -> SaveFuture:
     """Starts saving ``obj`` to the path ``f`` in the background and returns a future.
@@ -315,25 +314,95 @@ def async_save(
         DistributedCheckpointError: (``group=``) on every rank, here or at
             ``result()``, as :func:`fastpersist.save` raises it.
     """
+    return _start(
+        obj,
+        f,
+        pickle_module,
+        pickle_protocol,
+        mode,
+        local_copy,
+        group,
+        settings,
+        released_by_hooks=False,
+        collective=dict(layout=layout, writers=writers, divergence=divergence, per_rank=per_rank, timeout=timeout),
+    )
+
+
+def hooked_async_save(obj: object, f: str | os.PathLike[str], *, mode: str | None, **options: Any) -> SaveFuture:
+    """``async_save`` for :class:`fastpersist.Checkpointer`, whose optimizer-step hooks release the state.
+
+    The snapshot copies may then overlap the caller's next forward pass: the
+    hook (:meth:`~fastpersist.io.queue.SaveFuture.release_reads`) orders the
+    step after them, and a change before the release is detected. ``options``
+    are ``async_save``'s keywords.
+    """
+    pickle_module = options.pop("pickle_module", pickle)
+    pickle_protocol = options.pop("pickle_protocol", DEFAULT_PROTOCOL)
+    local_copy, group = options.pop("local_copy", None), options.pop("group", None)
+    names = ("layout", "writers", "divergence", "per_rank", "timeout")
+    defaults = dict(layout=None, writers="all", divergence="warn", per_rank=(), timeout=None)
+    collective = {name: options.pop(name, defaults[name]) for name in names}
+    return _start(
+        obj,
+        f,
+        pickle_module,
+        pickle_protocol,
+        mode,
+        local_copy,
+        group,
+        options,
+        released_by_hooks=True,
+        collective=collective,
+    )
+
+
+def _start(
+    obj: object,
+    f: Any,
+    pickle_module: Any,
+    pickle_protocol: int,
+    mode: str | None,
+    local_copy: Any,
+    group: Any,
+    settings: dict[str, Any],
+    *,
+    released_by_hooks: bool,
+    collective: dict[str, Any],
+) -> SaveFuture:
+    """Where an ``async_save`` goes: a collective save, a two-tier upload, a safetensors file or a local save."""
     destination = targets.resolve(f)  # the one decision of where the bytes go (fastpersist.io.targets)
     if distributed_save.is_collective(group):
         if local_copy is not None:
             raise ValueError("local_copy= (a two-tier save) cannot be combined with group= (a collective save)")
-        choices = dict(layout=layout, writers=writers, divergence=divergence, per_rank=per_rank, timeout=timeout)
         chosen = distributed_save.options(
-            destination, pickle_module=pickle_module, pickle_protocol=pickle_protocol, **choices
+            destination, pickle_module=pickle_module, pickle_protocol=pickle_protocol, **collective
         )
-        return _collective_async_save(obj, f, destination, group, chosen, mode, settings, _released_by_hooks)
+        return _collective_async_save(obj, f, destination, group, chosen, mode, settings, released_by_hooks)
     if local_copy is not None:
         return _save_through_local_copy(obj, f, destination, local_copy, pickle_module, pickle_protocol, settings)
     if dispatch.wants_safetensors(f, settings.pop("format", None)):
         return dispatch.async_save_safetensors(obj, destination, settings)
+    return _local_async_save(obj, f, destination, pickle_module, pickle_protocol, mode, settings, released_by_hooks)
+
+
+def _local_async_save(
+    obj: object,
+    f: Any,
+    destination: targets.Target,
+    pickle_module: Any,
+    pickle_protocol: int,
+    mode: str | None,
+    settings: dict[str, Any],
+    released_by_hooks: bool,
+) -> SaveFuture:
+    """``async_save`` to a local path: pickled here, the copies (snapshot) or reads (pipelined) and the commit on
+    the save thread."""
     resolved = _begin(f, mode, settings)
     destination = destination.checked()
     path = destination.path
     pipelined = resolved.async_mode == "pipelined"
     # Versions are recorded when someone must decide whether the tensors changed during the reads.
-    recorded: list | None = [] if pipelined or _released_by_hooks else None
+    recorded: list | None = [] if pipelined or released_by_hooks else None
     plan = _plan_recording(obj, archive_name_for(destination.given), pickle_module, pickle_protocol, recorded)
     timeline.mark("pickled")
     # A local commit lands in the directory that is there now, even if it is renamed or deleted meanwhile
@@ -347,7 +416,7 @@ def async_save(
         # For a Checkpointer, the copies overlap the next forward pass: its hooks order the
         # optimizer step after them (release). Otherwise the caller's stream waits at once.
         devices = plan.devices()
-        if _released_by_hooks and devices and all(d.type == "cuda" for d in devices) and queue_idle():
+        if released_by_hooks and devices and all(d.type == "cuda" for d in devices) and queue_idle():
             # The save thread is free: it queues the device-to-host copies itself, on side streams
             # ordered here, so the caller only pickles (queueing ~200 copies was half of a training
             # state's blocked time). Not behind a pending save: the optimizer step would then wait
@@ -358,8 +427,8 @@ def async_save(
             release = _Release(path, recorded, obj)
         else:
             leased = streams = None
-            snapshot = staging.snapshot_plan(plan, caller_waits=not _released_by_hooks)
-            release = _Release(path, recorded, obj) if _released_by_hooks and snapshot.events else None
+            snapshot = staging.snapshot_plan(plan, caller_waits=not released_by_hooks)
+            release = _Release(path, recorded, obj) if released_by_hooks and snapshot.events else None
             if release is not None:
                 release.reads_queued(snapshot.events)
 
@@ -408,9 +477,7 @@ def async_save(
                 release.abandon()
                 plan = streams = None  # as above: nothing the future keeps may hold the state
 
-    future._release = release
-    future._work = releasing(work, destination)
-    submit(future)
+    submit(future.set_work(releasing(work, destination), release))
     timeline.mark("queued")
     return future
 
@@ -521,8 +588,7 @@ def _collective_async_save(
             # The future outlives the save: nothing it keeps may hold the state (as in async_save).
             operation = taken = streams = release = None
 
-    future._release = release
-    future._work = work
+    future.set_work(work, release)
     submit(future)
     timeline.mark("queued")
     return future
@@ -598,7 +664,7 @@ def _save_through_local_copy(
             finally:
                 source.close()
 
-        future._work = work
+        future.set_work(work)
     except BaseException:
         source.close()
         raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import io
 import os
@@ -138,18 +139,11 @@ def load(
             verify_file_object(f)
         return _TORCH_LOAD(f, map_location, **torch_kwargs)
     source = targets.resolve(f)  # the one decision of where the bytes come from (fastpersist.io.targets)
+    request = archive.LoadRequest(
+        map_location, pickle_module, weights_only, mmap, verify, resolved, torch_kwargs, pickle_load_args, explicit
+    )
     if source.remote:  # a store: ranged reads into memory (docs/object-storage.md)
-        return _load_from_store(
-            source,
-            map_location,
-            pickle_module,
-            weights_only,
-            verify,
-            resolved,
-            torch_kwargs,
-            pickle_load_args,
-            warn_unverifiable=explicit,
-        )
+        return _load_from_store(source, request)
     path = os.fspath(f)
     sharded = _load_sharded(
         path,
@@ -166,20 +160,10 @@ def load(
     if weights_only and pickle_load_args:
         # torch warns, and still hands them (``encoding=``) to the weights-only unpickler.
         warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
-    pickle_load_args = {"encoding": "utf-8", **pickle_load_args}  # torch.load's default
+    # torch.load's default encoding
+    request = dataclasses.replace(request, pickle_load_args={"encoding": "utf-8", **pickle_load_args})
     try:
-        return _load_from_path(
-            path,
-            map_location,
-            pickle_module,
-            weights_only,
-            mmap,
-            verify,
-            resolved,
-            torch_kwargs,
-            pickle_load_args,
-            warn_unverifiable=explicit,
-        )
+        return _load_from_path(path, request)
     except OSError as error:  # EIO and the like: torch.load raises RuntimeError for them (open()'s errors stay)
         raise torch_compatible(error, saving=False) from None
 
@@ -203,18 +187,7 @@ def _load_sharded(path: str, group: Any, timeout: float | None, verify: bool, lo
     return _NOT_SHARDED
 
 
-def _load_from_store(
-    source: targets.Target,
-    map_location: Any,
-    pickle_module: Any,
-    weights_only: bool,
-    verify: bool,
-    settings: config.Settings,
-    torch_kwargs: dict[str, Any],
-    pickle_load_args: dict[str, Any],
-    *,
-    warn_unverifiable: bool,
-) -> Any:
+def _load_from_store(source: targets.Target, request: archive.LoadRequest) -> Any:
     """``fastpersist.load(url, ...)``: the file or object of a store, with the arguments as ``load`` resolved them.
 
     It is downloaded whole into one page-aligned buffer (host memory: its
@@ -240,7 +213,7 @@ def _load_from_store(
         pickle.UnpicklingError: weights_only refused an object.
     """
     source = source.checked()
-    path = source.path
+    path, settings, verify = source.path, request.settings, request.verify
     buffer, size = source.download(settings)
     view = memoryview(buffer).cast("B")[:size]
     if size == 0:
@@ -254,9 +227,9 @@ def _load_from_store(
         view = memoryview(buffer).cast("B")[:size]
     head = bytes(view[:16])
     if looks_like_safetensors(head):
-        return dispatch.load_safetensors_buffer(buffer, size, map_location, path)
+        return dispatch.load_safetensors_buffer(buffer, size, request.map_location, path)
     if head[:4] != b"PK\x03\x04":  # legacy (pre-1.6) or foreign format: torch.load knows them
-        return _TORCH_LOAD(io.BytesIO(view), map_location, **torch_kwargs)
+        return _TORCH_LOAD(io.BytesIO(view), request.map_location, **request.torch_kwargs)
 
     def read_at(offset: int, length: int) -> bytes:
         return bytes(view[offset : offset + length])
@@ -264,22 +237,12 @@ def _load_from_store(
     records = RecordTable(read_rows(read_at, size, path, check=verify))
     prefix = archive_prefix(list(records), path)
     if prefix + "constants.pkl" in records:  # a TorchScript archive
-        return _TORCH_LOAD(io.BytesIO(view), map_location, **torch_kwargs)
-    pickle_bytes, order, verify = archive.metadata(read_at, records, prefix, path, verify, warn_unverifiable)
+        return _TORCH_LOAD(io.BytesIO(view), request.map_location, **request.torch_kwargs)
+    pickle_bytes, order, verify = archive.metadata(read_at, records, prefix, path, verify, request.warn_unverifiable)
     whole = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
     provider = MemoryStorageProvider(whole, verify=verify, path=path)
-    return archive.rebuild(
-        pickle_bytes,
-        records,
-        prefix,
-        provider,
-        map_location=map_location,
-        pickle_module=pickle_module,
-        weights_only=weights_only,
-        byteorder=order,
-        path=path,
-        pickle_load_args={"encoding": "utf-8", **pickle_load_args},
-    )
+    request = dataclasses.replace(request, pickle_load_args={"encoding": "utf-8", **request.pickle_load_args})
+    return archive.rebuild(pickle_bytes, records, prefix, provider, request, byteorder=order, path=path)
 
 
 def _open_records(file, path: str, verify: bool) -> tuple[RecordTable, Callable[[int, int], bytes]]:
@@ -364,50 +327,32 @@ def _is_safetensors_stream(f) -> bool:
     return isinstance(head, bytes) and dispatch.looks_like_safetensors(head)
 
 
-def _load_from_path(
-    path,
-    map_location,
-    pickle_module,
-    weights_only,
-    mmap,
-    verify,
-    settings,
-    torch_kwargs,
-    pickle_load_args,
-    warn_unverifiable=True,
-):
+def _load_from_path(path: str, request: archive.LoadRequest) -> Any:
+    """``fastpersist.load`` of a local file, as ``request`` asks."""
+    map_location, settings, verify = request.map_location, request.settings, request.verify
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "expected a checkpoint file, got a directory", path)
     if dispatch.is_safetensors_file(path):
         return dispatch.load_safetensors(path, map_location, settings.as_dict())
     if not dispatch.is_torch_zip_file(path):  # legacy (pre-1.6) or foreign format: torch.load knows them all
-        return _load_with_torch(path, map_location, torch_kwargs)
-    file = engine.File(path, "r", direct=settings.direct and not mmap)
+        return _load_with_torch(path, map_location, request.torch_kwargs)
+    file = engine.File(path, "r", direct=settings.direct and not request.mmap)
     try:
         records, read_at = _open_records(file, path, verify)
         prefix = archive_prefix(list(records), path)
         if prefix + "constants.pkl" in records:  # a TorchScript archive
-            return _TORCH_LOAD(path, map_location, **torch_kwargs)
-        pickle_bytes, order, verify = archive.metadata(read_at, records, prefix, path, verify, warn_unverifiable)
-        if mmap:
+            return _TORCH_LOAD(path, map_location, **request.torch_kwargs)
+        pickle_bytes, order, verify = archive.metadata(
+            read_at, records, prefix, path, verify, request.warn_unverifiable
+        )
+        if request.mmap:
             provider = MmapStorageProvider(path, file.size(), verify=verify)
         else:
             storages = [row for row in records.rows() if row[0].startswith(prefix + "data/")]
             provider = FileStorageProvider(file, storages, settings, verify=verify, path=path)
             del storages
         try:
-            return archive.rebuild(
-                pickle_bytes,
-                records,
-                prefix,
-                provider,
-                map_location=map_location,
-                pickle_module=pickle_module,
-                weights_only=weights_only,
-                byteorder=order,
-                path=path,
-                pickle_load_args=pickle_load_args,
-            )
+            return archive.rebuild(pickle_bytes, records, prefix, provider, request, byteorder=order, path=path)
         finally:
             if isinstance(provider, FileStorageProvider):
                 provider.close()

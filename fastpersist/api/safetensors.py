@@ -265,7 +265,7 @@ def _snapshot_save(plan, destination: targets.Target, resolved: config.Settings)
             taken = None  # the future outlives the save: it must not hold the staging area
 
     future = SaveFuture(destination.path, "snapshot")
-    future._work = releasing(work, destination)
+    future.set_work(releasing(work, destination))
     return submit(future)
 
 

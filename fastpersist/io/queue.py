@@ -102,6 +102,32 @@ class SaveFuture:
         self._mark_checked()
         return self._error
 
+    def settle(self, timeout: float | None = None) -> bool:
+        """Waits until the save finished, without raising its error or counting it as checked; True if it did."""
+        return self._finished.wait(timeout)
+
+    def set_work(self, work: Callable[[], None], release: Any = None) -> SaveFuture:
+        """Gives the future what the save thread runs (once, before :func:`submit`); returns the future.
+
+        Args:
+            work: the background part of the save; its exception becomes the future's.
+            release: for saves that read the caller's tensors in the background, the object whose
+                ``release()`` says they may change again (:meth:`release_reads`).
+
+        Raises:
+            RuntimeError: the work was already set.
+        """
+        if self._work is not None:
+            raise RuntimeError(f"the save to {self.path!r} already has its work")
+        self._work, self._release = work, release
+        return self
+
+    def release_reads(self) -> None:
+        """Tells a pending save that reads the caller's tensors in the background that they may change from now
+        (a Checkpointer's optimizer-step hook calls it; what a change means then: ``fastpersist.api.futures``)."""
+        if self._release is not None and not self.done():
+            self._release.release()
+
     def _mark_checked(self) -> None:
         if not self._checked:
             with _lock:
