@@ -50,8 +50,10 @@ __all__ = [
 SCHEMA = "fastpersist.bench.checkpoint/1"
 _SETTLE_DEFAULT = 5.0
 """Seconds between a round's saves and its loads (see ``--settle``)."""
-_LOAD_REPEATS_DEFAULT = 2
+_LOAD_REPEATS_DEFAULT = 1
 """Cold loads of each method per timed round (see ``--load-repeats``)."""
+_MEMORY_SETTLE_DEFAULT = 2.5
+"""Seconds before each timed load where the guest hands freed memory back to its host (see ``--memory-settle``)."""
 BASELINES = {"save": "torch.save", "load": "torch.load"}
 
 
@@ -92,8 +94,7 @@ def _options(parser: argparse.ArgumentParser) -> None:
         "--load-repeats",
         type=int,
         default=_LOAD_REPEATS_DEFAULT,
-        help="cold loads of each load method per timed round, each after its own cache drop (default: "
-        f"{_LOAD_REPEATS_DEFAULT}: loads are cheap next to saves, and a noisy disk bends a median of few loads)",
+        help="cold loads of each load method per timed round, each after its own cache drop and memory pause",
     )
     how.add_argument("--warmup", type=int, default=1, help="untimed rounds first (still verified)")
     option(
@@ -110,6 +111,14 @@ def _options(parser: argparse.ArgumentParser) -> None:
         help="seconds to wait (after a sync) between a round's saves and its loads, so that every loaded file "
         "has settled: some virtual disks read a file slowly right after it was written (default: "
         f"{_SETTLE_DEFAULT:g} s, 0 on tmpfs)",
+    )
+    how.add_argument(
+        "--memory-settle",
+        type=float,
+        default=None,
+        help="seconds to wait before each timed load, after the page cache is dropped, so that the memory freed "
+        "before it is handed back to the host and every load starts on memory in the same state (default: "
+        f"{_MEMORY_SETTLE_DEFAULT:g} s on a virtual machine with free page reporting, else 0)",
     )
     how.add_argument(
         "--order-seed", type=int, default=0, help="seed of the random method order of every round (recorded)"
@@ -243,6 +252,8 @@ def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, A
         raise UsageError(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if args.repeats < 1 or args.load_repeats < 1 or args.warmup < 0:
         raise UsageError("--repeats and --load-repeats must be at least 1 and --warmup at least 0")
+    if args.memory_settle is not None and args.memory_settle < 0:
+        raise UsageError("--memory-settle must be at least 0")
 
     try:
         overrides = _parse_fp_settings(args.fp_setting)
@@ -296,6 +307,9 @@ def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, A
         )
 
     settle = args.settle if args.settle is not None else (0.0 if fs.get("type") == "tmpfs" else _SETTLE_DEFAULT)
+    memory_settle = args.memory_settle
+    if memory_settle is None:
+        memory_settle = _MEMORY_SETTLE_DEFAULT if system.free_page_reporting() else 0.0
     code = measure.code_version()  # now: the code that runs, whatever is edited meanwhile
     dropper = system.CacheDropper(enabled=not args.no_drop_caches)
     work = None
@@ -339,6 +353,7 @@ def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, A
                     schedule=schedule,
                     settle_seconds=settle,
                     load_repeats=args.load_repeats,
+                    memory_settle_seconds=memory_settle,
                 )
             finally:
                 progress.close()
@@ -347,7 +362,12 @@ def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, A
                 args, spec, layers, state_bytes, len(tensors), results, parent, dropper, ctx, elapsed, build_seconds
             )
             document["machine"]["code"] = code
-            document["order"] = {"seed": args.order_seed, "rounds": schedule, "settle_seconds": settle}
+            document["order"] = {
+                "seed": args.order_seed,
+                "rounds": schedule,
+                "settle_seconds": settle,
+                "memory_settle_seconds": memory_settle,
+            }
             document["ceiling"] = ceiling
             report.annotate_ceiling(document)
             failed = any(r.status == "FAILED" for r in results)

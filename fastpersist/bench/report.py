@@ -210,7 +210,33 @@ def _headline(document: dict[str, Any]) -> list[str]:
     version = f"code: fastpersist {code.get('fastpersist', '?')} at commit {(code.get('commit') or 'unknown')[:12]}"
     if code.get("dirty"):
         version += " with uncommitted changes"
-    return [what, f"dir: {where}", f"machine: {host}", version, rounds, se.get("cache_detail", "")]
+    return [
+        what,
+        f"dir: {where}",
+        f"machine: {host}",
+        version,
+        rounds,
+        se.get("cache_detail", ""),
+        _conditions(document),
+    ]
+
+
+def _conditions(document: dict[str, Any]) -> str:
+    """How the run gave every method of an operation the same conditions, in a sentence ("" for older results)."""
+    order = document.get("order") or {}
+    if "memory_settle_seconds" not in order:
+        return ""
+    pause = order["memory_settle_seconds"]
+    settle = order.get("settle_seconds", 0)
+    if pause:
+        text = (
+            f"equal conditions: before every load, memory released and the page cache dropped, then a {pause:g} s "
+            "pause in which the host takes freed memory back (free page reporting); the same pause before each "
+            "round's saves"
+        )
+    else:
+        text = "equal conditions: before every load, memory released and the page cache dropped"
+    return text + (f"; every loaded file at least {settle:g} s old" if settle else "")
 
 
 def _baseline_note(document: dict[str, Any]) -> str:

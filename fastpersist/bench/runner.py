@@ -93,6 +93,7 @@ def run_benchmark(
     schedule: list[dict[str, Any]] | None = None,
     settle_seconds: float = 0.0,
     load_repeats: int = 1,
+    memory_settle_seconds: float = 0.0,
 ) -> list[MethodResult]:
     """Runs every method ``warmup + repeats`` times, interleaved, and verifies each result.
 
@@ -112,16 +113,28 @@ def run_benchmark(
     run untimed each round to produce their input.
 
     Between a round's saves and its loads everything is synced and then
-    ``settle_seconds`` pass: some (virtual) disks read a file slowly for a
-    while after it was written, which would penalise the load of whichever
-    file was saved last. Each load's sample records its file's age
-    (``file_age_seconds``: from the end of its save to the start of the load).
+    ``settle_seconds`` pass (the first load's memory pause, below, counts
+    towards them): some (virtual) disks read a file slowly for a while after
+    it was written, which would penalise the load of whichever file was saved
+    last. Each load's sample records its file's age (``file_age_seconds``:
+    from the end of its save to the start of the load).
 
     ``load_repeats``: cold loads of each load method per timed round, all of
-    the round's loads in one random order (warm-up rounds load once). Loads
-    cost little next to saves, and a virtual disk that now and then reads a
-    file at a quarter of its speed bends a median of three loads far more
-    often than one of six.
+    the round's loads in one random order (warm-up rounds load once).
+
+    ``memory_settle_seconds``: before each timed load, memory is released
+    (garbage collected, heap trimmed), the page cache dropped, and then this
+    many seconds pass. A virtual machine that reports free memory to its
+    host (:func:`fastpersist.system.free_page_reporting`) hands freed 2 MiB
+    blocks back about two seconds after they are freed; until then a load
+    that takes such blocks (huge pages, the page cache's large folios) finds
+    them backed and fast, afterwards it waits for the host to supply them
+    again. Without the pause a load's speed depends on what the method before
+    it freed (the page cache of the file it read, its state); with it every
+    load starts on memory the host has taken back, as a freshly started
+    process does. Each load sample records the pause
+    (``memory_settle_seconds``); warm-up loads, which are not reported, do
+    not pause.
 
     Returns:
         One :class:`MethodResult` per method: the saves in the given order,
@@ -156,6 +169,8 @@ def run_benchmark(
 
     if load_repeats < 1:
         raise ValueError(f"load_repeats must be at least 1, got {load_repeats}")
+    if memory_settle_seconds < 0:
+        raise ValueError(f"memory_settle_seconds must be at least 0, got {memory_settle_seconds}")
     rounds = warmup + repeats
     rng = random.Random(order_seed)
     for round_index in range(rounds):
@@ -175,6 +190,10 @@ def run_benchmark(
         written_at: dict[str, float] = {}  # save method -> when its save ended (perf_counter)
         created: dict[str, str] = {}  # everything to delete at the end of the round
         try:
+            if not is_warmup and memory_settle_seconds:
+                # The last round's files were deleted: their page cache is free memory the host still backs.
+                system.release_memory()
+                time.sleep(memory_settle_seconds)
             for method in save_order:
                 result = results[("save", method.name)]
                 if result.status != "ok":
@@ -193,7 +212,6 @@ def run_benchmark(
                     del loaded
                 except Exception as e:  # noqa: BLE001 - a failed read-back marks the method FAILED
                     problem = f"reading the file back failed: {_short_error(e)}"
-                system.release_memory()
                 if problem:
                     result.fail(f"verification failed: {problem}")
                     continue
@@ -201,9 +219,10 @@ def run_benchmark(
                 written_at[method.name] = sample.pop("ended")
                 sample.update(round=round_index, warmup=is_warmup, gbps=state_bytes / sample["seconds"] / 1e9)
                 result.samples.append(sample)
+            pause = 0.0 if is_warmup else memory_settle_seconds
             if load_order and written:
                 os.sync()
-                time.sleep(settle_seconds)
+                time.sleep(max(0.0, settle_seconds - pause))  # the first load's pause completes the settle
             for method in load_order:
                 result = results[("load", method.name)]
                 if result.status != "ok":
@@ -217,19 +236,21 @@ def run_benchmark(
                     continue
                 progress(f"round {round_index + 1}/{rounds}: load {method.name}")
                 path = written[method.source]
+                system.release_memory()  # before the drop and the pause: what is freed now settles too
                 cache = dropper.drop([path])
+                time.sleep(pause)
                 ctx.dist.barrier()
                 age = time.perf_counter() - written_at[method.source]
                 sample, loaded = _measure_load(method, state, path, ctx, result)
                 if sample is None:
                     continue
                 sample["file_age_seconds"] = age
+                sample["memory_settle_seconds"] = pause
                 try:
                     problem = measure.verify_state(expected, method.flat(loaded), ctx.device)
                 except Exception as e:  # noqa: BLE001 - a failed comparison marks the method FAILED
                     problem = f"comparing the loaded state failed: {_short_error(e)}"
                 del loaded
-                system.release_memory()
                 if problem:
                     result.fail(f"verification failed: {problem}")
                     continue
@@ -285,7 +306,7 @@ def _measure_save(
 def _measure_load(
     method: LoadMethod, state: Any, path: str, ctx: BenchContext, result: MethodResult
 ) -> tuple[dict[str, Any] | None, Any]:
-    system.release_memory()
+    # The caller released memory before dropping the cache and pausing (run_benchmark).
     ctx.synchronize()
     try:
         with measure.PeakMemory() as memory:

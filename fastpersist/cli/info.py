@@ -137,6 +137,7 @@ def collect_info(directory: str = ".") -> dict[str, Any]:
             "memlock_hard_bytes": hard,
             "cap_ipc_lock": system.effective_capability(14),
             "transparent_huge_pages": system.transparent_huge_pages(),
+            "free_page_reporting": system.free_page_reporting(),
         },
         "checksums": {"crc32_method": engine.crc32_method(), "crc32_threads": checksum.threads()},
         "cuda": cuda,
@@ -183,6 +184,10 @@ def _print_info(info: dict[str, Any]) -> None:
     print(f"  memlock limit     {_limit_text(m['memlock_soft_bytes'])} (hard {_limit_text(m['memlock_hard_bytes'])})")
     print(f"  CAP_IPC_LOCK      {cap}" + ("   (locking is not limited by the memlock limit)" if cap == "yes" else ""))
     print(f"  transparent huge pages  {m['transparent_huge_pages']}")
+    if m["free_page_reporting"]:
+        print("  free page reporting     yes: freed memory goes back to the host; load destinations use 4 KiB pages")
+    else:
+        print("  free page reporting     no")
     k = info["checksums"]
     print("\nChecksums")
     print(

@@ -70,7 +70,7 @@ from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, Ob
 from fastpersist.format.dcp import METADATA_FILE, extension_of
 from fastpersist.format.deserializer import archive_prefix, deserialize
 from fastpersist.format.zipformat import read_directory
-from fastpersist.io import engine, targets
+from fastpersist.io import engine, memory, targets
 from fastpersist.io.reader import stream_to_device
 from fastpersist.tensors import cast_to_byte_tensor, host_memoryview
 
@@ -302,7 +302,7 @@ class _PlanReader:
         residue = offset % PAGE
         if residue % element_size:
             residue = 0
-        buffer = engine.AlignedBuffer(residue + nbytes, lock=False, huge_pages=self.settings.huge_pages)
+        buffer = memory.destination_buffer(residue + nbytes, self.settings.huge_pages)
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=residue)

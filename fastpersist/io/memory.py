@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
+from fastpersist import system
 from fastpersist.io import engine
 from fastpersist.tensors import cast_to_byte_tensor
 
@@ -34,6 +35,9 @@ __all__ = [
     "new_cpu_locked_tensor",
     "free_cpu_locked_tensor",
     "aligned_empty",
+    "destination_buffer",
+    "destination_empty",
+    "destination_huge_pages",
     "lease_buffers",
     "reserve_ring",
     "release_pooled_buffers",
@@ -49,6 +53,7 @@ _HUGE_PAGE = 2 << 20
 
 _warned_unlocked = False
 _warn_lock = threading.Lock()
+_free_page_reporting: bool | None = None  # system.free_page_reporting(), read once per process
 
 
 class _Allocations:
@@ -242,8 +247,8 @@ def aligned_empty(nbytes: int, huge_pages: bool = True, lock: bool = False) -> t
 
     For sizes of 2 MiB and more with ``huge_pages``, the memory is 2 MiB aligned
     and advised for transparent huge pages (far fewer page faults when it is
-    first written, which dominates loads on machines like this one). Used as
-    the destination storage of loaded tensors, read into with O_DIRECT.
+    first written). For memory that is kept and reused (staging areas, offload
+    slots); a load's fresh destination comes from :func:`destination_buffer`.
 
     Args:
         nbytes: size in bytes (0 allowed).
@@ -256,6 +261,40 @@ def aligned_empty(nbytes: int, huge_pages: bool = True, lock: bool = False) -> t
     if lock and nbytes and not buffer.locked:
         _warn_unlocked(buffer.lock_error)
     return _tensor_over(buffer, int(nbytes), torch.uint8)
+
+
+def destination_huge_pages(requested: bool) -> bool:
+    """Whether fresh memory that a load reads into, and that becomes its tensors, goes on transparent huge pages.
+
+    ``requested`` (the ``huge_pages`` setting), except on a virtual machine that hands freed memory back
+    to its host (:func:`fastpersist.system.free_page_reporting`). There a load's fresh huge pages are
+    mostly made of memory the host has taken back, and the guest's zeroing of each one waits for the host
+    to supply it again: on the development VM a fresh process faulted 614 MB of huge pages in at 0.15
+    GB/s and of 4 KiB pages at 0.9 GB/s, and ``fastpersist.load`` of 614 MB ran at 0.15 GB/s into huge
+    pages and 0.95 GB/s into 4 KiB pages (docs/checkpoint-benchmark.md). Pooled staging memory is
+    faulted in once and reused, so it keeps huge pages there.
+    """
+    global _free_page_reporting
+    if not requested:
+        return False
+    if _free_page_reporting is None:
+        _free_page_reporting = system.free_page_reporting()
+    return not _free_page_reporting
+
+
+def destination_buffer(nbytes: int, huge_pages: bool) -> engine.AlignedBuffer:
+    """Fresh page-aligned memory for a load to read ``nbytes`` into: what becomes the loaded tensors.
+
+    On transparent huge pages (2 MiB aligned, for sizes of 2 MiB and more) where
+    :func:`destination_huge_pages` says so for ``huge_pages`` (the setting); unlocked.
+    """
+    huge = destination_huge_pages(huge_pages) and nbytes >= _HUGE_PAGE
+    return engine.AlignedBuffer(int(nbytes), lock=False, huge_pages=huge)
+
+
+def destination_empty(nbytes: int, huge_pages: bool) -> torch.Tensor:
+    """:func:`destination_buffer` of ``nbytes`` as an uninitialised 1-D uint8 CPU tensor."""
+    return _tensor_over(destination_buffer(nbytes, huge_pages), int(nbytes), torch.uint8)
 
 
 class _BufferPool:

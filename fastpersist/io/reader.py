@@ -250,7 +250,7 @@ class FileStorageProvider:
     def _cpu_destination(self, record: ZipRecordInfo) -> torch.UntypedStorage:
         # Same address modulo the page as the file offset: the middle reads directly.
         delta = record.data_offset % _PAGE
-        buffer = engine.AlignedBuffer(delta + record.size, lock=False, huge_pages=self._settings.huge_pages)
+        buffer = memory.destination_buffer(delta + record.size, self._settings.huge_pages)
         return torch.frombuffer(buffer, dtype=torch.uint8, count=record.size, offset=delta).untyped_storage()
 
     def _io(self):

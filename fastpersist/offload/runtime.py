@@ -324,7 +324,7 @@ class Offloaded:
             target = torch.empty(unit.nbytes, dtype=torch.uint8, device=self.device)
             _copy_to_device(unit, host, target, non_blocking=False)  # the pinned host buffer is freed next
         else:
-            target = memory.aligned_empty(unit.nbytes)
+            target = memory.destination_empty(unit.nbytes, self.settings.huge_pages)
             self._read(unit, target)
         self._keep_buffers.append(target)
         _bind(unit, target)

@@ -115,6 +115,7 @@ def machine_info(directory: str | None = None, device: str = "cpu") -> dict[str,
         "device": device,
         "device_name": "cpu",
         "transparent_hugepage": system.transparent_huge_pages(),
+        "free_page_reporting": system.free_page_reporting(),
         "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
         "euid": os.geteuid() if hasattr(os, "geteuid") else None,
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -218,6 +219,36 @@ def touch_pages(loaded: Any) -> None:
         int(storage_byte_view(storage)[::4096].sum())
 
 
+_memcmp = None
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous uint8 tensors hold the same bytes.
+
+    On the CPU through libc's ``memcmp`` (7 GB/s on the development VM, where ``torch.equal`` compared
+    614 MB at 1.3 GB/s and the checkpoint benchmark's checks took 33 s of its three minutes);
+    elsewhere, or without libc, ``torch.equal``.
+    """
+    global _memcmp
+    if a.numel() != b.numel():
+        return False
+    if a.device.type != "cpu" or b.device.type != "cpu" or a.numel() == 0:
+        return torch.equal(a, b)
+    if _memcmp is None:
+        try:
+            import ctypes
+
+            function = ctypes.CDLL(None).memcmp
+            function.restype = ctypes.c_int
+            function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+            _memcmp = function
+        except (OSError, AttributeError, TypeError):  # no C library to load (not a POSIX system)
+            _memcmp = False
+    if _memcmp is False:
+        return torch.equal(a, b)
+    return _memcmp(a.data_ptr(), b.data_ptr(), a.numel()) == 0
+
+
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if not t.is_contiguous():
@@ -262,7 +293,7 @@ def verify_state(
         b = _bytes_of(got)
         if b.device != a.device:
             b = b.to(a.device)
-        if not torch.equal(a, b):
+        if not _same_bytes(a, b):
             index = int((a != b).nonzero()[0]) if a.numel() else 0
             return f"{key}: bytes differ (first at byte {index} of {a.numel()})"
     if got_objects is not None:

@@ -86,7 +86,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("read_buffer_count", (8, 16, 32), "buffers in the CUDA-load ring (only matters with --device cuda)"),
     Knob("single_submit", (False, True), "one system call per request (io_uring)"),
     Knob("overlap_events", (True, False), "reap completions while submitting"),
-    Knob("huge_pages", (True, False), "transparent huge pages for load destinations"),
+    Knob("huge_pages", (True, False), "transparent huge pages for staging rings and load destinations"),
 )
 QUICK_KNOBS: tuple[Knob, ...] = (
     Knob("engine", ("auto", "io_uring", "threads"), "I/O engine"),
@@ -96,7 +96,7 @@ QUICK_KNOBS: tuple[Knob, ...] = (
     Knob("intra_op_parallelism", _lanes(2), "lanes splitting one request"),
     Knob("buffer_size", _sizes(32, 64, 128), "bytes per staging buffer"),
     Knob("buffer_count", (2, 4), "staging buffers in the save ring"),
-    Knob("huge_pages", (True, False), "transparent huge pages for load destinations"),
+    Knob("huge_pages", (True, False), "transparent huge pages for staging rings and load destinations"),
 )
 
 

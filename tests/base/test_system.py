@@ -78,3 +78,24 @@ def test_fio_is_found_or_the_hint_says_how_to_install(monkeypatch):
     monkeypatch.setenv("PATH", "")
     assert system.find_fio() is None
     assert "apt-get install fio" in system.FIO_INSTALL_HINT
+
+
+def _balloon(root, name, features):
+    device = root / name
+    device.mkdir()
+    (device / "features").write_text(features + "\n")
+
+
+def test_free_page_reporting_is_read_from_the_balloons_negotiated_feature_bits(tmp_path):
+    assert system.free_page_reporting(str(tmp_path / "missing")) is False  # no virtio balloon driver
+    (tmp_path / "bind").write_text("")  # the driver directory's other entries are not devices
+    (tmp_path / "module").mkdir()
+    assert system.free_page_reporting(str(tmp_path)) is False
+    _balloon(tmp_path, "virtio0", "0110001" + "0" * 57)  # stats, deflate on OOM: no reporting (bit 5)
+    assert system.free_page_reporting(str(tmp_path)) is False
+    _balloon(tmp_path, "virtio7", "0110010100" + "0" * 54)  # bit 5: VIRTIO_BALLOON_F_REPORTING
+    assert system.free_page_reporting(str(tmp_path)) is True
+
+
+def test_free_page_reporting_of_this_machine_is_a_bool():
+    assert isinstance(system.free_page_reporting(), bool)

@@ -284,6 +284,10 @@ def test_tiny_end_to_end_run_with_baselines_json_and_markdown(tmp_path, capsys):
             "5",
             "--settle",
             "0.2",
+            "--load-repeats",
+            "2",
+            "--memory-settle",
+            "0.05",
         ]
     )
     printed = capsys.readouterr().out
@@ -310,7 +314,9 @@ def test_tiny_end_to_end_run_with_baselines_json_and_markdown(tmp_path, capsys):
     assert set(ops) == {("save", n) for n in ("torch.save", "torch.save-fast", "safetensors", "dcp")} | {
         ("load", n) for n in ("torch.load", "torch.load-mmap", "safetensors.load", "dcp.load")
     }
-    assert document["settings"]["load_repeats"] == 2  # the default
+    assert document["settings"]["load_repeats"] == 2
+    assert document["order"]["memory_settle_seconds"] == 0.05
+    assert isinstance(document["machine"]["free_page_reporting"], bool)
     for r in ops.values():
         assert r["status"] == "ok", r
         timed = 2 * (2 if r["op"] == "load" else 1)  # 2 rounds; each load method twice a round
@@ -323,8 +329,14 @@ def test_tiny_end_to_end_run_with_baselines_json_and_markdown(tmp_path, capsys):
         if r["op"] == "load":
             assert all(s["cache"] == document["settings"]["cache"] for s in r["samples"])
             assert all(s["file_age_seconds"] >= 0.2 for s in r["samples"])  # every loaded file settled first
+            # every timed load paused after its cache drop; warm-up loads (not reported) did not
+            assert {s["memory_settle_seconds"] for s in r["samples"]} == {0.0, 0.05}
+            assert all(s["memory_settle_seconds"] == (0.0 if s["warmup"] else 0.05) for s in r["samples"])
     assert "torch.save + fsync" in printed and "verified" in printed
     assert "median of 2 rounds after 1 warm-up (loads: 2 per round, 4 in all)" in printed
+    assert "equal conditions: before every load, memory released and the page cache dropped, then a 0.05 s pause" in (
+        printed
+    )
 
     markdown = report.to_markdown([document, document])
     assert markdown.count("| op | method | GB/s |") == 2
@@ -342,6 +354,76 @@ def test_training_state_round_trips_through_every_baseline(tmp_path):
     loads = [checkpoint.LOAD_METHODS[n] for n in ("torch.load", "torch.load-mmap", "safetensors.load", "dcp.load")]
     results = checkpoint.run_benchmark(state, saves, loads, str(tmp_path), repeats=1, warmup=0, dropper=_WARM)
     assert [(r.name, r.status, r.reason) for r in results if r.status != "ok"] == []
+
+
+def test_every_timed_load_and_each_rounds_saves_follow_a_release_a_drop_and_the_memory_pause(tmp_path, monkeypatch):
+    from fastpersist.bench import runner
+
+    events = []
+
+    class Dropper:
+        mode = detail = "recorded"
+
+        def drop(self, paths):
+            events.append("drop")
+            return "recorded"
+
+    monkeypatch.setattr(system, "release_memory", lambda collect=True: events.append("release"))
+    monkeypatch.setattr(runner.time, "sleep", lambda seconds: events.append(("sleep", seconds)))
+    real_save, real_load = runner._measure_save, runner._measure_load
+    monkeypatch.setattr(runner, "_measure_save", lambda *a: events.append("save") or real_save(*a))
+    monkeypatch.setattr(runner, "_measure_load", lambda *a: events.append("load") or real_load(*a))
+    results = checkpoint.run_benchmark(
+        workloads.build_state("toy"),
+        [torch_baselines.TorchSave()],
+        [torch_baselines.TorchLoad(), torch_baselines.TorchLoadMmap()],
+        str(tmp_path),
+        repeats=1,
+        warmup=1,
+        dropper=Dropper(),
+        settle_seconds=5.0,
+        memory_settle_seconds=2.0,
+    )
+    assert all(r.status == "ok" for r in results)
+    timed = events[events.index("load") + 1 :]
+    timed = timed[next(i for i, e in enumerate(timed) if e == "release" and timed[i + 1] == ("sleep", 2.0)) :]
+    # the timed round: the pause before its saves, the settle less the first load's pause, then per load
+    # release -> drop -> pause -> load (and no release between the pause and the load)
+    assert timed[:3] == ["release", ("sleep", 2.0), "save"]
+    assert ("sleep", 3.0) in timed
+    loads = [i for i, e in enumerate(timed) if e == "load"]
+    assert len(loads) == 2
+    for i in loads:
+        assert timed[i - 3 : i] == ["release", "drop", ("sleep", 2.0)]
+    warmup = events[: events.index("load") + 1]
+    assert ("sleep", 5.0) in warmup and ("sleep", 2.0) not in warmup  # warm-up: full settle, no memory pause
+    for result in results:
+        if result.op == "load":
+            assert [s["memory_settle_seconds"] for s in result.samples] == [0.0, 2.0]
+            assert all(s["cache"] == "recorded" for s in result.samples)
+
+
+def test_memory_settle_defaults_to_a_pause_only_where_freed_memory_goes_back_to_the_host(tmp_path, monkeypatch):
+    seen = []
+    real = checkpoint.run_benchmark
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["memory_settle_seconds"])
+        return real(*args, **kwargs)
+
+    from fastpersist.bench import runner
+
+    monkeypatch.setattr(checkpoint, "run_benchmark", recording)
+    monkeypatch.setattr(runner.time, "sleep", lambda seconds: None)  # the pauses themselves are not tested here
+    arguments = ["--model", "toy", "--methods", "torch.save,torch.load", "--repeats", "1", "--warmup", "0"]
+    arguments += ["--dir", str(tmp_path), "--no-progress", "--no-ceiling", "--no-drop-caches", "--settle", "0"]
+    for reporting, expected in ((True, 2.5), (False, 0.0)):
+        monkeypatch.setattr(system, "free_page_reporting", lambda reporting=reporting: reporting)
+        assert checkpoint.main(arguments) == 0
+        assert seen[-1] == expected
+    assert checkpoint.main(arguments + ["--memory-settle", "0.5"]) == 0
+    assert seen[-1] == 0.5
+    assert checkpoint.build_parser().parse_args([]).load_repeats == 1
 
 
 def test_a_load_without_its_save_runs_that_save_untimed(tmp_path):
@@ -363,6 +445,11 @@ def test_bad_arguments_are_rejected(tmp_path, capsys):
     assert "--load-repeats must be at least 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="load_repeats"):
         checkpoint.run_benchmark({}, [], [], str(tmp_path), load_repeats=0)
+    with pytest.raises(SystemExit):
+        checkpoint.main(["--memory-settle", "-1", "--dir", str(tmp_path)])
+    assert "--memory-settle must be at least 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="memory_settle_seconds"):
+        checkpoint.run_benchmark({}, [], [], str(tmp_path), memory_settle_seconds=-1)
     assert checkpoint.main(["--list-models"]) == 0
     assert "llama-3-8b" in capsys.readouterr().out
 
@@ -394,6 +481,8 @@ def test_png_is_written_or_skipped_with_a_note(tmp_path):
             "--no-drop-caches",
             "--no-ceiling",
             "--settle",
+            "0",
+            "--memory-settle",
             "0",
         ]
     )

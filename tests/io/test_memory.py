@@ -292,3 +292,29 @@ def test_cpu_saves_do_not_initialize_cuda_and_pooled_buffers_register_later(tmp_
         [sys.executable, "-c", _CPU_SAVE_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("reporting", [False, True])
+def test_load_destinations_leave_huge_pages_where_freed_memory_goes_back_to_the_host(tmp_path, monkeypatch, reporting):
+    import fastpersist
+
+    monkeypatch.setattr(memory, "_free_page_reporting", reporting)
+    made = []
+    real = engine.AlignedBuffer
+
+    def recording(nbytes, lock=True, huge_pages=False):
+        made.append((nbytes, huge_pages))
+        return real(nbytes, lock, huge_pages)
+
+    monkeypatch.setattr(engine, "AlignedBuffer", recording)
+    assert memory.destination_huge_pages(True) is not reporting
+    assert memory.destination_huge_pages(False) is False
+    assert memory.destination_buffer(4 << 20, True).huge_pages is (not reporting)
+    assert memory.destination_buffer(1 << 20, True).huge_pages is False  # below one huge page
+    assert memory.destination_empty(4 << 20, False).numel() == 4 << 20
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # one 4 MiB record: read in place
+    torch.save(state, tmp_path / "t.pt")
+    made.clear()
+    assert torch.equal(fastpersist.load(tmp_path / "t.pt", map_location="cpu")["w"], state["w"])
+    destinations = [huge for nbytes, huge in made if nbytes >= 4 << 20]
+    assert destinations == [not reporting]
