@@ -123,8 +123,8 @@ class Settings:
     to lock its ring, which later saves reuse (measured in
     [performance.md](performance.md#staging-memory-on-huge-pages)). On a virtual machine that hands freed memory back
     to its host (virtio-balloon free page reporting, shown by ``fastpersist info``) load destinations stay on 4 KiB
-    pages whatever this says: fresh huge pages there are mostly memory the host took back, and fault in about 6x
-    slower (see [checkpoint-benchmark.md](checkpoint-benchmark.md#equal-conditions-for-every-load))."""
+    pages whatever this says: fresh huge pages there are mostly memory the host took back, and fault in several
+    times slower (see [checkpoint-benchmark.md](checkpoint-benchmark.md#equal-conditions-for-every-load))."""
     async_mode: str = "pipelined"
     """``async_save``: ``pipelined`` writes straight from the live tensors (no extra memory; the state must not change
     until the save is done), ``snapshot`` copies the state into a reusable pinned staging area first (host memory =

@@ -423,7 +423,7 @@ def test_memory_settle_defaults_to_a_pause_only_where_freed_memory_goes_back_to_
         assert seen[-1] == expected
     assert checkpoint.main(arguments + ["--memory-settle", "0.5"]) == 0
     assert seen[-1] == 0.5
-    assert checkpoint.build_parser().parse_args([]).load_repeats == 1
+    assert checkpoint.BENCHMARK.parser().parse_args([]).load_repeats == 1
 
 
 def test_a_load_without_its_save_runs_that_save_untimed(tmp_path):
