@@ -42,6 +42,7 @@ is kept: it is the fast tier a restart may load.
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 import threading
@@ -334,25 +335,22 @@ def hooked_async_save(obj: object, f: str | os.PathLike[str], *, mode: str | Non
     The snapshot copies may then overlap the caller's next forward pass: the
     hook (:meth:`~fastpersist.io.queue.SaveFuture.release_reads`) orders the
     step after them, and a change before the release is detected. ``options``
-    are ``async_save``'s keywords.
+    are ``async_save``'s keywords, with its defaults (bound against its signature).
     """
-    pickle_module = options.pop("pickle_module", pickle)
-    pickle_protocol = options.pop("pickle_protocol", DEFAULT_PROTOCOL)
-    local_copy, group = options.pop("local_copy", None), options.pop("group", None)
-    names = ("layout", "writers", "divergence", "per_rank", "timeout")
-    defaults = dict(layout=None, writers="all", divergence="warn", per_rank=(), timeout=None)
-    collective = {name: options.pop(name, defaults[name]) for name in names}
+    bound = inspect.signature(async_save).bind(obj, f, mode=mode, **options)
+    bound.apply_defaults()
+    given = bound.arguments
     return _start(
         obj,
         f,
-        pickle_module,
-        pickle_protocol,
+        given["pickle_module"],
+        given["pickle_protocol"],
         mode,
-        local_copy,
-        group,
-        options,
+        given["local_copy"],
+        given["group"],
+        given["settings"],
         released_by_hooks=True,
-        collective=collective,
+        collective={name: given[name] for name in ("layout", "writers", "divergence", "per_rank", "timeout")},
     )
 
 
