@@ -56,6 +56,7 @@ __all__ = [
     "UsageError",
     "ReplicaDivergenceWarning",
     "NonAtomicSaveWarning",
+    "caller_location",
     "warn_at_caller",
     "torch_compatible",
     "unsupported_object_error",
@@ -254,12 +255,33 @@ class NonAtomicSaveWarning(UserWarning):
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+def caller_location() -> tuple[str, int, dict] | None:
+    """The first frame outside fastpersist, as ``(file name, line, its module's globals)``, or None.
+
+    Taken by an entry point whose warnings may be raised later on the
+    background save thread (:func:`warn_at_caller` with ``location=``).
+    """
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
+
+
+def warn_at_caller(
+    message: str, category: type[Warning] = UserWarning, location: tuple[str, int, dict] | None = None
+) -> None:
     """``warnings.warn`` attributed to the first frame outside fastpersist: the user's line, not ours.
 
-    (On the background save thread every frame is ours or the thread's: the
-    warning then names where that thread started.)
+    ``location`` (from :func:`caller_location`, taken in the caller) names
+    that line from another thread: on the background save thread every frame
+    is ours or the thread's.
     """
+    if location is not None:
+        filename, line, module_globals = location
+        registry = module_globals.setdefault("__warningregistry__", {})
+        module = module_globals.get("__name__", "")
+        warnings.warn_explicit(message, category, filename, line, module, registry, module_globals)
+        return
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1

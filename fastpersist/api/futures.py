@@ -59,6 +59,7 @@ from fastpersist.io import device_crc, memory, staging, targets, timeline
 from fastpersist.io.commit import releasing, target_kind
 from fastpersist.io.queue import (
     SaveFuture,
+    has_slot,
     pending_saves,
     queue_idle,
     report_unchecked_as_warnings,
@@ -407,21 +408,31 @@ def _local_async_save(
     # (an error path below closes the anchor when the target is dropped).
     destination = destination.anchored()
     future = SaveFuture(path, resolved.async_mode)
-    # Wait for a slot before snapshotting, so at most async_max_pending staging areas exist.
-    wait_for_slot(resolved.async_max_pending)
+    # For a Checkpointer, whose hooks order the optimizer step after the reads or copies, the save thread
+    # takes the state when it gets to this save, and the hook before the next step waits for that (beside the
+    # forward pass) rather than this call: always for pipelined reads; for snapshot copies when the queue is
+    # idle (the copies start at once) or when this call would wait for a staging area anyway. A snapshot
+    # behind a pending save with a staging area free is copied here, so the step does not wait for that
+    # write. CPU storages are always copied here: nothing orders their changes.
+    devices = plan.devices()
+    idle = queue_idle()
+    on_save_thread = released_by_hooks and (
+        pipelined
+        or bool(devices)
+        and all(d.type == "cuda" for d in devices)
+        and (idle or not has_slot(resolved.async_max_pending))
+    )
+    if not on_save_thread:
+        wait_for_slot(resolved.async_max_pending)  # at most async_max_pending staging areas (or uploads) exist
     timeline.mark("slot")
     if not pipelined:
-        # For a Checkpointer, the copies overlap the next forward pass: its hooks order the
-        # optimizer step after them (release). Otherwise the caller's stream waits at once.
-        devices = plan.devices()
-        if released_by_hooks and devices and all(d.type == "cuda" for d in devices) and queue_idle():
-            # The save thread is free: it queues the device-to-host copies itself, on side streams
-            # ordered here, so the caller only pickles (queueing ~200 copies was half of a training
-            # state's blocked time). Not behind a pending save: the optimizer step would then wait
-            # for that save's write. CPU storages are still copied here: nothing orders their changes.
+        if on_save_thread:
+            # The save thread queues the device-to-host copies itself, on side streams ordered here. With the
+            # queue idle the staging area is leased here (an allocation error is the caller's, as for every
+            # snapshot); behind a pending save, by the save thread once that save has given its area back.
             snapshot = None
             streams = side_streams(plan)
-            leased = staging.lease(plan)  # an allocation error is the caller's, as for every snapshot
+            leased = staging.lease(plan) if idle else None
             release = _Release(path, recorded, obj)
         else:
             leased = streams = None
@@ -507,11 +518,16 @@ def _collective_async_save(
     settings: dict[str, Any],
     released_by_hooks: bool,
 ) -> SaveFuture:
-    """``async_save`` with ``group=``: plan, verify and capture here; write and commit on the save thread.
+    """``async_save`` with ``group=``: pickled here; the rest here or on the save thread.
 
-    See :mod:`fastpersist.distributed.save` for the phases. The phases in the
-    caller exchange through the group's store only, as do those on the save
-    thread: no collective of the group's backend runs there.
+    See :mod:`fastpersist.distributed.save` for the phases. A pipelined save,
+    or any save a Checkpointer's hooks release, exchanges its plan, verifies
+    and reads or copies the state on the save thread, after the saves before
+    it: the caller only pickles, and the next optimizer step waits (in the
+    hook) until the state is read. A bare snapshot does all that here, so the
+    state may change as soon as the call returns. Either way the exchanges go
+    through the group's store: no collective of the group's backend runs on
+    the save thread.
     """
     if dispatch.wants_safetensors(f, settings.pop("format", None)):
         raise distributed_save.safetensors_refused(f)
@@ -528,8 +544,34 @@ def _collective_async_save(
         planner=lambda o, archive: _plan_recording(o, archive, module, protocol, recorded),
     )
     try:
-        operation.plan_phase()
-        timeline.mark("pickled")  # and the plan exchanged
+        operation.plan_locally()
+    except BaseException as error:
+        operation.abort(error)
+        raise
+    timeline.mark("pickled")
+    path = os.fspath(f)
+    future = SaveFuture(path, resolved.async_mode)
+    future.collective = True
+    release = None
+    if pipelined or released_by_hooks:
+        # Ordered here after the work queued so far on the caller's streams, which the save thread cannot see.
+        streams = side_streams(operation.local_plan())
+        release = _Release(path, recorded, obj)
+        if not released_by_hooks:
+            wait_for_slot(resolved.async_max_pending)  # the hooks bound a Checkpointer's saves instead
+        work = _collective_work(operation, future, release, streams, pipelined)
+    else:
+        work = _collective_work(operation, future, None, None, False, _capture_here(operation, resolved))
+    future.set_work(work, release)
+    submit(future)
+    timeline.mark("queued")
+    return future
+
+
+def _capture_here(operation, resolved: config.Settings):
+    """A bare collective snapshot's plan exchange, verify and copies, in the caller; returns the copies."""
+    try:
+        operation.exchange_plan()
         wait_for_slot(resolved.async_max_pending)  # at most async_max_pending staging areas exist
         timeline.mark("slot")
         operation.verify()  # before the capture: each rank then knows exactly which bytes it writes
@@ -537,32 +579,30 @@ def _collective_async_save(
         operation.abort(error)
         raise
     timeline.mark("verified")
-    path = os.fspath(f)
-    taken = streams = release = None
     try:
         plan, pieces = operation.share()
-        if pipelined:
-            # The copies must come after the work queued so far on the caller's streams.
-            streams = side_streams(plan)
-            release = _Release(path, recorded, obj)
-        else:
-            cropped = plan.cropped([(p.start, p.end) for p in pieces])  # this rank's share only
-            taken = staging.snapshot_plan(cropped, caller_waits=not released_by_hooks)
-            if released_by_hooks and taken.events:
-                release = _Release(path, recorded, obj)
-                release.reads_queued(taken.events)
+        return staging.snapshot_plan(plan.cropped([(p.start, p.end) for p in pieces]), caller_waits=True)
     except BaseException as error:
-        if taken is not None:
-            taken.release()
         operation.abort(error)
         operation.fail(error)  # the others wait in the write step: they raise too (and so does this)
         raise
-    future = SaveFuture(path, resolved.async_mode)
-    future.collective = True
+
+
+def _collective_work(operation, future: SaveFuture, release, streams, pipelined: bool, taken=None):
+    """The save thread's part of a collective ``async_save``: what the caller left, then write and commit."""
 
     def work() -> None:
         nonlocal operation, taken, streams, release
         try:
+            if operation.pieces is None:  # plan, verify and capture here
+                operation.exchange_plan()
+                operation.verify(streams)
+                plan, pieces = operation.share()
+                if not pipelined:
+                    taken = staging.snapshot_plan(
+                        plan.cropped([(p.start, p.end) for p in pieces]), caller_waits=False, streams=streams
+                    )
+                    release.reads_queued(taken.events)
             if taken is not None:
                 taken.wait_copies()
             timeline.mark("opened")
@@ -586,10 +626,7 @@ def _collective_async_save(
             # The future outlives the save: nothing it keeps may hold the state (as in async_save).
             operation = taken = streams = release = None
 
-    future.set_work(work, release)
-    submit(future)
-    timeline.mark("queued")
-    return future
+    return work
 
 
 def prepare(obj: object, *, mode: str | None = None, **settings: Any) -> int:

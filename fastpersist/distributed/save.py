@@ -90,11 +90,12 @@ from fastpersist.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from fastpersist.distributed.manifest import Manifest, PartInfo, part_name
 from fastpersist.distributed.objectstore import ObjectParts
 from fastpersist.distributed.sharding import DEFAULT_ALIGNMENT, ByteRange, shard_ranges, split_range, writer_ranks
-from fastpersist.errors import DistributedCheckpointError, ReplicaDivergenceWarning, warn_at_caller
+from fastpersist.errors import DistributedCheckpointError, ReplicaDivergenceWarning, caller_location, warn_at_caller
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
 from fastpersist.io import commit, engine, queue, targets
 from fastpersist.io.checksum import crc32_combine_all
+from fastpersist.io.ring import on_streams
 from fastpersist.io.writer import idle_work, side_streams, write_plan
 from fastpersist.tensors import host_memoryview
 
@@ -316,6 +317,7 @@ class CollectiveSave:
             )
         )
         self.began = time.perf_counter()
+        self.caller = caller_location()  # where a divergence warning belongs, also when raised on the save thread
         description = f"{choices.layout}, writers={choices.writers}, {os.path.basename(self.destination.path)}"
         self.coordinator = Coordinator(group, choices.timeout, "save", description)
         self.rank = self.coordinator.rank
@@ -365,18 +367,29 @@ class CollectiveSave:
     # ------------------------------------------------------------------ phases
 
     def plan_phase(self) -> None:
-        """Pickles and plans this rank's object; exchanges hosts and rank 0's layout; splits the file.
+        """:meth:`plan_locally`, then :meth:`exchange_plan`."""
+        self.plan_locally()
+        self.exchange_plan()
 
-        The pickling comes first, beside a collective save still pending in
-        this process; the call then waits for that save before it joins its
-        group's next call (:func:`fastpersist.io.queue.wait_collective`) and
-        before rank 0 creates its temporary file.
+    def plan_locally(self) -> None:
+        """Pickles and plans this rank's object (in the caller: the object's structure is taken now).
+
+        Raises:
+            DistributedCheckpointError: on every rank, when it failed on one.
         """
         try:
             self._plan_locally()
         except BaseException as error:
             self.fail(error, "plan")  # every rank raises
             raise
+
+    def exchange_plan(self) -> None:
+        """Exchanges hosts and rank 0's layout; rank 0 creates its temporary file (``layout="file"``).
+
+        Called in the caller, it first waits for a collective save still
+        pending in this process (:func:`fastpersist.io.queue.wait_collective`);
+        on the save thread, the saves before it are done already.
+        """
         queue.wait_collective()
         reports = self.coordinator.run("plan", self._prepare, last=False)
         self.marks["plan"] = time.perf_counter() - self.began
@@ -396,6 +409,10 @@ class CollectiveSave:
             self.store = ObjectParts(destination, self.settings)
             self.target = self.store.target
         self._own = self.planner(self.obj, archive_name_for(self.target))
+
+    def local_plan(self) -> SavePlan:
+        """This rank's plan of its own object (after :meth:`plan_locally`): which devices its tensors are on."""
+        return self._own if self._own is not None else self.plan
 
     def _prepare(self) -> dict[str, Any]:
         own = self._own
@@ -438,7 +455,7 @@ class CollectiveSave:
             return []
         return sorted(self.present)
 
-    def verify(self) -> None:
+    def verify(self, streams=None) -> None:
         """Which storages every writer holds as rank 0 does, and what to say about those it does not.
 
         Before the write (an asynchronous save, in the caller) it computes and
@@ -448,12 +465,15 @@ class CollectiveSave:
         bytes differ are compared by value (:func:`~fastpersist.distributed.replicas.value_digests`)
         in one more exchange, and ``divergence`` applies to those whose values differ.
 
+        ``streams`` (before the write, on the save thread): the side streams,
+        made in the caller, on which the digests are computed.
+
         Raises:
             DistributedCheckpointError: on every rank, ``divergence="error"``
                 and values differ outside ``per_rank`` (nothing committed).
         """
         if not self.written:  # before the write
-            reports = self.coordinator.run("verify", self._digest_before_write, last=False)
+            reports = self.coordinator.run("verify", self._digest_before_write, streams, last=False)
             self.verified = True
             digests = [r.get("digests") for r in reports]
         else:
@@ -471,11 +491,12 @@ class CollectiveSave:
             self._reassign(digests)
         self.marks["verify"] = time.perf_counter() - self.began
 
-    def _digest_before_write(self) -> dict[str, Any]:
+    def _digest_before_write(self, streams=None) -> dict[str, Any]:
         self._split()
         compared = self._compared()
-        # On the caller's streams: the digests see what the caller queued, and its next kernels come after.
-        found = replicas.storage_digests([self.present[o] for o in compared]) if compared else []
+        # On the caller's streams (or side streams it made): the digests see what the caller queued.
+        with on_streams(streams):
+            found = replicas.storage_digests([self.present[o] for o in compared]) if compared else []
         return {"digests": dict(zip(compared, found))}
 
     def _judge(self, candidates: dict[int, list[int]]) -> None:
@@ -522,6 +543,7 @@ class CollectiveSave:
                 "metrics: name their key paths in per_rank= to say so); for weights it means the replicas drifted "
                 "apart. divergence='ignore' silences this, 'error' refuses",
                 ReplicaDivergenceWarning,
+                self.caller,
             )
 
     def _reassign(self, digests: list[dict[int, Any] | None]) -> None:

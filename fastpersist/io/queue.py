@@ -38,6 +38,7 @@ __all__ = [
     "pending_saves",
     "queue_idle",
     "wait_for_slot",
+    "has_slot",
     "wait_collective",
     "report_unchecked_as_warnings",
 ]
@@ -275,6 +276,12 @@ def wait_for_slot(max_pending: int) -> None:
                 return
             oldest = _in_flight[0]
         oldest._finished.wait()
+
+
+def has_slot(max_pending: int) -> bool:
+    """Whether :func:`wait_for_slot` would return at once: fewer than ``max_pending`` saves in flight."""
+    with _lock:
+        return sum(not f._finished.is_set() for f in _in_flight) < max_pending
 
 
 def wait_collective() -> None:

@@ -37,7 +37,7 @@ import torch
 from fastpersist.io import memory
 from fastpersist.tensors import host_memoryview
 
-__all__ = ["Ring", "Slot", "SharedHandle", "side_stream", "side_streams", "read_events"]
+__all__ = ["Ring", "Slot", "SharedHandle", "side_stream", "side_streams", "read_events", "on_streams"]
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -54,6 +54,19 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 def side_streams(plan) -> dict[torch.device, torch.cuda.Stream]:
     """One copy stream per CUDA device of ``plan`` (:func:`side_stream`), made on the calling thread."""
     return {device: side_stream(device) for device in plan.devices() if device.type == "cuda"}
+
+
+@contextlib.contextmanager
+def on_streams(streams):
+    """Makes each of ``streams`` (``{device: stream}``, from :func:`side_streams`) current on its device.
+
+    Work queued meanwhile on another thread than the one that made them (the
+    save thread) still comes after what that thread had queued.
+    """
+    with contextlib.ExitStack() as stack:
+        for stream in (streams or {}).values():
+            stack.enter_context(torch.cuda.stream(stream))
+        yield
 
 
 def read_events(streams) -> list[tuple[torch.device, torch.cuda.Event]]:
