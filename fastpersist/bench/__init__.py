@@ -7,8 +7,7 @@ one :class:`fastpersist.bench.harness.Benchmark` (``BENCHMARK``, its ``main``
 is ``BENCHMARK.main``): its options, what it measures and how its documents
 read; the harness does the command line, rounds, child processes, JSON,
 reports and charts the same way for all. The checkpoint benchmark's methods
-are in :mod:`fastpersist.bench.methods`, its rounds in
-:mod:`fastpersist.bench.runner`, its tables and the docs' blocks in
+are in :mod:`fastpersist.bench.methods`, its tables and the docs' blocks in
 :mod:`fastpersist.bench.report`.
 
 Add one with :func:`register` (or by adding it to :data:`SUBCOMMANDS`); the
