@@ -25,22 +25,8 @@ import torch
 from fastpersist import config, display, system
 from fastpersist.bench import measure, report
 from fastpersist.bench.harness import Benchmark, Rounds, UsageError, option
-from fastpersist.bench.methods import LOAD_METHODS, SAVE_METHODS, BenchContext, LoadMethod, SaveMethod, register
+from fastpersist.bench.methods import LOAD_METHODS, SAVE_METHODS, BenchContext, LoadMethod, SaveMethod
 from fastpersist.tuning import workloads
-
-__all__ = [
-    "BENCHMARK",
-    "BenchContext",
-    "SaveMethod",
-    "LoadMethod",
-    "MethodResult",
-    "SAVE_METHODS",
-    "LOAD_METHODS",
-    "register",
-    "run_benchmark",
-    "main",
-    "SCHEMA",
-]
 
 SCHEMA = "fastpersist.bench.checkpoint/1"
 _SETTLE_DEFAULT = 5.0
@@ -298,18 +284,17 @@ def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, A
     fs = system.filesystem_of(parent)
     outputs = len(saves) + sum(1 for m in loads if m.source not in {s.name for s in saves})
     _check_room(parent, fs, int(expected_bytes * 1.05) * max(outputs, 1) * dist.world_size, expected_bytes, ctx)
-    settle = args.settle if args.settle is not None else (0.0 if fs.get("type") == "tmpfs" else _SETTLE_DEFAULT)
-    memory_settle = args.memory_settle
-    if memory_settle is None:
-        memory_settle = _MEMORY_SETTLE_DEFAULT if system.free_page_reporting() else 0.0
+    if args.settle is None:  # the defaults resolved for this directory and machine
+        args.settle = 0.0 if fs.get("type") == "tmpfs" else _SETTLE_DEFAULT
+    if args.memory_settle is None:
+        args.memory_settle = _MEMORY_SETTLE_DEFAULT if system.free_page_reporting() else 0.0
     code = measure.code_version()  # now: the code that runs, whatever is edited meanwhile
     work = None
     try:
         with measure.sigterm_as_interrupt():
             try:
                 work = tempfile.mkdtemp(prefix=".fastpersist-bench-", dir=parent)
-                run = _Run(args, ctx, spec, layers, saves, loads, parent, work, settle, memory_settle)
-                document = run.document()
+                document = _run(args, ctx, spec, layers, saves, loads, parent, work)
             finally:
                 if work is not None:
                     measure.remove_path(work)
@@ -322,103 +307,73 @@ def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, A
     return document
 
 
-@dataclasses.dataclass
-class _Run:
+def _run(
+    args: argparse.Namespace,
+    ctx: BenchContext,
+    spec: workloads.ModelSpec,
+    layers: int,
+    saves: list[SaveMethod],
+    loads: list[LoadMethod],
+    parent: str,
+    work: str,
+) -> dict[str, Any]:
     """One measured run in ``work``: the state built, the ceiling, the rounds and the document."""
-
-    args: argparse.Namespace
-    ctx: BenchContext
-    spec: workloads.ModelSpec
-    layers: int
-    saves: list[SaveMethod]
-    loads: list[LoadMethod]
-    parent: str
-    work: str
-    settle: float
-    memory_settle: float
-
-    def document(self) -> dict[str, Any]:
-        args, ctx, spec = self.args, self.ctx, self.spec
-        if ctx.dist.is_main:
-            print(
-                f"building {spec.name} ({self.layers} of {spec.num_layers} blocks, {args.dtype}"
-                f"{', training state' if args.training_state else ''}) on {ctx.device} ...",
-                file=sys.stderr,
-            )
-        build_start = time.perf_counter()
-        state = workloads.build_state(
-            spec,
-            dtype=workloads.DTYPES[args.dtype],
-            device=ctx.device,
-            layers=self.layers,
-            training_state=args.training_state,
-            seed=args.seed,
+    if ctx.dist.is_main:
+        print(
+            f"building {spec.name} ({layers} of {spec.num_layers} blocks, {args.dtype}"
+            f"{', training state' if args.training_state else ''}) on {ctx.device} ...",
+            file=sys.stderr,
         )
-        tensors, _objects = workloads.flatten_state(state)
-        state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        build_seconds = time.perf_counter() - build_start
-        ops = (args.repeats + args.warmup) * len(self.saves)
-        ops += (args.repeats * args.load_repeats + args.warmup) * len(self.loads)
-        progress = display.Progress(ops, enabled=ctx.dist.is_main and not args.no_progress)
-        dropper = system.CacheDropper(enabled=not args.no_drop_caches)
-        started = time.perf_counter()
-        schedule: list[dict[str, Any]] = []
-        try:
-            ceiling = None if args.no_ceiling else _measure_ceiling(args, self.work, state_bytes, ctx, progress)
-            results = run_benchmark(
-                state,
-                self.saves,
-                self.loads,
-                self.work,
-                ctx=ctx,
-                repeats=args.repeats,
-                warmup=args.warmup,
-                dropper=dropper,
-                progress=progress,
-                state_bytes=state_bytes,
-                order_seed=args.order_seed,
-                schedule=schedule,
-                settle_seconds=self.settle,
-                load_repeats=args.load_repeats,
-                memory_settle_seconds=self.memory_settle,
-            )
-        finally:
-            progress.close()
-        elapsed = time.perf_counter() - started
-        document = {
-            "schema": SCHEMA,
-            "machine": measure.machine_info(self.parent, str(ctx.device)),
-            "settings": self._settings(dropper),
-            "state": {
-                "bytes": state_bytes,
-                "tensors": len(tensors),
-                "parameters": workloads.parameter_count(spec, self.layers),
-                "build_seconds": build_seconds,
-            },
-            "elapsed_seconds": elapsed,
-            "baselines": BASELINES,
-            "results": [r.as_dict(state_bytes) for r in results],
-        }
-        order = {"seed": args.order_seed, "rounds": schedule, "settle_seconds": self.settle}
-        document["order"] = {**order, "memory_settle_seconds": self.memory_settle}
-        document["ceiling"] = ceiling
-        report.annotate_ceiling(document)
-        return document
-
-    def _settings(self, dropper: system.CacheDropper) -> dict[str, Any]:
-        args, ctx = self.args, self.ctx
-        return {
-            "model": self.spec.name,
-            "model_description": self.spec.description,
-            "layers": self.layers,
-            "model_layers": self.spec.num_layers,
+    build_start = time.perf_counter()
+    dtype = workloads.DTYPES[args.dtype]
+    state = workloads.build_state(
+        spec, dtype=dtype, device=ctx.device, layers=layers, training_state=args.training_state, seed=args.seed
+    )
+    tensors, _objects = workloads.flatten_state(state)
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    build_seconds = time.perf_counter() - build_start
+    ops = (args.repeats + args.warmup) * len(saves) + (args.repeats * args.load_repeats + args.warmup) * len(loads)
+    progress = display.Progress(ops, enabled=ctx.dist.is_main and not args.no_progress)
+    dropper = system.CacheDropper(enabled=not args.no_drop_caches)
+    started = time.perf_counter()
+    schedule: list[dict[str, Any]] = []
+    try:
+        ceiling = None if args.no_ceiling else _measure_ceiling(args, work, state_bytes, ctx, progress)
+        results = run_benchmark(
+            state,
+            saves,
+            loads,
+            work,
+            ctx=ctx,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            dropper=dropper,
+            progress=progress,
+            state_bytes=state_bytes,
+            order_seed=args.order_seed,
+            schedule=schedule,
+            settle_seconds=args.settle,
+            load_repeats=args.load_repeats,
+            memory_settle_seconds=args.memory_settle,
+        )
+    finally:
+        progress.close()
+    elapsed = time.perf_counter() - started
+    document = {
+        "schema": SCHEMA,
+        "machine": measure.machine_info(parent, str(ctx.device)),
+        "settings": {
+            "model": spec.name,
+            "model_description": spec.description,
+            "layers": layers,
+            "model_layers": spec.num_layers,
             "dtype": args.dtype,
             "device": str(ctx.device),
             "training_state": args.training_state,
             "repeats": args.repeats,
             "load_repeats": args.load_repeats,
             "warmup": args.warmup,
-            "dir": self.parent,
+            "dir": parent,
             "seed": args.seed,
             "order_seed": args.order_seed,
             "dcp_threads": args.dcp_threads,
@@ -430,7 +385,21 @@ class _Run:
             "fastpersist_config_file": args.config or os.environ.get("FASTPERSIST_CONFIG"),
             "fastpersist_settings": config.resolve(ctx.fastpersist_overrides).as_dict(),
             "argv": sys.argv[1:],
-        }
+        },
+        "state": {
+            "bytes": state_bytes,
+            "tensors": len(tensors),
+            "parameters": workloads.parameter_count(spec, layers),
+            "build_seconds": build_seconds,
+        },
+        "elapsed_seconds": elapsed,
+        "baselines": BASELINES,
+        "results": [r.as_dict(state_bytes) for r in results],
+    }
+    order = {"seed": args.order_seed, "rounds": schedule, "settle_seconds": args.settle}
+    document.update(order={**order, "memory_settle_seconds": args.memory_settle}, ceiling=ceiling)
+    report.annotate_ceiling(document)
+    return document
 
 
 def _measure_ceiling(
@@ -555,29 +524,24 @@ def run_benchmark(
 ) -> list[MethodResult]:
     """Runs every method ``warmup + repeats`` times, interleaved, and verifies each result.
 
-    Every round runs the saves, then the loads (``load_repeats`` each in a timed round), each phase in a
-    fresh random order from ``random.Random(order_seed)`` (the same on every rank; appended to ``schedule``),
-    then deletes the round's files: no method always follows another, so a disk that drifts over the run hurts
-    all alike. A save is timed from the call to the end of :func:`measure.fsync_paths` of what it wrote; a
-    load until the state is complete on the device. Each saved file is read back and each loaded state
-    compared with the original (untimed); the first difference or exception marks the method FAILED and stops
-    it (and the loads of its files). A load whose ``source`` is not among ``save_methods`` gets that save run
-    untimed each round.
+    Each round runs the saves, then the loads (``load_repeats`` times each in a timed round), each phase in
+    a fresh order from ``random.Random(order_seed)`` (the same on every rank; recorded in ``schedule``), then
+    deletes its files: no method always follows another, so a disk that drifts over the run hurts all alike.
+    A save is timed to the end of :func:`measure.fsync_paths` of what it wrote, a load until the state is
+    complete on the device; every file is read back and every loaded state compared with the original
+    (untimed), and the first difference or exception marks the method FAILED (its loads skipped). A load
+    whose ``source`` is not among ``save_methods`` has that save run untimed each round.
 
-    Between a round's saves and its loads everything is synced and ``settle_seconds`` pass (the first load's
-    memory pause counts towards them): some (virtual) disks read a file slowly for a while after it was
-    written, which would penalise the load of the file saved last (``file_age_seconds`` records it).
-
-    Before each timed load (and each timed round's saves) memory is released, the page cache dropped and
-    ``memory_settle_seconds`` pass: a virtual machine that reports free memory to its host
-    (:func:`fastpersist.system.free_page_reporting`) hands freed 2 MiB blocks back about two seconds after
-    they are freed, and a load that takes such blocks finds them backed and fast until then. Without the
-    pause a load's speed depends on what the method before it freed; with it every load starts on memory the
-    host has taken back, as a fresh process does (``memory_settle_seconds`` of each sample).
+    Between a round's saves and its loads everything is synced and ``settle_seconds`` pass: some (virtual)
+    disks read a file slowly for a while after it was written, which would penalise the file saved last.
+    Before each timed load (and a timed round's saves) memory is released, the page cache dropped and
+    ``memory_settle_seconds`` pass: a virtual machine with free page reporting hands freed 2 MiB blocks back
+    to its host about two seconds later, and until then a load that takes them finds them backed and fast;
+    with the pause every load starts on memory the host has taken back, as a fresh process does, whatever
+    the method before it freed. Samples record the file's age and the pause.
 
     Returns:
-        One :class:`MethodResult` per method: the saves in the given order, then the untimed helper saves,
-        then the loads.
+        A :class:`MethodResult` per method: the saves as given, the untimed helper saves, the loads.
     """
     ctx = ctx or BenchContext()
     dropper = dropper or system.CacheDropper()
