@@ -126,11 +126,8 @@ def fio_command(
     fallocate: bool = True,
     verify: bool = True,
 ) -> list[str]:
-    """The fio command line for one sequential job over ``path`` (io_uring; ``end_fsync`` for writes).
-
-    With ``verify`` fio stamps every block with a CRC32C header when writing
-    and checks it when reading, so a fio read is verified too.
-    """
+    """The fio command line for one sequential job over ``path`` (io_uring; ``end_fsync`` for writes). With
+    ``verify`` fio stamps every block with a CRC32C header when writing and checks it when reading."""
     fio = system.find_fio() or "fio"
     command = [
         fio,
@@ -158,11 +155,8 @@ def fio_command(
 
 
 def fio_job(command: list[str]) -> dict[str, Any]:
-    """Runs fio (``--output-format=json``) and returns its first job's report.
-
-    Raises:
-        RuntimeError: fio failed (for reads with verification: a block did not verify).
-    """
+    """Runs fio (``--output-format=json``): its first job's report; RuntimeError when fio failed (for a
+    verified read: a block did not verify)."""
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(
@@ -173,11 +167,7 @@ def fio_job(command: list[str]) -> dict[str, Any]:
 
 
 def run_fio(command: list[str], rw: str) -> float:
-    """Runs fio and returns the job's bandwidth in bytes per second (its runtime includes end_fsync).
-
-    Raises:
-        RuntimeError: as :func:`fio_job`.
-    """
+    """Runs fio: the job's bandwidth in bytes per second (its runtime includes end_fsync)."""
     return float(fio_job(command)[rw]["bw_bytes"])
 
 
@@ -259,15 +249,10 @@ def write_ceiling(directory: str, nbytes: int, repeats: int = 3) -> dict[str, An
 
 
 def shared_write_ceiling(directory: str, nbytes: int, writers: int, repeats: int = 3) -> dict[str, Any]:
-    """Seconds for ``writers`` concurrent writers to write ``nbytes`` together into ``directory`` (+ fsync).
-
-    What a collective save's ranks can do at best: each writer (a thread; the
-    ``pwrite`` calls release the interpreter) writes its ``nbytes / writers``
-    to a fresh file of its own in 8 MiB blocks, O_DIRECT where the filesystem
-    takes it, and fsyncs; the time is until the last is done, the median of
-    ``repeats``. ``per_writer_s`` is then the slowest writer's share at that
-    ceiling: a bound for a collective save of ``nbytes`` on this storage.
-    """
+    """Seconds for ``writers`` concurrent writers to write ``nbytes`` together into ``directory`` (+ fsync):
+    what a collective save's ranks can do at best. Each writer (a thread: ``pwrite`` releases the
+    interpreter) writes its share to a fresh file of its own as :func:`write_ceiling` does; ``per_writer_s``
+    is the median of ``repeats`` until the last is done, a bound for a collective save of ``nbytes``."""
     share = max(-(-nbytes // writers), 1 << 20)
     paths = [os.path.join(directory, f".fastpersist-ceiling-{os.getpid()}-{k}.bin") for k in range(writers)]
     view, flags = _pattern(), _write_flags(directory)
@@ -343,13 +328,11 @@ def read_ceiling(
 class CopyCeiling:
     """Copies ``tensors``' bytes through a ring of ``slots`` page-locked windows of ``window`` bytes.
 
-    :meth:`to_host` is the save pipeline without its format: device-to-host
-    copies on a side stream (a memcpy on the CRC pool for CPU tensors), and
-    with ``crc`` each window checksummed on the pool as soon as its copy has
-    landed, while the next windows are copied. :meth:`to_device` is the load
-    pipeline's: each window checksummed (``crc``) and copied host-to-device at
-    once, into a ring of device windows (host windows for CPU tensors; the
-    tensors themselves are only read). Both return their seconds.
+    :meth:`to_host` is the save pipeline without its format: device-to-host copies on a side stream (a
+    memcpy for CPU tensors), with ``crc`` each window checksummed on the pool as soon as its copy has landed,
+    while the next windows are copied. :meth:`to_device` is the load pipeline's: each window checksummed
+    (``crc``) and copied into a ring of device (or host) windows; the tensors are only read. Both return
+    their seconds.
     """
 
     def __init__(self, tensors: list[torch.Tensor], window: int = 64 << 20, slots: int = 8):
