@@ -1,18 +1,10 @@
 """Benchmarks: ``python -m fastpersist.bench <subcommand> [options]``.
 
-Subcommands live in modules of this package, listed with a line each in
-:data:`SUBCOMMANDS` (``python -m fastpersist.bench --help`` and ``fastpersist
-bench --help`` print them, through :func:`listing`). Each declares itself as
-one :class:`fastpersist.bench.harness.Benchmark` (``BENCHMARK``, its ``main``
-is ``BENCHMARK.main``): its options, what it measures and how its documents
-read; the harness does the command line, rounds, child processes, JSON,
-reports and charts the same way for all. The checkpoint benchmark's methods
-are in :mod:`fastpersist.bench.methods`, its rounds in
-:mod:`fastpersist.bench.runner`, its tables and the docs' blocks in
-:mod:`fastpersist.bench.report`.
-
-Add one with :func:`register` (or by adding it to :data:`SUBCOMMANDS`); the
-module is imported only when its subcommand runs.
+Subcommands live in modules of this package, a line each in :data:`SUBCOMMANDS` (both helps print them
+through :func:`listing`; :func:`register` adds one, its module imported only when it runs). Each declares
+itself as one :class:`fastpersist.bench.harness.Benchmark`; the harness does the command line, rounds,
+child processes, JSON, reports and charts the same way for all. The checkpoint benchmark's methods are in
+:mod:`fastpersist.bench.methods`, its tables and the docs' blocks in :mod:`fastpersist.bench.report`.
 """
 
 from __future__ import annotations

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import json
 import os
 import statistics
+import subprocess
 import time
 from typing import Any
 
 import torch
 
 from fastpersist import system
-from fastpersist.bench.methods.ceilings import fio_command, fio_job
 from fastpersist.io import checksum, engine, memory
 
 __all__ = [
@@ -30,10 +31,13 @@ __all__ = [
     "engine_read",
     "engine_write",
     "file_problem",
+    "fio_command",
+    "fio_job",
     "fio_write_seconds",
     "fsync_file",
     "preallocate",
     "read_ceiling",
+    "run_fio",
     "shared_write_ceiling",
     "takes_o_direct",
     "write_ceiling",
@@ -110,6 +114,63 @@ def file_problem(path: str, expected: torch.Tensor) -> str | None:
     return None
 
 
+def fio_command(
+    path: str,
+    rw: str,
+    size: int,
+    block_size: int,
+    queue_depth: int,
+    *,
+    direct: bool,
+    threads: int = 1,
+    fallocate: bool = True,
+    verify: bool = True,
+) -> list[str]:
+    """The fio command line for one sequential job over ``path`` (io_uring; ``end_fsync`` for writes). With
+    ``verify`` fio stamps every block with a CRC32C header when writing and checks it when reading."""
+    fio = system.find_fio() or "fio"
+    command = [
+        fio,
+        "--name=fastpersist-ceiling",
+        f"--filename={path}",
+        f"--rw={rw}",
+        f"--bs={block_size}",
+        f"--iodepth={queue_depth}",
+        "--ioengine=io_uring",
+        f"--direct={1 if direct else 0}",
+        f"--size={size // threads}",
+        f"--numjobs={threads}",
+        "--group_reporting",
+        "--output-format=json",
+        f"--fallocate={'native' if fallocate else 'none'}",
+    ]
+    if threads > 1:
+        command.append(f"--offset_increment={size // threads}")
+    if verify:
+        command += ["--verify=crc32c", "--do_verify=0"] if rw == "write" else ["--verify=crc32c"]
+        command.append("--verify_state_save=0")  # else fio leaves a *-verify.state file in the working directory
+    if rw == "write":
+        command.append("--end_fsync=1")
+    return command
+
+
+def fio_job(command: list[str]) -> dict[str, Any]:
+    """Runs fio (``--output-format=json``): its first job's report; RuntimeError when fio failed (for a
+    verified read: a block did not verify)."""
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"fio failed ({result.returncode}): {(result.stderr.strip() or result.stdout[-2000:])[:2000]}"
+        )
+    document = json.loads(result.stdout[result.stdout.index("{") :])
+    return document["jobs"][0]
+
+
+def run_fio(command: list[str], rw: str) -> float:
+    """Runs fio: the job's bandwidth in bytes per second (its runtime includes end_fsync)."""
+    return float(fio_job(command)[rw]["bw_bytes"])
+
+
 def fio_write_seconds(path: str, nbytes: int) -> float:
     """Seconds fio takes to write a fresh ``path`` of ``nbytes``: 16 MiB blocks, QD 32, io_uring,
     O_DIRECT where the filesystem takes it, blocks allocated inside the clock, end_fsync.
@@ -125,6 +186,32 @@ def fio_write_seconds(path: str, nbytes: int) -> float:
     return (job["job_runtime"] / 1000.0) * nbytes / size  # scaled to the checkpoint's bytes
 
 
+def _pattern() -> memoryview:
+    source = memory.aligned_empty(_BLOCK)
+    source.fill_(7)
+    return memoryview(source.numpy())
+
+
+def _write_flags(directory: str) -> int:
+    return os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if takes_o_direct(directory) else 0)
+
+
+def _pwrite_file(path: str, view: memoryview, nbytes: int, flags: int, threads: int = 1) -> None:
+    """``nbytes`` (rounded up to 8 MiB blocks) of ``view`` written into ``path`` by ``threads``, then fsync."""
+    fd = os.open(path, flags, 0o600)
+    try:
+        offsets = range(0, -(-nbytes // _BLOCK) * _BLOCK, _BLOCK)
+        if threads == 1:
+            for offset in offsets:
+                os.pwrite(fd, view, offset)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda offset: os.pwrite(fd, view, offset), offsets))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_ceiling(directory: str, nbytes: int, repeats: int = 3) -> dict[str, Any]:
     """Seconds to write ``nbytes`` into a fresh file of ``directory`` (+ fsync) at the storage's best, several ways.
 
@@ -135,29 +222,14 @@ def write_ceiling(directory: str, nbytes: int, repeats: int = 3) -> dict[str, An
     """
     nbytes = max(nbytes, 1 << 20)
     path = os.path.join(directory, f".fastpersist-ceiling-{os.getpid()}.bin")
-    source = memory.aligned_empty(_BLOCK)
-    source.fill_(7)
-    view = memoryview(source.numpy())
-    direct = takes_o_direct(directory)
+    view, flags = _pattern(), _write_flags(directory)
 
     def pwrite(threads: int) -> float:
         if os.path.exists(path):
             os.unlink(path)
             os.sync()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
         started = time.perf_counter()
-        fd = os.open(path, flags, 0o600)
-        try:
-            offsets = range(0, -(-nbytes // _BLOCK) * _BLOCK, _BLOCK)
-            if threads == 1:
-                for offset in offsets:
-                    os.pwrite(fd, view, offset)
-            else:
-                with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-                    list(pool.map(lambda offset: os.pwrite(fd, view, offset), offsets))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _pwrite_file(path, view, nbytes, flags, threads)
         return time.perf_counter() - started
 
     ways: dict[str, float] = {}
@@ -173,35 +245,17 @@ def write_ceiling(directory: str, nbytes: int, repeats: int = 3) -> dict[str, An
         if os.path.exists(path):
             os.unlink(path)
     best = min(ways, key=ways.get)
-    return {"bytes": nbytes, "direct": direct, "seconds": ways, "best": best, "best_s": ways[best]}
+    return {"bytes": nbytes, "direct": bool(flags & os.O_DIRECT), "seconds": ways, "best": best, "best_s": ways[best]}
 
 
 def shared_write_ceiling(directory: str, nbytes: int, writers: int, repeats: int = 3) -> dict[str, Any]:
-    """Seconds for ``writers`` concurrent writers to write ``nbytes`` together into ``directory`` (+ fsync).
-
-    What a collective save's ranks can do at best: each writer (a thread; the
-    ``pwrite`` calls release the interpreter) writes its ``nbytes / writers``
-    to a fresh file of its own in 8 MiB blocks, O_DIRECT where the filesystem
-    takes it, and fsyncs; the time is until the last is done, the median of
-    ``repeats``. ``per_writer_s`` is then the slowest writer's share at that
-    ceiling: a bound for a collective save of ``nbytes`` on this storage.
-    """
+    """Seconds for ``writers`` concurrent writers to write ``nbytes`` together into ``directory`` (+ fsync):
+    what a collective save's ranks can do at best. Each writer (a thread: ``pwrite`` releases the
+    interpreter) writes its share to a fresh file of its own as :func:`write_ceiling` does; ``per_writer_s``
+    is the median of ``repeats`` until the last is done, a bound for a collective save of ``nbytes``."""
     share = max(-(-nbytes // writers), 1 << 20)
     paths = [os.path.join(directory, f".fastpersist-ceiling-{os.getpid()}-{k}.bin") for k in range(writers)]
-    source = memory.aligned_empty(_BLOCK)
-    source.fill_(7)
-    view = memoryview(source.numpy())
-    direct = takes_o_direct(directory)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-
-    def write(path: str) -> None:
-        fd = os.open(path, flags, 0o600)
-        try:
-            for offset in range(0, -(-share // _BLOCK) * _BLOCK, _BLOCK):
-                os.pwrite(fd, view, offset)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    view, flags = _pattern(), _write_flags(directory)
 
     def once() -> float:
         for path in paths:
@@ -210,7 +264,7 @@ def shared_write_ceiling(directory: str, nbytes: int, writers: int, repeats: int
         os.sync()
         started = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(writers) as pool:
-            list(pool.map(write, paths))
+            list(pool.map(lambda path: _pwrite_file(path, view, share, flags), paths))
         return time.perf_counter() - started
 
     try:
@@ -219,7 +273,7 @@ def shared_write_ceiling(directory: str, nbytes: int, writers: int, repeats: int
         for path in paths:
             if os.path.exists(path):
                 os.unlink(path)
-    return {"bytes": share * writers, "writers": writers, "direct": direct, "per_writer_s": seconds}
+    return {"bytes": share * writers, "writers": writers, "direct": bool(flags & os.O_DIRECT), "per_writer_s": seconds}
 
 
 def read_ceiling(
@@ -274,13 +328,11 @@ def read_ceiling(
 class CopyCeiling:
     """Copies ``tensors``' bytes through a ring of ``slots`` page-locked windows of ``window`` bytes.
 
-    :meth:`to_host` is the save pipeline without its format: device-to-host
-    copies on a side stream (a memcpy on the CRC pool for CPU tensors), and
-    with ``crc`` each window checksummed on the pool as soon as its copy has
-    landed, while the next windows are copied. :meth:`to_device` is the load
-    pipeline's: each window checksummed (``crc``) and copied host-to-device at
-    once, into a ring of device windows (host windows for CPU tensors; the
-    tensors themselves are only read). Both return their seconds.
+    :meth:`to_host` is the save pipeline without its format: device-to-host copies on a side stream (a
+    memcpy for CPU tensors), with ``crc`` each window checksummed on the pool as soon as its copy has landed,
+    while the next windows are copied. :meth:`to_device` is the load pipeline's: each window checksummed
+    (``crc``) and copied into a ring of device (or host) windows; the tensors are only read. Both return
+    their seconds.
     """
 
     def __init__(self, tensors: list[torch.Tensor], window: int = 64 << 20, slots: int = 8):

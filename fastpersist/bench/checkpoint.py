@@ -1,51 +1,32 @@
 """``python -m fastpersist.bench checkpoint``: save and load a real-shaped checkpoint every way.
 
-One run compares, on the same bytes, ``torch.save`` (default and fast
-settings), ``safetensors``, ``torch.distributed.checkpoint`` and fastpersist
-(sync and async), then the matching loads. Every number is a time to durable
-(fsync of the files and their directory) or a cold load (page cache dropped
-first); every saved file and every loaded state is compared byte for byte with
-the original before its method is reported. See docs/checkpoint-benchmark.md.
-
-This module is the command line only; the jobs live in their own modules:
-
-* the methods in :mod:`fastpersist.bench.methods` (add one with :func:`register`);
-* the rounds, timing and verification in :mod:`fastpersist.bench.runner`;
-* tables, charts and Markdown in :mod:`fastpersist.bench.report`.
+One run compares, on the same bytes, ``torch.save`` (default and fast settings), ``safetensors``,
+``torch.distributed.checkpoint`` and fastpersist (sync and async), then the matching loads. Every number
+is a time to durable (fsync of the files and their directory) or a cold load (page cache dropped first);
+every saved file and every loaded state is compared byte for byte with the original before its method is
+reported. See docs/checkpoint-benchmark.md. The methods are in :mod:`fastpersist.bench.methods`, the
+tables in :mod:`fastpersist.bench.report`; :func:`run_benchmark` runs the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from fastpersist import config, display, system
 from fastpersist.bench import measure, report
-from fastpersist.bench.harness import Benchmark, UsageError, option
-from fastpersist.bench.methods import LOAD_METHODS, SAVE_METHODS, BenchContext, LoadMethod, SaveMethod, register
-from fastpersist.bench.runner import MethodResult, run_benchmark
+from fastpersist.bench.harness import Benchmark, Rounds, UsageError, option
+from fastpersist.bench.methods import LOAD_METHODS, SAVE_METHODS, BenchContext, LoadMethod, SaveMethod
 from fastpersist.tuning import workloads
-
-__all__ = [
-    "BENCHMARK",
-    "BenchContext",
-    "SaveMethod",
-    "LoadMethod",
-    "MethodResult",
-    "SAVE_METHODS",
-    "LOAD_METHODS",
-    "register",
-    "run_benchmark",
-    "main",
-    "SCHEMA",
-]
 
 SCHEMA = "fastpersist.bench.checkpoint/1"
 _SETTLE_DEFAULT = 5.0
@@ -173,38 +154,45 @@ def _print_methods(ctx: BenchContext) -> None:
 
 
 def _select_methods(args: argparse.Namespace) -> tuple[list[SaveMethod], list[LoadMethod]]:
+    known = list(SAVE_METHODS) + list(LOAD_METHODS)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if args.methods:
         wanted = [s.strip() for s in args.methods.split(",") if s.strip()]
-        unknown = [w for w in wanted if w not in SAVE_METHODS and w not in LOAD_METHODS]
+        unknown = [w for w in wanted if w not in known]
         if unknown:
-            raise UsageError(
-                f"unknown method(s) {', '.join(unknown)}; known: {', '.join(list(SAVE_METHODS) + list(LOAD_METHODS))}"
-            )
+            raise UsageError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(known)}")
     else:
-        wanted = [n for n, m in SAVE_METHODS.items() if m.default] + [n for n, m in LOAD_METHODS.items() if m.default]
-    unknown = skip - set(SAVE_METHODS) - set(LOAD_METHODS)
-    if unknown:
-        raise UsageError(f"unknown method(s) in --skip: {', '.join(sorted(unknown))}")
+        wanted = [n for n, m in [*SAVE_METHODS.items(), *LOAD_METHODS.items()] if m.default]
+    if skip - set(known):
+        raise UsageError(f"unknown method(s) in --skip: {', '.join(sorted(skip - set(known)))}")
     saves = [SAVE_METHODS[n] for n in wanted if n in SAVE_METHODS and n not in skip]
-    loads = [LOAD_METHODS[n] for n in wanted if n in LOAD_METHODS and n not in skip]
-    return saves, loads
+    return saves, [LOAD_METHODS[n] for n in wanted if n in LOAD_METHODS and n not in skip]
 
 
-def _parse_fp_settings(items: Sequence[str]) -> dict[str, Any]:
+def _fastpersist_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``--fp-setting`` NAME=VALUE items as settings (validated) and ``--config`` loaded; a bad one is a usage
+    error."""
     values: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
+    for item in args.fp_setting:
+        key, equals, value = item.partition("=")
+        if not equals:
             raise UsageError(f"--fp-setting takes NAME=VALUE, got {item!r}")
-        key, value = item.split("=", 1)
         values[key.strip()] = value.strip()
-    if values:
-        config.settings().replace(**values)  # validates names and values (raises ConfigError)
+    try:
+        if values:
+            config.settings().replace(**values)  # validates names and values (raises ConfigError)
+    except Exception as e:  # ConfigError, ValueError...: reported as a usage error
+        raise UsageError(str(e)) from e
+    if args.config:
+        try:
+            config.load_file(args.config)
+        except Exception as e:  # any unreadable file is a usage error here
+            raise UsageError(f"--config: {e}") from e
     return values
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any] | None:
-    """Entry point of a run: the process group under torchrun, then :func:`_main`.
+    """A run: under torchrun (WORLD_SIZE > 1) in a gloo group for the barriers between timed operations.
 
     Raises:
         UsageError: bad arguments or an unusable directory (exit 2); SystemExit: 130 when interrupted, and on
@@ -214,30 +202,21 @@ def _measure(args: argparse.Namespace) -> dict[str, Any] | None:
         _print_models()
         return None
     dist = measure.DistributedEnv()
-    process_group = _init_process_group(dist)
+    group = False
+    if dist.world_size > 1:
+        import torch.distributed
+
+        group = torch.distributed.is_available() and not torch.distributed.is_initialized()
+        if group:
+            torch.distributed.init_process_group("gloo")
     try:
         return _main(args, dist)
     finally:
-        if process_group:
-            import torch.distributed
-
+        if group:
             torch.distributed.destroy_process_group()
 
 
-def _init_process_group(dist: measure.DistributedEnv) -> bool:
-    """Under torchrun (WORLD_SIZE > 1), a gloo group for the barriers between timed operations."""
-    if dist.world_size <= 1:
-        return False
-    import torch.distributed
-
-    if not torch.distributed.is_available() or torch.distributed.is_initialized():
-        return False
-    torch.distributed.init_process_group("gloo")
-    return True
-
-
-def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, Any] | None:
-    say = print if dist.is_main else (lambda *a, **k: None)
+def _device(args: argparse.Namespace, dist: measure.DistributedEnv) -> torch.device:
     try:
         device = torch.device(args.device)
     except RuntimeError as e:
@@ -254,26 +233,11 @@ def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, A
         raise UsageError("--repeats and --load-repeats must be at least 1 and --warmup at least 0")
     if args.memory_settle is not None and args.memory_settle < 0:
         raise UsageError("--memory-settle must be at least 0")
+    return device
 
-    try:
-        overrides = _parse_fp_settings(args.fp_setting)
-    except UsageError:
-        raise
-    except Exception as e:  # ConfigError, ValueError...: reported as a usage error
-        raise UsageError(str(e)) from e
-    if args.config:
-        try:
-            config.load_file(args.config)
-        except Exception as e:  # any unreadable file is a usage error here
-            raise UsageError(f"--config: {e}") from e
-    ctx = BenchContext(device=device, dist=dist, dcp_threads=args.dcp_threads, fastpersist_overrides=overrides)
-    if args.list_methods:
-        _print_methods(ctx)
-        return None
-    saves, loads = _select_methods(args)
-    if not saves and not loads:
-        raise UsageError("no methods left to run")
 
+def _layers(args: argparse.Namespace) -> tuple[workloads.ModelSpec, int, int]:
+    """The model, its blocks kept (``--layers``, ``--size``) and the state's bytes."""
     try:
         spec = workloads.get_model(args.model)
         dtype = workloads.DTYPES[args.dtype]
@@ -282,16 +246,12 @@ def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, A
             layers = workloads.layers_for_size(spec, config.parse_size(args.size), dtype, args.training_state)
         if layers is None:
             layers = spec.default_layers if spec.default_layers is not None else spec.num_layers
-        expected_bytes = workloads.state_bytes(spec, dtype, layers, args.training_state)
+        return spec, layers, workloads.state_bytes(spec, dtype, layers, args.training_state)
     except (KeyError, ValueError) as e:
         raise UsageError(str(e.args[0] if isinstance(e, KeyError) else e)) from e
 
-    parent = os.path.abspath(args.dir or os.getcwd())
-    if not os.path.isdir(parent):
-        raise UsageError(f"--dir {parent} is not a directory")
-    fs = system.filesystem_of(parent)
-    outputs = len(saves) + sum(1 for m in loads if m.source not in {s.name for s in saves})
-    need = int(expected_bytes * 1.05) * max(outputs, 1) * dist.world_size
+
+def _check_room(parent: str, fs: dict[str, Any], need: int, state_bytes: int, ctx: BenchContext) -> None:
     if fs.get("free_bytes") is not None and fs["free_bytes"] < need:
         raise UsageError(
             f"{parent} has {workloads.format_bytes(fs['free_bytes'])} free; this run keeps one copy per "
@@ -299,152 +259,107 @@ def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, A
             "or a smaller --size."
         )
     available = system.available_memory()
-    if available is not None and device.type == "cpu" and expected_bytes * 3 > available and dist.is_main:
+    if available is not None and ctx.device.type == "cpu" and state_bytes * 3 > available and ctx.dist.is_main:
         print(
-            f"warning: the state ({workloads.format_bytes(expected_bytes)}) plus a loaded copy and a verification "
+            f"warning: the state ({workloads.format_bytes(state_bytes)}) plus a loaded copy and a verification "
             f"copy may not fit in the {workloads.format_bytes(available)} of memory available",
             file=sys.stderr,
         )
 
-    settle = args.settle if args.settle is not None else (0.0 if fs.get("type") == "tmpfs" else _SETTLE_DEFAULT)
-    memory_settle = args.memory_settle
-    if memory_settle is None:
-        memory_settle = _MEMORY_SETTLE_DEFAULT if system.free_page_reporting() else 0.0
-    code = measure.code_version()  # now: the code that runs, whatever is edited meanwhile
-    dropper = system.CacheDropper(enabled=not args.no_drop_caches)
-    work = None
-    interrupted = False
-    document: dict[str, Any] | None = None
-    failed = False
-    with measure.sigterm_as_interrupt():
-        try:
-            work = tempfile.mkdtemp(prefix=".fastpersist-bench-", dir=parent)
-            say(
-                f"building {spec.name} ({layers} of {spec.num_layers} blocks, {args.dtype}"
-                f"{', training state' if args.training_state else ''}) on {device} ...",
-                file=sys.stderr,
-            )
-            build_start = time.perf_counter()
-            state = workloads.build_state(
-                spec, dtype=dtype, device=device, layers=layers, training_state=args.training_state, seed=args.seed
-            )
-            tensors, _objects = workloads.flatten_state(state)
-            state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            build_seconds = time.perf_counter() - build_start
-            loads_per_method = args.repeats * args.load_repeats + args.warmup
-            ops = (args.repeats + args.warmup) * len(saves) + loads_per_method * len(loads)
-            progress = display.Progress(ops, enabled=dist.is_main and not args.no_progress)
-            started = time.perf_counter()
-            schedule: list[dict[str, Any]] = []
-            try:
-                ceiling = None if args.no_ceiling else _measure_ceiling(args, work, state_bytes, ctx, progress)
-                results = run_benchmark(
-                    state,
-                    saves,
-                    loads,
-                    work,
-                    ctx=ctx,
-                    repeats=args.repeats,
-                    warmup=args.warmup,
-                    dropper=dropper,
-                    progress=progress,
-                    state_bytes=state_bytes,
-                    order_seed=args.order_seed,
-                    schedule=schedule,
-                    settle_seconds=settle,
-                    load_repeats=args.load_repeats,
-                    memory_settle_seconds=memory_settle,
-                )
-            finally:
-                progress.close()
-            elapsed = time.perf_counter() - started
-            document = _document(
-                args, spec, layers, state_bytes, len(tensors), results, parent, dropper, ctx, elapsed, build_seconds
-            )
-            document["machine"]["code"] = code
-            document["order"] = {
-                "seed": args.order_seed,
-                "rounds": schedule,
-                "settle_seconds": settle,
-                "memory_settle_seconds": memory_settle,
-            }
-            document["ceiling"] = ceiling
-            report.annotate_ceiling(document)
-            failed = any(r.status == "FAILED" for r in results)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            if work is not None:
-                measure.remove_path(work)
 
-    if interrupted:
+def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, Any] | None:
+    device = _device(args, dist)
+    overrides = _fastpersist_settings(args)
+    ctx = BenchContext(device=device, dist=dist, dcp_threads=args.dcp_threads, fastpersist_overrides=overrides)
+    if args.list_methods:
+        _print_methods(ctx)
+        return None
+    saves, loads = _select_methods(args)
+    if not saves and not loads:
+        raise UsageError("no methods left to run")
+    spec, layers, expected_bytes = _layers(args)
+    parent = os.path.abspath(args.dir or os.getcwd())
+    if not os.path.isdir(parent):
+        raise UsageError(f"--dir {parent} is not a directory")
+    fs = system.filesystem_of(parent)
+    outputs = len(saves) + sum(1 for m in loads if m.source not in {s.name for s in saves})
+    _check_room(parent, fs, int(expected_bytes * 1.05) * max(outputs, 1) * dist.world_size, expected_bytes, ctx)
+    if args.settle is None:  # the defaults resolved for this directory and machine
+        args.settle = 0.0 if fs.get("type") == "tmpfs" else _SETTLE_DEFAULT
+    if args.memory_settle is None:
+        args.memory_settle = _MEMORY_SETTLE_DEFAULT if system.free_page_reporting() else 0.0
+    code = measure.code_version()  # now: the code that runs, whatever is edited meanwhile
+    work = None
+    try:
+        with measure.sigterm_as_interrupt():
+            try:
+                work = tempfile.mkdtemp(prefix=".fastpersist-bench-", dir=parent)
+                document = _run(args, ctx, spec, layers, saves, loads, parent, work)
+            finally:
+                if work is not None:
+                    measure.remove_path(work)
+    except KeyboardInterrupt:
         print("\ninterrupted; temporary files removed, nothing reported", file=sys.stderr)
-        raise SystemExit(130)
-    assert document is not None
+        raise SystemExit(130) from None
+    document["machine"]["code"] = code
     if not dist.is_main:
-        raise SystemExit(1 if failed else 0)
+        raise SystemExit(1 if any(r["status"] == "FAILED" for r in document["results"]) else 0)
     return document
 
 
-def _text(document: dict[str, Any]) -> str:
-    """The terminal's report (:func:`report.format_table`), and a warning when a method beat the ceiling."""
-    problems = report.measurement_problems(document)
-    if not problems:
-        return report.format_table(document)
-    return report.format_table(document) + (
-        f"\n\nMEASUREMENT PROBLEM: {', '.join(problems)} exceeded the storage ceiling measured in this run; "
-        "the ceiling or the method's timing is wrong, so these ratios are not results."
-    )
-
-
-def _measure_ceiling(
-    args: argparse.Namespace, work: str, state_bytes: int, ctx: BenchContext, progress: Any
-) -> dict[str, Any] | None:
-    """The storage ceiling on rank 0 (the others wait), or None when it cannot be measured here."""
-    from fastpersist.bench.methods import ceilings
-
-    ceiling = None
-    if ctx.dist.is_main:
-        try:
-            grid_bytes = config.parse_size(args.ceiling_grid_size)
-            settings = config.resolve(ctx.fastpersist_overrides)
-            available = system.available_memory()
-            nbytes = state_bytes if available is None else min(state_bytes, available // 4)
-            ceiling = ceilings.measure_ceiling(
-                work,
-                nbytes,
-                engine_name=settings.engine,
-                use_fio=not args.no_fio,
-                read_buffers=(settings.read_buffer_size, settings.read_buffer_count),
-                grid_bytes=grid_bytes,
-                passes=2,
-                seed=args.order_seed,
-                progress=progress,
-            )
-            if ceiling["fio"]["note"]:
-                print(f"note: {ceiling['fio']['note']}", file=sys.stderr)
-        except (ImportError, OSError, RuntimeError, ValueError) as e:
-            ceiling = {"error": f"{type(e).__name__}: {e}"}
-            print(f"warning: the storage ceiling could not be measured: {ceiling['error']}", file=sys.stderr)
-    ctx.dist.barrier()
-    return ceiling
-
-
-def _document(
+def _run(
     args: argparse.Namespace,
+    ctx: BenchContext,
     spec: workloads.ModelSpec,
     layers: int,
-    state_bytes: int,
-    tensor_count: int,
-    results: list[MethodResult],
+    saves: list[SaveMethod],
+    loads: list[LoadMethod],
     parent: str,
-    dropper: system.CacheDropper,
-    ctx: BenchContext,
-    elapsed: float,
-    build_seconds: float,
+    work: str,
 ) -> dict[str, Any]:
-    fastpersist_settings = config.resolve(ctx.fastpersist_overrides).as_dict()
-    return {
+    """One measured run in ``work``: the state built, the ceiling, the rounds and the document."""
+    if ctx.dist.is_main:
+        print(
+            f"building {spec.name} ({layers} of {spec.num_layers} blocks, {args.dtype}"
+            f"{', training state' if args.training_state else ''}) on {ctx.device} ...",
+            file=sys.stderr,
+        )
+    build_start = time.perf_counter()
+    dtype = workloads.DTYPES[args.dtype]
+    state = workloads.build_state(
+        spec, dtype=dtype, device=ctx.device, layers=layers, training_state=args.training_state, seed=args.seed
+    )
+    tensors, _objects = workloads.flatten_state(state)
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    build_seconds = time.perf_counter() - build_start
+    ops = (args.repeats + args.warmup) * len(saves) + (args.repeats * args.load_repeats + args.warmup) * len(loads)
+    progress = display.Progress(ops, enabled=ctx.dist.is_main and not args.no_progress)
+    dropper = system.CacheDropper(enabled=not args.no_drop_caches)
+    started = time.perf_counter()
+    schedule: list[dict[str, Any]] = []
+    try:
+        ceiling = None if args.no_ceiling else _measure_ceiling(args, work, state_bytes, ctx, progress)
+        results = run_benchmark(
+            state,
+            saves,
+            loads,
+            work,
+            ctx=ctx,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            dropper=dropper,
+            progress=progress,
+            state_bytes=state_bytes,
+            order_seed=args.order_seed,
+            schedule=schedule,
+            settle_seconds=args.settle,
+            load_repeats=args.load_repeats,
+            memory_settle_seconds=args.memory_settle,
+        )
+    finally:
+        progress.close()
+    elapsed = time.perf_counter() - started
+    document = {
         "schema": SCHEMA,
         "machine": measure.machine_info(parent, str(ctx.device)),
         "settings": {
@@ -468,12 +383,12 @@ def _document(
             "world_size": ctx.dist.world_size,
             "fastpersist_overrides": ctx.fastpersist_overrides,
             "fastpersist_config_file": args.config or os.environ.get("FASTPERSIST_CONFIG"),
-            "fastpersist_settings": fastpersist_settings,
+            "fastpersist_settings": config.resolve(ctx.fastpersist_overrides).as_dict(),
             "argv": sys.argv[1:],
         },
         "state": {
             "bytes": state_bytes,
-            "tensors": tensor_count,
+            "tensors": len(tensors),
             "parameters": workloads.parameter_count(spec, layers),
             "build_seconds": build_seconds,
         },
@@ -481,6 +396,283 @@ def _document(
         "baselines": BASELINES,
         "results": [r.as_dict(state_bytes) for r in results],
     }
+    order = {"seed": args.order_seed, "rounds": schedule, "settle_seconds": args.settle}
+    document.update(order={**order, "memory_settle_seconds": args.memory_settle}, ceiling=ceiling)
+    report.annotate_ceiling(document)
+    return document
+
+
+def _measure_ceiling(
+    args: argparse.Namespace, work: str, state_bytes: int, ctx: BenchContext, progress: Any
+) -> dict[str, Any] | None:
+    """The storage ceiling on rank 0 (the others wait), or None when it cannot be measured here."""
+    from fastpersist.bench.methods import ceilings
+
+    ceiling = None
+    if ctx.dist.is_main:
+        try:
+            settings = config.resolve(ctx.fastpersist_overrides)
+            available = system.available_memory()
+            ceiling = ceilings.measure_ceiling(
+                work,
+                state_bytes if available is None else min(state_bytes, available // 4),
+                engine_name=settings.engine,
+                use_fio=not args.no_fio,
+                read_buffers=(settings.read_buffer_size, settings.read_buffer_count),
+                grid_bytes=config.parse_size(args.ceiling_grid_size),
+                passes=2,
+                seed=args.order_seed,
+                progress=progress,
+            )
+            if ceiling["fio"]["note"]:
+                print(f"note: {ceiling['fio']['note']}", file=sys.stderr)
+        except (ImportError, OSError, RuntimeError, ValueError) as e:
+            ceiling = {"error": f"{type(e).__name__}: {e}"}
+            print(f"warning: the storage ceiling could not be measured: {ceiling['error']}", file=sys.stderr)
+    ctx.dist.barrier()
+    return ceiling
+
+
+# ----------------------------------------------------------------------------- the rounds
+
+
+@dataclasses.dataclass
+class MethodResult:
+    """Everything measured for one method. ``status``: ok, FAILED (verification or error) or skipped."""
+
+    op: str
+    name: str
+    label: str
+    status: str = "ok"
+    reason: str | None = None
+    timed: bool = True
+    file_bytes: int | None = None
+    samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def fail(self, reason: str, status: str = "FAILED") -> None:
+        self.status, self.reason = status, reason
+
+    def as_dict(self, state_bytes: int) -> dict[str, Any]:
+        timed = [s for s in self.samples if not s.get("warmup")]
+        keys = ("gbps", "seconds", "blocked_seconds", "peak_rss_bytes", "rss_delta_bytes")
+        return {
+            "op": self.op,
+            "method": self.name,
+            "label": self.label,
+            "status": self.status,
+            "reason": self.reason,
+            "timed": self.timed,
+            "bytes": state_bytes,
+            "file_bytes": self.file_bytes,
+            "samples": self.samples,
+            "summary": {k: measure.summarize([s.get(k) for s in timed]) if self.status == "ok" else None for k in keys},
+        }
+
+
+def _short_error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _timed(
+    result: MethodResult, op: str, call: Callable[..., Any], *args: Any
+) -> tuple[Any, float, dict[str, Any]] | None:
+    """``call(*args)``'s value, when it ended and its sample (seconds, peak memory); None, ``result`` FAILED,
+    when it raised."""
+    try:
+        with measure.PeakMemory() as memory:
+            start = time.perf_counter()
+            value = call(*args)
+            ended = time.perf_counter()
+            seconds = ended - start
+    except Exception as e:  # noqa: BLE001 - a method's failure is recorded, the run goes on
+        result.fail(f"{op} raised {_short_error(e)}")
+        if os.environ.get("FASTPERSIST_BENCH_TRACEBACK"):
+            traceback.print_exc()
+        return None
+    sample = {"seconds": seconds, "peak_rss_bytes": memory.peak, "baseline_rss_bytes": memory.baseline}
+    return value, ended, {**sample, "rss_delta_bytes": memory.delta, "memory_source": memory.source}
+
+
+def _problem(
+    expected: Any, method: Any, ctx: BenchContext, what: str, read: Callable[..., Any], *args: Any
+) -> str | None:
+    """How ``read(*args)`` differs from ``expected`` (None: the same bytes), a failure to read it included."""
+    try:
+        return measure.verify_state(expected, method.flat(read(*args)), ctx.device)
+    except Exception as e:  # noqa: BLE001 - a failed read-back or comparison marks the method FAILED
+        return f"{what} failed: {_short_error(e)}"
+
+
+def run_benchmark(
+    state: Any,
+    save_methods: Sequence[SaveMethod],
+    load_methods: Sequence[LoadMethod],
+    directory: str,
+    *,
+    ctx: BenchContext | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    dropper: system.CacheDropper | None = None,
+    progress: Callable[[str], None] | None = None,
+    state_bytes: int | None = None,
+    order_seed: int = 0,
+    schedule: list[dict[str, Any]] | None = None,
+    settle_seconds: float = 0.0,
+    load_repeats: int = 1,
+    memory_settle_seconds: float = 0.0,
+) -> list[MethodResult]:
+    """Runs every method ``warmup + repeats`` times, interleaved, and verifies each result.
+
+    Each round runs the saves, then the loads (``load_repeats`` times each in a timed round), each phase in
+    a fresh order from ``random.Random(order_seed)`` (the same on every rank; recorded in ``schedule``), then
+    deletes its files: no method always follows another, so a disk that drifts over the run hurts all alike.
+    A save is timed to the end of :func:`measure.fsync_paths` of what it wrote, a load until the state is
+    complete on the device; every file is read back and every loaded state compared with the original
+    (untimed), and the first difference or exception marks the method FAILED (its loads skipped). A load
+    whose ``source`` is not among ``save_methods`` has that save run untimed each round.
+
+    Between a round's saves and its loads everything is synced and ``settle_seconds`` pass: some (virtual)
+    disks read a file slowly for a while after it was written, which would penalise the file saved last.
+    Before each timed load (and a timed round's saves) memory is released, the page cache dropped and
+    ``memory_settle_seconds`` pass: a virtual machine with free page reporting hands freed 2 MiB blocks back
+    to its host about two seconds later, and until then a load that takes them finds them backed and fast;
+    with the pause every load starts on memory the host has taken back, as a fresh process does, whatever
+    the method before it freed. Samples record the file's age and the pause.
+
+    Returns:
+        A :class:`MethodResult` per method: the saves as given, the untimed helper saves, the loads.
+    """
+    ctx = ctx or BenchContext()
+    dropper = dropper or system.CacheDropper()
+    progress = progress or (lambda _text: None)
+    state_bytes = workloads.state_nbytes(state) if state_bytes is None else state_bytes
+    expected = workloads.flatten_state(state)
+    saves = list(save_methods)
+    results = {("save", m.name): MethodResult("save", m.name, m.label) for m in saves}
+    for m in load_methods:
+        if ("save", m.source) not in results:
+            if m.source not in SAVE_METHODS:
+                raise KeyError(f"load method {m.name!r} reads files of unknown save method {m.source!r}")
+            saves.append(SAVE_METHODS[m.source])
+            results[("save", m.source)] = MethodResult("save", m.source, SAVE_METHODS[m.source].label, timed=False)
+    results.update({("load", m.name): MethodResult("load", m.name, m.label) for m in load_methods})
+    for m in saves + list(load_methods):
+        reason = m.unavailable(ctx)
+        if reason:
+            results[("save" if isinstance(m, SaveMethod) else "load", m.name)].fail(reason, "skipped")
+    if load_repeats < 1:
+        raise ValueError(f"load_repeats must be at least 1, got {load_repeats}")
+    if memory_settle_seconds < 0:
+        raise ValueError(f"memory_settle_seconds must be at least 0, got {memory_settle_seconds}")
+    rounds = Rounds(repeats, warmup, order="shuffle", seed=order_seed)
+    for index in range(warmup + repeats):
+        is_warmup = index < warmup
+        save_order = rounds.ordered(saves, index)
+        load_order = rounds.ordered(list(load_methods) * (1 if is_warmup else load_repeats), index)
+        where = f"round {index + 1}/{warmup + repeats}"
+        if schedule is not None:
+            names = {"save": [m.name for m in save_order], "load": [m.name for m in load_order]}
+            schedule.append({"round": index, "warmup": is_warmup, **names})
+        written: dict[str, tuple[str, float]] = {}  # save method -> its verified output, when its save ended
+        created: dict[str, str] = {}  # everything to delete at the end of the round
+        try:
+            pause = 0.0 if is_warmup else memory_settle_seconds
+            if pause:  # the last round's files were deleted: their page cache is free memory the host still backs
+                system.release_memory()
+                time.sleep(pause)
+            for method in save_order:
+                result = results[("save", method.name)]
+                if result.status != "ok":
+                    continue
+                progress(f"{where}: save {method.name}")
+                path = created[method.name] = method.target(directory, ctx)
+                measure.remove_path(path)
+                system.release_memory()
+                ctx.synchronize()
+                ctx.dist.barrier()
+                timed = _timed(result, "save", _save, method, state, path, ctx)
+                if timed is None:
+                    continue
+                extra, ended, sample = timed
+                result.file_bytes = sum(os.path.getsize(f) for f in system.files_under(path))
+                problem = _problem(expected, method, ctx, "reading the file back", method.read_back, path, state, ctx)
+                if problem:
+                    result.fail(f"verification failed: {problem}")
+                    continue
+                written[method.name] = (path, ended)
+                sample = {"seconds": sample.pop("seconds"), "blocked_seconds": extra.get("blocked_seconds"), **sample}
+                result.samples.append(
+                    {**sample, "round": index, "warmup": is_warmup, "gbps": state_bytes / sample["seconds"] / 1e9}
+                )
+            if load_order and written:
+                os.sync()
+                time.sleep(max(0.0, settle_seconds - pause))  # the first load's pause completes the settle
+            for method in load_order:
+                result = results[("load", method.name)]
+                if result.status != "ok":
+                    continue
+                if method.source not in written:
+                    source = results[("save", method.source)]
+                    result.fail(
+                        f"its input ({method.source}) was not written: {source.status} {source.reason or ''}".strip(),
+                        "skipped",
+                    )
+                    continue
+                progress(f"{where}: load {method.name}")
+                path, saved = written[method.source]
+                system.release_memory()  # before the drop and the pause: what is freed now settles too
+                cache = dropper.drop([path])
+                time.sleep(pause)
+                ctx.dist.barrier()
+                age = time.perf_counter() - saved
+                ctx.synchronize()
+                timed = _timed(result, "load", _load, method, state, path, ctx)
+                if timed is None:
+                    continue
+                loaded, _, sample = timed
+                problem = _problem(expected, method, ctx, "comparing the loaded state", lambda x: x, loaded)
+                del loaded, timed
+                if problem:
+                    result.fail(f"verification failed: {problem}")
+                    continue
+                sample.update(
+                    file_age_seconds=age, memory_settle_seconds=pause, round=index, warmup=is_warmup, cache=cache
+                )
+                result.samples.append({**sample, "gbps": state_bytes / sample["seconds"] / 1e9})
+        finally:
+            by_name = {m.name: m for m in saves}
+            for name, path in created.items():
+                by_name[name].cleanup(path)
+            if created:
+                os.sync()
+    return list(results.values())
+
+
+def _save(method: SaveMethod, state: Any, path: str, ctx: BenchContext) -> dict[str, Any]:
+    extra = method.save(state, path, ctx) or {}
+    ctx.synchronize()
+    measure.fsync_paths(path)
+    return extra
+
+
+def _load(method: LoadMethod, state: Any, path: str, ctx: BenchContext) -> Any:
+    loaded = method.load(path, state, ctx)
+    if ctx.device.type == "cpu":
+        measure.touch_pages(method.flat(loaded)[0])
+    ctx.synchronize()
+    return loaded
+
+
+def _text(document: dict[str, Any]) -> str:
+    """The terminal's report (:func:`report.format_table`), and a warning when a method beat the ceiling."""
+    problems = report.measurement_problems(document)
+    if not problems:
+        return report.format_table(document)
+    return report.format_table(document) + (
+        f"\n\nMEASUREMENT PROBLEM: {', '.join(problems)} exceeded the storage ceiling measured in this run; "
+        "the ceiling or the method's timing is wrong, so these ratios are not results."
+    )
 
 
 BENCHMARK = Benchmark(

@@ -1,19 +1,12 @@
 """The one runner of every benchmark subcommand: command line, rounds, child processes, document, tables, charts.
 
 A subcommand declares itself once, ``BENCHMARK = Benchmark(name, options, measure, markdown, ...)`` and
-``main = BENCHMARK.main``: its own options, what it measures (a function from the parsed arguments to the
-result document) and how a document reads (Markdown: the terminal's table and the docs' block, through
-:mod:`fastpersist.bench.report`). :meth:`Benchmark.main` does the rest the same way for all of them:
-``--json`` (the document, with the machine's description the measure put in it), ``--report`` (the tables
-of earlier documents, their schema checked), ``--svg`` (a chart of the documents), the modules a benchmark
-needs, usage errors, child processes and the exit status. What a measure shares:
-
-* :func:`option`: the options many benchmarks have (``--dir``, ``--repeats``, ``--device``, ``--size`` ...);
-* :class:`Rounds`: methods interleaved round by round, warm-up rounds untimed, a failed method recorded
-  and left out of the later rounds; :func:`summarize` gives medians and min-max;
-* :func:`timed`: one call's seconds (the device synchronised), CPU seconds and peak RSS growth;
-* :func:`spawn`: a benchmark's own command in fresh processes, one per method or one per rank;
-* :func:`markdown_table` and :class:`Svg`: tables from column specs, horizontal bar charts.
+``main = BENCHMARK.main``; :meth:`Benchmark.main` does the rest the same way for all of them (``--json``,
+``--report`` of earlier documents, ``--svg``, missing modules, usage errors, child processes, the exit
+status). What a measure shares: :func:`option` (the common options), :class:`Rounds` (methods interleaved
+round by round, a failed one left out; :func:`summarize`), :func:`timed` (one call's seconds, CPU seconds
+and peak RSS growth), :func:`spawn` (the benchmark's own command in fresh processes), :func:`markdown_table`
+and :class:`Svg`.
 """
 
 from __future__ import annotations
@@ -100,26 +93,20 @@ class Benchmark:
     """One subcommand of ``python -m fastpersist.bench``, declared as data; :meth:`main` runs it.
 
     Attributes:
-        name: the subcommand.
         options: adds the benchmark's own options to its parser (the shared ones through :func:`option`).
-        measure: runs the benchmark from the parsed arguments; returns the result document (None: nothing to
-            report), or raises :class:`UsageError` or ``SystemExit`` (an int: the exit status).
-        markdown: one document as Markdown (None: the benchmark has no table).
-        description: the first line of ``--help``.
-        schema: the ``schema`` string of the documents it writes, checked when ``--report`` reads one.
-        show: the terminal's text of a fresh document (default: ``markdown``).
-        render: documents, each with the path it is known by, as Markdown: what ``--report`` prints and what
-            :mod:`fastpersist.bench.report` puts in the docs' block of this benchmark (default: each
-            document's Markdown under its path and commit).
-        svg: an SVG chart of documents; adds ``--svg``.
-        png: draws a document into a PNG file and says what it did; adds ``--png``.
+        measure: the result document of the parsed arguments (None: nothing to report); may raise
+            :class:`UsageError` or ``SystemExit`` (an int: the exit status).
+        markdown: one document as Markdown (None: no table); ``show``: the terminal's text (default: it).
+        schema: the ``schema`` prefix of its documents, checked when ``--report`` reads one.
+        render: (path, document) pairs as Markdown, what ``--report`` prints and the docs' block of this
+            benchmark holds (default: each document's Markdown under its path and commit).
+        svg, png: a chart of the documents (adds ``--svg``), one document drawn into a PNG (adds ``--png``).
         json: ``path`` (``--json PATH`` writes the document), ``print`` (``--json`` prints it instead of the
             table) or ``either`` (``--json`` prints it, ``--json PATH`` writes it).
         report: the option that reads earlier documents (None: no such option).
-        requires: modules the benchmark cannot run without, or a function of the arguments giving them (exit 2
-            naming them).
-        child: runs one child process of :func:`spawn` (hidden ``--child --out``); returns what the
-            parent reads back (None: nothing).
+        requires: modules it cannot run without, or a function of the arguments giving them (exit 2).
+        child: runs one child process of :func:`spawn` (hidden ``--child --out``); returns what the parent
+            reads back (None: nothing).
         status: the exit status of a document (default 0).
         redirect: ``(option, subcommand)``: a command line naming the option runs that subcommand instead.
     """
@@ -173,11 +160,8 @@ class Benchmark:
         return "\n".join(parts)
 
     def main(self, argv: list[str] | None = None) -> int:
-        """Runs the subcommand: a child's part, a report of earlier documents, or a measurement.
-
-        Returns:
-            0, or :attr:`status` of the document; 2 on a usage error or a missing module.
-        """
+        """Runs the subcommand: a child's part, a report of earlier documents, or a measurement; returns 0 or
+        :attr:`status` of the document, 2 on a usage error or a missing module."""
         argv = list(sys.argv[1:] if argv is None else argv)
         if self.redirect and any(a == self.redirect[0] or a.startswith(self.redirect[0] + "=") for a in argv):
             from fastpersist.bench import SUBCOMMANDS
@@ -236,14 +220,10 @@ def _importable(module: str) -> bool:
 
 
 def read_document(path: str, name: str, schema: str | None) -> dict[str, Any]:
-    """The result document at ``path``, of benchmark ``name`` (its ``schema`` starts with ``schema``, if given).
-
-    Raises:
-        UsageError: unreadable, not JSON, or not a result of that benchmark.
-    """
+    """The result document at ``path`` of benchmark ``name`` (its ``schema`` starting with ``schema``, if
+    given); UsageError when unreadable, not JSON or not a result of that benchmark."""
     try:
-        with open(path, encoding="utf-8") as f:
-            document = json.load(f)
+        document = _read_json(path)
     except (OSError, ValueError) as e:
         raise UsageError(f"{path}: {e}") from e
     if not isinstance(document, dict) or (schema and not str(document.get("schema", "")).startswith(schema)):
@@ -257,17 +237,12 @@ def read_document(path: str, name: str, schema: str | None) -> dict[str, Any]:
 class Rounds:
     """Methods measured round by round, interleaved: no method always follows another.
 
-    ``warmup`` untimed rounds come first; each round runs every method of each phase (``phases``: a list of
-    method lists, run one after the other) in the round's ``order``:
-
-    * ``fixed``: as given;
-    * ``rotate``: round r starts at the r-th method;
-    * ``reverse``: every other round backwards;
-    * ``shuffle``: a fresh random order from ``random.Random(seed)``.
-
-    ``run(method, round)`` does one method's work of a round and returns its sample (None: nothing to
-    record); the samples of timed rounds are kept in :attr:`samples`. A method that raises, with ``catch``,
-    has its error in :attr:`errors` (``Type: message``) and is left out of the later rounds.
+    ``warmup`` untimed rounds come first; each round runs every method of each phase (a list of method
+    lists, run one after the other) in the round's ``order``: ``fixed``, ``rotate`` (round r starts at the
+    r-th method), ``reverse`` (every other round backwards) or ``shuffle`` (from ``random.Random(seed)``).
+    ``run(method, round)`` returns a sample (None: nothing to record), kept in :attr:`samples` for timed
+    rounds. A method that raises, with ``catch``, has ``Type: message`` in :attr:`errors` and is left out of
+    the later rounds.
     """
 
     def __init__(self, repeats: int, warmup: int = 0, order: str = "fixed", seed: int = 0, catch: bool = True):
@@ -320,10 +295,9 @@ def timed(
     """Calls ``action()``: its result and ``{"seconds", "cpu_seconds"}`` of the call (+ ``peak_rss_delta``).
 
     With a CUDA ``device`` the clock starts and stops with the device idle. CPU seconds are this process's
-    (user + system, all threads): the software's cost, whatever the contention. With ``memory`` the call's
-    peak RSS growth is sampled too (:class:`fastpersist.bench.measure.PeakMemory`); with ``touch`` a byte of
-    every page of the CPU tensors of the result is read before the clock stops (a lazily mapped load is
-    complete only then).
+    (user + system, all threads): the software's cost, whatever the contention. ``memory``: the call's peak
+    RSS growth sampled too; ``touch``: a byte of every page of the result's CPU tensors read before the clock
+    stops (a lazily mapped load is complete only then).
     """
     import torch
 
@@ -386,13 +360,10 @@ def spawn(
 ) -> tuple[list[Any], str | None]:
     """Runs ``python -m fastpersist.bench name *argv --child`` in ``ranks`` fresh processes and waits for them.
 
-    With ``group`` (default: ``ranks`` > 1) the processes form one process group on this host (``RANK``,
-    ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as torchrun sets them). ``capture``: their
-    output is kept (and returned on failure) instead of going to this process's.
-
-    Returns:
-        What each rank's :attr:`Benchmark.child` returned (None where it returned nothing), and None; or no
-        results and the last 3000 characters of their output (or the exit statuses) when one failed.
+    With ``group`` (default: ``ranks`` > 1) they form one process group on this host (the variables torchrun
+    sets). ``capture``: their output is kept (returned on failure), not passed through. Returns what each
+    rank's :attr:`Benchmark.child` returned (None where nothing) and None; or no results and the last 3000
+    characters of their output (or the exit statuses) when one failed.
     """
     group = ranks > 1 if group is None else group
     with tempfile.TemporaryDirectory() as scratch, tempfile.TemporaryFile("w+") as log:
@@ -410,15 +381,12 @@ def spawn(
         if any(codes):
             log.seek(0)
             return [], (log.read() if capture else f"exit statuses {codes}")[-3000:]
-        results = []
-        for rank in range(ranks):
-            path = f"{out}.{rank}"
-            if os.path.exists(path):
-                with open(path) as f:
-                    results.append(json.load(f))
-            else:
-                results.append(None)
-        return results, None
+        return [_read_json(f"{out}.{rank}") if os.path.exists(f"{out}.{rank}") else None for rank in range(ranks)], None
+
+
+def _read_json(path: str) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 # ----------------------------------------------------------------------------- tables and charts

@@ -1,11 +1,6 @@
-"""The benchmarks' own measuring tools: peak host memory and the ranks of a launched run.
-
-Resident and peak memory come from /proc (:func:`current_rss`,
-:func:`peak_rss`, :class:`PeakMemory`); :class:`DistributedEnv` reads a
-launcher's rank variables. The tools the tuner shares with the benchmarks
-(statistics, durability, the machine's description, checks) live in
-:mod:`fastpersist.tuning.measure` and are re-exported here for the
-benchmarks' modules.
+"""The benchmarks' own measuring tools: peak host memory (:class:`PeakMemory`) and the ranks of a launched
+run (:class:`DistributedEnv`). The tools the tuner shares with the benchmarks (statistics, durability, the
+machine's description, checks) live in :mod:`fastpersist.tuning.measure`, re-exported here.
 """
 
 from __future__ import annotations
@@ -31,6 +26,7 @@ __all__ = [
     "current_rss",
     "peak_rss",
     "reset_peak_rss",
+    "scratch_dir",
     "PeakMemory",
     "DistributedEnv",
     "summarize",
@@ -42,13 +38,6 @@ __all__ = [
     "touch_pages",
     "verify_state",
 ]
-
-
-# --------------------------------------------------------------------- resident memory
-
-
-def _kib_field(text: str | None) -> int | None:
-    return int(text.split()[0]) * 1024 if text else None
 
 
 def scratch_dir(parent: str | None, prefix: str) -> str:
@@ -71,14 +60,13 @@ def current_rss() -> int:
 
 def peak_rss() -> int | None:
     """The kernel's high-water mark of this process's resident memory (VmHWM), in bytes, or None."""
-    return _kib_field(status_field("VmHWM"))
+    text = status_field("VmHWM")
+    return int(text.split()[0]) * 1024 if text else None
 
 
 def reset_peak_rss() -> bool:
-    """Resets VmHWM to the current RSS (Linux >= 4.0); False where not allowed.
-
-    Lets :func:`peak_rss` catch peaks shorter than any sampling interval.
-    """
+    """Resets VmHWM to the current RSS (Linux >= 4.0), so that :func:`peak_rss` catches peaks shorter than
+    any sampling interval; False where not allowed."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -87,40 +75,28 @@ def reset_peak_rss() -> bool:
         return False
 
 
-# --------------------------------------------------------------------- memory
-
-
 class PeakMemory:
-    """Peak resident memory over a block, sampled by a background thread.
+    """Peak resident memory over a block: RSS sampled every ``interval`` seconds by a thread, and the kernel's
+    own high-water mark where it can be reset (short spikes between samples are not missed).
 
-    Samples RSS every ``interval`` seconds (5 ms by default); where Linux lets
-    us reset the kernel's own high-water mark (``/proc/self/clear_refs``), the
-    kernel's VmHWM is used too, so short spikes between samples are not missed.
-
-    Attributes (after the block): ``baseline`` (RSS just before), ``peak``,
-    ``delta`` (peak - baseline), ``source`` (``sampled`` or ``sampled+VmHWM``).
+    After the block: ``baseline`` (RSS just before), ``peak``, ``delta`` (peak - baseline) and ``source``
+    (``sampled`` or ``sampled+VmHWM``).
     """
 
     def __init__(self, interval: float = 0.005):
         self.interval = interval
-        self.baseline = 0
-        self.peak = 0
+        self.baseline = self.peak = 0
         self.source = "sampled"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._hwm = False
 
     def _run(self) -> None:
-        peak = self.peak
         while not self._stop.wait(self.interval):
-            rss = current_rss()
-            if rss > peak:
-                peak = rss
-            self.peak = peak
+            self.peak = max(self.peak, current_rss())
 
     def __enter__(self) -> PeakMemory:
-        self.baseline = current_rss()
-        self.peak = self.baseline
+        self.baseline = self.peak = current_rss()
         self._hwm = reset_peak_rss()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="fastpersist-rss-sampler", daemon=True)
@@ -129,29 +105,21 @@ class PeakMemory:
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
-        assert self._thread is not None
         self._thread.join()
         self.peak = max(self.peak, current_rss())
-        if self._hwm:
-            hwm = peak_rss()
-            if hwm is not None:
-                self.peak = max(self.peak, hwm)
-                self.source = "sampled+VmHWM"
+        hwm = peak_rss() if self._hwm else None
+        if hwm is not None:
+            self.peak = max(self.peak, hwm)
+            self.source = "sampled+VmHWM"
 
     @property
     def delta(self) -> int:
         return self.peak - self.baseline
 
 
-# --------------------------------------------------------------------- ranks
-
-
 class DistributedEnv:
-    """Rank and world size from the launcher's environment (torchrun sets them).
-
-    Without a launcher: rank 0 of 1. ``barrier()`` uses torch.distributed only
-    when a process group is initialized, so single-process runs need none.
-    """
+    """Rank and world size from the launcher's environment (torchrun sets them; without one: rank 0 of 1).
+    :meth:`barrier` uses torch.distributed only when a process group is initialized."""
 
     def __init__(self) -> None:
         self.rank = int(os.environ.get("RANK", "0"))
@@ -163,9 +131,7 @@ class DistributedEnv:
         return self.rank == 0
 
     def barrier(self) -> None:
-        try:
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover
-            return
+        import torch.distributed as dist
+
         if dist.is_available() and dist.is_initialized():
             dist.barrier()

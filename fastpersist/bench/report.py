@@ -1,18 +1,11 @@
-"""Turning checkpoint-benchmark results into text, Markdown, charts and the docs' tables.
+"""Checkpoint-benchmark documents as text, Markdown and charts, and the docs' generated blocks.
 
-Everything here reads the JSON document that ``python -m fastpersist.bench
-checkpoint --json PATH`` writes (schema ``fastpersist.bench.checkpoint/1``),
-so tables in the docs are regenerated from results, never typed::
-
-    python -m fastpersist.bench report results.json [more.json ...]   # Markdown
-    python -m fastpersist.bench report --update-docs                    # README.md + docs/ from docs/results/
-    python -m fastpersist.bench report --check-docs                     # exit 1 when they differ
-
-The docs mark where generated text goes with HTML comments:
-``<!-- fastpersist:summary -->`` (one row per result: the README's table) and
-``<!-- fastpersist:results -->`` (a heading and the full table of every
-result), each closed by ``<!-- /fastpersist -->``. Every result must record
-the code version (``machine.code.commit``), its settings and its machine.
+``python -m fastpersist.bench report results.json ...`` prints their Markdown; ``--update-docs`` regenerates
+README.md and docs/ from docs/results/ (``--check-docs``: exit 1 where they differ), so tables in the docs
+are never typed. The docs mark generated text ``<!-- fastpersist:NAME -->`` ... ``<!-- /fastpersist -->``:
+``summary`` (a row per checkpoint result: the README's table), ``results`` (every checkpoint result in
+full), or a benchmark's name (its documents as its ``--report`` prints them). Every result must record the
+code version (``machine.code.commit``), its settings and its machine.
 """
 
 from __future__ import annotations
@@ -31,28 +24,13 @@ from fastpersist import display
 from fastpersist.bench import SUBCOMMANDS
 from fastpersist.bench.harness import markdown_table, read_document
 
-__all__ = [
-    "load_result",
-    "format_table",
-    "to_markdown",
-    "save_png",
-    "rows",
-    "annotate_ceiling",
-    "measurement_problems",
-    "summary_markdown",
-    "update_docs",
-    "main",
-]
-
 SCHEMA_PREFIX = "fastpersist.bench.checkpoint/"
+CEILING_OP = {"save": "write", "load": "read"}
+RESULTS_DIR = os.path.join("docs", "results")
 
 
 def load_result(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Reads a result document.
-
-    Raises:
-        ValueError: unreadable, not JSON, or not a checkpoint-benchmark result.
-    """
+    """The checkpoint-benchmark document at ``path``; ValueError when it is not one (or unreadable)."""
     return read_document(os.fspath(path), "checkpoint", SCHEMA_PREFIX)
 
 
@@ -70,24 +48,21 @@ def _seconds(t: float) -> str:
     return f"{t:.2f}" if t >= 0.1 else f"{t:.4f}"
 
 
-def _mib(n: float | None) -> str:
-    if n is None:
-        return "-"
-    sign = "+" if n >= 0 else "-"
-    return f"{sign}{abs(n) / 2**20:,.0f} MiB"
+def _mib(n: float) -> str:
+    return f"{'+' if n >= 0 else '-'}{abs(n) / 2**20:,.0f} MiB"
 
 
-CEILING_OP = {"save": "write", "load": "read"}
+def _median(document: dict[str, Any], op: str, method: str) -> float | None:
+    for r in document["results"]:
+        if r["op"] == op and r["method"] == method and r["status"] == "ok" and r["summary"].get("gbps"):
+            return r["summary"]["gbps"]["median"]
+    return None
 
 
 def annotate_ceiling(document: dict[str, Any]) -> None:
-    """Adds ``ceiling_ratio`` and ``measurement_problem`` to every result of ``document`` (in place).
-
-    ``ceiling_ratio`` is the method's median GB/s over the storage ceiling of
-    its operation measured in the same run (None without one). A ratio above
-    1.0 cannot be a result: the ceiling is the best any tool moved these bytes
-    on this storage, so such a method is flagged ``measurement_problem``.
-    """
+    """Adds to every result its ``ceiling_ratio``, its median GB/s over the storage ceiling of its operation in
+    the same run (None without one), and ``measurement_problem``: a ratio above 1.0 cannot be a result, the
+    ceiling being the best any tool moved these bytes on this storage."""
     ceiling = document.get("ceiling") or {}
     for r in document["results"]:
         limit = (ceiling.get(CEILING_OP[r["op"]]) or {}).get("gbps")
@@ -102,82 +77,59 @@ def measurement_problems(document: dict[str, Any]) -> list[str]:
     return [f"{r['op']} {r['label']}" for r in document["results"] if r.get("measurement_problem")]
 
 
-def _ceiling_rows(document: dict[str, Any]) -> list[dict[str, str]]:
-    ceiling = document.get("ceiling") or {}
-    out = []
-    for op, kind in CEILING_OP.items():
-        part = ceiling.get(kind)
-        row = dict(op=op, method=f"ceiling-{kind}", seconds="-", blocked="-", rss_delta="-", peak_rss="-", ratio="-")
-        best = (part or {}).get("best")
-        if ceiling.get("error") or not best:
-            if ceiling.get("error") or part:
-                status = "FAILED: no candidate completed and verified"
-                if ceiling.get("error"):
-                    status = f"not measured: {ceiling['error']}"
-                label = f"storage {kind} ceiling"
-                out.append(dict(row, label=label, gbps="-", range="-", ceiling_ratio="-", status=status))
-            continue
-        values = [s["gbps"] for s in part["samples"] if s.get("gbps")]
-        tools = "fio and engine" if (ceiling.get("fio") or {}).get("path") else "engine (fio not installed)"
-        block = best["block_size"]
-        size = f"{block >> 20}M" if block >= 1 << 20 else f"{block >> 10}K"
-        out.append(
-            dict(
-                row,
-                label=f"{kind} ceiling: {best['tool']} {size} QD{best['queue_depth']} (best of {tools} grid)",
-                gbps=f"{part['gbps']:.2f}",
-                range=f"{min(values):.2f}-{max(values):.2f}",
-                ceiling_ratio="1.00x",
-                status="verified (bytes read back compared)",
-            )
+_FIGURES = ("gbps", "range", "seconds", "blocked", "rss_delta", "peak_rss", "ratio", "ceiling_ratio")
+
+
+def _ceiling_row(document: dict[str, Any], op: str) -> dict[str, str] | None:
+    ceiling, kind = document.get("ceiling") or {}, CEILING_OP[op]
+    part = ceiling.get(kind)
+    row = {"op": op, "method": f"ceiling-{kind}", **dict.fromkeys(_FIGURES, "-")}
+    if ceiling.get("error") or not (part or {}).get("best"):
+        if not (ceiling.get("error") or part):
+            return None
+        status = (
+            f"not measured: {ceiling['error']}"
+            if ceiling.get("error")
+            else "FAILED: no candidate completed and verified"
         )
-    return out
+        return dict(row, label=f"storage {kind} ceiling", status=status)
+    best, values = part["best"], [s["gbps"] for s in part["samples"] if s.get("gbps")]
+    tools = "fio and engine" if (ceiling.get("fio") or {}).get("path") else "engine (fio not installed)"
+    size = f"{best['block_size'] >> 20}M" if best["block_size"] >= 1 << 20 else f"{best['block_size'] >> 10}K"
+    label = f"{kind} ceiling: {best['tool']} {size} QD{best['queue_depth']} (best of {tools} grid)"
+    figures = {"gbps": f"{part['gbps']:.2f}", "range": f"{min(values):.2f}-{max(values):.2f}", "ceiling_ratio": "1.00x"}
+    return dict(row, label=label, **figures, status="verified (bytes read back compared)")
+
+
+def _row(document: dict[str, Any], r: dict[str, Any]) -> dict[str, str]:
+    row = {"op": r["op"], "method": r["method"], "label": r["label"], **dict.fromkeys(_FIGURES, "-")}
+    s, limit = r["summary"], r.get("ceiling_ratio")
+    if r["status"] != "ok" or not s.get("gbps"):
+        reason = r.get("reason") or ("no timed samples" if r["status"] == "ok" else "")
+        return dict(row, status=f"{r['status']}: {reason}" if reason else r["status"])
+    g, base = s["gbps"], _median(document, r["op"], document.get("baselines", {}).get(r["op"], ""))
+    row.update(
+        gbps=f"{g['median']:.2f}", range=f"{g['min']:.2f}-{g['max']:.2f}", seconds=_seconds(s["seconds"]["median"])
+    )
+    row["blocked"] = _seconds(s["blocked_seconds"]["median"]) if s.get("blocked_seconds") else "-"
+    row.update(rss_delta=_mib(s["rss_delta_bytes"]["median"]), peak_rss=_mib(s["peak_rss_bytes"]["median"]).lstrip("+"))
+    row["ratio"] = f"{g['median'] / base:.2f}x" if base else "-"
+    row["ceiling_ratio"] = f"{limit:.2f}x" if limit is not None else "-"
+    row["status"] = "verified" if r.get("timed", True) else "verified (not selected; ran to feed a load)"
+    if r.get("measurement_problem"):
+        row["status"] = f"MEASUREMENT PROBLEM: {limit:.2f}x the storage ceiling, not a result"
+    return row
 
 
 def rows(document: dict[str, Any]) -> list[dict[str, str]]:
-    """One dict of display strings per method, in run order (saves, then loads), then the ceilings.
-
-    Keys: op, method, label, gbps, range, seconds, blocked, rss_delta,
-    peak_rss, ratio, ceiling_ratio, status. A FAILED or skipped method has
-    ``-`` for every figure and its reason in ``status``; a method faster than
-    the ceiling has ``MEASUREMENT PROBLEM`` in ``status`` instead of a result.
-    """
-    baselines = document.get("baselines", {})
-    medians = {
-        (r["op"], r["method"]): r["summary"]["gbps"]["median"]
-        for r in document["results"]
-        if r["status"] == "ok" and r["summary"].get("gbps")
-    }
+    """One dict of display strings per method, saves then loads, each operation's storage ceiling after its
+    methods. Keys: op, method, label, status and the figures (gbps, range, seconds, blocked, rss_delta,
+    peak_rss, ratio, ceiling_ratio): ``-`` for a FAILED or skipped method, its reason in ``status``."""
     out = []
-    for r in document["results"]:
-        s = r["summary"]
-        row = {"op": r["op"], "method": r["method"], "label": r["label"]}
-        if r["status"] != "ok" or not s.get("gbps"):
-            row.update(
-                gbps="-", range="-", seconds="-", blocked="-", rss_delta="-", peak_rss="-", ratio="-", ceiling_ratio="-"
-            )
-            reason = r.get("reason") or ("no timed samples" if r["status"] == "ok" else "")
-            row["status"] = f"{r['status']}: {reason}" if reason else r["status"]
-        else:
-            g = s["gbps"]
-            row["gbps"] = f"{g['median']:.2f}"
-            row["range"] = f"{g['min']:.2f}-{g['max']:.2f}"
-            row["seconds"] = _seconds(s["seconds"]["median"])
-            row["blocked"] = _seconds(s["blocked_seconds"]["median"]) if s.get("blocked_seconds") else "-"
-            row["rss_delta"] = _mib(s["rss_delta_bytes"]["median"])
-            row["peak_rss"] = _mib(s["peak_rss_bytes"]["median"]).lstrip("+")
-            base = medians.get((r["op"], baselines.get(r["op"], "")))
-            row["ratio"] = f"{g['median'] / base:.2f}x" if base else "-"
-            row["status"] = "verified" if r.get("timed", True) else "verified (not selected; ran to feed a load)"
-            limit = r.get("ceiling_ratio")
-            row["ceiling_ratio"] = f"{limit:.2f}x" if limit is not None else "-"
-            if r.get("measurement_problem"):
-                row["status"] = f"MEASUREMENT PROBLEM: {limit:.2f}x the storage ceiling, not a result"
-        out.append(row)
-    ceiling_rows = _ceiling_rows(document)
-    saves = [r for r in out if r["op"] == "save"] + [r for r in ceiling_rows if r["op"] == "save"]
-    loads = [r for r in out if r["op"] == "load"] + [r for r in ceiling_rows if r["op"] == "load"]
-    return saves + loads
+    for op in CEILING_OP:
+        out += [_row(document, r) for r in document["results"] if r["op"] == op]
+        out += [row for row in [_ceiling_row(document, op)] if row]
+    return out
 
 
 def _headline(document: dict[str, Any]) -> list[str]:
@@ -258,43 +210,28 @@ _COLUMNS = [
 ]
 
 
-def _shorten(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
 def format_table(document: dict[str, Any], status_width: int = 70) -> str:
-    """The terminal report: a headline and one table for saves, one for loads.
-
-    Reasons longer than ``status_width`` are cut (the JSON keeps them whole).
-    """
-    lines = ["", "fastpersist checkpoint benchmark: " + _headline(document)[0]]
-    lines += ["  " + text for text in _headline(document)[1:] if text]
-    all_rows = [dict(r, status=_shorten(r["status"], status_width)) for r in rows(document)]
-    cache = document["settings"].get("cache")
-    for op, title in (
-        ("save", "save (time to durable: fsync of files and directory)"),
-        (
-            "load",
-            "load (cold: page cache dropped)"
-            if cache in ("drop_caches", "fadvise")
-            else "load (page cache NOT dropped)",
-        ),
-    ):
-        op_rows = [r for r in all_rows if r["op"] == op]
-        if not op_rows:
-            continue
+    """The terminal report: a headline, a table of saves and one of loads (reasons cut at ``status_width``)."""
+    headline = _headline(document)
+    lines = ["", "fastpersist checkpoint benchmark: " + headline[0]] + ["  " + text for text in headline[1:] if text]
+    cold = document["settings"].get("cache") in ("drop_caches", "fadvise")
+    titles = {
+        "save": "save (time to durable: fsync of files and directory)",
+        "load": "load (cold: page cache dropped)" if cold else "load (page cache NOT dropped)",
+    }
+    for op, title in titles.items():
+        op_rows = [r for r in rows(document) if r["op"] == op]
+        for r in op_rows:
+            r["status"] = r["status"] if len(r["status"]) <= status_width else r["status"][: status_width - 3] + "..."
         columns = [c for c in _COLUMNS if c[0] != "blocked" or any(r["blocked"] != "-" for r in op_rows)]
-        lines.append("")
-        lines.append(title)
-        lines.append(
-            display.format_table(
+        if op_rows:
+            table = display.format_table(
                 [head for _, head, _ in columns],
                 [[r[key] for key, _, _ in columns] for r in op_rows],
                 "".join(align for _, _, align in columns),
             )
-        )
-    lines.append("")
-    lines.append(_baseline_note(document) + "; GB = 10^9 bytes of tensor data")
+            lines += ["", title, table]
+    lines += ["", _baseline_note(document) + "; GB = 10^9 bytes of tensor data"]
     lines.append("blocked s = time async_save kept the caller; RSS delta = peak minus RSS before the call")
     return "\n".join(lines)
 
@@ -304,37 +241,25 @@ def _md_escape(text: str) -> str:
 
 
 def to_markdown(documents: dict[str, Any] | Sequence[dict[str, Any]]) -> str:
-    """Markdown for one or more result documents: a heading line and a table each.
-
-    The table has one row per method (saves, then loads) with median GB/s,
-    min-max, median time, blocked time (async), median RSS delta and the ratio
-    to the baseline of the same run.
-    """
-    if isinstance(documents, dict):
-        documents = [documents]
+    """Markdown of one or more result documents: each a headline and a table of every method (saves, then
+    loads) with median GB/s, min-max, median time, blocked time (async), median RSS delta and the ratios to
+    the baseline and the ceiling of the same run."""
     parts = []
-    for document in documents:
+    for document in [documents] if isinstance(documents, dict) else documents:
         headline = _headline(document)
         parts.append(f"**{_md_escape(headline[0])}**  ")
-        parts.extend(f"{_md_escape(text)}  " for text in headline[1:] if text)
-        parts.append("")
+        parts += [f"{_md_escape(text)}  " for text in headline[1:] if text] + [""]
         keys = ("op", "label", "gbps", "range", "seconds", "blocked", "rss_delta", "ratio", "ceiling_ratio", "status")
         header = ["op", "method", "GB/s", "range", "time s", "blocked s", "RSS delta", "vs baseline", "of ceiling"]
         table = [[_md_escape(r[key]) for key in keys] for r in rows(document)]
         parts += markdown_table([*header, "result"], "<<>>>>>>><", table)
-        parts.append("")
-        parts.append(f"_{_baseline_note(document)}._")
-        parts.append("")
+        parts += ["", f"_{_baseline_note(document)}._", ""]
     return "\n".join(parts)
 
 
 def save_png(document: dict[str, Any] | Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> str:
-    """A horizontal bar chart of median GB/s with min-max whiskers, saves and loads side by side.
-
-    Returns:
-        What happened, for the user: the path written, or why nothing was
-        (matplotlib is optional: ``pip install matplotlib``).
-    """
+    """A horizontal bar chart of median GB/s with min-max whiskers, saves and loads side by side; returns what
+    happened: the path written, or why nothing was (matplotlib is optional)."""
     try:
         import matplotlib
 
@@ -379,25 +304,14 @@ def save_png(document: dict[str, Any] | Sequence[dict[str, Any]], path: str | os
 # ----------------------------------------------------------------------------- the docs
 
 
-def _median(document: dict[str, Any], op: str, method: str) -> float | None:
-    for r in document["results"]:
-        if r["op"] == op and r["method"] == method and r["status"] == "ok" and r["summary"].get("gbps"):
-            return r["summary"]["gbps"]["median"]
-    return None
-
-
 def _summary_cell(document: dict[str, Any], op: str, method: str, baseline: str | None) -> str:
     value = _median(document, op, method)
     if value is None:
         return "-"
-    text = f"{value:.2f}"
     base = _median(document, op, baseline) if baseline else None
-    if base:
-        text += f" ({value / base:.2f}x)"
+    text = f"{value:.2f}" + (f" ({value / base:.2f}x)" if base else "")
     result = next(r for r in document["results"] if r["op"] == op and r["method"] == method)
-    if result.get("measurement_problem"):
-        text += " MEASUREMENT PROBLEM"
-    return text
+    return text + (" MEASUREMENT PROBLEM" if result.get("measurement_problem") else "")
 
 
 def summary_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
@@ -408,11 +322,10 @@ def summary_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
         st, se, m = document["state"], document["settings"], document["machine"]
         fs = (m.get("filesystem") or {}).get("type", "?")
         device = se["device"] if se["device"] == "cpu" else m.get("device_name", se["device"])
-        what = f"{_gb(st['bytes'])} {se['dtype']} {se['model']} on {device}, {fs}; {m.get('hostname')}, {m.get('cpu_count')} CPUs"
         ceiling = document.get("ceiling") or {}
         cells = [
             f"[{name}](docs/results/{name})",
-            what,
+            f"{_gb(st['bytes'])} {se['dtype']} {se['model']} on {device}, {fs}; {m.get('hostname')}, {m.get('cpu_count')} CPUs",
             _summary_cell(document, "save", "torch.save", None),
             _summary_cell(document, "save", "fastpersist", "torch.save"),
             f"{ceiling['write']['gbps']:.2f}" if (ceiling.get("write") or {}).get("gbps") else "-",
@@ -432,16 +345,10 @@ def _results_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(parts)
 
 
-RESULTS_DIR = os.path.join("docs", "results")
-
-
 def load_results(directory: str) -> list[tuple[str, dict[str, Any]]]:
-    """Every ``*.json`` of ``directory`` (sorted by name) as (name, document), annotated with its ceiling ratios.
-
-    Raises:
-        ValueError: a file is not a checkpoint result, or does not record the
-            code version, its settings or its machine (re-measure it).
-    """
+    """Every ``*.json`` of ``directory`` (sorted by name) as (name, document), checkpoint results annotated
+    with their ceiling ratios; ValueError for a file that is no result or records no code version (commit),
+    settings or machine (re-measure it)."""
     documents = []
     for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
         with open(path, encoding="utf-8") as f:
@@ -463,17 +370,6 @@ def _of_kind(documents: Sequence[tuple[str, dict[str, Any]]], kind: str) -> list
     return [(n, d) for n, d in documents if benchmark_of(d) == kind]
 
 
-def benchmark_of(document: dict[str, Any]) -> str | None:
-    """Which benchmark wrote ``document``: its ``benchmark`` key, else the name in its ``schema``."""
-    if document.get("benchmark"):
-        return str(document["benchmark"])
-    schema = str(document.get("schema", ""))
-    for name, prefix in _SCHEMAS.items():
-        if schema.startswith(prefix):
-            return name
-    return None
-
-
 _SCHEMAS = {
     "ranks": "fastpersist.bench.ranks/",
     "training": "fastpersist-training-bench/",
@@ -481,9 +377,17 @@ _SCHEMAS = {
 }
 
 
+def benchmark_of(document: dict[str, Any]) -> str | None:
+    """Which benchmark wrote ``document``: its ``benchmark`` key, else the name in its ``schema``."""
+    if document.get("benchmark"):
+        return str(document["benchmark"])
+    schema = str(document.get("schema", ""))
+    return next((name for name, prefix in _SCHEMAS.items() if schema.startswith(prefix)), None)
+
+
 def _rendered_by(name: str):
-    """The block renderer of benchmark ``name``: its :meth:`~fastpersist.bench.harness.Benchmark.render_documents`
-    of the documents under their paths in docs/results/ (imported when a block of it is rendered)."""
+    """Benchmark ``name``'s :meth:`~fastpersist.bench.harness.Benchmark.render_documents` of the documents
+    under their paths in docs/results/ (its module imported when a block of it is rendered)."""
 
     def render(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
         benchmark = importlib.import_module(SUBCOMMANDS[name][0]).BENCHMARK
@@ -497,27 +401,22 @@ RENDERERS: dict[str, Any] = {
     "results": _results_markdown,
     **{name: _rendered_by(name) for name in SUBCOMMANDS if name not in ("checkpoint", "report")},
 }
-"""Docs block name (``<!-- fastpersist:NAME -->``) -> renderer of the results of that kind: the checkpoint
-benchmark's two blocks, and one block per other benchmark, rendered as its ``--report`` prints them."""
+"""Docs block name -> renderer of the results of that kind (one block name per renderer: a registered
+benchmark has its block, no second list to keep)."""
 
 
 def render_docs(text: str, documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
     """``text`` with every generated block replaced by what ``documents`` give."""
 
     def fill(match: re.Match[str]) -> str:
-        kind = match.group(2)
-        chosen = _of_kind(documents, kind)
-        body = RENDERERS[kind](chosen)
+        chosen = _of_kind(documents, match.group(2))
+        body = RENDERERS[match.group(2)](chosen)
         if not chosen:
             body = "_No results in docs/results/ yet: run examples/gpu_acceptance.sh or the benchmark with --json._\n"
         return match.group(1) + body + match.group(4)
 
-    # One block name per renderer: a benchmark registered there has its block (no second list to keep).
-    block = re.compile(
-        r"(<!-- fastpersist:(" + "|".join(map(re.escape, RENDERERS)) + r") -->\n)(.*?)(<!-- /fastpersist -->)",
-        re.DOTALL,
-    )
-    return block.sub(fill, text)
+    names = "|".join(map(re.escape, RENDERERS))
+    return re.sub(rf"(<!-- fastpersist:({names}) -->\n)(.*?)(<!-- /fastpersist -->)", fill, text, flags=re.DOTALL)
 
 
 def doc_files(root: str) -> list[str]:
@@ -528,15 +427,8 @@ def doc_files(root: str) -> list[str]:
 
 
 def update_docs(root: str = ".", check: bool = False) -> list[str]:
-    """Regenerates the generated blocks of README.md and docs/*.md from ``root``/docs/results/.
-
-    Args:
-        root: the repository root.
-        check: only compare; write nothing.
-
-    Returns:
-        The files whose blocks differed (and, unless ``check``, were rewritten).
-    """
+    """Regenerates the blocks of README.md and docs/*.md under ``root`` from its docs/results/ (``check``:
+    only compares); returns the files whose blocks differed."""
     documents = load_results(os.path.join(root, RESULTS_DIR))
     changed = []
     for path in doc_files(root):
@@ -568,9 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.update_docs or args.check_docs:
             changed = update_docs(args.root, check=args.check_docs)
-            verb = "stale" if args.check_docs else "regenerated"
             for path in changed:
-                print(f"{verb}: {path}")
+                print(f"{'stale' if args.check_docs else 'regenerated'}: {path}")
             if not changed:
                 print("docs match docs/results/")
             return 1 if args.check_docs and changed else 0

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from fastpersist.bench import report
-from fastpersist.bench.methods import ceilings, torch_baselines
-from fastpersist.bench.runner import run_benchmark
+from fastpersist.bench import methods, report
+from fastpersist.bench.checkpoint import run_benchmark
+from fastpersist.bench.methods import ceilings
 from fastpersist.system import CacheDropper
 
 
@@ -117,7 +117,7 @@ def test_faster_than_the_ceiling_is_flagged_not_reported_as_a_win():
 
 
 def test_method_order_is_random_per_round_and_seeded(shm_dir):
-    class Named(torch_baselines.TorchSave):
+    class Named(methods.TorchSave):
         def __init__(self, name):
             self.name = name
 

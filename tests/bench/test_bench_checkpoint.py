@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from fastpersist import config, system
-from fastpersist.bench import checkpoint, measure, report
-from fastpersist.bench.methods import torch_baselines
+from fastpersist.bench import checkpoint, measure, methods, report
 from fastpersist.tuning import workloads
 
 _WARM = system.CacheDropper(enabled=False)  # tests that need no cold reads skip the (slow) cache drop
@@ -157,7 +156,7 @@ def test_verify_state_reports_the_first_difference():
     assert "missing" in measure.verify_state(expected, workloads.flatten_state(missing))
 
 
-class _CorruptingTorchSave(torch_baselines.TorchSave):
+class _CorruptingTorchSave(methods.TorchSave):
     """torch.save, then one flipped byte in the middle of a tensor payload (torch.load does not check CRCs)."""
 
     name = "corrupting-torch.save"
@@ -178,7 +177,7 @@ class _CorruptingTorchSave(torch_baselines.TorchSave):
         return {}
 
 
-class _CorruptingLoad(torch_baselines.TorchLoad):
+class _CorruptingLoad(methods.TorchLoad):
     name = "corrupting-torch.load"
     label = "torch.load that damages a tensor"
 
@@ -191,14 +190,14 @@ class _CorruptingLoad(torch_baselines.TorchLoad):
 def test_a_corrupted_file_or_load_is_reported_failed_not_timed(tmp_path):
     state = workloads.build_state("toy")
 
-    class ReadsCorrupted(torch_baselines.TorchLoad):
+    class ReadsCorrupted(methods.TorchLoad):
         name = "reads-corrupted"
         source = "corrupting-torch.save"
 
     results = checkpoint.run_benchmark(
         state,
-        [torch_baselines.TorchSave(), _CorruptingTorchSave()],
-        [torch_baselines.TorchLoad(), _CorruptingLoad(), ReadsCorrupted()],
+        [methods.TorchSave(), _CorruptingTorchSave()],
+        [methods.TorchLoad(), _CorruptingLoad(), ReadsCorrupted()],
         str(tmp_path),
         repeats=2,
         warmup=0,
@@ -237,13 +236,13 @@ def test_a_corrupted_file_or_load_is_reported_failed_not_timed(tmp_path):
 
 
 def test_a_method_that_raises_is_failed_and_its_loads_skipped(tmp_path):
-    class Broken(torch_baselines.TorchSave):
+    class Broken(methods.TorchSave):
         name = "broken"
 
         def save(self, state, path, ctx):
             raise OSError(28, "No space left on device")
 
-    class ReadsBroken(torch_baselines.TorchLoad):
+    class ReadsBroken(methods.TorchLoad):
         name = "reads-broken"
         source = "broken"
 
@@ -357,8 +356,6 @@ def test_training_state_round_trips_through_every_baseline(tmp_path):
 
 
 def test_every_timed_load_and_each_rounds_saves_follow_a_release_a_drop_and_the_memory_pause(tmp_path, monkeypatch):
-    from fastpersist.bench import runner
-
     events = []
 
     class Dropper:
@@ -369,14 +366,13 @@ def test_every_timed_load_and_each_rounds_saves_follow_a_release_a_drop_and_the_
             return "recorded"
 
     monkeypatch.setattr(system, "release_memory", lambda collect=True: events.append("release"))
-    monkeypatch.setattr(runner.time, "sleep", lambda seconds: events.append(("sleep", seconds)))
-    real_save, real_load = runner._measure_save, runner._measure_load
-    monkeypatch.setattr(runner, "_measure_save", lambda *a: events.append("save") or real_save(*a))
-    monkeypatch.setattr(runner, "_measure_load", lambda *a: events.append("load") or real_load(*a))
+    monkeypatch.setattr(checkpoint.time, "sleep", lambda seconds: events.append(("sleep", seconds)))
+    real_timed = checkpoint._timed
+    monkeypatch.setattr(checkpoint, "_timed", lambda result, op, *a: events.append(op) or real_timed(result, op, *a))
     results = checkpoint.run_benchmark(
         workloads.build_state("toy"),
-        [torch_baselines.TorchSave()],
-        [torch_baselines.TorchLoad(), torch_baselines.TorchLoadMmap()],
+        [methods.TorchSave()],
+        [methods.TorchLoad(), methods.TorchLoadMmap()],
         str(tmp_path),
         repeats=1,
         warmup=1,
@@ -387,9 +383,9 @@ def test_every_timed_load_and_each_rounds_saves_follow_a_release_a_drop_and_the_
     assert all(r.status == "ok" for r in results)
     timed = events[events.index("load") + 1 :]
     timed = timed[next(i for i, e in enumerate(timed) if e == "release" and timed[i + 1] == ("sleep", 2.0)) :]
-    # the timed round: the pause before its saves, the settle less the first load's pause, then per load
-    # release -> drop -> pause -> load (and no release between the pause and the load)
-    assert timed[:3] == ["release", ("sleep", 2.0), "save"]
+    # the timed round: the pause before its saves (each save releasing memory first), the settle less the
+    # first load's pause, then per load release -> drop -> pause -> load (no release between pause and load)
+    assert timed[:4] == ["release", ("sleep", 2.0), "release", "save"]
     assert ("sleep", 3.0) in timed
     loads = [i for i, e in enumerate(timed) if e == "load"]
     assert len(loads) == 2
@@ -411,10 +407,8 @@ def test_memory_settle_defaults_to_a_pause_only_where_freed_memory_goes_back_to_
         seen.append(kwargs["memory_settle_seconds"])
         return real(*args, **kwargs)
 
-    from fastpersist.bench import runner
-
     monkeypatch.setattr(checkpoint, "run_benchmark", recording)
-    monkeypatch.setattr(runner.time, "sleep", lambda seconds: None)  # the pauses themselves are not tested here
+    monkeypatch.setattr(checkpoint.time, "sleep", lambda seconds: None)  # the pauses themselves are not tested here
     arguments = ["--model", "toy", "--methods", "torch.save,torch.load", "--repeats", "1", "--warmup", "0"]
     arguments += ["--dir", str(tmp_path), "--no-progress", "--no-ceiling", "--no-drop-caches", "--settle", "0"]
     for reporting, expected in ((True, 2.5), (False, 0.0)):
@@ -428,7 +422,7 @@ def test_memory_settle_defaults_to_a_pause_only_where_freed_memory_goes_back_to_
 
 def test_a_load_without_its_save_runs_that_save_untimed(tmp_path):
     results = checkpoint.run_benchmark(
-        workloads.build_state("toy"), [], [torch_baselines.TorchLoad()], str(tmp_path), repeats=1, warmup=0
+        workloads.build_state("toy"), [], [methods.TorchLoad()], str(tmp_path), repeats=1, warmup=0
     )
     helper, load = results
     assert helper.name == "torch.save" and not helper.timed and helper.status == "ok"
@@ -535,7 +529,7 @@ def test_cuda_state_round_trips_through_every_method(tmp_path):
 
 
 def test_keyboard_interrupt_removes_the_temporary_directory(tmp_path, monkeypatch, capsys):
-    class Interrupting(torch_baselines.TorchSave):
+    class Interrupting(methods.TorchSave):
         name = "interrupting"
 
         def save(self, state, path, ctx):

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from fastpersist.bench import bounds
-from fastpersist.bench.methods import ceilings
 
 
 def _states(device: str) -> list[torch.Tensor]:
@@ -64,7 +63,7 @@ def test_fio_write_allocates_inside_its_clock(tmp_path, monkeypatch):
 
         return Done()
 
-    monkeypatch.setattr(ceilings.subprocess, "run", fake_run)
+    monkeypatch.setattr(bounds.subprocess, "run", fake_run)
     seconds = bounds.fio_write_seconds(str(tmp_path / "c.bin"), 8 << 20)
     assert "--fallocate=none" in seen["command"] and "--end_fsync=1" in seen["command"]
     assert seconds == pytest.approx(0.010 * (8 << 20) / (16 << 20))

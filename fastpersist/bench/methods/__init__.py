@@ -1,29 +1,382 @@
-"""Benchmark methods, one module per family; importing this package registers all of them.
+"""The checkpoint benchmark's methods: :class:`SaveMethod`, :class:`LoadMethod`, their registries, and every
+method: torch.save / torch.load / DCP, safetensors, fastpersist, and a raw ``os.write`` of all bytes.
 
-* :mod:`~fastpersist.bench.methods.base` -- the interfaces and the registries;
-* :mod:`~fastpersist.bench.methods.torch_baselines` -- torch.save / torch.load / DCP;
-* :mod:`~fastpersist.bench.methods.safetensors_baseline` -- safetensors;
-* :mod:`~fastpersist.bench.methods.fastpersist_methods` -- fastpersist;
-* :mod:`~fastpersist.bench.methods.ceilings` -- storage upper bounds.
-
-A new family is a new module here plus one import line below.
+The runner (:func:`fastpersist.bench.checkpoint.run_benchmark`) only talks to these interfaces; a new method
+is a subclass and a :func:`register` call (docs/checkpoint-benchmark.md, "Adding a method"). The storage
+ceilings, measured apart from any method, are in :mod:`fastpersist.bench.methods.ceilings`.
 """
 
 from __future__ import annotations
 
-from fastpersist.bench.methods import (
-    ceilings,  # noqa: F401
-    fastpersist_methods,  # noqa: F401
-    safetensors_baseline,  # noqa: F401
-    torch_baselines,  # noqa: F401 - registers its methods
-)
-from fastpersist.bench.methods.base import (
-    LOAD_METHODS,
-    SAVE_METHODS,
-    BenchContext,
-    LoadMethod,
-    SaveMethod,
-    register,
-)
+import contextlib
+import dataclasses
+import inspect
+import json
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from fastpersist.bench import measure
+from fastpersist.tensors import host_memoryview
+from fastpersist.tuning import workloads
 
 __all__ = ["BenchContext", "SaveMethod", "LoadMethod", "SAVE_METHODS", "LOAD_METHODS", "register"]
+
+
+@dataclasses.dataclass
+class BenchContext:
+    """What every method may need besides the state and a path: the device of the state and of the loads,
+    the ranks (torchrun's environment), DCP's writer threads and the settings of every fastpersist call."""
+
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    dist: measure.DistributedEnv = dataclasses.field(default_factory=measure.DistributedEnv)
+    dcp_threads: int = 1
+    fastpersist_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+
+class _Method:
+    name: str = ""
+    label: str = ""
+    default: bool = True
+    """Run when no ``--methods`` are given."""
+
+    def unavailable(self, ctx: BenchContext) -> str | None:
+        """Why this method cannot run here, or None."""
+        return None
+
+    def flat(self, loaded: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """Tensors and other leaves of a loaded state, keyed as :func:`workloads.flatten_state` keys them
+        (None for the other leaves: the format does not carry them)."""
+        return workloads.flatten_state(loaded)
+
+
+class SaveMethod(_Method):
+    """One way of writing a checkpoint. Per round the runner times :meth:`save` and then an fsync of what
+    it wrote (every method pays for durability alike), verifies :meth:`read_back` (untimed) and calls
+    :meth:`cleanup` at the end of the round."""
+
+    extension: str = ".pt"
+
+    def target(self, directory: str, ctx: BenchContext) -> str:
+        """Where this method writes (a file or a directory), distinct per rank."""
+        suffix = f".rank{ctx.dist.rank}" if ctx.dist.world_size > 1 else ""
+        return os.path.join(directory, self.name.replace("/", "_") + suffix + self.extension)
+
+    def save(self, state: Any, path: str, ctx: BenchContext) -> dict[str, float]:
+        """Writes ``state`` to ``path``; returns extra timings (``blocked_seconds`` for async)."""
+        raise NotImplementedError
+
+    def read_back(self, path: str, state: Any, ctx: BenchContext) -> Any:
+        """Loads what :meth:`save` wrote, to ``ctx.device``, for verification."""
+        raise NotImplementedError
+
+    def cleanup(self, path: str) -> None:
+        measure.remove_path(path)
+
+
+class LoadMethod(_Method):
+    """One way of reading a checkpoint written by save method ``source``."""
+
+    source: str = ""
+
+    def load(self, path: str, state: Any, ctx: BenchContext) -> Any:
+        """Loads ``path`` completely onto ``ctx.device``: every byte resident on return. ``state`` is the
+        original, for methods that (like DCP) must be told the structure: its shapes, never its data."""
+        raise NotImplementedError
+
+
+SAVE_METHODS: dict[str, SaveMethod] = {}
+LOAD_METHODS: dict[str, LoadMethod] = {}
+
+
+def register(method: SaveMethod | LoadMethod) -> SaveMethod | LoadMethod:
+    """Adds a method to its registry (replacing one of the same name)."""
+    if not isinstance(method, (SaveMethod, LoadMethod)):
+        raise TypeError(f"not a benchmark method: {method!r}")
+    (SAVE_METHODS if isinstance(method, SaveMethod) else LOAD_METHODS)[method.name] = method
+    return method
+
+
+def torch_load(path: str, ctx: BenchContext, **kw: Any) -> Any:
+    return torch.load(path, map_location=ctx.device, weights_only=True, **kw)
+
+
+def _tensors_only(self: Any, loaded: Any) -> tuple[dict[str, torch.Tensor], None]:
+    return dict(loaded), None
+
+
+def empty_like_state(state: Any, device: torch.device | None = None) -> Any:
+    """Same structure, freshly allocated (untouched) tensors; other leaves copied."""
+    if isinstance(state, torch.Tensor):
+        return torch.empty(state.shape, dtype=state.dtype, device=state.device if device is None else device)
+    if isinstance(state, dict):
+        return {k: empty_like_state(v, device) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return (list if isinstance(state, list) else tuple)(empty_like_state(v, device) for v in state)
+    return state
+
+
+def fastpersist_api() -> tuple[Any, str | None]:
+    try:
+        import fastpersist
+
+        fastpersist.save, fastpersist.load  # noqa: B018 - probe the public API
+        return fastpersist, None
+    except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, or an error building the native module
+        return None, f"fastpersist.save is not importable yet ({type(e).__name__}: {e})"
+
+
+# ----------------------------------------------------------------------------- no format: an upper bound
+
+
+class RawWrite(SaveMethod):
+    """All tensor bytes in one file with os.write + fsync: no format at all; an upper bound for buffered writes."""
+
+    name, label, extension, default = "os.write", "raw os.write of all bytes + fsync (no format)", ".bin", False
+    flat = _tensors_only
+
+    def save(self, state, path, ctx):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for t in workloads.flatten_state(state)[0].values():
+                view = host_memoryview(t.detach().reshape(-1).view(torch.uint8).cpu().contiguous())
+                while view:
+                    view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return {}
+
+    def read_back(self, path, state, ctx):
+        out: dict[str, torch.Tensor] = {}
+        with open(path, "rb") as f:
+            for key, t in workloads.flatten_state(state)[0].items():
+                raw = bytearray(f.read(t.numel() * t.element_size()))
+                flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                out[key] = flat.view(t.dtype).reshape(t.shape).to(ctx.device)
+            if f.read(1):
+                raise ValueError("raw file is longer than the state")
+        return out
+
+
+# ----------------------------------------------------------------------------- fastpersist
+
+
+class FastpersistSave(SaveMethod):
+    name, label = "fastpersist", "fastpersist.save"
+
+    def unavailable(self, ctx):
+        return fastpersist_api()[1]
+
+    def save(self, state, path, ctx):
+        fastpersist_api()[0].save(state, path, fsync=True, **ctx.fastpersist_overrides)
+        return {}
+
+    def read_back(self, path, state, ctx):
+        # torch.load: the file is a drop-in torch checkpoint, whatever fastpersist's own reader (the
+        # fastpersist.load method checks that one).
+        return torch_load(path, ctx)
+
+
+class FastpersistAsyncSave(FastpersistSave):
+    """blocked = until async_save returns; durable = until result() returns."""
+
+    name, label = "fastpersist-async", "fastpersist.async_save"
+
+    def unavailable(self, ctx):
+        fastpersist, reason = fastpersist_api()
+        if reason or hasattr(fastpersist, "async_save"):
+            return reason
+        return "fastpersist.async_save is not available yet"
+
+    def save(self, state, path, ctx):
+        start = time.perf_counter()
+        future = fastpersist_api()[0].async_save(state, path, **ctx.fastpersist_overrides)
+        blocked = time.perf_counter() - start
+        future.result()
+        return {"blocked_seconds": blocked}
+
+
+class FastpersistLoad(LoadMethod):
+    name = label = "fastpersist.load"
+    source = "fastpersist"
+
+    def unavailable(self, ctx):
+        return fastpersist_api()[1]
+
+    def load(self, path, state, ctx):
+        return fastpersist_api()[0].load(path, map_location=ctx.device, **ctx.fastpersist_overrides)
+
+
+class FastpersistLoadTorchFile(FastpersistLoad):
+    """The drop-in path for existing checkpoints."""
+
+    name, label, source = "fastpersist.load-torchfile", "fastpersist.load of a torch.save file", "torch.save"
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+class SafetensorsSave(SaveMethod):
+    """save_file of the flattened tensors; other leaves go to the metadata as JSON."""
+
+    name, label, extension = "safetensors", "safetensors save_file + fsync", ".safetensors"
+    flat = _tensors_only
+
+    def unavailable(self, ctx):
+        try:
+            import numpy  # noqa: F401  (safetensors.torch converts through numpy)
+            import safetensors.torch  # noqa: F401
+        except ImportError as e:
+            return f"safetensors (with numpy) is not installed ({e})"
+        return None
+
+    def save(self, state, path, ctx):
+        from safetensors.torch import save_file
+
+        tensors, objects = workloads.flatten_state(state)
+        save_file(tensors, path, metadata={"objects": json.dumps(objects, default=repr)} if objects else None)
+        return {}
+
+    def read_back(self, path, state, ctx):
+        from safetensors.torch import load_file
+
+        return load_file(path, device=str(ctx.device))
+
+
+class SafetensorsLoad(LoadMethod):
+    name, label, source = "safetensors.load", "safetensors load_file", "safetensors"
+    flat = _tensors_only
+    unavailable = SafetensorsSave.unavailable
+    load = SafetensorsSave.read_back
+
+
+# ----------------------------------------------------------------------------- PyTorch
+
+
+@contextlib.contextmanager
+def _torch_serialization_settings(**values: Any) -> Iterator[None]:
+    import torch.utils.serialization
+
+    config = torch.utils.serialization.config.save
+    old = {k: getattr(config, k) for k in values}
+    try:
+        for k, v in values.items():
+            setattr(config, k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(config, k, v)
+
+
+class TorchSave(SaveMethod):
+    name, label = "torch.save", "torch.save + fsync"
+
+    def save(self, state, path, ctx):
+        torch.save(state, path)
+        return {}
+
+    def read_back(self, path, state, ctx):
+        return torch_load(path, ctx)
+
+
+class TorchSaveFast(TorchSave):
+    name, label = "torch.save-fast", "torch.save, no CRC32 + fsync"
+
+    def _settings(self, ctx: BenchContext) -> dict[str, Any]:
+        return {"compute_crc32": False, **({"use_pinned_memory_for_d2h": True} if ctx.is_cuda else {})}
+
+    def unavailable(self, ctx):
+        try:
+            with _torch_serialization_settings(**self._settings(ctx)):
+                pass
+        except (ImportError, AttributeError) as e:
+            return f"torch {torch.__version__} has no torch.utils.serialization.config.save ({e})"
+        return None
+
+    def save(self, state, path, ctx):
+        with _torch_serialization_settings(**self._settings(ctx)):
+            torch.save(state, path)
+        return {}
+
+
+class TorchLoad(LoadMethod):
+    name, label, source = "torch.load", "torch.load", "torch.save"
+
+    def load(self, path, state, ctx):
+        return torch_load(path, ctx)
+
+
+class TorchLoadMmap(TorchLoad):
+    name, label = "torch.load-mmap", "torch.load(mmap=True) + touch"
+
+    def load(self, path, state, ctx):
+        return torch_load(path, ctx, mmap=True)  # the runner touches every page
+
+
+# Every rank saves its whole state to its own directory (like the other methods), so DCP runs without
+# collectives even under torchrun; sharded DCP saves would be a separate method.
+_DCP = {"no_dist": True}
+
+
+class DcpSave(SaveMethod):
+    """torch.distributed.checkpoint.save with FileSystemWriter (no process group needed)."""
+
+    name, label, extension = "dcp", "torch DCP save (FileSystemWriter)", ".dcp"
+
+    def unavailable(self, ctx):
+        try:
+            from torch.distributed.checkpoint import FileSystemWriter  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any reason it cannot run is reported, not raised
+            return f"torch.distributed.checkpoint is not usable here ({type(e).__name__}: {e})"
+        return None
+
+    def save(self, state, path, ctx):
+        import torch.distributed.checkpoint as dcp
+
+        wanted = {"single_file_per_rank": True, "sync_files": True, "thread_count": ctx.dcp_threads, "overwrite": True}
+        known = inspect.signature(dcp.FileSystemWriter.__init__).parameters  # older torch lacks some
+        writer = dcp.FileSystemWriter(path, **{k: v for k, v in wanted.items() if k in known})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, storage_writer=writer, **_DCP)
+        return {}
+
+    def read_back(self, path, state, ctx):
+        return DcpLoad().load(path, state, ctx)
+
+
+class DcpLoad(LoadMethod):
+    """torch.distributed.checkpoint.load into freshly allocated tensors of the right shapes."""
+
+    name, label, source = "dcp.load", "torch DCP load", "dcp"
+    unavailable = DcpSave.unavailable
+
+    def load(self, path, state, ctx):
+        import torch.distributed.checkpoint as dcp
+
+        # DCP loads in place: allocating the destination is part of the timed cost, as torch.load allocates.
+        template = empty_like_state(state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(template, storage_reader=dcp.FileSystemReader(path), **_DCP)
+        return template
+
+
+# The registries' order is the default methods' order (and so the results' and every round's shuffle).
+for _method in (RawWrite, FastpersistSave, FastpersistAsyncSave, FastpersistLoad, FastpersistLoadTorchFile):
+    register(_method())
+for _method in (SafetensorsSave, SafetensorsLoad, TorchSave, TorchSaveFast, DcpSave, TorchLoad, TorchLoadMmap, DcpLoad):
+    register(_method())

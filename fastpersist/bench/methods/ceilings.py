@@ -1,26 +1,18 @@
-"""Ceilings: what the storage can do with no format at all, the upper bounds the other methods are compared with.
+"""The storage ceiling: what the storage does with no format at all, the upper bound each method is compared with.
 
-:class:`CeilingProbe` measures the storage ceiling independently of any save
-path: the best of fio (when installed) and of the engine's single-request mode
-(one request over the whole file, split by the engine into ``block_size``
-chunks with ``queue_depth`` in flight) over a small grid of block sizes and
-queue depths, plus, for reads, the in-flight depth loads use
-(``read_buffer_count`` buffers of ``read_buffer_size``). Every file is written from
-a random pattern in which each 4 KiB block carries its own index, fsync'ed
-with its directory (as a save is), and every read is compared byte for byte
-with the pattern (fio reads check fio's own per-block CRC32C headers), so a
+:func:`measure_ceiling` is independent of any save path: the best of fio (when installed) and of the
+engine's single-request mode (one request over the whole file, split into ``block_size`` chunks with
+``queue_depth`` in flight) over a small grid, plus, for reads, the in-flight depth loads use. Every file
+is written from a pattern in which each 4 KiB block carries its own index and fsync'ed with its directory
+(as a save is), and every read is compared byte for byte with it (fio checks its own CRC32C headers), so a
 misplaced or stale block fails the measurement instead of inflating it.
-
-:class:`RawWrite` is an optional method: one ``os.write`` of all tensor bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
-import subprocess
 import tempfile
 import time
 from typing import Any
@@ -29,67 +21,10 @@ import torch
 
 from fastpersist import system
 from fastpersist.bench import measure
-from fastpersist.bench.methods.base import SaveMethod, register
+from fastpersist.bench.bounds import fio_command, run_fio
 from fastpersist.io import commit
-from fastpersist.tensors import host_memoryview
-from fastpersist.tuning import workloads
 
-__all__ = [
-    "Candidate",
-    "CeilingProbe",
-    "CeilingVerificationError",
-    "RawWrite",
-    "fio_command",
-    "fio_job",
-    "measure_ceiling",
-]
-
-
-class RawWrite(SaveMethod):
-    """All tensor bytes in one file with os.write + fsync: no format at all; an upper bound for buffered writes."""
-
-    name = "os.write"
-    label = "raw os.write of all bytes + fsync (no format)"
-    extension = ".bin"
-    default = False
-
-    def save(self, state, path, ctx):
-        tensors, _ = workloads.flatten_state(state)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for t in tensors.values():
-                data = t.detach().reshape(-1).view(torch.uint8)
-                if data.device.type != "cpu":
-                    data = data.cpu()
-                view = host_memoryview(data.contiguous())
-                while view:
-                    written = os.write(fd, view)
-                    view = view[written:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return {}
-
-    def read_back(self, path, state, ctx):
-        tensors, _ = workloads.flatten_state(state)
-        out: dict[str, torch.Tensor] = {}
-        with open(path, "rb") as f:
-            for key, t in tensors.items():
-                raw = bytearray(f.read(t.numel() * t.element_size()))
-                flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-                out[key] = flat.view(t.dtype).reshape(t.shape).to(ctx.device)
-            if f.read(1):
-                raise ValueError("raw file is longer than the state")
-        return out
-
-    def flat(self, loaded):
-        return dict(loaded), None
-
-
-register(RawWrite())
-
-
-# ---------------------------------------------------------------------------- storage ceiling
+__all__ = ["Candidate", "CeilingProbe", "CeilingVerificationError", "measure_ceiling"]
 
 GRID_BLOCK_SIZES = (1 << 20, 16 << 20)
 GRID_QUEUE_DEPTHS = (8, 32)
@@ -116,73 +51,6 @@ class Candidate:
         return {"tool": self.tool, "block_size": self.block_size, "queue_depth": self.queue_depth}
 
 
-def fio_command(
-    path: str,
-    rw: str,
-    size: int,
-    block_size: int,
-    queue_depth: int,
-    *,
-    direct: bool,
-    threads: int = 1,
-    fallocate: bool = True,
-    verify: bool = True,
-) -> list[str]:
-    """The fio command line for one sequential job over ``path`` (io_uring; ``end_fsync`` for writes).
-
-    With ``verify`` fio stamps every block with a CRC32C header when writing
-    and checks it when reading, so a fio read is verified too.
-    """
-    fio = system.find_fio() or "fio"
-    command = [
-        fio,
-        "--name=fastpersist-ceiling",
-        f"--filename={path}",
-        f"--rw={rw}",
-        f"--bs={block_size}",
-        f"--iodepth={queue_depth}",
-        "--ioengine=io_uring",
-        f"--direct={1 if direct else 0}",
-        f"--size={size // threads}",
-        f"--numjobs={threads}",
-        "--group_reporting",
-        "--output-format=json",
-        f"--fallocate={'native' if fallocate else 'none'}",
-    ]
-    if threads > 1:
-        command.append(f"--offset_increment={size // threads}")
-    if verify:
-        command += ["--verify=crc32c", "--do_verify=0"] if rw == "write" else ["--verify=crc32c"]
-        command.append("--verify_state_save=0")  # else fio leaves a *-verify.state file in the working directory
-    if rw == "write":
-        command.append("--end_fsync=1")
-    return command
-
-
-def fio_job(command: list[str]) -> dict[str, Any]:
-    """Runs fio (``--output-format=json``) and returns its first job's report.
-
-    Raises:
-        RuntimeError: fio failed (for reads with verification: a block did not verify).
-    """
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"fio failed ({result.returncode}): {(result.stderr.strip() or result.stdout[-2000:])[:2000]}"
-        )
-    document = json.loads(result.stdout[result.stdout.index("{") :])
-    return document["jobs"][0]
-
-
-def run_fio(command: list[str], rw: str) -> float:
-    """Runs fio and returns the job's bandwidth in bytes per second (its runtime includes end_fsync).
-
-    Raises:
-        RuntimeError: as :func:`fio_job`.
-    """
-    return float(fio_job(command)[rw]["bw_bytes"])
-
-
 def _stamped_pattern(nbytes: int) -> torch.Tensor:
     """``nbytes`` of page-aligned random bytes in which every 4 KiB block starts with its own index."""
     from fastpersist.io import memory
@@ -200,17 +68,10 @@ def _stamped_pattern(nbytes: int) -> torch.Tensor:
 
 
 class CeilingProbe:
-    """Writes and reads one file of ``nbytes`` in ``directory`` with any :class:`Candidate`.
-
-    Args:
-        directory: where to measure (a temporary subdirectory is made there).
-        nbytes: the file size (rounded up to 4 KiB); two buffers of it are
-            allocated (the pattern and the read destination).
-        engine_name: the engine for the engine candidates (``auto`` by default).
-        use_fio: measure fio candidates when fio is installed.
-
-    Use as a context manager; :meth:`close` removes the files.
-    """
+    """Writes and reads one file of ``nbytes`` (rounded up to 4 KiB) in a temporary directory of
+    ``directory`` with any :class:`Candidate`; the engine candidates use ``engine_name``, fio ones run where
+    fio is installed and ``use_fio``. Two buffers of ``nbytes`` (the pattern, the read destination). A
+    context manager: :meth:`close` removes the files."""
 
     def __init__(self, directory: str, nbytes: int, engine_name: str = "auto", use_fio: bool = True):
         from fastpersist.io import engine, memory
@@ -239,6 +100,14 @@ class CeilingProbe:
     def _path(self, tool: str) -> str:
         return os.path.join(self.workdir, f"{tool}.bin")
 
+    def _handle(self, candidate: Candidate) -> Any:
+        return self._engine.IoHandle(
+            block_size=candidate.block_size,
+            queue_depth=candidate.queue_depth,
+            engine=self.engine_name,
+            direct=self.direct,
+        )
+
     def candidates(self, op: str, read_buffers: tuple[int, int] | None = None) -> list[Candidate]:
         """The grid for ``op``: engine (and fio) at every block size x queue depth; reads also at ``read_buffers``
         (``(read_buffer_size, read_buffer_count)``, the depth CUDA loads keep in flight)."""
@@ -254,8 +123,8 @@ class CeilingProbe:
         path = self._path(candidate.tool)
         measure.remove_path(path)
         if candidate.tool == "fio":
-            # Blocks allocated inside fio's clock, as the engine candidates' fallocate and a save's are
-            # (with fio's default layout its clock starts after the allocation).
+            # Blocks allocated inside fio's clock, as the engine candidates' and a save's are (with fio's
+            # default layout its clock starts after the allocation).
             command = fio_command(
                 path, "write", n, candidate.block_size, candidate.queue_depth, direct=self.direct, fallocate=False
             )
@@ -263,14 +132,8 @@ class CeilingProbe:
             start = time.perf_counter()
             commit.fsync_directory(self.workdir)
             return seconds + time.perf_counter() - start
-        engine = self._engine
-        handle = engine.IoHandle(
-            block_size=candidate.block_size,
-            queue_depth=candidate.queue_depth,
-            engine=self.engine_name,
-            direct=self.direct,
-        )
-        with engine.File(path, "w", direct=self.direct, truncate=True) as file:
+        handle = self._handle(candidate)
+        with self._engine.File(path, "w", direct=self.direct, truncate=True) as file:
             start = time.perf_counter()
             if file.direct:
                 file.allocate(0, n)  # as a save reserves its blocks
@@ -298,15 +161,9 @@ class CeilingProbe:
                 return n / run_fio(command, "read")
             except RuntimeError as e:
                 raise CeilingVerificationError(f"fio's verified read failed: {e}") from e
-        engine = self._engine
-        handle = engine.IoHandle(
-            block_size=candidate.block_size,
-            queue_depth=candidate.queue_depth,
-            engine=self.engine_name,
-            direct=self.direct,
-        )
+        handle = self._handle(candidate)
         destination = self.destination[:n]
-        with engine.File(path, "r", direct=self.direct) as file:
+        with self._engine.File(path, "r", direct=self.direct) as file:
             start = time.perf_counter()
             handle.submit_read(destination.data_ptr(), n, file, 0, keepalive=destination)
             handle.wait()
@@ -351,13 +208,10 @@ def measure_ceiling(
 ) -> dict[str, Any]:
     """The write and read ceilings of ``directory`` for a file of ``nbytes``.
 
-    First every candidate of the grid writes and reads back ``min(nbytes,
-    grid_bytes)``, in a seeded random order; then, ``passes`` times, the best
-    engine and the best fio candidate of each operation write and read the
-    full ``nbytes``. Every read is verified, which verifies the write before
-    it; a sample that fails verification or raises has ``error`` set and never
-    counts. The ceiling of an operation is the fastest full-size sample (an
-    upper bound: the best any tool did on this storage in this run).
+    Every candidate of the grid writes and reads back ``min(nbytes, grid_bytes)``, in a seeded random order;
+    then, ``passes`` times, the best engine and the best fio candidate of each operation move the full
+    ``nbytes``. A sample that fails verification or raises has ``error`` set and never counts; the ceiling
+    of an operation is its fastest full-size sample (the best any tool did on this storage in this run).
 
     Returns:
         ``{"bytes", "direct", "fio", "seed", "grid": {"write": [...], "read": [...]},
