@@ -76,16 +76,19 @@ def _disk_rounds(directory: str, state: dict, rounds: int) -> dict[str, Any]:
         return time.perf_counter() - started
 
     measured = Rounds(rounds, order="reverse", catch=False).run([["fio", "fastpersist"]], run).samples
-    records = [{"fio": f, "fastpersist": s, "ratio": f / s} for f, s in zip(measured["fio"], measured["fastpersist"])]
     for stale in (path, fio_path):
         remove_path(stale)
-    return {
-        "bytes": nbytes,
-        "rounds": records,
-        "ratio": statistics.median(r["ratio"] for r in records),
-        "fastpersist_gbps": nbytes / statistics.median(r["fastpersist"] for r in records) / 1e9,
-        "fio_gbps": nbytes / statistics.median(r["fio"] for r in records) / 1e9,
-    }
+    return _paired(nbytes, {"fio": measured["fio"], "fastpersist": measured["fastpersist"]}, "fastpersist", "fio")
+
+
+def _paired(nbytes: int, seconds: dict[str, list[float]], measured: str, reference: str) -> dict[str, Any]:
+    """Each round's seconds of two methods and their ratio (reference / measured: above 1, ``measured`` is
+    faster), the median ratio and each method's median GB/s."""
+    records = [dict(zip(seconds, pair)) for pair in zip(*seconds.values())]
+    for record in records:
+        record["ratio"] = record[reference] / record[measured]
+    gbps = {f"{m}_gbps": nbytes / statistics.median(r[m] for r in records) / 1e9 for m in (measured, reference)}
+    return {"bytes": nbytes, "rounds": records, "ratio": statistics.median(r["ratio"] for r in records), **gbps}
 
 
 def _load_rounds(directory: str, state: dict, rounds: int, device: str) -> dict[str, Any]:
@@ -111,14 +114,7 @@ def _load_rounds(directory: str, state: dict, rounds: int, device: str) -> dict[
         measured = Rounds(rounds, warmup=1, order="reverse", catch=False).run([[True, False]], run).samples
     finally:
         os.unlink(path)
-    records = [{"verified": v, "unverified": u, "ratio": u / v} for v, u in zip(measured[True], measured[False])]
-    return {
-        "bytes": nbytes,
-        "rounds": records,
-        "ratio": statistics.median(r["ratio"] for r in records),
-        "verified_gbps": nbytes / statistics.median(r["verified"] for r in records) / 1e9,
-        "unverified_gbps": nbytes / statistics.median(r["unverified"] for r in records) / 1e9,
-    }
+    return _paired(nbytes, {"verified": measured[True], "unverified": measured[False]}, "verified", "unverified")
 
 
 def _met(name: str, value: float | None) -> bool | None:
