@@ -46,26 +46,15 @@ DEFAULT_BLOCK_SIZE = 16 << 20
 
 def _options(p: argparse.ArgumentParser) -> None:
     option(p, "dir", help="directory for the test file (default: current directory)")
-    option(p, "size", default=None, help="bytes per file, e.g. 4G (default 1G)")
+    option(p, "size", help="bytes per file, e.g. 4G (default 1G)")
     p.add_argument(
         "--block-size",
         "--block_size",
-        dest="block_size",
         type=size,
-        default=None,
         help="bytes per I/O request (default 16M; 1M for a ds_io command line)",
     )
-    p.add_argument(
-        "--queue-depth", "--queue_depth", dest="queue_depth", type=int, default=32, help="requests in flight per lane"
-    )
-    p.add_argument(
-        "--threads",
-        "--io_parallel",
-        dest="threads",
-        type=int,
-        default=None,
-        help="lanes, i.e. intra_op_parallelism (default 1)",
-    )
+    p.add_argument("--queue-depth", "--queue_depth", type=int, default=32, help="requests in flight per lane")
+    p.add_argument("--threads", "--io_parallel", type=int, help="lanes, i.e. intra_op_parallelism (default 1)")
     p.add_argument(
         "--engine",
         default="auto",
@@ -73,24 +62,17 @@ def _options(p: argparse.ArgumentParser) -> None:
         help="auto (default), io_uring, threads; ds_io's aio_handle and aio_basic mean auto",
     )
     p.add_argument("--buffered", action="store_true", help="no O_DIRECT (both tools)")
-    p.add_argument(
-        "--single-submit",
-        "--single_submit",
-        dest="single_submit",
-        action="store_true",
-        help="one io_uring_enter per request",
-    )
+    p.add_argument("--single-submit", "--single_submit", action="store_true", help="one io_uring_enter per request")
     p.add_argument(
         "--no-overlap-events",
         "--sequential_requests",
-        dest="no_overlap_events",
         action="store_true",
         help="submit and reap in batches (overlap_events=False)",
     )
     p.add_argument("--no-fallocate", action="store_true", help="do not preallocate the file (both tools)")
     p.add_argument("--no-huge-pages", action="store_true", help="engine buffers on 4 KiB pages (fio's default memory)")
-    option(p, "repeats", "--repeats", "--loops", dest="repeats", help="repeats; the median is reported (default 3)")
-    p.add_argument("--mode", choices=("both", "write", "read"), default=None, help="default both (ds_io: write)")
+    option(p, "repeats", "--repeats", "--loops", help="repeats; the median is reported (default 3)")
+    p.add_argument("--mode", choices=("both", "write", "read"), help="default both (ds_io: write)")
     p.add_argument("--fio", action="store_true", help="also run fio (ioengine=io_uring) with the same settings")
     p.add_argument("--no-verify", action="store_true", help="skip the byte-for-byte check of each read")
 
@@ -99,7 +81,7 @@ def _options(p: argparse.ArgumentParser) -> None:
         "ds_io's options with ds_io's meaning (--block_size, --queue_depth, --single_submit, "
         "--sequential_requests, --io_parallel, --loops and --engine are listed above)",
     )
-    ds.add_argument("--folder", default=None, help="folder for the test file (= --dir)")
+    ds.add_argument("--folder", help="folder for the test file (= --dir)")
     ds.add_argument(
         "--folder_to_device_mapping",
         default=[],
@@ -107,7 +89,7 @@ def _options(p: argparse.ArgumentParser) -> None:
         metavar="FOLDER:DEVICE",
         help="one FOLDER:DEVICE (the CUDA device used with --gpu); several (one process each) are not supported",
     )
-    ds.add_argument("--io_size", type=size, default=None, help="bytes to read or write, e.g. 400M (= --size)")
+    ds.add_argument("--io_size", type=size, help="bytes to read or write, e.g. 400M (= --size)")
     ds.add_argument("--read", action="store_true", help="read instead of write (= --mode read)")
     ds.add_argument("--validate", action="store_true", help="check the bytes of every read and write")
     ds.add_argument("--handle", action="store_true", help="accepted: I/O always goes through one handle")
@@ -120,9 +102,7 @@ def _options(p: argparse.ArgumentParser) -> None:
     ds.add_argument(
         "--gds_path",
         "--gds-path",
-        dest="gds_path",
         choices=("auto", "cufile", "bounce"),
-        default=None,
         help="GdsHandle's data path with --use_gds (default: the gds_path setting, auto)",
     )
     ds.add_argument("--multi_process", type=int, default=1, help="only 1 is supported")
@@ -132,7 +112,7 @@ def _options(p: argparse.ArgumentParser) -> None:
     )
     ds.add_argument("--slow_bounce_buffer", action="store_true", help="not supported")
     ds.add_argument("--torch_legacy_save", action="store_true", help="only for --engine torch_fastio (not supported)")
-    ds.add_argument("--fast_io_size", default=None, help="only for --engine torch_fastio (not supported)")
+    ds.add_argument("--fast_io_size", help="only for --engine torch_fastio (not supported)")
 
 
 def is_ds_io(args: argparse.Namespace) -> bool:

@@ -22,7 +22,7 @@ import tempfile
 import time
 from typing import Any
 
-from fastpersist.bench.harness import Benchmark, Rounds, bf16_state, option
+from fastpersist.bench.harness import Benchmark, Rounds, bf16_state, markdown_table, option
 from fastpersist.bench.measure import remove_path
 
 __all__ = ["BENCHMARK", "SCHEMA", "TARGETS", "main", "to_markdown"]
@@ -170,8 +170,7 @@ def to_markdown(document: dict[str, Any]) -> str:
         f"{config['size'] / 1e9:.1f} GB, {config['rounds']} rounds; training every iteration, "
         f"{config['iterations']} iterations.",
         "",
-        "| target | measured | target | met |",
-        "| --- | ---: | ---: | --- |",
+        *markdown_table(["target", "measured", "target", "met"], "<>><", []),
     ]
     for row in document["results"].values():
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
