@@ -35,7 +35,7 @@ from fastpersist.bench.harness import Benchmark, Rounds, UsageError, option, siz
 from fastpersist.bench.methods import ceilings
 from fastpersist.io import engine, memory
 
-__all__ = ["BENCHMARK", "UsageError", "apply_ds_io", "build_parser", "ds_io_summary", "is_ds_io", "main"]
+__all__ = ["BENCHMARK", "UsageError", "apply_ds_io", "build_parser", "ds_io_summary", "main"]
 
 DS_IO_ENGINES = ("aio_handle", "aio_basic", "torch_io", "torch_fastio")
 """``ds_io --engine`` values; the first two run on the fastpersist engine."""
@@ -115,42 +115,38 @@ def _options(p: argparse.ArgumentParser) -> None:
     ds.add_argument("--fast_io_size", help="only for --engine torch_fastio (not supported)")
 
 
-def is_ds_io(args: argparse.Namespace) -> bool:
-    """Whether ``args`` is a ds_io command line (it names a ds_io-only target or size option)."""
-    return bool(args.folder or args.folder_to_device_mapping or args.io_size is not None)
-
-
 def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
     """Maps ds_io's options onto this benchmark's, in place; fills the defaults.
 
     Sets ``dir``, ``size``, ``block_size``, ``threads``, ``mode``, ``engine``
     and ``device`` (``"cpu"`` or ``"cuda:N"``) and ``ds_io`` (whether it is a
-    ds_io command line).
+    ds_io command line: one naming a ds_io-only target or size option).
 
     Raises:
         UsageError: an option that is not supported or a contradiction; the
             message says what to use instead.
     """
-    ds_io = is_ds_io(args)
-    args.ds_io = ds_io
-    if args.use_gds and not args.gpu:
-        raise UsageError("--use_gds moves a CUDA tensor: add --gpu (as ds_io requires)")
-    if args.gds_path is not None and not args.use_gds:
-        raise UsageError("--gds_path applies to --use_gds only")
-    if args.engine in ("torch_io", "torch_fastio"):
-        raise UsageError(
-            f"--engine {args.engine} (torch.save through DeepSpeed) is not provided; "
-            "use --engine aio_handle here, and 'python -m fastpersist.bench checkpoint' to compare torch.save "
-            "with fastpersist.save"
-        )
-    if args.torch_legacy_save or args.fast_io_size is not None:
-        raise UsageError("--torch_legacy_save and --fast_io_size only apply to ds_io's --engine torch_fastio")
-    if args.slow_bounce_buffer:
-        raise UsageError(
-            "--slow_bounce_buffer is not supported: the pinned bounce buffer is allocated once, outside the timing"
-        )
-    if args.multi_process != 1:
-        raise UsageError("--multi_process: only 1 process is supported; run one command per process")
+    ds_io = args.ds_io = bool(args.folder or args.folder_to_device_mapping or args.io_size is not None)
+    torch_engine = (
+        f"--engine {args.engine} (torch.save through DeepSpeed) is not provided; use --engine aio_handle here, "
+        "and 'python -m fastpersist.bench checkpoint' to compare torch.save with fastpersist.save"
+    )
+    for refused, message in (  # the first that applies is the usage error
+        (args.use_gds and not args.gpu, "--use_gds moves a CUDA tensor: add --gpu (as ds_io requires)"),
+        (args.gds_path is not None and not args.use_gds, "--gds_path applies to --use_gds only"),
+        (args.engine in ("torch_io", "torch_fastio"), torch_engine),
+        (
+            args.torch_legacy_save or args.fast_io_size is not None,
+            "--torch_legacy_save and --fast_io_size only apply to ds_io's --engine torch_fastio",
+        ),
+        (
+            args.slow_bounce_buffer,
+            "--slow_bounce_buffer is not supported: the pinned bounce buffer is allocated once, outside the timing",
+        ),
+        (args.multi_process != 1, "--multi_process: only 1 process is supported; run one command per process"),
+    ):
+        if refused:
+            raise UsageError(message)
     if args.engine in ("aio_handle", "aio_basic"):
         args.engine = "auto"
 
