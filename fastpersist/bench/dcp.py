@@ -12,6 +12,7 @@ to the ceiling; see docs/dcp.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 from typing import Any
@@ -135,11 +136,6 @@ class _Run:
                 raise AssertionError(f"{what}: {key} differs after the round trip")
 
 
-def _durable(path: str, rank: int) -> None:
-    if rank == 0:
-        measure.fsync_paths(path)
-
-
 def _ceiling(run: _Run, path: str) -> tuple[float, float]:
     """Raw O_DIRECT write and read of each rank's share of bytes, from and into aligned host memory."""
     from fastpersist import config
@@ -156,6 +152,18 @@ def _ceiling(run: _Run, path: str) -> tuple[float, float]:
     seconds_read = run.timed(lambda: bounds.engine_read(name, buffer, run.payload, handle))
     run.remove(path)
     return seconds_write, seconds_read
+
+
+def _timed_save(run: _Run, dcp, path: str, writer) -> float:
+    """Seconds of a durable dcp.save to a fresh ``path`` through the storage writer ``writer()`` makes."""
+
+    def save() -> None:
+        dcp.save(run.state, storage_writer=writer())
+        if run.rank == 0:
+            measure.fsync_paths(path)
+
+    run.remove(path)
+    return run.timed(save)
 
 
 def _timed_load(run: _Run, dcp, reader, *, check: bool) -> float:
@@ -196,13 +204,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
 
         for count in threads:
             path = os.path.join(args.dir, f"filesystem-t{count}")
-            run.remove(path)
-
-            def save_theirs(path=path, count=count) -> None:
-                dcp.save(run.state, storage_writer=FileSystemWriter(path, thread_count=count, sync_files=True))
-                _durable(path, run.rank)
-
-            record(f"filesystem_writer[t={count}]", run.timed(save_theirs))
+            writer = functools.partial(FileSystemWriter, path, thread_count=count, sync_files=True)
+            record(f"filesystem_writer[t={count}]", _timed_save(run, dcp, path, writer))
             if count != threads[-1]:
                 run.remove(path)
         path = os.path.join(args.dir, f"filesystem-t{threads[-1]}")
@@ -211,13 +214,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
         run.remove(path)
 
         path = os.path.join(args.dir, "fastpersist")
-        run.remove(path)
-
-        def save_ours(path=path) -> None:
-            dcp.save(run.state, storage_writer=FastPersistWriter(path))
-            _durable(path, run.rank)
-
-        record("fastpersist_writer", run.timed(save_ours))
+        record("fastpersist_writer", _timed_save(run, dcp, path, functools.partial(FastPersistWriter, path)))
         cache_modes.add(run.drop_caches(path))
         record("fastpersist_reader", _timed_load(run, dcp, FastPersistReader(path), check=repeat == 0))
         run.remove(path)

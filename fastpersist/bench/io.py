@@ -35,7 +35,7 @@ from fastpersist.bench.harness import Benchmark, Rounds, UsageError, option, siz
 from fastpersist.bench.methods import ceilings
 from fastpersist.io import engine, memory
 
-__all__ = ["BENCHMARK", "UsageError", "apply_ds_io", "build_parser", "ds_io_summary", "is_ds_io", "main"]
+__all__ = ["BENCHMARK", "UsageError", "apply_ds_io", "build_parser", "ds_io_summary", "main"]
 
 DS_IO_ENGINES = ("aio_handle", "aio_basic", "torch_io", "torch_fastio")
 """``ds_io --engine`` values; the first two run on the fastpersist engine."""
@@ -46,26 +46,15 @@ DEFAULT_BLOCK_SIZE = 16 << 20
 
 def _options(p: argparse.ArgumentParser) -> None:
     option(p, "dir", help="directory for the test file (default: current directory)")
-    option(p, "size", default=None, help="bytes per file, e.g. 4G (default 1G)")
+    option(p, "size", help="bytes per file, e.g. 4G (default 1G)")
     p.add_argument(
         "--block-size",
         "--block_size",
-        dest="block_size",
         type=size,
-        default=None,
         help="bytes per I/O request (default 16M; 1M for a ds_io command line)",
     )
-    p.add_argument(
-        "--queue-depth", "--queue_depth", dest="queue_depth", type=int, default=32, help="requests in flight per lane"
-    )
-    p.add_argument(
-        "--threads",
-        "--io_parallel",
-        dest="threads",
-        type=int,
-        default=None,
-        help="lanes, i.e. intra_op_parallelism (default 1)",
-    )
+    p.add_argument("--queue-depth", "--queue_depth", type=int, default=32, help="requests in flight per lane")
+    p.add_argument("--threads", "--io_parallel", type=int, help="lanes, i.e. intra_op_parallelism (default 1)")
     p.add_argument(
         "--engine",
         default="auto",
@@ -73,24 +62,17 @@ def _options(p: argparse.ArgumentParser) -> None:
         help="auto (default), io_uring, threads; ds_io's aio_handle and aio_basic mean auto",
     )
     p.add_argument("--buffered", action="store_true", help="no O_DIRECT (both tools)")
-    p.add_argument(
-        "--single-submit",
-        "--single_submit",
-        dest="single_submit",
-        action="store_true",
-        help="one io_uring_enter per request",
-    )
+    p.add_argument("--single-submit", "--single_submit", action="store_true", help="one io_uring_enter per request")
     p.add_argument(
         "--no-overlap-events",
         "--sequential_requests",
-        dest="no_overlap_events",
         action="store_true",
         help="submit and reap in batches (overlap_events=False)",
     )
     p.add_argument("--no-fallocate", action="store_true", help="do not preallocate the file (both tools)")
     p.add_argument("--no-huge-pages", action="store_true", help="engine buffers on 4 KiB pages (fio's default memory)")
-    option(p, "repeats", "--repeats", "--loops", dest="repeats", help="repeats; the median is reported (default 3)")
-    p.add_argument("--mode", choices=("both", "write", "read"), default=None, help="default both (ds_io: write)")
+    option(p, "repeats", "--repeats", "--loops", help="repeats; the median is reported (default 3)")
+    p.add_argument("--mode", choices=("both", "write", "read"), help="default both (ds_io: write)")
     p.add_argument("--fio", action="store_true", help="also run fio (ioengine=io_uring) with the same settings")
     p.add_argument("--no-verify", action="store_true", help="skip the byte-for-byte check of each read")
 
@@ -99,7 +81,7 @@ def _options(p: argparse.ArgumentParser) -> None:
         "ds_io's options with ds_io's meaning (--block_size, --queue_depth, --single_submit, "
         "--sequential_requests, --io_parallel, --loops and --engine are listed above)",
     )
-    ds.add_argument("--folder", default=None, help="folder for the test file (= --dir)")
+    ds.add_argument("--folder", help="folder for the test file (= --dir)")
     ds.add_argument(
         "--folder_to_device_mapping",
         default=[],
@@ -107,7 +89,7 @@ def _options(p: argparse.ArgumentParser) -> None:
         metavar="FOLDER:DEVICE",
         help="one FOLDER:DEVICE (the CUDA device used with --gpu); several (one process each) are not supported",
     )
-    ds.add_argument("--io_size", type=size, default=None, help="bytes to read or write, e.g. 400M (= --size)")
+    ds.add_argument("--io_size", type=size, help="bytes to read or write, e.g. 400M (= --size)")
     ds.add_argument("--read", action="store_true", help="read instead of write (= --mode read)")
     ds.add_argument("--validate", action="store_true", help="check the bytes of every read and write")
     ds.add_argument("--handle", action="store_true", help="accepted: I/O always goes through one handle")
@@ -120,9 +102,7 @@ def _options(p: argparse.ArgumentParser) -> None:
     ds.add_argument(
         "--gds_path",
         "--gds-path",
-        dest="gds_path",
         choices=("auto", "cufile", "bounce"),
-        default=None,
         help="GdsHandle's data path with --use_gds (default: the gds_path setting, auto)",
     )
     ds.add_argument("--multi_process", type=int, default=1, help="only 1 is supported")
@@ -132,12 +112,7 @@ def _options(p: argparse.ArgumentParser) -> None:
     )
     ds.add_argument("--slow_bounce_buffer", action="store_true", help="not supported")
     ds.add_argument("--torch_legacy_save", action="store_true", help="only for --engine torch_fastio (not supported)")
-    ds.add_argument("--fast_io_size", default=None, help="only for --engine torch_fastio (not supported)")
-
-
-def is_ds_io(args: argparse.Namespace) -> bool:
-    """Whether ``args`` is a ds_io command line (it names a ds_io-only target or size option)."""
-    return bool(args.folder or args.folder_to_device_mapping or args.io_size is not None)
+    ds.add_argument("--fast_io_size", help="only for --engine torch_fastio (not supported)")
 
 
 def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
@@ -145,32 +120,33 @@ def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
 
     Sets ``dir``, ``size``, ``block_size``, ``threads``, ``mode``, ``engine``
     and ``device`` (``"cpu"`` or ``"cuda:N"``) and ``ds_io`` (whether it is a
-    ds_io command line).
+    ds_io command line: one naming a ds_io-only target or size option).
 
     Raises:
         UsageError: an option that is not supported or a contradiction; the
             message says what to use instead.
     """
-    ds_io = is_ds_io(args)
-    args.ds_io = ds_io
-    if args.use_gds and not args.gpu:
-        raise UsageError("--use_gds moves a CUDA tensor: add --gpu (as ds_io requires)")
-    if args.gds_path is not None and not args.use_gds:
-        raise UsageError("--gds_path applies to --use_gds only")
-    if args.engine in ("torch_io", "torch_fastio"):
-        raise UsageError(
-            f"--engine {args.engine} (torch.save through DeepSpeed) is not provided; "
-            "use --engine aio_handle here, and 'python -m fastpersist.bench checkpoint' to compare torch.save "
-            "with fastpersist.save"
-        )
-    if args.torch_legacy_save or args.fast_io_size is not None:
-        raise UsageError("--torch_legacy_save and --fast_io_size only apply to ds_io's --engine torch_fastio")
-    if args.slow_bounce_buffer:
-        raise UsageError(
-            "--slow_bounce_buffer is not supported: the pinned bounce buffer is allocated once, outside the timing"
-        )
-    if args.multi_process != 1:
-        raise UsageError("--multi_process: only 1 process is supported; run one command per process")
+    ds_io = args.ds_io = bool(args.folder or args.folder_to_device_mapping or args.io_size is not None)
+    torch_engine = (
+        f"--engine {args.engine} (torch.save through DeepSpeed) is not provided; use --engine aio_handle here, "
+        "and 'python -m fastpersist.bench checkpoint' to compare torch.save with fastpersist.save"
+    )
+    for refused, message in (  # the first that applies is the usage error
+        (args.use_gds and not args.gpu, "--use_gds moves a CUDA tensor: add --gpu (as ds_io requires)"),
+        (args.gds_path is not None and not args.use_gds, "--gds_path applies to --use_gds only"),
+        (args.engine in ("torch_io", "torch_fastio"), torch_engine),
+        (
+            args.torch_legacy_save or args.fast_io_size is not None,
+            "--torch_legacy_save and --fast_io_size only apply to ds_io's --engine torch_fastio",
+        ),
+        (
+            args.slow_bounce_buffer,
+            "--slow_bounce_buffer is not supported: the pinned bounce buffer is allocated once, outside the timing",
+        ),
+        (args.multi_process != 1, "--multi_process: only 1 process is supported; run one command per process"),
+    ):
+        if refused:
+            raise UsageError(message)
     if args.engine in ("aio_handle", "aio_basic"):
         args.engine = "auto"
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fastpersist.bench.harness import Benchmark, Svg, UsageError, option, size
+from fastpersist.bench.harness import Benchmark, Svg, UsageError, markdown_table, option, size
 
 __all__ = ["BENCHMARK", "METHODS", "main", "to_markdown", "to_svg"]
 
@@ -259,13 +259,10 @@ def to_markdown(document: dict[str, Any]) -> str:
             f"same, prefill logits max difference {_number(repeat.get('prefill_logits_max_abs_diff'), '{:.3g}')} "
             f"(largest logit {_number(repeat.get('prefill_logits_max_abs'), '{:.3g}')})"
         )
-    lines += [
-        "",
-        "| method | batch | new tokens | decode tokens/s | bound tokens/s | of bound | time to first token (s) "
-        "| peak GPU (GB) | peak host RSS (GB) | host RSS added (GB) | pinned staging (GB) | same tokens as full-gpu "
-        "| prefill logits max difference |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
-    ]
+    header = ["method", "batch", "new tokens", "decode tokens/s", "bound tokens/s", "of bound"]
+    header += ["time to first token (s)", "peak GPU (GB)", "peak host RSS (GB)", "host RSS added (GB)"]
+    header += ["pinned staging (GB)", "same tokens as full-gpu", "prefill logits max difference"]
+    lines += ["", *markdown_table(header, "<>>>>>>>>>><>", [])]
     default_tokens = {
         "accelerate-disk": config.get("accelerate_new_tokens"),
         "fastpersist-disk": config.get("disk_new_tokens", config.get("new_tokens")),

@@ -22,7 +22,7 @@ import tempfile
 import time
 from typing import Any
 
-from fastpersist.bench.harness import Benchmark, Rounds, bf16_state, option
+from fastpersist.bench.harness import Benchmark, Rounds, bf16_state, markdown_table, option
 from fastpersist.bench.measure import remove_path
 
 __all__ = ["BENCHMARK", "SCHEMA", "TARGETS", "main", "to_markdown"]
@@ -76,16 +76,19 @@ def _disk_rounds(directory: str, state: dict, rounds: int) -> dict[str, Any]:
         return time.perf_counter() - started
 
     measured = Rounds(rounds, order="reverse", catch=False).run([["fio", "fastpersist"]], run).samples
-    records = [{"fio": f, "fastpersist": s, "ratio": f / s} for f, s in zip(measured["fio"], measured["fastpersist"])]
     for stale in (path, fio_path):
         remove_path(stale)
-    return {
-        "bytes": nbytes,
-        "rounds": records,
-        "ratio": statistics.median(r["ratio"] for r in records),
-        "fastpersist_gbps": nbytes / statistics.median(r["fastpersist"] for r in records) / 1e9,
-        "fio_gbps": nbytes / statistics.median(r["fio"] for r in records) / 1e9,
-    }
+    return _paired(nbytes, {"fio": measured["fio"], "fastpersist": measured["fastpersist"]}, "fastpersist", "fio")
+
+
+def _paired(nbytes: int, seconds: dict[str, list[float]], measured: str, reference: str) -> dict[str, Any]:
+    """Each round's seconds of two methods and their ratio (reference / measured: above 1, ``measured`` is
+    faster), the median ratio and each method's median GB/s."""
+    records = [dict(zip(seconds, pair)) for pair in zip(*seconds.values())]
+    for record in records:
+        record["ratio"] = record[reference] / record[measured]
+    gbps = {f"{m}_gbps": nbytes / statistics.median(r[m] for r in records) / 1e9 for m in (measured, reference)}
+    return {"bytes": nbytes, "rounds": records, "ratio": statistics.median(r["ratio"] for r in records), **gbps}
 
 
 def _load_rounds(directory: str, state: dict, rounds: int, device: str) -> dict[str, Any]:
@@ -111,14 +114,7 @@ def _load_rounds(directory: str, state: dict, rounds: int, device: str) -> dict[
         measured = Rounds(rounds, warmup=1, order="reverse", catch=False).run([[True, False]], run).samples
     finally:
         os.unlink(path)
-    records = [{"verified": v, "unverified": u, "ratio": u / v} for v, u in zip(measured[True], measured[False])]
-    return {
-        "bytes": nbytes,
-        "rounds": records,
-        "ratio": statistics.median(r["ratio"] for r in records),
-        "verified_gbps": nbytes / statistics.median(r["verified"] for r in records) / 1e9,
-        "unverified_gbps": nbytes / statistics.median(r["unverified"] for r in records) / 1e9,
-    }
+    return _paired(nbytes, {"verified": measured[True], "unverified": measured[False]}, "verified", "unverified")
 
 
 def _met(name: str, value: float | None) -> bool | None:
@@ -174,8 +170,7 @@ def to_markdown(document: dict[str, Any]) -> str:
         f"{config['size'] / 1e9:.1f} GB, {config['rounds']} rounds; training every iteration, "
         f"{config['iterations']} iterations.",
         "",
-        "| target | measured | target | met |",
-        "| --- | ---: | ---: | --- |",
+        *markdown_table(["target", "measured", "target", "met"], "<>><", []),
     ]
     for row in document["results"].values():
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"

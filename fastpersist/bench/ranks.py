@@ -22,7 +22,7 @@ import torch
 
 from fastpersist import config
 from fastpersist.bench import measure
-from fastpersist.bench.harness import Benchmark, bf16_state, option, spawn
+from fastpersist.bench.harness import Benchmark, bf16_state, markdown_table, option, spawn
 from fastpersist.bench.shapes import sink_save
 from fastpersist.io import targets
 from fastpersist.tuning import workloads
@@ -184,8 +184,7 @@ def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, A
                 "rank": rank,
                 "bytes": mine[0]["bytes"],
                 "write_seconds": seconds,
-                "digest_seconds": measure.summarize([r.get("digest_seconds", 0.0) for r in mine]),
-                "prepare_seconds": measure.summarize([r.get("prepare_seconds", 0.0) for r in mine]),
+                **{k: measure.summarize([r.get(k, 0.0) for r in mine]) for k in ("digest_seconds", "prepare_seconds")},
                 "launch_seconds": measure.summarize([r.get("launch_seconds", 0.0) for r in mine]),
                 "write_GBps": mine[0]["bytes"] / seconds["median"] / 1e9 if seconds["median"] else None,
             }
@@ -292,11 +291,10 @@ def to_markdown(document: dict[str, Any]) -> str:
         + f"layout `{document['layout']}`, "
         f"writers `{document['writers']}`, {document['repeat']} repeats (medians), target {document['dirs']}",
         "",
-        "| N | per-rank bytes | per-rank write (s) | per-rank GB/s | identity check: launch, in the write (ms) | "
-        "identity check wait (s) | end-to-end (s) | "
-        "end-to-end GB/s | vs single writer | projected, independent targets (s) | projected speed-up |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    header = ["N", "per-rank bytes", "per-rank write (s)", "per-rank GB/s", "identity check: launch, in the write (ms)"]
+    header += ["identity check wait (s)", "end-to-end (s)", "end-to-end GB/s", "vs single writer"]
+    lines += markdown_table([*header, "projected, independent targets (s)", "projected speed-up"], ">" * 11, [])
     for r in document["results"]:
         writing = [p for p in r["per_rank"] if p["bytes"]]
         launch = [p["launch_seconds"]["median"] * 1e3 for p in writing if "launch_seconds" in p]
@@ -317,8 +315,9 @@ def to_markdown(document: dict[str, Any]) -> str:
             + (", checksummed as it lands" if document.get("checksum", True) else "")
             + "; no format, no coordination):",
             "",
-            "| N | bound end-to-end (s) | bound GB/s | bound vs 1 rank | measured, of bound |",
-            "| ---: | ---: | ---: | ---: | ---: |",
+            *markdown_table(
+                ["N", "bound end-to-end (s)", "bound GB/s", "bound vs 1 rank", "measured, of bound"], ">" * 5, []
+            ),
         ]
         for r in document["results"]:
             if r.get("of_bound"):

@@ -139,19 +139,11 @@ def _endpoint(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
             yield args.endpoint, "given endpoint, credentials from the environment"
         return
     with moto_server() as url:
-        fake = {
-            "AWS_ENDPOINT_URL": url,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_CONFIG_FILE": os.devnull,
-            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_ENDPOINT_URL_S3": None,
-            "AWS_PROFILE": None,
-            "AWS_SESSION_TOKEN": None,
-            "AWS_REGION": None,
-        }
+        # moto's fixed credentials, and nothing of a real account's configuration that could redirect boto3
+        fake = dict.fromkeys(("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"))
+        fake.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+        fake.update(AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
+        fake.update(AWS_EC2_METADATA_DISABLED="true")
         with _environment(fake):
             import moto
 
@@ -205,36 +197,35 @@ def _methods(endpoint: str, bucket: str, settings: config.Settings, client, keys
         body = client.get_object(Bucket=bucket, Key=keys["boto3"])["Body"]
         return torch.load(io.BytesIO(body.read()), weights_only=True)
 
-    def s3fs_methods() -> tuple[Callable, Callable]:
-        import s3fs
-
-        fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
+    def streamed(writer: Callable[[], Any], reader: Callable[[], Any]) -> tuple[Callable, Callable]:
+        """torch.save into the file-like ``writer()`` opens, torch.load from the one ``reader()`` opens."""
 
         def save(state: dict[str, Any]) -> None:
-            with fs.open(url("s3fs"), "wb", block_size=settings.s3_part_size) as f:
+            with writer() as f:
                 torch.save(state, f)
 
         def load() -> Any:
-            with fs.open(url("s3fs"), "rb", block_size=settings.s3_part_size) as f:
+            with reader() as f:
                 return torch.load(f, weights_only=True)
 
         return save, load
+
+    def s3fs_methods() -> tuple[Callable, Callable]:
+        import s3fs
+
+        fs, block = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True), settings.s3_part_size
+        return streamed(
+            lambda: fs.open(url("s3fs"), "wb", block_size=block), lambda: fs.open(url("s3fs"), "rb", block_size=block)
+        )
 
     def connector_methods() -> tuple[Callable, Callable]:
         from s3torchconnector import S3Checkpoint
 
         region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
-        checkpoint = S3Checkpoint(region=region, endpoint=endpoint)
-
-        def save(state: dict[str, Any]) -> None:
-            with checkpoint.writer(url("s3torchconnector")) as writer:
-                torch.save(state, writer)
-
-        def load() -> Any:
-            with checkpoint.reader(url("s3torchconnector")) as reader:
-                return torch.load(reader, weights_only=True)
-
-        return save, load
+        checkpoint = S3Checkpoint(region=region, endpoint=endpoint)  # the key is read at each call (warm-up)
+        return streamed(
+            lambda: checkpoint.writer(url("s3torchconnector")), lambda: checkpoint.reader(url("s3torchconnector"))
+        )
 
     methods = [
         _Method(

@@ -418,38 +418,23 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
     ]
     bounded = any("of_bound" in r for r in doc["results"])  # documents from before the bounds have none
-    if bounded:
-        lines += [
-            "| op | method | kind | median s | GB/s | x torch | of bound | x fio | peak RSS growth | CPU s |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-    else:
-        lines += [
-            "| op | method | kind | median s | GB/s | x torch | x fio | peak RSS growth | CPU s |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
+    header = ["op", "method", "kind", "median s", "GB/s", "x torch", *(["of bound"] if bounded else [])]
+    header += ["x fio", "peak RSS growth", "CPU s"]
+    rows = []
     for r in doc["results"]:
         ratio = f"{r['speedup_vs_torch']:.2f}" if r.get("speedup_vs_torch") else "-"
         fio = f"{r['fraction_of_fio']:.2f}" if r.get("fraction_of_fio") else "-"
         rss = format_bytes(r["peak_rss_delta"]) if r.get("peak_rss_delta") is not None else "-"
         cpu = f"{r['cpu_seconds_median']:.2f}" if r.get("cpu_seconds_median") is not None else "-"
         gbps = f"{r['gbps']:.2f}" if (r.get("gbps") or 0) >= 0.01 else "-"
-        bound = (f"{r['of_bound']:.2f} | " if r.get("of_bound") else "- | ") if bounded else ""
-        lines.append(
-            f"| {r['op']} | {r['method']} | {r['kind']} | {r['median_s']:.3f} | {gbps} | "
-            f"{ratio} | {bound}{fio} | {rss} | {cpu} |"
-        )
+        bound = [f"{r['of_bound']:.2f}" if r.get("of_bound") else "-"] if bounded else []
+        rows.append([r["op"], r["method"], r["kind"], f"{r['median_s']:.3f}", gbps, ratio, *bound, fio, rss, cpu])
+    lines += markdown_table(header, "<<<" + ">" * (len(header) - 3), rows)
     if bounded:
         pairs = {}
         for r in doc["results"]:
             if r.get("bound"):
-                verified = (
-                    " (verified)"
-                    if " verified" in r["method"]
-                    else " (unverified)"
-                    if "unverified" in r["method"]
-                    else ""
-                )
+                verified = next((f" ({w})" for w in ("verified", "unverified") if f" {w}" in r["method"]), "")
                 label = f"{r['kind']} {r['op']}s" + (verified if r["kind"] == "sink" and r["op"] == "load" else "")
                 pairs[label] = r["bound"]
         lines += [

@@ -23,7 +23,7 @@ import torch
 
 from fastpersist import config
 from fastpersist.bench import bounds
-from fastpersist.bench.harness import Benchmark, Rounds, option, size
+from fastpersist.bench.harness import Benchmark, Rounds, markdown_table, option, size
 from fastpersist.bench.measure import code_version, machine_info
 from fastpersist.io import checksum, engine, memory
 from fastpersist.io.device_crc import DeviceCrc
@@ -251,8 +251,7 @@ def to_markdown(document: dict[str, Any]) -> str:
         f"{c['bytes'] / 1e9:.1f} GB from {c['source']}, ring of {c['slots']} x {c['window_bytes'] >> 20} MiB, "
         f"device {c['device']}, median of {c['rounds']} rounds",
         "",
-        "| stage | GB/s | range | of the ring's read alone |",
-        "| --- | ---: | ---: | ---: |",
+        *markdown_table(["stage", "GB/s", "range", "of the ring's read alone"], "<>>>", []),
     ]
     for r in document["results"]:
         ratio = f"{r['gbps'] / read:.2f}" if read else "-"

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from fastpersist.bench.bounds import fsync_file
-from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, option, spawn
+from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, markdown_table, option, spawn
 from fastpersist.io.commit import fsync_directory
 
 __all__ = ["BENCHMARK", "METHODS", "SCHEMA", "fsync_tree", "main", "to_markdown", "to_svg"]
@@ -86,22 +86,6 @@ def _model(args):
     with torch.device(args.device):
         model = LlamaForCausalLM(config)
     return model.to(torch.bfloat16)
-
-
-class _Tokens:
-    """Random token sequences (labels = inputs): the data do not matter, the step's shape does."""
-
-    def __init__(self, count: int, seq: int, vocab: int):
-        import torch
-
-        generator = torch.Generator().manual_seed(1)
-        self.ids = torch.randint(0, vocab, (count, seq), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
 def _callback(method: str, device: str, timings: list[dict]):
@@ -182,6 +166,7 @@ def _run_one(args) -> dict[str, Any]:
     model = _model(args)
     steps = args.save_steps * args.checkpoints
     timings: list[dict] = []
+    tokens = torch.randint(0, args.vocab, (steps * args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     training = TrainingArguments(
         output_dir=output_dir,
         max_steps=steps,
@@ -205,7 +190,7 @@ def _run_one(args) -> dict[str, Any]:
         trainer = Trainer(
             model=model,
             args=training,
-            train_dataset=_Tokens(steps * args.batch, args.seq, args.vocab),
+            train_dataset=[{"input_ids": row, "labels": row} for row in tokens],  # the step's shape is what matters
             callbacks=[_callback(args.method, args.device, timings)],
         )
         started = time.perf_counter()
@@ -364,9 +349,9 @@ def to_markdown(document: dict[str, Any]) -> str:
                 else "."
             ),
             "",
-            "| method | blocked (s) | durable (s) | durable GB/s | first blocked (s) | first durable (s) | verified |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
+        header = ["method", "blocked (s)", "durable (s)", "durable GB/s", "first blocked (s)", "first durable (s)"]
+        lines += markdown_table([*header, "verified"], "<>>>>><", [])
         for method in config["methods"]:
             r = results.get(method)
             if r is None:
@@ -430,14 +415,10 @@ def _options(parser: argparse.ArgumentParser) -> None:
     option(parser, "dir", action="append", help="where checkpoints go; repeat for several (default: a temp dir)")
     option(parser, "device", choices=["cpu", "cuda"], default="cuda" if gpu else "cpu")
     # GPU defaults: TinyLlama-1.1B's shape (a 6.6 GB checkpoint with AdamW in bf16); CPU: a toy of the same shape.
-    parser.add_argument("--hidden", type=int, default=2048 if gpu else 64)
-    parser.add_argument("--intermediate", type=int, default=5632 if gpu else 176)
-    parser.add_argument("--layers", type=int, default=22 if gpu else 2)
-    parser.add_argument("--heads", type=int, default=32 if gpu else 4)
-    parser.add_argument("--kv-heads", type=int, default=4 if gpu else 2)
-    parser.add_argument("--vocab", type=int, default=32000 if gpu else 512)
-    parser.add_argument("--batch", type=int, default=4 if gpu else 2)
-    parser.add_argument("--seq", type=int, default=1024 if gpu else 32)
+    shape = {"--hidden": (2048, 64), "--intermediate": (5632, 176), "--layers": (22, 2), "--heads": (32, 4)}
+    shape.update({"--kv-heads": (4, 2), "--vocab": (32000, 512), "--batch": (4, 2), "--seq": (1024, 32)})
+    for flag, (on_gpu, on_cpu) in shape.items():
+        parser.add_argument(flag, type=int, default=on_gpu if gpu else on_cpu)
     parser.add_argument("--save-steps", type=int, default=30 if gpu else 2, help="checkpoint every N steps")
     parser.add_argument("--checkpoints", type=int, default=2 if gpu else 3, help="checkpoints per run")
     option(parser, "repeats", default=1, help="runs per method and directory")

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from fastpersist.bench import bounds
-from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, markdown_table, option, spawn
+from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, markdown_table, option, spawn, timed
 
 __all__ = ["BENCHMARK", "METHODS", "RANK_METHODS", "SCHEMA", "main", "save_phases", "to_markdown", "to_svg"]
 
@@ -89,11 +89,8 @@ def _run_one(args) -> dict[str, Any]:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     model, optimizer, tokens = _build(args, device, seed=rank)
-    trained = model
-    if distributed:
-        trained = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.index is not None else None
-        )
+    ids = [device.index] if device.index is not None else None
+    trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids) if distributed else model
     amp = device.type == "cuda"
     # One path for every rank: with several ranks, per-process names would not be one checkpoint.
     path = os.path.join(args.dir, f"bench-{args.method}-{os.getppid() if distributed else os.getpid()}.pt")
@@ -104,19 +101,12 @@ def _run_one(args) -> dict[str, Any]:
     def state():
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
-    checkpointer = None
-    lightning_io = None
+    checkpointer = lightning_io = None
     futures: list = []  # the asynchronous saves' futures (a collective one's carry its SaveStats)
-    if not writes:
-        pass
-    elif method in ("fastpersist-pipelined", "fastpersist-snapshot"):
-        checkpointer = fastpersist.Checkpointer(optimizer, model=model, mode=method.split("-")[1])
-    elif method in _COLLECTIVE[1:]:
-        mode = method.rsplit("-", 1)[1]
-        checkpointer = fastpersist.Checkpointer(
-            optimizer, model=model, mode=mode, group=dist.group.WORLD, layout=args.layout
-        )
-    elif method == "lightning-async":
+    if writes and method in ("fastpersist-pipelined", "fastpersist-snapshot", *_COLLECTIVE[1:]):
+        group = {"group": dist.group.WORLD, "layout": args.layout} if method in _COLLECTIVE else {}
+        checkpointer = fastpersist.Checkpointer(optimizer, model=model, mode=method.rsplit("-", 1)[1], **group)
+    elif writes and method == "lightning-async":
         from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
         lightning_io = AsyncCheckpointIO(TorchCheckpointIO())
@@ -291,15 +281,12 @@ def _measure_d2h(args) -> float | None:
         v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.is_cuda
     ]
     host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-    times = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
+
+    def copy() -> None:
         for h, t in zip(host, tensors):
             h.copy_(t, non_blocking=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return min(times)
+
+    return min(timed(copy, "cuda")[1]["seconds"] for _ in range(3))
 
 
 _RUN_OPTIONS = tuple(
@@ -333,22 +320,21 @@ def _measure(args) -> dict[str, Any]:
 
     rounds = Rounds(args.repeats, order="reverse").run([methods], run)
     samples = {m: rounds.samples.get(m, []) for m in methods}
-    errors = rounds.errors
-    base = statistics.median(s["per_iteration_s"] for s in samples["none"]) if samples["none"] else None
-    base_steady = (
-        statistics.median(s["steady_s"] / s["iterations"] for s in samples["none"]) if samples["none"] else None
-    )
-    base_host = statistics.median(s["peak_host_bytes"] for s in samples["none"]) if samples["none"] else None
+
+    def median(method: str, key: str, per_iteration: bool = False) -> float | None:
+        values = [s[key] / s["iterations"] if per_iteration else s[key] for s in samples[method]]
+        return statistics.median(values) if values else None
+
+    base, base_steady = median("none", "per_iteration_s"), median("none", "steady_s", True)
+    base_host = median("none", "peak_host_bytes")
     base_gpu = samples["none"][0]["peak_gpu_bytes"] if samples["none"] else None
     results = []
     for method in methods:
         if not samples[method]:
-            results.append({"method": method, "error": errors.get(method, "no sample")})
+            results.append({"method": method, "error": rounds.errors.get(method, "no sample")})
             continue
-        per = statistics.median(s["per_iteration_s"] for s in samples[method])
-        steady = statistics.median(s["steady_s"] / s["iterations"] for s in samples[method])
-        host_peak = statistics.median(s["peak_host_bytes"] for s in samples[method])
-        gpu_peak = samples[method][0]["peak_gpu_bytes"]
+        per, steady = median(method, "per_iteration_s"), median(method, "steady_s", True)
+        host_peak, gpu_peak = median(method, "peak_host_bytes"), samples[method][0]["peak_gpu_bytes"]
         results.append(
             {
                 "method": method,
@@ -356,7 +342,7 @@ def _measure(args) -> dict[str, Any]:
                 "steady_per_iteration_s": steady,
                 "overhead_pct": None if not base else 100.0 * (per - base) / base,
                 "steady_overhead_pct": None if not base_steady else 100.0 * (steady - base_steady) / base_steady,
-                "blocked_per_save_s": statistics.median(s["blocked_per_save_s"] for s in samples[method]),
+                "blocked_per_save_s": median(method, "blocked_per_save_s"),
                 "checkpoint_bytes": samples[method][0]["checkpoint_bytes"],
                 "peak_host_bytes": host_peak,
                 "extra_host_bytes": None if base_host is None else host_peak - base_host,
@@ -450,11 +436,9 @@ def to_markdown(document: dict[str, Any]) -> str:
             f"wrote {shared['bytes'] / 1e6:,.0f} MB together in {shared['per_writer_s'] * 1000:.1f} ms).",
             "",
         ]
-    lines += [
-        "| method | ms / iteration (steady) | × possible | with the final wait | overhead (steady) | overhead | "
-        "blocked per save (ms) | first save blocked (ms) | extra peak GPU (MiB) | extra peak host RSS (MiB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    header = ["method", "ms / iteration (steady)", "× possible", "with the final wait", "overhead (steady)"]
+    header += ["overhead", "blocked per save (ms)", "first save blocked (ms)", "extra peak GPU (MiB)"]
+    lines += markdown_table([*header, "extra peak host RSS (MiB)"], "<" + ">" * 9, [])
     for r in document["results"]:
         if "error" in r:
             lines.append(f"| {r['method']} | failed | | | | | | | | |")
@@ -529,12 +513,9 @@ def _options(parser: argparse.ArgumentParser) -> None:
     option(parser, "device", choices=["cpu", "cuda"], default="cuda" if gpu else "cpu")
     # GPU defaults: a ~0.25 GB checkpoint (21M parameters + AdamW) and an iteration of roughly 0.1 s on
     # an H100, so that the write of one checkpoint (~2 GB/s here) can hide behind one iteration.
-    parser.add_argument("--d-model", type=int, default=512 if gpu else 256)
-    parser.add_argument("--layers", type=int, default=4 if gpu else 2)
-    parser.add_argument("--heads", type=int, default=8 if gpu else 4)
-    parser.add_argument("--vocab", type=int, default=8192 if gpu else 2048)
-    parser.add_argument("--batch", type=int, default=64 if gpu else 8)
-    parser.add_argument("--seq", type=int, default=2048 if gpu else 64)
+    sizes = {"--d-model": (512, 256), "--layers": (4, 2), "--heads": (8, 4), "--vocab": (8192, 2048)}
+    for flag, (on_gpu, on_cpu) in {**sizes, "--batch": (64, 8), "--seq": (2048, 64)}.items():
+        parser.add_argument(flag, type=int, default=on_gpu if gpu else on_cpu)
     parser.add_argument("--every", type=int, default=1, help="checkpoint every N iterations (default: every one)")
     parser.add_argument(
         "--layout",
@@ -542,8 +523,8 @@ def _options(parser: argparse.ArgumentParser) -> None:
         default="file",
         help="with --ranks: the collective methods' layout (parts: one file per writer, for node-local storage)",
     )
-    parser.add_argument("--iterations", type=int, default=20 if gpu else 8)
-    parser.add_argument("--warmup", type=int, default=3 if gpu else 2)
+    for flag, (on_gpu, on_cpu) in {"--iterations": (20, 8), "--warmup": (3, 2)}.items():
+        parser.add_argument(flag, type=int, default=on_gpu if gpu else on_cpu)
     option(parser, "repeats", default=1, help="runs of each method, in alternating order")
     parser.add_argument(
         "--ranks",
