@@ -210,7 +210,8 @@ class _Release:
     def release(self) -> None:
         """(caller, before changing the tensors) Waits until the reads are queued; orders this thread's streams
         after them; decides whether the tensors changed before now."""
-        self._queued.wait()
+        with timeline.waiting("release"):
+            self._queued.wait()
         with self._lock:
             if self._decided:
                 return

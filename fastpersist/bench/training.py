@@ -28,7 +28,17 @@ import time
 from typing import Any
 
 from fastpersist.bench import bounds
-from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, markdown_table, option, spawn, timed
+from fastpersist.bench.harness import (
+    Benchmark,
+    Rounds,
+    Svg,
+    UsageError,
+    markdown_table,
+    option,
+    spawn,
+    timed,
+    write_json,
+)
 
 __all__ = ["BENCHMARK", "METHODS", "RANK_METHODS", "SCHEMA", "main", "save_phases", "to_markdown", "to_svg"]
 
@@ -172,6 +182,9 @@ def _run_one(args) -> dict[str, Any]:
 
         checkpoint_bytes = read_manifest(path).size  # the checkpoint the manifest and its parts make
     saves = save_phases(events)
+    if args.timeline:  # the raw marks, for a where-does-the-time-go trace (docs/async.md)
+        os.makedirs(args.timeline, exist_ok=True)
+        write_json({"started": started, "events": events}, os.path.join(args.timeline, f"{method}-rank{rank}.json"))
     result = {
         "method": method,
         "iterations": args.iterations,
@@ -541,6 +554,12 @@ def _options(parser: argparse.ArgumentParser) -> None:
         "first save's allocation in the loop)",
     )
     parser.add_argument("--no-ceiling", action="store_true", help="do not measure the storage's write ceiling")
+    parser.add_argument(
+        "--timeline",
+        metavar="DIR",
+        default=None,
+        help="write every rank's raw timeline of each method (save phases, exchanges, the step's waits) here",
+    )
     parser.add_argument("--method", help=argparse.SUPPRESS)
 
 

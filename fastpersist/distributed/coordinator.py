@@ -63,7 +63,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fastpersist.errors import CallAbandoned, CallNotOpened, DistributedCheckpointError, StoreWaitTimedOut
-from fastpersist.io import queue
+from fastpersist.io import queue, timeline
 
 __all__ = ["Coordinator", "DEFAULT_TIMEOUT"]
 
@@ -296,6 +296,7 @@ class Coordinator:
                 on every rank (chained from ``error`` on the rank that had it).
         """
         deadline = time.monotonic() + self.timeout
+        timeline.mark("post " + step)
         try:
             if self.call is None:
                 self._begin(deadline, step)
@@ -351,6 +352,7 @@ class Coordinator:
                 f"({type(e).__name__}: {e}); rank 0, which hosts it, probably died. Nothing was committed",
                 {0: "store unreachable"},
             ) from (error or e)
+        timeline.mark("heard " + step)
         failures = {r: s[1] for r, s in enumerate(statuses) if s[0] == "error"}
         verdicts = [s for s in statuses if s[0] == "error" and len(s) == 4]
         if len(failures) == 1 and verdicts:  # one rank judged the group (e.g. rank 0 found divergent tensors)
