@@ -409,20 +409,8 @@ def _local_async_save(
     # (an error path below closes the anchor when the target is dropped).
     destination = destination.anchored()
     future = SaveFuture(path, resolved.async_mode)
-    # For a Checkpointer, whose hooks order the optimizer step after the reads or copies, the save thread
-    # takes the state when it gets to this save, and the hook before the next step waits for that (beside the
-    # forward pass) rather than this call: always for pipelined reads; for snapshot copies when the queue is
-    # idle (the copies start at once) or when this call would wait for a staging area anyway. A snapshot
-    # behind a pending save with a staging area free is copied here, so the step does not wait for that
-    # write. CPU storages are always copied here: nothing orders their changes.
-    devices = plan.devices()
     idle = queue_idle()
-    on_save_thread = released_by_hooks and (
-        pipelined
-        or bool(devices)
-        and all(d.type == "cuda" for d in devices)
-        and (idle or not has_slot(resolved.async_max_pending))
-    )
+    on_save_thread = _state_on_save_thread(plan, pipelined, released_by_hooks, idle, resolved.async_max_pending)
     if not on_save_thread:
         wait_for_slot(resolved.async_max_pending)  # at most async_max_pending staging areas (or uploads) exist
     timeline.mark("slot")
@@ -492,6 +480,26 @@ def _local_async_save(
     return future
 
 
+def _state_on_save_thread(plan, pipelined: bool, released_by_hooks: bool, idle: bool, max_pending: int) -> bool:
+    """Whether a local ``async_save`` leaves the reads or copies to the save thread, when it gets to the save.
+
+    Only for a Checkpointer, whose hooks order the optimizer step after them:
+    the hook before the next step then waits (beside the forward pass) rather
+    than the call. Always for pipelined reads; for snapshot copies when the
+    queue is idle (they start at once) or when the call would wait for a
+    staging area anyway. A snapshot behind a pending save with a staging area
+    free is copied in the call, so the step does not wait for that write. CPU
+    storages are always copied in the call: nothing orders their changes.
+    """
+    if not released_by_hooks:
+        return False
+    if pipelined:
+        return True
+    devices = plan.devices()
+    cuda_only = bool(devices) and all(d.type == "cuda" for d in devices)
+    return cuda_only and (idle or not has_slot(max_pending))
+
+
 def _begin(f: Any, mode: str | None, settings: dict[str, Any]) -> config.Settings:
     """The settings of an ``async_save`` to the path ``f`` (``mode`` among them); reports unchecked failures.
 
@@ -553,13 +561,20 @@ def _collective_async_save(
     path = os.fspath(f)
     future = SaveFuture(path, resolved.async_mode)
     future.collective = True
+    operation.in_background = True
     release = None
     if pipelined or released_by_hooks:
-        # Ordered here after the work queued so far on the caller's streams, which the save thread cannot see.
-        streams = side_streams(operation.local_plan())
-        release = _Release(path, recorded, obj)
-        if not released_by_hooks:
-            wait_for_slot(resolved.async_max_pending)  # the hooks bound a Checkpointer's saves instead
+        try:
+            # Ordered here after the work queued so far on the caller's streams, which the save thread cannot see.
+            streams = side_streams(operation.local_plan())
+            operation.start_digests(streams)
+            release = _Release(path, recorded, obj)
+            if not released_by_hooks:
+                wait_for_slot(resolved.async_max_pending)  # the hooks bound a Checkpointer's saves instead
+        except BaseException as error:
+            operation.abort(error)
+            operation.fail(error, "plan")  # the others wait in the plan step (on their save threads): they raise too
+            raise
         work = _collective_work(operation, future, release, streams, pipelined)
     else:
         work = _collective_work(operation, future, None, None, False, _capture_here(operation, resolved))

@@ -93,7 +93,7 @@ from fastpersist.distributed.sharding import DEFAULT_ALIGNMENT, ByteRange, shard
 from fastpersist.errors import DistributedCheckpointError, ReplicaDivergenceWarning, caller_location, warn_at_caller
 from fastpersist.format.plan import BytesRecord, SavePlan, StorageRecord
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
-from fastpersist.io import commit, engine, queue, targets
+from fastpersist.io import commit, engine, queue, targets, workers
 from fastpersist.io.checksum import crc32_combine_all
 from fastpersist.io.ring import on_streams
 from fastpersist.io.writer import idle_work, side_streams, write_plan
@@ -318,6 +318,8 @@ class CollectiveSave:
         )
         self.began = time.perf_counter()
         self.caller = caller_location()  # where a divergence warning belongs, also when raised on the save thread
+        self.in_background = False  # an asynchronous save's phases after the plan run on the save thread
+        self._early: tuple[dict[str, int], Any] | None = None  # digests queued in the caller (start_digests)
         description = f"{choices.layout}, writers={choices.writers}, {os.path.basename(self.destination.path)}"
         self.coordinator = Coordinator(group, choices.timeout, "save", description)
         self.rank = self.coordinator.rank
@@ -410,6 +412,22 @@ class CollectiveSave:
             self.target = self.store.target
         self._own = self.planner(self.obj, archive_name_for(self.target))
 
+    def start_digests(self, streams=None) -> None:
+        """(After :meth:`plan_locally`, in the caller) Queues the digests of every storage of this rank on ``streams``.
+
+        An asynchronous save's verify then only collects them: computed on the
+        save thread they waited for the GPU, busy with training, for 8-22 ms
+        per save (docs/distributed.md); queued here they run while the saves
+        before this one are written. They read the state as it is now; the
+        reads queued later on the same streams, and whatever waits for those,
+        come after them.
+        """
+        own = self._own.storages
+        with on_streams(streams):
+            pending = replicas.PendingDigests(own)
+            pending.launch_all()
+        self._early = ({record.key: i for i, record in enumerate(own)}, pending)
+
     def local_plan(self) -> SavePlan:
         """This rank's plan of its own object (after :meth:`plan_locally`): which devices its tensors are on."""
         return self._own if self._own is not None else self.plan
@@ -494,9 +512,13 @@ class CollectiveSave:
     def _digest_before_write(self, streams=None) -> dict[str, Any]:
         self._split()
         compared = self._compared()
-        # On the caller's streams (or side streams it made): the digests see what the caller queued.
-        with on_streams(streams):
-            found = replicas.storage_digests([self.present[o] for o in compared]) if compared else []
+        if self._early is not None:  # queued in the caller
+            (index, pending), self._early = self._early, None
+            every = pending.result()
+            found = [every[index[self.present[o].key]] for o in compared]
+        else:  # on the caller's streams (or side streams it made): the digests see what the caller queued
+            with on_streams(streams):
+                found = replicas.storage_digests([self.present[o] for o in compared]) if compared else []
         return {"digests": dict(zip(compared, found))}
 
     def _judge(self, candidates: dict[int, list[int]]) -> None:
@@ -659,7 +681,12 @@ class CollectiveSave:
         if self.rank == 0:
             self.temporary = None
         if self.store is not None and (self.rank == 0 or not self.store.seen_by_every_rank):
-            self.store.remove_old(self.token)
+            if isinstance(self.store, _LocalParts):
+                # Unlinking a large part took 25 ms on a disk (docs/distributed.md): off the save thread, whose
+                # next save would otherwise wait for it.
+                self.store.remove_old(self.token, later=self.in_background)
+            else:
+                self.store.remove_old(self.token)
 
     def _commit(self) -> dict[str, Any]:
         """Rank 0's commit step: repair (a save verified after its write), CRC-32s, descriptors, trailer or manifest."""
@@ -952,8 +979,19 @@ class _LocalParts:
             return None
         return f"parts of the failed save could not be removed: {', '.join(left)}; no checkpoint uses them: delete them"
 
-    def remove_old(self, token: str) -> None:
-        _remove_old_parts(self.target, token)
+    def remove_old(self, token: str, *, later: bool = False) -> None:
+        """Removes the parts of earlier saves of this path; ``later``: listed now, unlinked on a cleanup thread.
+
+        The listing is always made now: once this rank joins the next call,
+        another rank may write that call's parts into the same directory.
+        """
+        stale = _stale_parts(self.target, token)
+        if later and stale:
+            cleaner = workers.executor(1, "fastpersist-cleanup")
+            cleaner.submit(_unlink_all, stale)
+            cleaner.shutdown(wait=False)  # its thread ends with the unlinks (joined at interpreter exit)
+        else:
+            _unlink_all(stale)
 
 
 def _payloads(plan: SavePlan, ordinals) -> list[tuple[int, int]]:
@@ -1127,13 +1165,19 @@ def _write_atomically(target: str, directory: str, data: bytes, settings) -> Non
         commit.fsync_directory(directory)
 
 
-def _remove_old_parts(target: str, token: str) -> None:
-    """After a committed parts save: this rank's view of earlier saves' parts of the same path is garbage."""
+def _stale_parts(target: str, token: str) -> list[str]:
+    """After a committed parts save: the parts of earlier saves of the same path that this rank sees."""
     directory, name = os.path.split(os.path.abspath(target))
+    stale = []
     for candidate in glob.glob(os.path.join(glob.escape(directory), f"{glob.escape(name)}.*.part-*-of-*")):
-        middle = os.path.basename(candidate)[len(name) + 1 :].split(".part-")[0]
-        if middle != token:
-            try:
-                os.unlink(candidate)
-            except OSError:
-                pass
+        if os.path.basename(candidate)[len(name) + 1 :].split(".part-")[0] != token:
+            stale.append(candidate)
+    return stale
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

@@ -289,6 +289,27 @@ class HeldCommit:
         monkeypatch.setattr(commit, "replace_file", held)
 
 
+def test_checkpointer_pipelined_save_behind_a_pending_one_returns_at_once(tmp_path, monkeypatch):
+    """Under a Checkpointer's hooks a pipelined save does not wait for a slot (the hooks bound the saves in
+    flight): it returns while the one before is held; the next step waits until it has read the state."""
+    held = HeldCommit(monkeypatch)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    checkpointer = fastpersist.Checkpointer(optimizer, mode="pipelined", **SMALL)
+    first = checkpointer.save({"model": model.state_dict()}, tmp_path / "a.pt")
+    assert held.written.wait(60)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    second = checkpointer.save({"model": model.state_dict()}, tmp_path / "b.pt")  # `first` is still held
+    assert not first.done() and not second.done()
+    held.go.set()
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()  # after `second` has read the state
+    checkpointer.close()
+    loaded = fastpersist.load(tmp_path / "b.pt")
+    assert all(torch.equal(loaded["model"][k], v) for k, v in expected.items())
+    assert not all(torch.equal(model.state_dict()[k], v) for k, v in expected.items()), "the step ran"
+
+
 def test_checkpointer_step_waits_for_the_reads_not_the_write(tmp_path, monkeypatch):
     """The optimizer step goes on once the pending save has read the state; the write lands pre-step values."""
     held = HeldCommit(monkeypatch)

@@ -140,6 +140,23 @@ def test_a_failing_rank_fails_every_future_and_keeps_the_previous_checkpoint(lay
         assert len(parts(tmp_path, "ckpt.pt")) == 2  # the failed saves' parts were removed
 
 
+def test_replaced_parts_are_removed_off_the_save_thread(tmp_path):
+    """Saves of one path with layout="parts": each commit lists the earlier saves' parts and a cleanup thread
+    unlinks them (the next save does not wait for it); once the ranks have exited only the last save's parts are
+    left, and it loads."""
+    steps = [
+        {"op": "save", "layout": "parts", "seed": seed, "async": mode, "big": True}
+        for seed, mode in ((1, "pipelined"), (2, "snapshot"), (3, "pipelined"))
+    ]
+    results = spawn(2, tmp_path, steps)
+    for step in range(3):
+        ok(results, step)
+    left = parts(tmp_path, "ckpt.pt")
+    assert len(left) == 2 and len({os.path.basename(p).split(".part-")[0] for p in left}) == 1, left
+    assert same(fastpersist.load(tmp_path / "ckpt.pt"), {**make_state(3), "big": make_big(3)})
+    assert temporaries(tmp_path) == []
+
+
 def test_a_rank_killed_during_the_background_write_fails_the_others_within_the_timeout(tmp_path):
     steps = [
         {"op": "save", "seed": 1, "async": "snapshot"},
