@@ -16,12 +16,15 @@ thread, call order, errors never lost). Two modes (setting
   (pinned host memory the size of the checkpoint; device-to-host copies are
   queued on a side stream and the caller's stream waits for them), then
   ``async_save`` returns; the state may change at once. For a
-  :class:`fastpersist.Checkpointer` with GPU state and an idle save queue,
-  the save thread queues the copies and the optimizer step's hook waits
-  until they are queued.
+  :class:`fastpersist.Checkpointer` with GPU state and an idle save queue
+  (or no staging area free), the save thread queues the copies and the
+  optimizer step's hook waits until they are queued.
 
 At most ``async_max_pending`` saves are in flight: a new one first waits for
-the oldest. Errors are never lost: ``result()``/``wait()`` re-raise them; a
+the oldest. Under a Checkpointer's hooks a pipelined save does not wait: it
+is queued at once, and the hook before the next optimizer step waits until
+it has read the state (so at most the save being written and the one
+waiting to read are in flight, and neither holds a staging area). Errors are never lost: ``result()``/``wait()`` re-raise them; a
 failed save whose error nobody checked is reported by a ``RuntimeWarning`` at
 the next ``async_save``, and at interpreter exit (after pending saves have
 finished) on stderr, with exit status 1. Saves still pending at exit are
@@ -268,16 +271,23 @@ def async_save(
     by every rank): the asynchronous form of ``fastpersist.save(obj, f,
     group=...)``, with the same file (rank 0's object, never a mix), options
     (``layout``, ``writers``, ``divergence``, ``per_rank``, ``timeout``) and
-    guarantees. Before it returns, the ranks agree on the layout and compare
-    their storages (two metadata exchanges through the group's store), and
-    each rank captures the bytes it will write: in snapshot mode it copies
-    only its own share into staging, in pipelined mode nothing (its share is
-    read from the live tensors). Each rank then writes its share in the
-    background; rank 0 commits once every share is durable, and every
-    rank's future ends with that commit or with the same
+    guarantees. The ranks agree on the layout and compare their storages
+    (two metadata exchanges through the group's store), and each rank
+    captures the bytes it will write (in snapshot mode it copies only its
+    own share into staging; in pipelined mode its share is read from the
+    live tensors). A bare snapshot does all that before it returns, so the
+    state may change at once. A pipelined save, or any save under a
+    Checkpointer's hooks, only pickles here: the exchanges, the capture and
+    the digests' comparison run on the save thread after the saves before
+    it (the digests are queued at once, beside them), and the hooks hold the
+    state until it is read or copied. Each rank then writes its share in the
+    background; rank 0 commits once every share is durable, and every rank's
+    future ends with that commit or with the same
     ``DistributedCheckpointError``. Mismatched calls and
-    ``divergence="error"`` refusals raise here, on every rank. A collective
-    save or load made while one is pending first waits for it (docs/distributed.md).
+    ``divergence="error"`` refusals raise here for a bare snapshot, and at
+    ``result()`` otherwise, on every rank; divergence warnings name the
+    caller's line either way. A collective save or load made while one is
+    pending first waits for it (docs/distributed.md).
 
     **Two-tier save** (``f`` a URL, ``s3://`` or any fsspec store's, and ``local_copy`` a local path):
     the checkpoint is saved to ``local_copy`` first, synchronously, by the

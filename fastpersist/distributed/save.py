@@ -413,20 +413,27 @@ class CollectiveSave:
         self._own = self.planner(self.obj, archive_name_for(self.target))
 
     def start_digests(self, streams=None) -> None:
-        """(After :meth:`plan_locally`, in the caller) Queues the digests of every storage of this rank on ``streams``.
+        """(After :meth:`plan_locally`, in the caller) Has the digests of every storage of this rank queued on ``streams``.
 
         An asynchronous save's verify then only collects them: computed on the
-        save thread they waited for the GPU, busy with training, for 8-22 ms
-        per save (docs/distributed.md); queued here they run while the saves
-        before this one are written. They read the state as it is now; the
-        reads queued later on the same streams, and whatever waits for those,
-        come after them.
+        save thread they waited for the GPU, busy with training, for 8-22 ms per
+        save, and launched in the caller they took it 10 ms (docs/distributed.md).
+        So a thread of their own launches them, beside the saves still being
+        written. They read the state as it is when the streams were made; the
+        save's reads, queued later on the same streams after these launches,
+        and whatever waits for those (the optimizer step), come after them.
         """
         own = self._own.storages
-        with on_streams(streams):
-            pending = replicas.PendingDigests(own)
-            pending.launch_all()
-        self._early = ({record.key: i for i, record in enumerate(own)}, pending)
+
+        def launch():
+            with on_streams(streams):
+                pending = replicas.PendingDigests(own)
+                pending.launch_all()
+            return pending
+
+        launcher = workers.executor(1, "fastpersist-digests")
+        self._early = ({record.key: i for i, record in enumerate(own)}, launcher.submit(launch))
+        launcher.shutdown(wait=False)  # its thread ends with the launches
 
     def local_plan(self) -> SavePlan:
         """This rank's plan of its own object (after :meth:`plan_locally`): which devices its tensors are on."""
@@ -513,8 +520,8 @@ class CollectiveSave:
         self._split()
         compared = self._compared()
         if self._early is not None:  # queued in the caller
-            (index, pending), self._early = self._early, None
-            every = pending.result()
+            (index, launched), self._early = self._early, None
+            every = launched.result().result()
             found = [every[index[self.present[o].key]] for o in compared]
         else:  # on the caller's streams (or side streams it made): the digests see what the caller queued
             with on_streams(streams):
