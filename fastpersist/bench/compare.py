@@ -25,9 +25,14 @@ def run_rounds(
     return rounds.run(phases, lambda method, index: (save if method[0] == "save" else load)(method[1], index))
 
 
-def check(expected: tuple[dict[str, Any], dict[str, Any]], loaded: Any, device: Any = None) -> bool | str:
-    """True when ``loaded`` is the state flattened into ``expected``, byte for byte; else what differs."""
+def check(
+    expected: tuple[dict[str, Any], dict[str, Any]], loaded: Any, problems: list[str], what: str, device: Any = None
+) -> bool | str:
+    """True when ``loaded`` is the state flattened into ``expected``, byte for byte; else what differs, also
+    appended to ``problems`` as ``what: difference``."""
     problem = measure.verify_state(expected, workloads.flatten_state(loaded), device)
+    if problem is not None:
+        problems.append(f"{what}: {problem}")
     return True if problem is None else problem
 
 

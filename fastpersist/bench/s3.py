@@ -337,11 +337,6 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     verified: dict[str, bool | str] = {}
     cross: dict[str, bool | str] = {}
 
-    def verify(into: dict[str, bool | str], name: str, loaded: Any, problem: str) -> None:
-        into[name] = compare.check(expected, loaded)
-        if into[name] is not True:
-            problems.append(f"{problem}: {into[name]}")
-
     with _endpoint(args) as (endpoint, endpoint_detail):
         pool = Config(max_pool_connections=max(10, settings.s3_concurrency + 2))
         client = boto3.session.Session().client("s3", config=pool)
@@ -362,7 +357,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             system.release_memory()
             result, stats = timed(active[name].load, memory=True, touch=True)
             if index == 0:
-                verify(verified, name, result, f"load {name}")
+                verified[name] = compare.check(expected, result, problems, f"load {name}")
             return stats
 
         compare.run_rounds(rounds, [name for name, m in active.items() if m.save is not None], active, save, load)
@@ -370,10 +365,13 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         # Cross-reads (untimed): each library reads the other's object.
         if rounds.samples.get(("save", "fastpersist")) and rounds.samples.get(("save", "boto3")):
             name = "fastpersist.load of the torch.save object"
-            verify(cross, name, fastpersist.load(url["boto3"], weights_only=True, **overrides), name)
+            loaded = fastpersist.load(url["boto3"], weights_only=True, **overrides)
+            cross[name] = compare.check(expected, loaded, problems, name)
             body = client.get_object(Bucket=args.bucket, Key=keys["fastpersist"])["Body"]
             name = "torch.load of the fastpersist object"
-            verify(cross, name, torch.load(io.BytesIO(body.read()), weights_only=True), name)
+            cross[name] = compare.check(
+                expected, torch.load(io.BytesIO(body.read()), weights_only=True), problems, name
+            )
 
         # The ring's cost: one fastpersist save after the pool is freed (its time is not a result).
         ring_rss = None
