@@ -163,7 +163,7 @@ def _methods(endpoint: str, bucket: str, settings: config.Settings, client, keys
     import fastpersist
 
     overrides = {"s3_part_size": settings.s3_part_size, "s3_concurrency": settings.s3_concurrency}
-    part = block = settings.s3_part_size
+    part = settings.s3_part_size
     transfer = boto3.s3.transfer.TransferConfig(
         multipart_threshold=part, multipart_chunksize=part, max_concurrency=settings.s3_concurrency
     )
@@ -201,7 +201,7 @@ def _methods(endpoint: str, bucket: str, settings: config.Settings, client, keys
 
         fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
         return streamed(
-            "s3fs", lambda u: fs.open(u, "wb", block_size=block), lambda u: fs.open(u, "rb", block_size=block)
+            "s3fs", lambda u: fs.open(u, "wb", block_size=part), lambda u: fs.open(u, "rb", block_size=part)
         )
 
     def connector_methods() -> tuple[Callable, Callable]:
@@ -211,8 +211,8 @@ def _methods(endpoint: str, bucket: str, settings: config.Settings, client, keys
         checkpoint = S3Checkpoint(region=region, endpoint=endpoint)
         return streamed("s3torchconnector", checkpoint.writer, checkpoint.reader)
 
-    def ours(**settings: Any) -> Callable[[], Any]:
-        return lambda: fastpersist.load(url("fastpersist"), weights_only=True, **settings)
+    def ours(**chosen: Any) -> Callable[[], Any]:
+        return lambda: fastpersist.load(url("fastpersist"), weights_only=True, **chosen)
 
     methods = [
         _Method(
