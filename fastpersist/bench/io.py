@@ -229,29 +229,14 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     on_gpu = device.type == "cuda"
     if on_gpu:
         torch.cuda.init()  # before allocating: locked host buffers are then registered with CUDA (pinned)
+    knobs = dict(block_size=args.block_size, queue_depth=args.queue_depth, single_submit=args.single_submit)
+    knobs.update(overlap_events=not args.no_overlap_events, intra_op_parallelism=args.threads, engine=args.engine)
     gds = None
     if args.use_gds:
         from fastpersist.deepnvme.gds import GdsHandle
 
-        gds = GdsHandle(
-            args.block_size,
-            args.queue_depth,
-            args.single_submit,
-            not args.no_overlap_events,
-            args.threads,
-            path=args.gds_path,
-            engine=args.engine,
-            direct=direct,
-        )
-    handle = engine.IoHandle(
-        block_size=args.block_size,
-        queue_depth=args.queue_depth,
-        single_submit=args.single_submit,
-        overlap_events=not args.no_overlap_events,
-        intra_op_parallelism=args.threads,
-        engine=args.engine,
-        direct=direct,
-    )
+        gds = GdsHandle(**knobs, path=args.gds_path, direct=direct)
+    handle = engine.IoHandle(**knobs, direct=direct)
     probe = engine.probe_directory(args.dir)
     do_write = args.mode in ("both", "write")
     do_read = args.mode in ("both", "read")
@@ -320,17 +305,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         """fio bandwidth in GB/s for one sequential job with the engine's settings."""
         if rw == "read" and args.buffered:
             system.CacheDropper().drop([path])
-        command = ceilings.fio_command(
-            path,
-            rw,
-            size,
-            args.block_size,
-            args.queue_depth,
-            direct=direct,
-            threads=args.threads,
-            fallocate=fallocate,
-            verify=False,
-        )
+        options = dict(direct=direct, threads=args.threads, fallocate=fallocate, verify=False)
+        command = ceilings.fio_command(path, rw, size, args.block_size, args.queue_depth, **options)
         return ceilings.run_fio(command, rw) / 1e9
 
     workdir = measure.scratch_dir(args.dir, ".fastpersist-bench-")
@@ -389,10 +365,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         return statistics.median(values) if values else None
 
     results = {name: median(values) for name, values in samples.items()}
-    ratios = {}
-    for op in ("write", "read"):
-        e, f = results[f"engine_{op}"], results[f"fio_{op}"]
-        ratios[op] = e / f if e and f else None
+    pairs = {op: (results[f"engine_{op}"], results[f"fio_{op}"]) for op in ("write", "read")}
+    ratios = {op: e / f if e and f else None for op, (e, f) in pairs.items()}
     return {
         "benchmark": "fastpersist.bench.io",
         "settings": {

@@ -28,11 +28,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 
 from fastpersist import config, system
-from fastpersist.bench import measure
+from fastpersist.bench import compare, measure
 from fastpersist.bench.harness import Benchmark, Rounds, free_port, markdown_table, option, timed
 from fastpersist.tuning import workloads
 
@@ -118,33 +119,19 @@ def moto_server(timeout: float = _SERVER_START_S) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str | None]) -> Iterator[None]:
-    """Sets (or, for None, removes) environment variables for the block; restores the environment after."""
-    old = dict(os.environ)
-    try:
-        os.environ.update({name: value for name, value in values.items() if value is not None})
-        for name in (name for name, value in values.items() if value is None):
-            os.environ.pop(name, None)
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
-
-
-@contextlib.contextmanager
 def _endpoint(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     """(endpoint URL, description) with boto3's environment pointing at it for the block."""
     if args.endpoint:
-        with _environment({"AWS_ENDPOINT_URL": args.endpoint}):
+        with mock.patch.dict(os.environ, AWS_ENDPOINT_URL=args.endpoint):
             yield args.endpoint, "given endpoint, credentials from the environment"
         return
     with moto_server() as url:
         # moto's fixed credentials, and nothing of a real account's configuration that could redirect boto3
-        fake = dict.fromkeys(("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"))
-        fake.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+        fake = dict(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
         fake.update(AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
-        fake.update(AWS_EC2_METADATA_DISABLED="true")
-        with _environment(fake):
+        with mock.patch.dict(os.environ, fake, AWS_EC2_METADATA_DISABLED="true"):
+            for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"):
+                os.environ.pop(name, None)  # put back with the rest after the block
             import moto
 
             yield url, f"moto {moto.__version__} server (in-memory, Python) in a child process on 127.0.0.1"
@@ -176,15 +163,14 @@ def _methods(endpoint: str, bucket: str, settings: config.Settings, client, keys
     import fastpersist
 
     overrides = {"s3_part_size": settings.s3_part_size, "s3_concurrency": settings.s3_concurrency}
+    part = settings.s3_part_size
     transfer = boto3.s3.transfer.TransferConfig(
-        multipart_threshold=settings.s3_part_size,
-        multipart_chunksize=settings.s3_part_size,
-        max_concurrency=settings.s3_concurrency,
+        multipart_threshold=part, multipart_chunksize=part, max_concurrency=settings.s3_concurrency
     )
     # Load-only context: moto answers a ranged GET by reading the whole object and slicing it.
-    one_get = dict(overrides, s3_part_size=min(5 << 30, max(settings.s3_part_size, -(-size // _MiB) * _MiB)))
+    one_get = dict(overrides, s3_part_size=min(5 << 30, max(part, -(-size // _MiB) * _MiB)))
 
-    def url(name: str) -> str:
+    def url(name: str) -> str:  # the key is read at each call (the warm-up swaps it)
         return f"s3://{bucket}/{keys[name]}"
 
     def boto3_save(state: dict[str, Any]) -> None:
@@ -197,15 +183,15 @@ def _methods(endpoint: str, bucket: str, settings: config.Settings, client, keys
         body = client.get_object(Bucket=bucket, Key=keys["boto3"])["Body"]
         return torch.load(io.BytesIO(body.read()), weights_only=True)
 
-    def streamed(writer: Callable[[], Any], reader: Callable[[], Any]) -> tuple[Callable, Callable]:
-        """torch.save into the file-like ``writer()`` opens, torch.load from the one ``reader()`` opens."""
+    def streamed(name: str, writer: Callable[[str], Any], reader: Callable[[str], Any]) -> tuple[Callable, Callable]:
+        """torch.save into the file-like ``writer(url)`` opens, torch.load from the one ``reader(url)`` opens."""
 
         def save(state: dict[str, Any]) -> None:
-            with writer() as f:
+            with writer(url(name)) as f:
                 torch.save(state, f)
 
         def load() -> Any:
-            with reader() as f:
+            with reader(url(name)) as f:
                 return torch.load(f, weights_only=True)
 
         return save, load
@@ -213,19 +199,20 @@ def _methods(endpoint: str, bucket: str, settings: config.Settings, client, keys
     def s3fs_methods() -> tuple[Callable, Callable]:
         import s3fs
 
-        fs, block = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True), settings.s3_part_size
+        fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
         return streamed(
-            lambda: fs.open(url("s3fs"), "wb", block_size=block), lambda: fs.open(url("s3fs"), "rb", block_size=block)
+            "s3fs", lambda u: fs.open(u, "wb", block_size=part), lambda u: fs.open(u, "rb", block_size=part)
         )
 
     def connector_methods() -> tuple[Callable, Callable]:
         from s3torchconnector import S3Checkpoint
 
         region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
-        checkpoint = S3Checkpoint(region=region, endpoint=endpoint)  # the key is read at each call (warm-up)
-        return streamed(
-            lambda: checkpoint.writer(url("s3torchconnector")), lambda: checkpoint.reader(url("s3torchconnector"))
-        )
+        checkpoint = S3Checkpoint(region=region, endpoint=endpoint)
+        return streamed("s3torchconnector", checkpoint.writer, checkpoint.reader)
+
+    def ours(**chosen: Any) -> Callable[[], Any]:
+        return lambda: fastpersist.load(url("fastpersist"), weights_only=True, **chosen)
 
     methods = [
         _Method(
@@ -233,14 +220,13 @@ def _methods(endpoint: str, bucket: str, settings: config.Settings, client, keys
             "fastpersist.save(state, 's3://...')",
             "fastpersist.load('s3://...')",
             lambda state: fastpersist.save(state, url("fastpersist"), **overrides),
-            lambda: fastpersist.load(url("fastpersist"), weights_only=True, **overrides),
+            ours(**overrides),
         ),
         _Method(
             "fastpersist-one-get",
             "",
             "fastpersist.load('s3://...') of the same object in one GET (s3_part_size >= its size)",
-            None,
-            lambda: fastpersist.load(url("fastpersist"), weights_only=True, **one_get),
+            load=ours(**one_get),
         ),
         _Method(
             "boto3",
@@ -275,21 +261,55 @@ def _ensure_bucket(client, bucket: str) -> None:
         client.create_bucket(Bucket=bucket)
 
 
+def _warm_up(methods: dict[str, _Method], keys: dict[str, str], rounds: Rounds) -> None:
+    """Every method once, untimed, on a tiny state under the warm-up key (imports, connections, fastpersist's
+    pooled ring); a method that cannot run has its save's error in ``rounds``."""
+    for method in methods.values():
+        if method.save is not None:
+            saved_key, keys[method.name] = keys[method.name], keys["warm-up"]
+            try:
+                method.save({"warm-up": torch.ones(1)})
+                method.load()
+            except Exception as e:  # noqa: BLE001 - a method that cannot run is reported, not fatal
+                rounds.errors[("save", method.name)] = f"warm-up: {type(e).__name__}: {e}"
+            finally:
+                keys[method.name] = saved_key
+
+
 def _summary(samples: list[dict[str, float]], nbytes: int, label: str) -> dict[str, Any]:
     stats = measure.summarize([s["seconds"] for s in samples])
     peaks = [s["peak_rss_delta"] for s in samples]
+    rates = {"median": stats["median"], "min": stats["max"], "max": stats["min"]}
     return {
         "label": label,
         "status": "ok",
         "seconds": stats,
         "samples_s": [s["seconds"] for s in samples],
-        "gb_per_s": {
-            "median": nbytes / stats["median"] / 1e9,
-            "min": nbytes / stats["max"] / 1e9,
-            "max": nbytes / stats["min"] / 1e9,
-        },
+        "gb_per_s": {name: nbytes / seconds / 1e9 for name, seconds in rates.items()},
         "peak_extra_rss_bytes": {"median": sorted(peaks)[len(peaks) // 2], "max": max(peaks)},
     }
+
+
+def _section(kind: str, methods: list[_Method], rounds: Rounds, verified: dict, nbytes: int, problems: list[str]):
+    """The ``kind`` (save or load) results of every method: its summary, or why it was skipped or failed."""
+    out: dict[str, Any] = {}
+    for method in methods:
+        label = method.save_label if kind == "save" else method.load_label
+        own, save_error = rounds.errors.get((kind, method.name)), rounds.errors.get(("save", method.name))
+        if kind == "save" and method.save is None and method.skipped is None:
+            continue
+        if method.skipped is not None:
+            out[method.name] = {"label": label, "status": "skipped", "reason": method.skipped}
+        elif own or save_error:
+            reason = own or f"its save failed: {save_error}"
+            out[method.name] = {"label": label, "status": "failed", "reason": reason}
+            if own and not method.optional:  # another library failing is its result, not a problem of ours
+                problems.append(f"{kind} {method.name} failed: {reason}")
+        else:
+            out[method.name] = _summary(rounds.samples[(kind, method.name)], nbytes, label)
+            if kind == "load":
+                out[method.name]["verified"] = verified.get(method.name, "not loaded")
+    return out
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -305,119 +325,73 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     import fastpersist
     from fastpersist.io import memory
 
-    overrides: dict[str, Any] = {}
-    if args.part_size is not None:
-        overrides["s3_part_size"] = args.part_size
-    if args.concurrency is not None:
-        overrides["s3_concurrency"] = args.concurrency
+    given = (("s3_part_size", args.part_size), ("s3_concurrency", args.concurrency))
+    overrides: dict[str, Any] = {name: value for name, value in given if value is not None}
     settings = config.resolve(overrides)
     state = make_state(config.parse_size(args.size))
     expected = workloads.flatten_state(state)
     nbytes = sum(t.numel() * t.element_size() for t in expected[0].values())
     keys = {name: f"{args.prefix}{name}.pt" for name in ("fastpersist", "boto3", "s3fs", "s3torchconnector", "warm-up")}
+    url = {name: f"s3://{args.bucket}/{key}" for name, key in keys.items()}
     problems: list[str] = []
+    verified: dict[str, bool | str] = {}
+    cross: dict[str, bool | str] = {}
+
     with _endpoint(args) as (endpoint, endpoint_detail):
-        client = boto3.session.Session().client(
-            "s3", config=Config(max_pool_connections=max(10, settings.s3_concurrency + 2))
-        )
+        pool = Config(max_pool_connections=max(10, settings.s3_concurrency + 2))
+        client = boto3.session.Session().client("s3", config=pool)
         _ensure_bucket(client, args.bucket)
         methods = _methods(endpoint, args.bucket, settings, client, keys, nbytes + _MiB)
         active = {m.name: m for m in methods if m.skipped is None}
         rounds = Rounds(args.repeats)
+        _warm_up(active, keys, rounds)
+        fastpersist.save(state, url["warm-up"], **overrides)  # the ring at full size
 
-        # Untimed warm-up of every method on a tiny state: imports, connections, fastpersist's pooled ring.
-        for method in active.values():
-            if method.save is not None:
-                saved_key, keys[method.name] = keys[method.name], keys["warm-up"]
-                try:
-                    method.save({"warm-up": torch.ones(1)})
-                    method.load()
-                except Exception as e:  # noqa: BLE001 - a method that cannot run is reported, not fatal
-                    rounds.errors[("save", method.name)] = f"warm-up: {type(e).__name__}: {e}"
-                finally:
-                    keys[method.name] = saved_key
-        fastpersist.save(state, f"s3://{args.bucket}/{keys['warm-up']}", **overrides)  # the ring at full size
+        def save(name: str, index: int) -> dict[str, float]:
+            system.release_memory()
+            return timed(lambda: active[name].save(state), memory=True)[1]
 
-        def run(method: tuple[str, str], index: int) -> dict[str, float] | None:
-            kind, name = method
+        def load(name: str, index: int) -> dict[str, float] | None:
             if ("save", name) in rounds.errors:
                 return None  # its save failed: nothing to load
             system.release_memory()
-            if kind == "save":
-                return timed(lambda: active[name].save(state), memory=True)[1]
             result, stats = timed(active[name].load, memory=True, touch=True)
             if index == 0:
-                problem = measure.verify_state(expected, workloads.flatten_state(result))
-                verified[name] = True if problem is None else problem
-                if problem:
-                    problems.append(f"load {name}: {problem}")
+                verified[name] = compare.check(expected, result, problems, f"load {name}")
             return stats
 
-        verified: dict[str, bool | str] = {}
-        saves = [("save", name) for name, m in active.items() if m.save is not None]
-        rounds.run([saves, [("load", name) for name in active]], run)
+        compare.run_rounds(rounds, [name for name, m in active.items() if m.save is not None], active, save, load)
 
         # Cross-reads (untimed): each library reads the other's object.
-        cross: dict[str, bool | str] = {}
         if rounds.samples.get(("save", "fastpersist")) and rounds.samples.get(("save", "boto3")):
-            readers = {
-                "fastpersist.load of the torch.save object": lambda: fastpersist.load(
-                    f"s3://{args.bucket}/{keys['boto3']}", weights_only=True, **overrides
-                ),
-                "torch.load of the fastpersist object": lambda: torch.load(
-                    io.BytesIO(client.get_object(Bucket=args.bucket, Key=keys["fastpersist"])["Body"].read()),
-                    weights_only=True,
-                ),
-            }
-            for name, reader in readers.items():
-                problem = measure.verify_state(expected, workloads.flatten_state(reader()))
-                cross[name] = True if problem is None else problem
-                if problem:
-                    problems.append(f"{name}: {problem}")
+            name = "fastpersist.load of the torch.save object"
+            loaded = fastpersist.load(url["boto3"], weights_only=True, **overrides)
+            cross[name] = compare.check(expected, loaded, problems, name)
+            body = client.get_object(Bucket=args.bucket, Key=keys["fastpersist"])["Body"]
+            name = "torch.load of the fastpersist object"
+            cross[name] = compare.check(
+                expected, torch.load(io.BytesIO(body.read()), weights_only=True), problems, name
+            )
 
         # The ring's cost: one fastpersist save after the pool is freed (its time is not a result).
         ring_rss = None
         if rounds.samples.get(("save", "fastpersist")):
             memory.release_pooled_buffers()
             system.release_memory()
-            ring_rss = timed(
-                lambda: fastpersist.save(state, f"s3://{args.bucket}/{keys['fastpersist']}", **overrides), memory=True
-            )[1]["peak_rss_delta"]
+            ring = timed(lambda: fastpersist.save(state, url["fastpersist"], **overrides), memory=True)
+            ring_rss = ring[1]["peak_rss_delta"]
 
         for key in keys.values():
             with contextlib.suppress(Exception):
                 client.delete_object(Bucket=args.bucket, Key=key)
 
-    def section(kind: str) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for method in methods:
-            label = method.save_label if kind == "save" else method.load_label
-            own, save_error = rounds.errors.get((kind, method.name)), rounds.errors.get(("save", method.name))
-            if kind == "save" and method.save is None and method.skipped is None:
-                continue
-            if method.skipped is not None:
-                out[method.name] = {"label": label, "status": "skipped", "reason": method.skipped}
-            elif own or save_error:
-                reason = own or f"its save failed: {save_error}"
-                out[method.name] = {"label": label, "status": "failed", "reason": reason}
-                if own and not method.optional:  # another library failing is its result, not a problem of ours
-                    problems.append(f"{kind} {method.name} failed: {reason}")
-            else:
-                out[method.name] = _summary(rounds.samples[(kind, method.name)], nbytes, label)
-                if kind == "load":
-                    out[method.name]["verified"] = verified.get(method.name, "not loaded")
-        return out
-
-    results = {"save": section("save"), "load": section("load")}
+    results = {kind: _section(kind, methods, rounds, verified, nbytes, problems) for kind in ("save", "load")}
     if ring_rss is not None:
         results["save"]["fastpersist"]["first_save_peak_extra_rss_bytes"] = ring_rss
-    ratios = {}
-    for kind in ("save", "load"):
-        ours, baseline = results[kind].get("fastpersist", {}), results[kind].get("boto3", {})
-        if ours.get("status") == "ok" and baseline.get("status") == "ok":
-            ratios[f"{kind}: fastpersist / boto3"] = round(
-                ours["gb_per_s"]["median"] / baseline["gb_per_s"]["median"], 3
-            )
+    ratios = compare.ratios(
+        [("save", "fastpersist", "boto3"), ("load", "fastpersist", "boto3")],
+        lambda kind, name: (results[kind].get(name) or {}).get("gb_per_s", {}).get("median"),
+    )
     return {
         "benchmark": "s3",
         "schema": SCHEMA,

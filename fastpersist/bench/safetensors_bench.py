@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fastpersist import config, system
-from fastpersist.bench import bounds, measure
+from fastpersist.bench import bounds, compare, measure
 from fastpersist.bench.harness import Benchmark, Rounds, markdown_table, option, timed
 from fastpersist.tuning import workloads
 
@@ -58,10 +58,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     directory = args.dir or tempfile.mkdtemp(prefix="fastpersist-bench-safetensors-", dir=".")
     os.makedirs(directory, exist_ok=True)
-    ours_path, theirs_path, raw_path, torch_path = (
-        os.path.join(directory, name)
-        for name in ("fastpersist.api.safetensors", "library.safetensors", "ceiling.bin", "fastpersist-torch.pt")
-    )
+    names = ("fastpersist.api.safetensors", "library.safetensors", "ceiling.bin", "fastpersist-torch.pt")
+    paths = ours_path, theirs_path, raw_path, torch_path = [os.path.join(directory, name) for name in names]
     dropper = system.CacheDropper(enabled=not args.no_drop_caches)
     settings = ours._settings("bench", {})
     raw_size = -(-nbytes // 4096) * 4096
@@ -86,19 +84,20 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             lambda: fastpersist.save(state, torch_path, checksum=False),
         ),
     }
-    loads = {
+    ours_load = f"fastpersist.load_file(device={where!r})"
+    loads = {  # name: (label, the load, the file it reads)
         "ceiling": (
             "O_DIRECT read of the file (engine)",
             lambda: bounds.engine_read(raw_path, raw_buffer, raw_size, handle),
             raw_path,
         ),
         "fastpersist": (
-            f"fastpersist.load_file(device={where!r}) of the library's file",
+            f"{ours_load} of the library's file",
             lambda: ours.load_file(theirs_path, device=device),
             theirs_path,
         ),
         "fastpersist-own": (
-            f"fastpersist.load_file(device={where!r}) of its own (4 KiB-aligned) file",
+            f"{ours_load} of its own (4 KiB-aligned) file",
             lambda: ours.load_file(ours_path, device=device),
             ours_path,
         ),
@@ -114,17 +113,16 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     # Each library reads the other's file in the first round (the loads below do too, timed).
     cross = {"fastpersist": (library.load_file, ours_path), "safetensors": (ours.load_file, theirs_path)}
 
-    def run(method: tuple[str, str], index: int) -> dict[str, Any] | None:
-        kind, name = method
+    def save(name: str, index: int) -> dict[str, Any]:
         system.release_memory()
-        if kind == "save":
-            stats = timed(saves[name][1], device, memory=True)[1]
-            if index == 0 and name in cross:
-                reader, path = cross[name]
-                problem = measure.verify_state(expected, workloads.flatten_state(reader(path)))
-                if problem:
-                    problems.append(f"{os.path.basename(path)} read back by the other library: {problem}")
-            return stats
+        stats = timed(saves[name][1], device, memory=True)[1]
+        if index == 0 and name in cross:
+            reader, path = cross[name]
+            compare.check(expected, reader(path), problems, f"{os.path.basename(path)} read back by the other library")
+        return stats
+
+    def load(name: str, index: int) -> dict[str, Any] | None:
+        system.release_memory()
         _, action, path = loads[name]
         if not os.path.exists(path):
             problems.append(f"load {name}: {path} missing (its save was skipped)")
@@ -132,17 +130,14 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         dropper.drop([path])
         loaded, stats = timed(action, device, touch=True)
         if loaded is not None and index == 0:
-            problem = measure.verify_state(expected, workloads.flatten_state(loaded), device)
-            if problem:
-                problems.append(f"load {name}: {problem}")
+            compare.check(expected, loaded, problems, f"load {name}", device)
         return stats
 
     ours.save_file({"warm-up": torch.ones(1, device=device)}, ours_path)  # allocates the ring once, as in training
     with memory.lease_buffers(1, raw_size) as (raw_buffer,):
         raw_buffer.fill_(7)  # touched once: the ceiling never pays page faults
-        phases = [[("save", name) for name in saves], [("load", name) for name in loads]]
-        rounds = Rounds(args.repeats, catch=False).run(phases, run)
-    for path in (ours_path, theirs_path, raw_path, torch_path):
+        rounds = compare.run_rounds(Rounds(args.repeats, catch=False), saves, loads, save, load)
+    for path in paths:
         measure.remove_path(path)
     if args.dir is None:
         os.rmdir(directory)
@@ -178,19 +173,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "load": section("load", loads),
         "problems": problems,
     }
-    ratios = {}
-    for kind in ("save", "load"):
-        got = result[kind]
-        for ours_name, baseline in (
-            ("fastpersist", "ceiling"),
-            ("fastpersist", "safetensors"),
-            ("fastpersist-own", "safetensors"),
-        ):
-            if ours_name in got and baseline in got and (kind == "load" or ours_name == "fastpersist"):
-                ratios[f"{kind}: {ours_name} / {baseline}"] = round(
-                    got[ours_name]["gb_per_s"] / got[baseline]["gb_per_s"], 3
-                )
-    result["ratios"] = ratios
+    pairs = [("fastpersist", "ceiling"), ("fastpersist", "safetensors"), ("fastpersist-own", "safetensors")]
+    pairs = [(kind, *pair) for kind in ("save", "load") for pair in pairs if kind == "load" or pair[0] == "fastpersist"]
+    result["ratios"] = compare.ratios(pairs, lambda kind, name: result[kind].get(name, {}).get("gb_per_s"))
     return result
 
 

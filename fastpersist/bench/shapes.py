@@ -16,6 +16,8 @@ against its bound, measured in the same rounds (:mod:`fastpersist.bench.bounds`:
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import os
 import shutil
 import statistics
@@ -29,7 +31,7 @@ import torch
 
 import fastpersist
 from fastpersist import config, system
-from fastpersist.bench import bounds, measure
+from fastpersist.bench import bounds, compare, measure
 from fastpersist.bench.harness import Benchmark, Rounds, UsageError, markdown_table, option, timed
 from fastpersist.config import parse_size
 from fastpersist.io import timeline
@@ -102,24 +104,9 @@ def build_shape(
                     "exp_avg": torch.zeros_like(tensor),
                     "exp_avg_sq": torch.zeros_like(tensor) if zeros else tensor.abs(),
                 }
-        return {
-            "model": model,
-            "optimizer": {
-                "state": optimizer_state,
-                "param_groups": [
-                    {
-                        "lr": 3e-4,
-                        "betas": (0.9, 0.95),
-                        "eps": 1e-8,
-                        "weight_decay": 0.1,
-                        "params": list(range(len(model))),
-                    }
-                ],
-            },
-            "epoch": 3,
-            "global_step": 123_456,
-            "loss": 2.25,
-        }
+        group = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, params=list(range(len(model))))
+        optimizer = {"state": optimizer_state, "param_groups": [group]}
+        return {"model": model, "optimizer": optimizer, "epoch": 3, "global_step": 123_456, "loss": 2.25}
     raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
 
 
@@ -218,66 +205,49 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="fastpersist setting")
 
 
-def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    if args.shape is None:
-        raise UsageError("the following arguments are required: --shape")
-    loadavg_start = list(os.getloadavg())
-    size = parse_size(args.size)
+def _methods(args: argparse.Namespace, state: Any, nbytes: int, settings: config.Settings, directory: str):
+    """The saves (name -> (kind, call)) and loads (name -> (kind, call, the file it reads)) the options ask for."""
     overrides = dict(item.split("=", 1) for item in args.set)
-    settings = config.resolve(overrides)
-    state = build_shape(args.shape, args.tensors, args.tensor_bytes, size, args.device)
-    nbytes = sum(t.numel() * t.element_size() for t in _tensors_of(state))
-    directory = measure.scratch_dir(args.dir, "fastpersist-shapes-")
     ours, theirs, ceiling = (os.path.join(directory, n) for n in ("fastpersist.pt", "torch.pt", "fio.bin"))
-    dropper = system.CacheDropper(enabled=not args.no_drop_caches)
-    where = args.device
+    storage, sink, where = not args.sink_only, args.sink or args.sink_only, args.device
     saves: dict[str, tuple[str, Callable[[], Any]]] = {}
     loads: dict[str, tuple[str, Callable[[], Any], str]] = {}
-    if not args.sink_only:
+    if storage:
         saves["fastpersist"] = ("storage", lambda: fastpersist.save(state, ours, **overrides))
         if not args.no_torch:
             saves["torch.save"] = ("storage", lambda: _torch_save(state, theirs))
         if args.fio and system.find_fio():
-            saves["fio-write (ceiling)"] = ("storage", lambda: bounds.fio_write_seconds(ceiling, nbytes))
+            saves[_FIO] = ("storage", lambda: bounds.fio_write_seconds(ceiling, nbytes))
         if not args.no_ceiling:
             saves[_WRITE] = ("ceiling", lambda: bounds.write_ceiling(directory, nbytes, repeats=1)["best_s"])
     copies = None  # the copy bounds of the sink pipelines, one ring for both directions
-    if (args.sink or args.sink_only) and not args.no_ceiling:
+    if sink and not args.no_ceiling:
         copies = bounds.CopyCeiling(_tensors_of(state), settings.buffer_size, settings.buffer_count)
-    if args.sink or args.sink_only:
+    if sink:
         saves["fastpersist-sink"] = ("sink", lambda: sink_save(state, settings))
         if copies is not None:
             saves[_TO_HOST] = ("ceiling", lambda: copies.to_host(crc=False))
             if settings.checksum:
                 saves[_TO_HOST_CRC] = ("ceiling", lambda: copies.to_host(crc=True))
-    if not args.no_loads and not args.sink_only:
-        for verify in (True, False):
-            for weights_only in (True, False):
-                loads[f"fastpersist {'verified' if verify else 'unverified'} wo={weights_only}"] = (
-                    "storage",
-                    lambda v=verify, w=weights_only: fastpersist.load(
-                        ours, map_location=where, verify=v, weights_only=w, **overrides
-                    ),
-                    ours,
-                )
+    if not args.no_loads and storage:
+        for verify, weights_only in itertools.product((True, False), repeat=2):
+            load = functools.partial(
+                fastpersist.load, ours, map_location=where, verify=verify, weights_only=weights_only, **overrides
+            )
+            loads[f"fastpersist {_VERIFIED[verify]} wo={weights_only}"] = ("storage", load, ours)
         if not args.no_torch:
             for weights_only in (True, False):
-                loads[f"torch.load wo={weights_only}"] = (
-                    "storage",
-                    lambda w=weights_only: torch.load(theirs, map_location=where, weights_only=w),
-                    theirs,
-                )
+                load = functools.partial(torch.load, theirs, map_location=where, weights_only=weights_only)
+                loads[f"torch.load wo={weights_only}"] = ("storage", load, theirs)
         if not args.no_ceiling:
             loads[_READ] = ("ceiling", lambda: bounds.read_ceiling(ours), ours)
-    if not args.no_loads and (args.sink or args.sink_only):
+    if not args.no_loads and sink:
         zero_path = os.path.join(directory, "zeros.pt")
-        fastpersist.save(build_shape(args.shape, args.tensors, args.tensor_bytes, size, "cpu", zeros=True), zero_path)
+        zeros = build_shape(args.shape, args.tensors, args.tensor_bytes, parse_size(args.size), "cpu", zeros=True)
+        fastpersist.save(zeros, zero_path)
         for verify in (True, False):
-            loads[f"fastpersist-sink-load {'verified' if verify else 'unverified'}"] = (
-                "sink",
-                lambda v=verify: _sink_load(zero_path, settings, where, v),
-                zero_path,
-            )
+            load = functools.partial(_sink_load, zero_path, settings, where, verify)
+            loads[f"fastpersist-sink-load {_VERIFIED[verify]}"] = ("sink", load, zero_path)
         if copies is not None:
             loads[_TO_DEVICE] = ("ceiling", lambda: copies.to_device(crc=False), zero_path)
             loads[_TO_DEVICE_CRC] = ("ceiling", lambda: copies.to_device(crc=True), zero_path)
@@ -285,7 +255,21 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         wanted = [w.strip() for w in args.loads.split(",")]
         # The bounds stay: they are what the chosen loads are compared with.
         loads = {k: v for k, v in loads.items() if v[0] == "ceiling" or any(w in k for w in wanted)}
-    previous = {"fastpersist": ours, "torch.save": theirs, "fio-write (ceiling)": ceiling}
+    return saves, loads, {"fastpersist": ours, "torch.save": theirs, _FIO: ceiling}
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    if args.shape is None:
+        raise UsageError("the following arguments are required: --shape")
+    loadavg_start = list(os.getloadavg())
+    overrides = dict(item.split("=", 1) for item in args.set)
+    settings = config.resolve(overrides)
+    state = build_shape(args.shape, args.tensors, args.tensor_bytes, parse_size(args.size), args.device)
+    nbytes = sum(t.numel() * t.element_size() for t in _tensors_of(state))
+    directory = measure.scratch_dir(args.dir, "fastpersist-shapes-")
+    dropper = system.CacheDropper(enabled=not args.no_drop_caches)
+    where = args.device
+    saves, loads, previous = _methods(args, state, nbytes, settings, directory)
 
     def save(name: str, index: int) -> dict[str, Any]:
         system.release_memory()
@@ -298,10 +282,11 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             os.sync()
             time.sleep(_SETTLE_SECONDS)
         reported, sample = timed(saves[name][1], where, memory=True)
-        if name == "fio-write (ceiling)" or saves[name][0] == "ceiling":
+        if name == _FIO or saves[name][0] == "ceiling":
             sample["seconds"] = reported  # their own clocks (fio's runtime without its start-up)
-        if index == 0 and name == "fastpersist" and not _same(state, fastpersist.load(ours, weights_only=False)):
-            raise RuntimeError("fastpersist round trip differs from the saved state")
+        if index == 0 and name == "fastpersist":
+            if not _same(state, fastpersist.load(previous[name], weights_only=False)):
+                raise RuntimeError("fastpersist round trip differs from the saved state")
         return sample
 
     def load(name: str, index: int) -> dict[str, Any]:
@@ -318,49 +303,11 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         return dict(sample, waits={**waits, "other": sample["seconds"] - sum(waits.values())} if waits else None)
 
     # Rotated each round: the first load after a free pays the fresh page faults.
-    phases = [[("save", name) for name in saves], [("load", name) for name in loads]]
     rounds = Rounds(args.repeats, warmup=args.warmup, order="rotate", catch=False)
     try:
-        rounds.run(phases, lambda method, index: (save if method[0] == "save" else load)(method[1], index))
+        compare.run_rounds(rounds, saves, loads, save, load)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    results = []
-    for (op, name), samples in rounds.samples.items():
-        if not samples:
-            continue
-        values = [s["seconds"] for s in samples]
-        median = statistics.median(values)
-        results.append(
-            {
-                "method": name,
-                "op": op,
-                "kind": (saves if op == "save" else loads)[name][0],
-                "seconds": values,
-                "median_s": median,
-                "gbps": nbytes / median / 1e9 if median else None,
-                "peak_rss_delta": max([0] + [s["peak_rss_delta"] for s in samples]),
-                "cpu_seconds_median": statistics.median(s["cpu_seconds"] for s in samples),
-            }
-        )
-        waited = [s["waits"] for s in samples if s.get("waits")]
-        if waited:
-            results[-1]["caller_waits_s"] = {
-                label: statistics.median(w.get(label, 0.0) for w in waited) for label in _WAITS
-            }
-    for result in results:
-        baseline = {"save": "torch.save", "load": "torch.load wo=True"}[result["op"]]
-        if result["op"] == "load" and "wo=False" in result["method"]:
-            baseline = "torch.load wo=False"
-        base = next((r for r in results if r["method"] == baseline), None)
-        result["speedup_vs_torch"] = base["median_s"] / result["median_s"] if base and result["median_s"] else None
-        fio = next((r for r in results if r["method"] == "fio-write (ceiling)"), None)
-        if result["op"] == "save" and fio and result["median_s"]:
-            result["fraction_of_fio"] = fio["median_s"] / result["median_s"]
-        bound = next((r for r in results if r["method"] == _bound_of(result, settings.checksum)), None)
-        if bound is not None and result["median_s"]:
-            result["bound"] = bound["method"]
-            result["bound_s"] = bound["median_s"]
-            result["of_bound"] = bound["median_s"] / result["median_s"]
     return {
         "benchmark": "shapes",
         "shape": args.shape,
@@ -375,11 +322,46 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "loadavg_start": loadavg_start,
         "code": measure.code_version(),
         "machine": measure.machine_info(args.dir or tempfile.gettempdir(), args.device),
-        "results": results,
+        "results": _results(rounds, {**saves, **loads}, nbytes, settings.checksum),
         "note": "kind=sink: the pipeline without storage (save into /dev/null, load from /dev/zero); stores nothing",
     }
 
 
+def _results(rounds: Rounds, methods: dict[str, tuple], nbytes: int, checksum: bool) -> list[dict[str, Any]]:
+    """A row per method (``methods``: name -> (kind, ...)): its times and their medians, each next to torch's,
+    fio's and its bound's."""
+    results = []
+    for (op, name), samples in rounds.samples.items():
+        if not samples:
+            continue
+        values = [s["seconds"] for s in samples]
+        median = statistics.median(values)
+        result = {"method": name, "op": op, "kind": methods[name][0], "seconds": values, "median_s": median}
+        result["gbps"] = nbytes / median / 1e9 if median else None
+        result["peak_rss_delta"] = max([0] + [s["peak_rss_delta"] for s in samples])
+        result["cpu_seconds_median"] = statistics.median(s["cpu_seconds"] for s in samples)
+        waited = [s["waits"] for s in samples if s.get("waits")]
+        if waited:
+            result["caller_waits_s"] = {label: statistics.median(w.get(label, 0.0) for w in waited) for label in _WAITS}
+        results.append(result)
+    by_method = {r["method"]: r for r in results}  # the names of saves and loads differ
+    for result in results:
+        baseline = {"save": "torch.save", "load": "torch.load wo=True"}[result["op"]]
+        if result["op"] == "load" and "wo=False" in result["method"]:
+            baseline = "torch.load wo=False"
+        base, fio, bound = (by_method.get(m) for m in (baseline, _FIO, _bound_of(result, checksum)))
+        result["speedup_vs_torch"] = base["median_s"] / result["median_s"] if base and result["median_s"] else None
+        if result["op"] == "save" and fio and result["median_s"]:
+            result["fraction_of_fio"] = fio["median_s"] / result["median_s"]
+        if bound is not None and result["median_s"]:
+            result["bound"] = bound["method"]
+            result["bound_s"] = bound["median_s"]
+            result["of_bound"] = bound["median_s"] / result["median_s"]
+    return results
+
+
+_VERIFIED = {True: "verified", False: "unverified"}
+_FIO = "fio-write (ceiling)"
 _WRITE, _READ = "ceiling: write", "ceiling: read"
 _TO_HOST, _TO_HOST_CRC = "ceiling: copy to host", "ceiling: copy to host + CRC-32"
 _TO_DEVICE, _TO_DEVICE_CRC = "ceiling: copy to device", "ceiling: copy to device + CRC-32"
