@@ -31,15 +31,9 @@ from fastpersist.tuning import workloads
 SCHEMA = "fastpersist.bench.checkpoint/1"
 _SETTLE_DEFAULT = 5.0
 """Seconds between a round's saves and its loads (see ``--settle``)."""
-_LOAD_REPEATS_DEFAULT = 1
-"""Cold loads of each method per timed round (see ``--load-repeats``)."""
 _MEMORY_SETTLE_DEFAULT = 2.5
 """Seconds before each timed load where the guest hands freed memory back to its host (see ``--memory-settle``)."""
 BASELINES = {"save": "torch.save", "load": "torch.load"}
-
-
-def _default_dcp_threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +68,7 @@ def _options(parser: argparse.ArgumentParser) -> None:
     how.add_argument(
         "--load-repeats",
         type=int,
-        default=_LOAD_REPEATS_DEFAULT,
+        default=1,
         help="cold loads of each load method per timed round, each after its own cache drop and memory pause",
     )
     how.add_argument("--warmup", type=int, default=1, help="untimed rounds first (still verified)")
@@ -115,7 +109,9 @@ def _options(parser: argparse.ArgumentParser) -> None:
         default="256M",
         help="file size of each grid point of the ceiling search (the finalists use the state's size)",
     )
-    how.add_argument("--dcp-threads", type=int, default=_default_dcp_threads(), help="DCP FileSystemWriter threads")
+    how.add_argument(
+        "--dcp-threads", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="DCP FileSystemWriter threads"
+    )
     how.add_argument(
         "--fp-setting",
         action="append",

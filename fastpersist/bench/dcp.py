@@ -63,17 +63,14 @@ class _Run:
         import torch
         import torch.distributed as dist
 
-        self.args = args
-        self.torch = torch
-        self.dist = dist
+        self.args, self.torch, self.dist = args, torch, dist
         if args.device == "cuda":  # before the group: NCCL binds each rank to its current device
             self.device = torch.device("cuda", int(os.environ["RANK"]) % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
         dist.init_process_group(args.backend)
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.state = self._make_state()
         self.payload = sum(t.numel() * t.element_size() for t in self.state.values())
         totals = torch.tensor(

@@ -152,15 +152,16 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 read_samples=[s["read"] for s in samples],
                 verified=all(s["ok"] for s in samples),
             )
-    ratios: dict[str, Any] = {}
-    for name, entry in results.items():
-        if entry["error"] is None:
-            ratios[name] = {}
-            for base in ("ceiling", "aio_copy"):
-                other = results.get(base)
-                if other and other["error"] is None and name != base:
-                    ratios[name][f"write_vs_{base}"] = entry["write_gbps"] / other["write_gbps"]
-                    ratios[name][f"read_vs_{base}"] = entry["read_gbps"] / other["read_gbps"]
+    ok = {name: entry for name, entry in results.items() if entry["error"] is None}
+    ratios = {
+        name: {
+            f"{op}_vs_{base}": entry[f"{op}_gbps"] / ok[base][f"{op}_gbps"]
+            for base in ("ceiling", "aio_copy")
+            if base in ok and base != name
+            for op in ("write", "read")
+        }
+        for name, entry in ok.items()
+    }
     settings = {"dir": os.path.abspath(args.dir), "size": args.size, "repeats": args.repeats}
     settings.update(block_size=args.block_size, queue_depth=args.queue_depth, threads=args.threads)
     settings.update(device=str(device), cache=dropper.mode)

@@ -30,6 +30,8 @@ from fastpersist.tuning import workloads
 __all__ = ["BENCHMARK", "SCHEMA", "main", "to_markdown"]
 
 SCHEMA = "fastpersist.bench.ranks/1"
+_SECONDS = ("write_seconds", "digest_seconds", "prepare_seconds", "launch_seconds")
+"""A rank's seconds of a save, in its records (a single writer's are all its write)."""
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +72,6 @@ def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
     for repeat in range(args.repeat):
         dist.barrier()
         start = time.time()
-        digest_seconds = prepare_seconds = launch_seconds = 0.0
         if world == 1:
             began = time.perf_counter()
             if args.sink:
@@ -78,7 +79,7 @@ def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
             else:
                 fastpersist.save(state, path)
                 written = os.path.getsize(path)
-            write_seconds = time.perf_counter() - began
+            seconds = {"write_seconds": time.perf_counter() - began, **dict.fromkeys(_SECONDS[1:], 0.0)}
             steps = {}
         else:
             stats = dsave.save(
@@ -90,9 +91,7 @@ def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
                 timeout=args.timeout,
                 settings=config.settings(),
             )
-            write_seconds, written = stats.write_seconds, stats.bytes_written
-            steps, digest_seconds = stats.steps, stats.digest_seconds
-            prepare_seconds, launch_seconds = stats.prepare_seconds, stats.launch_seconds
+            written, steps, seconds = stats.bytes_written, stats.steps, {k: getattr(stats, k) for k in _SECONDS}
         end = time.time()
         dist.barrier()
         check = {}
@@ -106,21 +105,8 @@ def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
                 check["round_trip"] = all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
             check["file_bytes"] = sum(os.path.getsize(f) for f in _files_of(path))
         dist.barrier()
-        records.append(
-            {
-                "rank": rank,
-                "repeat": repeat,
-                "start": start,
-                "end": end,
-                "bytes": written,
-                "write_seconds": write_seconds,
-                "digest_seconds": digest_seconds,
-                "prepare_seconds": prepare_seconds,
-                "launch_seconds": launch_seconds,
-                "steps": steps,
-                **check,
-            }
-        )
+        record = {"rank": rank, "repeat": repeat, "start": start, "end": end, "bytes": written}
+        records.append({**record, **seconds, "steps": steps, **check})
     if args.sink:
         records += _bound_rounds(rank, world, state, args.repeat, dist.barrier)
     dist.barrier()
@@ -184,8 +170,7 @@ def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, A
                 "rank": rank,
                 "bytes": mine[0]["bytes"],
                 "write_seconds": seconds,
-                **{k: measure.summarize([r.get(k, 0.0) for r in mine]) for k in ("digest_seconds", "prepare_seconds")},
-                "launch_seconds": measure.summarize([r.get("launch_seconds", 0.0) for r in mine]),
+                **{k: measure.summarize([r.get(k, 0.0) for r in mine]) for k in _SECONDS[1:]},
                 "write_GBps": mine[0]["bytes"] / seconds["median"] / 1e9 if seconds["median"] else None,
             }
         )

@@ -43,29 +43,24 @@ def _is_fastpersist_temporary(name: str) -> bool:
     return name.startswith(".") and ".fastpersist-" in name and name.endswith(".tmp")
 
 
-def fsync_tree(directory: str) -> int:
-    """fsyncs every regular file under ``directory``, each directory, and ``directory``'s parent; returns the files.
-
-    Files being written by a background save (fastpersist temporaries) are left alone: their save makes them
-    durable when it commits.
-    """
-    count = 0
+def _tree(directory: str):
+    """(each directory under ``directory``, the paths of its files); files being written by a background save
+    (fastpersist temporaries) left out: their save makes them durable when it commits."""
     for root, _, files in os.walk(directory):
-        for name in files:
-            if _is_fastpersist_temporary(name):
-                continue
-            fsync_file(os.path.join(root, name))
-            count += 1
+        yield root, [os.path.join(root, n) for n in files if not _is_fastpersist_temporary(n)]
+
+
+def fsync_tree(directory: str) -> int:
+    """fsyncs every regular file under ``directory`` (:func:`_tree`), each directory, and ``directory``'s parent;
+    returns the files."""
+    count = 0
+    for root, files in _tree(directory):
+        for path in files:
+            fsync_file(path)
+        count += len(files)
         fsync_directory(root)
     fsync_directory(os.path.dirname(os.path.abspath(directory)))
     return count
-
-
-def _tree_bytes(directory: str) -> int:
-    total = 0
-    for root, _, files in os.walk(directory):
-        total += sum(os.path.getsize(os.path.join(root, n)) for n in files if not _is_fastpersist_temporary(n))
-    return total
 
 
 def _model(args):
@@ -209,7 +204,7 @@ def _run_one(args) -> dict[str, Any]:
                 record["durable_s"] = max(done) - started
     last = os.path.join(output_dir, f"checkpoint-{steps}")
     verified = _verify(trainer, last)
-    checkpoint_bytes = _tree_bytes(last)
+    checkpoint_bytes = sum(os.path.getsize(path) for _, files in _tree(last) for path in files)
     files = sorted(os.listdir(last))
     peak_gpu = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
     shutil.rmtree(output_dir, ignore_errors=True)
