@@ -221,18 +221,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--device cuda: no CUDA device here")
     with tempfile.TemporaryDirectory(dir=(args.dir or ".").split(",")[0]) as scratch:
         dirs = [d for d in args.dir.split(",")] if args.dir and "," in args.dir else [scratch]
-        settings = {
-            "size": size,
-            "device": args.device,
-            "layout": args.layout,
-            "writers": args.writers,
-            "backend": args.backend,
-            "repeat": args.repeat,
-            "timeout": args.timeout,
-            "dirs": dirs,
-            "sink": args.sink,
-            "checksum": config.settings().checksum,
-        }
+        settings = {"size": size, **{k: getattr(args, k) for k in ("device", "layout", "writers", "backend")}}
+        settings.update(repeat=args.repeat, timeout=args.timeout, dirs=dirs, sink=args.sink)
+        settings["checksum"] = config.settings().checksum
         results = []
         for world in ranks:
             records, error = spawn("ranks", [*args.argv, "--dir", ",".join(dirs)], ranks=world, group=True)
