@@ -143,24 +143,16 @@ def _files_of(path: str) -> list[str]:
 
 
 def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
-    bound_rows = [r for r in rows if "bound_repeat" in r]
+    def repeats(key: str) -> list[list[dict[str, Any]]]:  # the rows of every repeat, in order
+        return [[r for r in rows if r.get(key) == i] for i in sorted({r[key] for r in rows if key in r})]
+
+    def span(these: list[dict[str, Any]]) -> float:  # from the first start to the last end
+        return max(r["end"] for r in these) - min(r["start"] for r in these)
+
+    bound = measure.summarize([span(these) for these in repeats("bound_repeat")])
     rows = [r for r in rows if "bound_repeat" not in r]
-    bound = None
-    if bound_rows:
-        bound = measure.summarize(
-            [
-                max(r["end"] for r in bound_rows if r["bound_repeat"] == i)
-                - min(r["start"] for r in bound_rows if r["bound_repeat"] == i)
-                for i in sorted({r["bound_repeat"] for r in bound_rows})
-            ]
-        )
-    repeats = sorted({r["repeat"] for r in rows})
-    end_to_end = []
-    slowest_write = []
-    for repeat in repeats:
-        these = [r for r in rows if r["repeat"] == repeat]
-        end_to_end.append(max(r["end"] for r in these) - min(r["start"] for r in these))
-        slowest_write.append(max(r["write_seconds"] for r in these))
+    end_to_end = [span(these) for these in repeats("repeat")]
+    slowest_write = [max(r["write_seconds"] for r in these) for these in repeats("repeat")]
     per_rank = []
     for rank in range(world):
         mine = [r for r in rows if r["rank"] == rank]

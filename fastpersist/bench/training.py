@@ -466,17 +466,13 @@ def to_markdown(document: dict[str, Any]) -> str:
         )
     phased = [r for r in document["results"] if "error" not in r and r.get("phases")]
     names = [name for name, _, _ in _PHASES if any(name in r["phases"] for r in phased)]  # the phases some save had
+
+    def cell(phases: dict[str, float], name: str) -> str:  # the median ms, the first save's in brackets
+        value, first = phases.get(name), phases.get("first " + name)
+        return ("-" if value is None else f"{value * 1000:.1f}") + ("" if first is None else f" ({first * 1000:.1f})")
+
     if phased:
-        rows = []
-        for r in phased:
-            cells = [r["method"]]
-            for name in names:
-                value, first = r["phases"].get(name), r["phases"].get("first " + name)
-                cell = "-" if value is None else f"{value * 1000:.1f}"
-                if first is not None:
-                    cell += f" ({first * 1000:.1f})"
-                cells.append(cell)
-            rows.append(cells)
+        rows = [[r["method"], *(cell(r["phases"], name) for name in names)] for r in phased]
         caption = (
             "Where a save's time goes (median ms over the saves after the first; the first save's in brackets): "
             "`pickle`, `wait for slot` and `copies queued` are the caller's"
