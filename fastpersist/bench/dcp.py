@@ -223,10 +223,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _document(args, run: _Run, seconds: dict[str, list[float]], cache_modes: list[str]) -> dict[str, Any]:
-    results = {}
-    for name, values in seconds.items():
-        rates = [run.total / v / _GB for v in values]
-        results[name] = {"seconds": values, "GBps": measure.summarize(rates)}
+    rates = {name: measure.summarize([run.total / v / _GB for v in values]) for name, values in seconds.items()}
+    results = {name: {"seconds": values, "GBps": rates[name]} for name, values in seconds.items()}
 
     def median(name: str) -> float:
         return results[name]["GBps"]["median"]

@@ -232,13 +232,10 @@ def _summary(samples: list[dict]) -> dict[str, Any]:
         values = [r[key] for r in rows if r.get(key) is not None]
         return statistics.median(values) if values else None
 
-    return {
-        "checkpoints": len(checkpoints),
-        "first_blocked_s": median(firsts, "blocked_s"),
-        "first_durable_s": median(firsts, "durable_s"),
-        "blocked_s": median(later, "blocked_s"),
-        "durable_s": median(later, "durable_s"),
+    medians = {
+        p + k: median(rows, k) for p, rows in (("first_", firsts), ("", later)) for k in ("blocked_s", "durable_s")
     }
+    return {"checkpoints": len(checkpoints), **medians}
 
 
 def _targets(results: dict[str, dict], ceiling: dict | None, nbytes: int) -> dict[str, Any]:
