@@ -128,21 +128,10 @@ def fio_command(
     """The fio command line for one sequential job over ``path`` (io_uring; ``end_fsync`` for writes). With
     ``verify`` fio stamps every block with a CRC32C header when writing and checks it when reading."""
     fio = system.find_fio() or "fio"
-    command = [
-        fio,
-        "--name=fastpersist-ceiling",
-        f"--filename={path}",
-        f"--rw={rw}",
-        f"--bs={block_size}",
-        f"--iodepth={queue_depth}",
-        "--ioengine=io_uring",
-        f"--direct={1 if direct else 0}",
-        f"--size={size // threads}",
-        f"--numjobs={threads}",
-        "--group_reporting",
-        "--output-format=json",
-        f"--fallocate={'native' if fallocate else 'none'}",
-    ]
+    command = [fio, "--name=fastpersist-ceiling", f"--filename={path}", f"--rw={rw}", f"--bs={block_size}"]
+    command += [f"--iodepth={queue_depth}", "--ioengine=io_uring", f"--direct={1 if direct else 0}"]
+    command += [f"--size={size // threads}", f"--numjobs={threads}", "--group_reporting", "--output-format=json"]
+    command.append(f"--fallocate={'native' if fallocate else 'none'}")
     if threads > 1:
         command.append(f"--offset_increment={size // threads}")
     if verify:

@@ -85,7 +85,7 @@ def _run_one(args) -> dict[str, Any]:
     import torch
 
     import fastpersist
-    from fastpersist.bench.measure import PeakMemory
+    from fastpersist.bench.measure import PeakMemory, remove_path
     from fastpersist.io import timeline
     from fastpersist.system import release_memory
 
@@ -219,8 +219,7 @@ def _run_one(args) -> dict[str, Any]:
         dist.destroy_process_group()
     if rank == 0:
         for leftover in [path, *(glob.glob(glob.escape(path) + ".*.part-*") if parted else ())]:
-            if os.path.exists(leftover):
-                os.unlink(leftover)
+            remove_path(leftover)
     return result
 
 
