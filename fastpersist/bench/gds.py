@@ -20,7 +20,7 @@ import torch
 
 from fastpersist import system
 from fastpersist.bench import bounds, measure
-from fastpersist.bench.harness import Benchmark, Rounds, UsageError, markdown_table, option, size, timed
+from fastpersist.bench.harness import Benchmark, Rounds, UsageError, figure, markdown_table, option, size, timed
 from fastpersist.io import engine, memory
 
 __all__ = ["BENCHMARK", "METHODS", "main", "to_markdown"]
@@ -172,17 +172,13 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 def to_markdown(document: dict[str, Any]) -> str:
     """The result as Markdown: GB/s per method and the ratios to the ceiling and to AioHandle + copy."""
     s = document["settings"]
-
-    def cell(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
     rows = []
     for name, entry in document["results"].items():
         if entry.get("error"):
             rows.append([name, "-", "-", "-", "-", "-", "-", f"unavailable: {entry['error']}"])
             continue
         r = document["ratios"].get(name, {})
-        ratios = [cell(r.get(f"{op}_vs_{base}")) for base in ("ceiling", "aio_copy") for op in ("write", "read")]
+        ratios = [figure(r.get(f"{op}_vs_{base}")) for base in ("ceiling", "aio_copy") for op in ("write", "read")]
         rows.append([name, f"{entry['write_gbps']:.2f}", f"{entry['read_gbps']:.2f}", *ratios, entry["path"]])
     header = ["method", "write GB/s", "read GB/s", "write / ceiling", "read / ceiling", "write / aio_copy"]
     lines = [

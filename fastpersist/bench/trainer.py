@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from fastpersist.bench.bounds import fsync_file
-from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, markdown_table, option, spawn
+from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, figure, markdown_table, option, spawn
 from fastpersist.io.commit import fsync_directory
 
 __all__ = ["BENCHMARK", "METHODS", "SCHEMA", "fsync_tree", "main", "to_markdown", "to_svg"]
@@ -313,14 +313,6 @@ def _measure(args) -> dict[str, Any]:
     }
 
 
-def _seconds(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _ratio(value, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}x"
-
-
 def to_markdown(document: dict[str, Any]) -> str:
     """The document's tables: one per directory, then its target ratios."""
     config = document["config"]
@@ -354,16 +346,15 @@ def to_markdown(document: dict[str, Any]) -> str:
             gbps = entry["checkpoint_bytes"] / r["durable_s"] / 1e9 if r["durable_s"] else None
             verified = all(s["verified"]["ok"] for s in r["samples"])
             lines.append(
-                f"| {method} | {_seconds(r['blocked_s'])} | {_seconds(r['durable_s'])} | "
-                f"{'-' if gbps is None else f'{gbps:.2f}'} | {_seconds(r['first_blocked_s'])} | "
-                f"{_seconds(r['first_durable_s'])} | {'yes' if verified else 'NO'} |"
+                f"| {method} | {figure(r['blocked_s'])} | {figure(r['durable_s'])} | {figure(gbps)} | "
+                f"{figure(r['first_blocked_s'])} | {figure(r['first_durable_s'])} | {'yes' if verified else 'NO'} |"
             )
         t = entry["targets"]
         lines += [
             "",
-            f"Patched and durable: {_ratio(t['patched_of_ceiling'])} the write ceiling, "
-            f"{_ratio(t['patched_vs_unpatched_fsync'])} unpatched + fsync; patched-async blocked "
-            f"{_ratio(t['async_blocked_of_unpatched'], 3)} unpatched (the targets, for the disk: at least 0.9x, at "
+            f"Patched and durable: {figure(t['patched_of_ceiling'], suffix='x')} the write ceiling, "
+            f"{figure(t['patched_vs_unpatched_fsync'], suffix='x')} unpatched + fsync; patched-async blocked "
+            f"{figure(t['async_blocked_of_unpatched'], '.3f', 'x')} unpatched (the targets, for the disk: at least 0.9x, at "
             "least 2.5x, at most 0.1x).",
             "",
         ]
