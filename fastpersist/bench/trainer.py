@@ -274,11 +274,8 @@ def _measure(args) -> dict[str, Any]:
                 print(f"{directory} {method}: failed\n{error}", file=sys.stderr)
                 raise RuntimeError(error)
             got = _summary(results)
-            print(
-                f"{directory} {method}: blocked {got['blocked_s']:.2f} s, durable "
-                + ("-" if got["durable_s"] is None else f"{got['durable_s']:.2f} s"),
-                file=sys.stderr,
-            )
+            durable = figure(got["durable_s"], suffix=" s")
+            print(f"{directory} {method}: blocked {got['blocked_s']:.2f} s, durable {durable}", file=sys.stderr)
             return results[0]
 
         # Every other directory starts with the last method: no method always runs first.
