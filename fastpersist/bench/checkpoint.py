@@ -154,8 +154,7 @@ def _select_methods(args: argparse.Namespace) -> tuple[list[SaveMethod], list[Lo
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if args.methods:
         wanted = [s.strip() for s in args.methods.split(",") if s.strip()]
-        unknown = [w for w in wanted if w not in known]
-        if unknown:
+        if unknown := [w for w in wanted if w not in known]:
             raise UsageError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(known)}")
     else:
         wanted = [n for n, m in [*SAVE_METHODS.items(), *LOAD_METHODS.items()] if m.default]
@@ -550,8 +549,7 @@ def run_benchmark(
             results[("save", m.source)] = MethodResult("save", m.source, SAVE_METHODS[m.source].label, timed=False)
     results.update({("load", m.name): MethodResult("load", m.name, m.label) for m in load_methods})
     for m in saves + list(load_methods):
-        reason = m.unavailable(ctx)
-        if reason:
+        if reason := m.unavailable(ctx):
             results[("save" if isinstance(m, SaveMethod) else "load", m.name)].fail(reason, "skipped")
     if load_repeats < 1:
         raise ValueError(f"load_repeats must be at least 1, got {load_repeats}")

@@ -46,8 +46,7 @@ def _methods(args: argparse.Namespace, source: torch.Tensor, expected: torch.Ten
     from fastpersist.errors import GdsUnavailableError
 
     wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(wanted) - set(METHODS))
-    if unknown:
+    if unknown := sorted(set(wanted) - set(METHODS)):
         raise UsageError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     n = args.size
     destination = torch.empty(n, dtype=torch.uint8, device=source.device)

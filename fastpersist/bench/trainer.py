@@ -261,8 +261,7 @@ def _measure(args) -> dict[str, Any]:
     from fastpersist.bench import bounds
     from fastpersist.bench.measure import machine_info
 
-    unknown = set(args.methods) - set(METHODS)
-    if unknown:
+    if unknown := set(args.methods) - set(METHODS):
         raise UsageError(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
     directories = []
     for index, directory in enumerate(args.dir or [tempfile.gettempdir()]):

@@ -272,11 +272,9 @@ def _phase_medians(samples: list[dict]) -> dict[str, float]:
     first = [sample["saves"][0] for sample in samples if sample.get("saves")]
     out: dict[str, float] = {}
     for name, _, _ in _PHASES:
-        values = [save[name] for save in later if name in save]
-        if values:
+        if values := [save[name] for save in later if name in save]:
             out[name] = statistics.median(values)
-        values = [save[name] for save in first if name in save]
-        if values:
+        if values := [save[name] for save in first if name in save]:
             out["first " + name] = statistics.median(values)
     return out
 
@@ -314,8 +312,7 @@ def _measure(args) -> dict[str, Any]:
     os.makedirs(args.dir, exist_ok=True)
     known = RANK_METHODS if args.ranks > 1 else METHODS
     methods = [m for m in (args.methods or ",".join(known)).split(",") if m]
-    unknown = set(methods) - set(known)
-    if unknown:
+    if unknown := set(methods) - set(known):
         raise UsageError(
             f"unknown methods {sorted(unknown)}; known{' with --ranks' if args.ranks > 1 else ''}: {known}"
         )
