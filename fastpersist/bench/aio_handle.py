@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fastpersist.bench.harness import Benchmark, Rounds, UsageError, markdown_table, option, size, timed
-from fastpersist.bench.measure import machine_info
+from fastpersist.bench.measure import machine_info, remove_path
 from fastpersist.deepnvme.handle import AioHandle
 from fastpersist.io import memory
 
@@ -65,8 +65,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
     def run(name: str, _round: int) -> dict[str, Any]:
         write, read = ways[name]
-        if os.path.exists(path):
-            os.remove(path)
+        remove_path(path)
         sample = {"write": timed(write, "cuda" if cuda else None)[1]["seconds"]}
         if name != "cpu_locked":
             back.zero_()
@@ -89,8 +88,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         }
         del bounce
     h.free_cpu_locked_tensor(host)
-    if os.path.exists(path):
-        os.remove(path)
+    remove_path(path)
     return {
         "benchmark": "aio_handle",
         "size_bytes": n,

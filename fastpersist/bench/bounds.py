@@ -25,6 +25,7 @@ import torch
 
 from fastpersist import system
 from fastpersist.io import checksum, engine, memory
+from fastpersist.tuning.measure import remove_path
 
 __all__ = [
     "CopyCeiling",
@@ -70,8 +71,7 @@ def fsync_file(path: str) -> None:
 
 def preallocate(path: str, nbytes: int, direct: bool = True) -> None:
     """A fresh ``path`` of ``nbytes`` with its blocks allocated, as fio lays out a file before its clock starts."""
-    if os.path.exists(path):
-        os.unlink(path)
+    remove_path(path)
     with engine.File(path, "w", direct=direct, truncate=True) as f:
         f.allocate(0, nbytes)
 
@@ -107,9 +107,8 @@ def file_problem(path: str, expected: torch.Tensor) -> str | None:
     with open(path, "rb") as f:
         for offset in range(0, size, step):
             chunk = f.read(step)
-            if not torch.equal(
-                torch.frombuffer(bytearray(chunk), dtype=torch.uint8), expected[offset : offset + len(chunk)]
-            ):
+            got = torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
+            if not torch.equal(got, expected[offset : offset + len(chunk)]):
                 return f"{path} differs from the bytes written in [{offset}, {offset + len(chunk)})"
     return None
 
@@ -129,21 +128,10 @@ def fio_command(
     """The fio command line for one sequential job over ``path`` (io_uring; ``end_fsync`` for writes). With
     ``verify`` fio stamps every block with a CRC32C header when writing and checks it when reading."""
     fio = system.find_fio() or "fio"
-    command = [
-        fio,
-        "--name=fastpersist-ceiling",
-        f"--filename={path}",
-        f"--rw={rw}",
-        f"--bs={block_size}",
-        f"--iodepth={queue_depth}",
-        "--ioengine=io_uring",
-        f"--direct={1 if direct else 0}",
-        f"--size={size // threads}",
-        f"--numjobs={threads}",
-        "--group_reporting",
-        "--output-format=json",
-        f"--fallocate={'native' if fallocate else 'none'}",
-    ]
+    command = [fio, "--name=fastpersist-ceiling", f"--filename={path}", f"--rw={rw}", f"--bs={block_size}"]
+    command += [f"--iodepth={queue_depth}", "--ioengine=io_uring", f"--direct={1 if direct else 0}"]
+    command += [f"--size={size // threads}", f"--numjobs={threads}", "--group_reporting", "--output-format=json"]
+    command.append(f"--fallocate={'native' if fallocate else 'none'}")
     if threads > 1:
         command.append(f"--offset_increment={size // threads}")
     if verify:
@@ -179,8 +167,7 @@ def fio_write_seconds(path: str, nbytes: int) -> float:
         RuntimeError: fio failed (its message included).
     """
     size = max(-(-nbytes // (16 << 20)) * (16 << 20), 16 << 20)
-    if os.path.exists(path):
-        os.unlink(path)  # a fresh file each time, like a checkpoint (overwriting blocks is faster)
+    remove_path(path)  # a fresh file each time, like a checkpoint (overwriting blocks is faster)
     direct = takes_o_direct(os.path.dirname(path) or ".")
     job = fio_job(fio_command(path, "write", size, 16 << 20, 32, direct=direct, fallocate=False, verify=False))
     return (job["job_runtime"] / 1000.0) * nbytes / size  # scaled to the checkpoint's bytes
@@ -242,8 +229,7 @@ def write_ceiling(directory: str, nbytes: int, repeats: int = 3) -> dict[str, An
             except (RuntimeError, OSError, ValueError):
                 pass
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        remove_path(path)
     best = min(ways, key=ways.get)
     return {"bytes": nbytes, "direct": bool(flags & os.O_DIRECT), "seconds": ways, "best": best, "best_s": ways[best]}
 
@@ -259,8 +245,7 @@ def shared_write_ceiling(directory: str, nbytes: int, writers: int, repeats: int
 
     def once() -> float:
         for path in paths:
-            if os.path.exists(path):
-                os.unlink(path)
+            remove_path(path)
         os.sync()
         started = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(writers) as pool:
@@ -271,8 +256,7 @@ def shared_write_ceiling(directory: str, nbytes: int, writers: int, repeats: int
         seconds = statistics.median(once() for _ in range(repeats))
     finally:
         for path in paths:
-            if os.path.exists(path):
-                os.unlink(path)
+            remove_path(path)
     return {"bytes": share * writers, "writers": writers, "direct": bool(flags & os.O_DIRECT), "per_writer_s": seconds}
 
 

@@ -31,15 +31,9 @@ from fastpersist.tuning import workloads
 SCHEMA = "fastpersist.bench.checkpoint/1"
 _SETTLE_DEFAULT = 5.0
 """Seconds between a round's saves and its loads (see ``--settle``)."""
-_LOAD_REPEATS_DEFAULT = 1
-"""Cold loads of each method per timed round (see ``--load-repeats``)."""
 _MEMORY_SETTLE_DEFAULT = 2.5
 """Seconds before each timed load where the guest hands freed memory back to its host (see ``--memory-settle``)."""
 BASELINES = {"save": "torch.save", "load": "torch.load"}
-
-
-def _default_dcp_threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +68,7 @@ def _options(parser: argparse.ArgumentParser) -> None:
     how.add_argument(
         "--load-repeats",
         type=int,
-        default=_LOAD_REPEATS_DEFAULT,
+        default=1,
         help="cold loads of each load method per timed round, each after its own cache drop and memory pause",
     )
     how.add_argument("--warmup", type=int, default=1, help="untimed rounds first (still verified)")
@@ -115,7 +109,9 @@ def _options(parser: argparse.ArgumentParser) -> None:
         default="256M",
         help="file size of each grid point of the ceiling search (the finalists use the state's size)",
     )
-    how.add_argument("--dcp-threads", type=int, default=_default_dcp_threads(), help="DCP FileSystemWriter threads")
+    how.add_argument(
+        "--dcp-threads", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="DCP FileSystemWriter threads"
+    )
     how.add_argument(
         "--fp-setting",
         action="append",
@@ -158,8 +154,7 @@ def _select_methods(args: argparse.Namespace) -> tuple[list[SaveMethod], list[Lo
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if args.methods:
         wanted = [s.strip() for s in args.methods.split(",") if s.strip()]
-        unknown = [w for w in wanted if w not in known]
-        if unknown:
+        if unknown := [w for w in wanted if w not in known]:
             raise UsageError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(known)}")
     else:
         wanted = [n for n, m in [*SAVE_METHODS.items(), *LOAD_METHODS.items()] if m.default]
@@ -370,13 +365,9 @@ def _run(
             "dtype": args.dtype,
             "device": str(ctx.device),
             "training_state": args.training_state,
-            "repeats": args.repeats,
-            "load_repeats": args.load_repeats,
-            "warmup": args.warmup,
+            **{k: getattr(args, k) for k in ("repeats", "load_repeats", "warmup")},
             "dir": parent,
-            "seed": args.seed,
-            "order_seed": args.order_seed,
-            "dcp_threads": args.dcp_threads,
+            **{k: getattr(args, k) for k in ("seed", "order_seed", "dcp_threads")},
             "cache": dropper.mode,
             "cache_detail": dropper.detail,
             "rank": ctx.dist.rank,
@@ -558,8 +549,7 @@ def run_benchmark(
             results[("save", m.source)] = MethodResult("save", m.source, SAVE_METHODS[m.source].label, timed=False)
     results.update({("load", m.name): MethodResult("load", m.name, m.label) for m in load_methods})
     for m in saves + list(load_methods):
-        reason = m.unavailable(ctx)
-        if reason:
+        if reason := m.unavailable(ctx):
             results[("save" if isinstance(m, SaveMethod) else "load", m.name)].fail(reason, "skipped")
     if load_repeats < 1:
         raise ValueError(f"load_repeats must be at least 1, got {load_repeats}")

@@ -63,17 +63,14 @@ class _Run:
         import torch
         import torch.distributed as dist
 
-        self.args = args
-        self.torch = torch
-        self.dist = dist
+        self.args, self.torch, self.dist = args, torch, dist
         if args.device == "cuda":  # before the group: NCCL binds each rank to its current device
             self.device = torch.device("cuda", int(os.environ["RANK"]) % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
         dist.init_process_group(args.backend)
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.state = self._make_state()
         self.payload = sum(t.numel() * t.element_size() for t in self.state.values())
         totals = torch.tensor(
@@ -226,10 +223,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _document(args, run: _Run, seconds: dict[str, list[float]], cache_modes: list[str]) -> dict[str, Any]:
-    results = {}
-    for name, values in seconds.items():
-        rates = [run.total / v / _GB for v in values]
-        results[name] = {"seconds": values, "GBps": measure.summarize(rates)}
+    rates = {name: measure.summarize([run.total / v / _GB for v in values]) for name, values in seconds.items()}
+    results = {name: {"seconds": values, "GBps": rates[name]} for name, values in seconds.items()}
 
     def median(name: str) -> float:
         return results[name]["GBps"]["median"]

@@ -20,7 +20,7 @@ import torch
 
 from fastpersist import system
 from fastpersist.bench import bounds, measure
-from fastpersist.bench.harness import Benchmark, Rounds, UsageError, markdown_table, option, size, timed
+from fastpersist.bench.harness import Benchmark, Rounds, UsageError, figure, markdown_table, option, size, timed
 from fastpersist.io import engine, memory
 
 __all__ = ["BENCHMARK", "METHODS", "main", "to_markdown"]
@@ -46,8 +46,7 @@ def _methods(args: argparse.Namespace, source: torch.Tensor, expected: torch.Ten
     from fastpersist.errors import GdsUnavailableError
 
     wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(wanted) - set(METHODS))
-    if unknown:
+    if unknown := sorted(set(wanted) - set(METHODS)):
         raise UsageError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     n = args.size
     destination = torch.empty(n, dtype=torch.uint8, device=source.device)
@@ -152,15 +151,16 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 read_samples=[s["read"] for s in samples],
                 verified=all(s["ok"] for s in samples),
             )
-    ratios: dict[str, Any] = {}
-    for name, entry in results.items():
-        if entry["error"] is None:
-            ratios[name] = {}
-            for base in ("ceiling", "aio_copy"):
-                other = results.get(base)
-                if other and other["error"] is None and name != base:
-                    ratios[name][f"write_vs_{base}"] = entry["write_gbps"] / other["write_gbps"]
-                    ratios[name][f"read_vs_{base}"] = entry["read_gbps"] / other["read_gbps"]
+    ok = {name: entry for name, entry in results.items() if entry["error"] is None}
+    ratios = {
+        name: {
+            f"{op}_vs_{base}": entry[f"{op}_gbps"] / ok[base][f"{op}_gbps"]
+            for base in ("ceiling", "aio_copy")
+            if base in ok and base != name
+            for op in ("write", "read")
+        }
+        for name, entry in ok.items()
+    }
     settings = {"dir": os.path.abspath(args.dir), "size": args.size, "repeats": args.repeats}
     settings.update(block_size=args.block_size, queue_depth=args.queue_depth, threads=args.threads)
     settings.update(device=str(device), cache=dropper.mode)
@@ -171,17 +171,13 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 def to_markdown(document: dict[str, Any]) -> str:
     """The result as Markdown: GB/s per method and the ratios to the ceiling and to AioHandle + copy."""
     s = document["settings"]
-
-    def cell(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
     rows = []
     for name, entry in document["results"].items():
         if entry.get("error"):
             rows.append([name, "-", "-", "-", "-", "-", "-", f"unavailable: {entry['error']}"])
             continue
         r = document["ratios"].get(name, {})
-        ratios = [cell(r.get(f"{op}_vs_{base}")) for base in ("ceiling", "aio_copy") for op in ("write", "read")]
+        ratios = [figure(r.get(f"{op}_vs_{base}")) for base in ("ceiling", "aio_copy") for op in ("write", "read")]
         rows.append([name, f"{entry['write_gbps']:.2f}", f"{entry['read_gbps']:.2f}", *ratios, entry["path"]])
     header = ["method", "write GB/s", "read GB/s", "write / ceiling", "read / ceiling", "write / aio_copy"]
     lines = [

@@ -36,6 +36,7 @@ __all__ = [
     "Svg",
     "UsageError",
     "bf16_state",
+    "figure",
     "free_port",
     "markdown_table",
     "option",
@@ -397,6 +398,11 @@ def markdown_table(header: Sequence[str], align: str, rows: Sequence[Sequence[An
     column) and one line per row of cells."""
     rule = "| " + " | ".join("---:" if a == ">" else "---" for a in align) + " |"
     return ["| " + " | ".join(header) + " |", rule] + ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+
+
+def figure(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    """A table's cell: ``value`` formatted by ``spec`` (and ``suffix``), ``-`` when there is none."""
+    return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
 class Svg:

@@ -22,7 +22,7 @@ import tempfile
 import time
 from typing import Any
 
-from fastpersist.bench.harness import Benchmark, Rounds, bf16_state, markdown_table, option
+from fastpersist.bench.harness import Benchmark, Rounds, bf16_state, figure, markdown_table, option
 from fastpersist.bench.measure import remove_path
 
 __all__ = ["BENCHMARK", "SCHEMA", "TARGETS", "main", "to_markdown"]
@@ -173,9 +173,8 @@ def to_markdown(document: dict[str, Any]) -> str:
         *markdown_table(["target", "measured", "target", "met"], "<>><", []),
     ]
     for row in document["results"].values():
-        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
         met = {True: "yes", False: "NO", None: "not measured"}[row["met"]]
-        lines.append(f"| {row['what']} | {ratio} | {row['target']} | {met} |")
+        lines.append(f"| {row['what']} | {figure(row['ratio'], '.3f')} | {row['target']} | {met} |")
     for name in ("disk-save", "verified-load"):
         rounds = (document["parts"].get(name) or {}).get("rounds") or []
         lines.append(f"\n{name} per round: " + ", ".join(f"{r['ratio']:.3f}" for r in rounds))

@@ -30,6 +30,8 @@ from fastpersist.tuning import workloads
 __all__ = ["BENCHMARK", "SCHEMA", "main", "to_markdown"]
 
 SCHEMA = "fastpersist.bench.ranks/1"
+_SECONDS = ("write_seconds", "digest_seconds", "prepare_seconds", "launch_seconds")
+"""A rank's seconds of a save, in its records (a single writer's are all its write)."""
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +72,6 @@ def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
     for repeat in range(args.repeat):
         dist.barrier()
         start = time.time()
-        digest_seconds = prepare_seconds = launch_seconds = 0.0
         if world == 1:
             began = time.perf_counter()
             if args.sink:
@@ -78,7 +79,7 @@ def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
             else:
                 fastpersist.save(state, path)
                 written = os.path.getsize(path)
-            write_seconds = time.perf_counter() - began
+            seconds = {"write_seconds": time.perf_counter() - began, **dict.fromkeys(_SECONDS[1:], 0.0)}
             steps = {}
         else:
             stats = dsave.save(
@@ -90,9 +91,7 @@ def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
                 timeout=args.timeout,
                 settings=config.settings(),
             )
-            write_seconds, written = stats.write_seconds, stats.bytes_written
-            steps, digest_seconds = stats.steps, stats.digest_seconds
-            prepare_seconds, launch_seconds = stats.prepare_seconds, stats.launch_seconds
+            written, steps, seconds = stats.bytes_written, stats.steps, {k: getattr(stats, k) for k in _SECONDS}
         end = time.time()
         dist.barrier()
         check = {}
@@ -106,21 +105,8 @@ def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
                 check["round_trip"] = all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
             check["file_bytes"] = sum(os.path.getsize(f) for f in _files_of(path))
         dist.barrier()
-        records.append(
-            {
-                "rank": rank,
-                "repeat": repeat,
-                "start": start,
-                "end": end,
-                "bytes": written,
-                "write_seconds": write_seconds,
-                "digest_seconds": digest_seconds,
-                "prepare_seconds": prepare_seconds,
-                "launch_seconds": launch_seconds,
-                "steps": steps,
-                **check,
-            }
-        )
+        record = {"rank": rank, "repeat": repeat, "start": start, "end": end, "bytes": written}
+        records.append({**record, **seconds, "steps": steps, **check})
     if args.sink:
         records += _bound_rounds(rank, world, state, args.repeat, dist.barrier)
     dist.barrier()
@@ -157,24 +143,16 @@ def _files_of(path: str) -> list[str]:
 
 
 def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
-    bound_rows = [r for r in rows if "bound_repeat" in r]
+    def repeats(key: str) -> list[list[dict[str, Any]]]:  # the rows of every repeat, in order
+        return [[r for r in rows if r.get(key) == i] for i in sorted({r[key] for r in rows if key in r})]
+
+    def span(these: list[dict[str, Any]]) -> float:  # from the first start to the last end
+        return max(r["end"] for r in these) - min(r["start"] for r in these)
+
+    bound = measure.summarize([span(these) for these in repeats("bound_repeat")])
     rows = [r for r in rows if "bound_repeat" not in r]
-    bound = None
-    if bound_rows:
-        bound = measure.summarize(
-            [
-                max(r["end"] for r in bound_rows if r["bound_repeat"] == i)
-                - min(r["start"] for r in bound_rows if r["bound_repeat"] == i)
-                for i in sorted({r["bound_repeat"] for r in bound_rows})
-            ]
-        )
-    repeats = sorted({r["repeat"] for r in rows})
-    end_to_end = []
-    slowest_write = []
-    for repeat in repeats:
-        these = [r for r in rows if r["repeat"] == repeat]
-        end_to_end.append(max(r["end"] for r in these) - min(r["start"] for r in these))
-        slowest_write.append(max(r["write_seconds"] for r in these))
+    end_to_end = [span(these) for these in repeats("repeat")]
+    slowest_write = [max(r["write_seconds"] for r in these) for these in repeats("repeat")]
     per_rank = []
     for rank in range(world):
         mine = [r for r in rows if r["rank"] == rank]
@@ -184,8 +162,7 @@ def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, A
                 "rank": rank,
                 "bytes": mine[0]["bytes"],
                 "write_seconds": seconds,
-                **{k: measure.summarize([r.get(k, 0.0) for r in mine]) for k in ("digest_seconds", "prepare_seconds")},
-                "launch_seconds": measure.summarize([r.get("launch_seconds", 0.0) for r in mine]),
+                **{k: measure.summarize([r.get(k, 0.0) for r in mine]) for k in _SECONDS[1:]},
                 "write_GBps": mine[0]["bytes"] / seconds["median"] / 1e9 if seconds["median"] else None,
             }
         )
@@ -236,18 +213,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--device cuda: no CUDA device here")
     with tempfile.TemporaryDirectory(dir=(args.dir or ".").split(",")[0]) as scratch:
         dirs = [d for d in args.dir.split(",")] if args.dir and "," in args.dir else [scratch]
-        settings = {
-            "size": size,
-            "device": args.device,
-            "layout": args.layout,
-            "writers": args.writers,
-            "backend": args.backend,
-            "repeat": args.repeat,
-            "timeout": args.timeout,
-            "dirs": dirs,
-            "sink": args.sink,
-            "checksum": config.settings().checksum,
-        }
+        settings = {"size": size, **{k: getattr(args, k) for k in ("device", "layout", "writers", "backend")}}
+        settings.update(repeat=args.repeat, timeout=args.timeout, dirs=dirs, sink=args.sink)
+        settings["checksum"] = config.settings().checksum
         results = []
         for world in ranks:
             records, error = spawn("ranks", [*args.argv, "--dir", ",".join(dirs)], ranks=world, group=True)

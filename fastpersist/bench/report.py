@@ -22,7 +22,7 @@ from typing import Any
 
 from fastpersist import display
 from fastpersist.bench import SUBCOMMANDS
-from fastpersist.bench.harness import markdown_table, read_document
+from fastpersist.bench.harness import figure, markdown_table, read_document
 
 SCHEMA_PREFIX = "fastpersist.bench.checkpoint/"
 CEILING_OP = {"save": "write", "load": "read"}
@@ -114,7 +114,7 @@ def _row(document: dict[str, Any], r: dict[str, Any]) -> dict[str, str]:
     row["blocked"] = _seconds(s["blocked_seconds"]["median"]) if s.get("blocked_seconds") else "-"
     row.update(rss_delta=_mib(s["rss_delta_bytes"]["median"]), peak_rss=_mib(s["peak_rss_bytes"]["median"]).lstrip("+"))
     row["ratio"] = f"{g['median'] / base:.2f}x" if base else "-"
-    row["ceiling_ratio"] = f"{limit:.2f}x" if limit is not None else "-"
+    row["ceiling_ratio"] = figure(limit, suffix="x")
     row["status"] = "verified" if r.get("timed", True) else "verified (not selected; ran to feed a load)"
     if r.get("measurement_problem"):
         row["status"] = f"MEASUREMENT PROBLEM: {limit:.2f}x the storage ceiling, not a result"

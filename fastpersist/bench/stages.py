@@ -215,16 +215,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     results = []
     for name, seconds in rounds.samples.items():
         rates = [nbytes / s / 1e9 for s in seconds]
-        results.append(
-            {
-                "stage": name,
-                "gbps": statistics.median(rates),
-                "gbps_min": min(rates),
-                "gbps_max": max(rates),
-                "seconds": seconds,
-                "crc_checked": crc_checked.get(name),
-            }
-        )
+        gbps = {"gbps": statistics.median(rates), "gbps_min": min(rates), "gbps_max": max(rates)}
+        results.append({"stage": name, **gbps, "seconds": seconds, "crc_checked": crc_checked.get(name)})
     return {
         "benchmark": "stages",
         "config": {

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from fastpersist.bench.bounds import fsync_file
-from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, markdown_table, option, spawn
+from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, figure, markdown_table, option, spawn
 from fastpersist.io.commit import fsync_directory
 
 __all__ = ["BENCHMARK", "METHODS", "SCHEMA", "fsync_tree", "main", "to_markdown", "to_svg"]
@@ -43,29 +43,24 @@ def _is_fastpersist_temporary(name: str) -> bool:
     return name.startswith(".") and ".fastpersist-" in name and name.endswith(".tmp")
 
 
-def fsync_tree(directory: str) -> int:
-    """fsyncs every regular file under ``directory``, each directory, and ``directory``'s parent; returns the files.
-
-    Files being written by a background save (fastpersist temporaries) are left alone: their save makes them
-    durable when it commits.
-    """
-    count = 0
+def _tree(directory: str):
+    """(each directory under ``directory``, the paths of its files); files being written by a background save
+    (fastpersist temporaries) left out: their save makes them durable when it commits."""
     for root, _, files in os.walk(directory):
-        for name in files:
-            if _is_fastpersist_temporary(name):
-                continue
-            fsync_file(os.path.join(root, name))
-            count += 1
+        yield root, [os.path.join(root, n) for n in files if not _is_fastpersist_temporary(n)]
+
+
+def fsync_tree(directory: str) -> int:
+    """fsyncs every regular file under ``directory`` (:func:`_tree`), each directory, and ``directory``'s parent;
+    returns the files."""
+    count = 0
+    for root, files in _tree(directory):
+        for path in files:
+            fsync_file(path)
+        count += len(files)
         fsync_directory(root)
     fsync_directory(os.path.dirname(os.path.abspath(directory)))
     return count
-
-
-def _tree_bytes(directory: str) -> int:
-    total = 0
-    for root, _, files in os.walk(directory):
-        total += sum(os.path.getsize(os.path.join(root, n)) for n in files if not _is_fastpersist_temporary(n))
-    return total
 
 
 def _model(args):
@@ -209,7 +204,7 @@ def _run_one(args) -> dict[str, Any]:
                 record["durable_s"] = max(done) - started
     last = os.path.join(output_dir, f"checkpoint-{steps}")
     verified = _verify(trainer, last)
-    checkpoint_bytes = _tree_bytes(last)
+    checkpoint_bytes = sum(os.path.getsize(path) for _, files in _tree(last) for path in files)
     files = sorted(os.listdir(last))
     peak_gpu = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
     shutil.rmtree(output_dir, ignore_errors=True)
@@ -237,13 +232,10 @@ def _summary(samples: list[dict]) -> dict[str, Any]:
         values = [r[key] for r in rows if r.get(key) is not None]
         return statistics.median(values) if values else None
 
-    return {
-        "checkpoints": len(checkpoints),
-        "first_blocked_s": median(firsts, "blocked_s"),
-        "first_durable_s": median(firsts, "durable_s"),
-        "blocked_s": median(later, "blocked_s"),
-        "durable_s": median(later, "durable_s"),
+    medians = {
+        p + k: median(rows, k) for p, rows in (("first_", firsts), ("", later)) for k in ("blocked_s", "durable_s")
     }
+    return {"checkpoints": len(checkpoints), **medians}
 
 
 def _targets(results: dict[str, dict], ceiling: dict | None, nbytes: int) -> dict[str, Any]:
@@ -269,8 +261,7 @@ def _measure(args) -> dict[str, Any]:
     from fastpersist.bench import bounds
     from fastpersist.bench.measure import machine_info
 
-    unknown = set(args.methods) - set(METHODS)
-    if unknown:
+    if unknown := set(args.methods) - set(METHODS):
         raise UsageError(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
     directories = []
     for index, directory in enumerate(args.dir or [tempfile.gettempdir()]):
@@ -282,11 +273,8 @@ def _measure(args) -> dict[str, Any]:
                 print(f"{directory} {method}: failed\n{error}", file=sys.stderr)
                 raise RuntimeError(error)
             got = _summary(results)
-            print(
-                f"{directory} {method}: blocked {got['blocked_s']:.2f} s, durable "
-                + ("-" if got["durable_s"] is None else f"{got['durable_s']:.2f} s"),
-                file=sys.stderr,
-            )
+            durable = figure(got["durable_s"], suffix=" s")
+            print(f"{directory} {method}: blocked {got['blocked_s']:.2f} s, durable {durable}", file=sys.stderr)
             return results[0]
 
         # Every other directory starts with the last method: no method always runs first.
@@ -319,14 +307,6 @@ def _measure(args) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "results": directories,
     }
-
-
-def _seconds(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _ratio(value, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}x"
 
 
 def to_markdown(document: dict[str, Any]) -> str:
@@ -362,16 +342,15 @@ def to_markdown(document: dict[str, Any]) -> str:
             gbps = entry["checkpoint_bytes"] / r["durable_s"] / 1e9 if r["durable_s"] else None
             verified = all(s["verified"]["ok"] for s in r["samples"])
             lines.append(
-                f"| {method} | {_seconds(r['blocked_s'])} | {_seconds(r['durable_s'])} | "
-                f"{'-' if gbps is None else f'{gbps:.2f}'} | {_seconds(r['first_blocked_s'])} | "
-                f"{_seconds(r['first_durable_s'])} | {'yes' if verified else 'NO'} |"
+                f"| {method} | {figure(r['blocked_s'])} | {figure(r['durable_s'])} | {figure(gbps)} | "
+                f"{figure(r['first_blocked_s'])} | {figure(r['first_durable_s'])} | {'yes' if verified else 'NO'} |"
             )
         t = entry["targets"]
         lines += [
             "",
-            f"Patched and durable: {_ratio(t['patched_of_ceiling'])} the write ceiling, "
-            f"{_ratio(t['patched_vs_unpatched_fsync'])} unpatched + fsync; patched-async blocked "
-            f"{_ratio(t['async_blocked_of_unpatched'], 3)} unpatched (the targets, for the disk: at least 0.9x, at "
+            f"Patched and durable: {figure(t['patched_of_ceiling'], suffix='x')} the write ceiling, "
+            f"{figure(t['patched_vs_unpatched_fsync'], suffix='x')} unpatched + fsync; patched-async blocked "
+            f"{figure(t['async_blocked_of_unpatched'], '.3f', 'x')} unpatched (the targets, for the disk: at least 0.9x, at "
             "least 2.5x, at most 0.1x).",
             "",
         ]

@@ -85,7 +85,7 @@ def _run_one(args) -> dict[str, Any]:
     import torch
 
     import fastpersist
-    from fastpersist.bench.measure import PeakMemory
+    from fastpersist.bench.measure import PeakMemory, remove_path
     from fastpersist.io import timeline
     from fastpersist.system import release_memory
 
@@ -219,8 +219,7 @@ def _run_one(args) -> dict[str, Any]:
         dist.destroy_process_group()
     if rank == 0:
         for leftover in [path, *(glob.glob(glob.escape(path) + ".*.part-*") if parted else ())]:
-            if os.path.exists(leftover):
-                os.unlink(leftover)
+            remove_path(leftover)
     return result
 
 
@@ -273,11 +272,9 @@ def _phase_medians(samples: list[dict]) -> dict[str, float]:
     first = [sample["saves"][0] for sample in samples if sample.get("saves")]
     out: dict[str, float] = {}
     for name, _, _ in _PHASES:
-        values = [save[name] for save in later if name in save]
-        if values:
+        if values := [save[name] for save in later if name in save]:
             out[name] = statistics.median(values)
-        values = [save[name] for save in first if name in save]
-        if values:
+        if values := [save[name] for save in first if name in save]:
             out["first " + name] = statistics.median(values)
     return out
 
@@ -315,8 +312,7 @@ def _measure(args) -> dict[str, Any]:
     os.makedirs(args.dir, exist_ok=True)
     known = RANK_METHODS if args.ranks > 1 else METHODS
     methods = [m for m in (args.methods or ",".join(known)).split(",") if m]
-    unknown = set(methods) - set(known)
-    if unknown:
+    if unknown := set(methods) - set(known):
         raise UsageError(
             f"unknown methods {sorted(unknown)}; known{' with --ranks' if args.ranks > 1 else ''}: {known}"
         )
@@ -466,17 +462,13 @@ def to_markdown(document: dict[str, Any]) -> str:
         )
     phased = [r for r in document["results"] if "error" not in r and r.get("phases")]
     names = [name for name, _, _ in _PHASES if any(name in r["phases"] for r in phased)]  # the phases some save had
+
+    def cell(phases: dict[str, float], name: str) -> str:  # the median ms, the first save's in brackets
+        value, first = phases.get(name), phases.get("first " + name)
+        return ("-" if value is None else f"{value * 1000:.1f}") + ("" if first is None else f" ({first * 1000:.1f})")
+
     if phased:
-        rows = []
-        for r in phased:
-            cells = [r["method"]]
-            for name in names:
-                value, first = r["phases"].get(name), r["phases"].get("first " + name)
-                cell = "-" if value is None else f"{value * 1000:.1f}"
-                if first is not None:
-                    cell += f" ({first * 1000:.1f})"
-                cells.append(cell)
-            rows.append(cells)
+        rows = [[r["method"], *(cell(r["phases"], name) for name in names)] for r in phased]
         caption = (
             "Where a save's time goes (median ms over the saves after the first; the first save's in brackets): "
             "`pickle`, `wait for slot` and `copies queued` are the caller's"

@@ -212,9 +212,7 @@ class FastpersistAsyncSave(FastpersistSave):
 class FastpersistLoad(LoadMethod):
     name = label = "fastpersist.load"
     source = "fastpersist"
-
-    def unavailable(self, ctx):
-        return fastpersist_api()[1]
+    unavailable = FastpersistSave.unavailable
 
     def load(self, path, state, ctx):
         return fastpersist_api()[0].load(path, map_location=ctx.device, **ctx.fastpersist_overrides)
