@@ -476,6 +476,8 @@ def to_markdown(document: dict[str, Any]) -> str:
                 " (for the collective methods `pickle` includes the plan's exchange and `copies queued` the `verify` "
                 "exchange)"
                 if "verify" in names
+                else " (for the collective methods `open` is the plan's and the verify's exchanges, on the save thread)"
+                if any(r["method"] in _COLLECTIVE for r in phased)
                 else ""
             )
             + "; the rest runs in the background "
