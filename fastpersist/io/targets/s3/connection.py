@@ -35,7 +35,6 @@ __all__ = [
     "target",
     "make_client",
     "part_size_for",
-    "describe_store",
     "translate",
     "error_fields",
     "with_translation",
@@ -126,7 +125,7 @@ def part_size_for(total: int, configured: int) -> int:
     return math.ceil(total / MAX_PARTS / _MiB) * _MiB
 
 
-def describe_store(client) -> str:
+def _describe_store(client) -> str:
     endpoint = getattr(client.meta, "endpoint_url", None)
     region = getattr(client.meta, "region_name", None)
     return f"endpoint {endpoint}, region {region}"
@@ -143,7 +142,7 @@ def translate(
         return error
     own_code, status, message = error_fields(error)
     code = code or own_code
-    store = describe_store(client)
+    store = _describe_store(client)
     if type(error).__name__ in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
         code = type(error).__name__
     if code in _CREDENTIAL_CODES or code in (
@@ -206,6 +205,7 @@ def error_fields(error: BaseException) -> tuple[str | None, int | None, str]:
 
 
 def with_translation(url: ObjectURL, client, action: str, call, **arguments):
+    """``call(**arguments)`` (one request of ``client``), its failure raised as :func:`translate` makes it."""
     try:
         return call(**arguments)
     except Exception as error:
