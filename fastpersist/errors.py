@@ -418,12 +418,12 @@ class CallNotOpened(Exception):
 
 
 class PartSkippedError(ObjectStoreError):
-    """``io.objectstore``: a part not uploaded because another part had already failed (never the error a save
+    """``io.targets.s3.upload``: a part not uploaded because another part had already failed (never the error a save
     raises)."""
 
 
 class ShortResponseError(Exception):
-    """``io.objectstore``: a ranged GET's response ended early (retried)."""
+    """``io.targets.s3.ranges``: a ranged GET's response ended early (retried)."""
 
 
 _KEPT_ON_LOAD = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)

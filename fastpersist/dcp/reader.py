@@ -30,7 +30,7 @@ Under a URL (``s3://bucket/prefix``, ``memory://dir``...; :mod:`fastpersist.io.t
 the same files are objects: ``read_metadata`` fetches ``.metadata``, and each
 rank's items are read with ranged reads through the target
 (:meth:`~fastpersist.io.targets.base.Target.read_ranges`; for S3
-``io.objectstore.read_ranges``: ``s3_concurrency`` GETs of at most
+``io.targets.s3.ranges.read_ranges``: ``s3_concurrency`` GETs of at most
 ``s3_part_size``, reads of one object that touch or lie within 64 KiB
 sharing one, every GET conditional on the ETag the object had when first
 asked for). Whole chunks land straight in the tensors DCP provides (CPU) and

@@ -6,7 +6,7 @@ A collective save to an object store uses the ``layout="parts"`` model of
 1. **write**: each writer uploads its byte range of rank 0's file as an
    object of its own, ``<key>.<token>.part-<U>-of-<N>`` (the name
    :func:`~fastpersist.distributed.manifest.part_name` gives a local part),
-   through :func:`fastpersist.io.objectstore.commit_plan` with a byte range:
+   through :func:`fastpersist.io.targets.s3.upload.commit_plan` with a byte range:
    a multipart upload fed by the writer's ring (one ``PutObject`` for a range
    of at most one part), aborted on failure. The writers upload in parallel;
    that is the point.
@@ -30,7 +30,7 @@ so the parts are kept (the next committed save to the key deletes them).
 
 A load of the key finds the manifest (its first bytes), asks each part
 object's size and ETag, fetches them all with concurrent ranged GETs
-(conditional on those ETags: :func:`fastpersist.io.objectstore.read_ranges`)
+(conditional on those ETags: :func:`fastpersist.io.targets.s3.ranges.read_ranges`)
 into one buffer, and writes the manifest's patches and trailer in
 (:func:`fastpersist.distributed.load.assemble_into`): the result is the
 ordinary file, which the caller parses and verifies as any downloaded object
@@ -51,14 +51,17 @@ from fastpersist.distributed.load import assemble_into, check_part_size
 from fastpersist.distributed.manifest import HEAD_SIZE, Manifest, PartInfo, looks_like_manifest
 from fastpersist.errors import BucketNotFoundError, ObjectNotFoundError, ObjectStoreError
 from fastpersist.format.names import check_file_name
-from fastpersist.io import engine, objectstore, targets
+from fastpersist.io import engine, targets
+from fastpersist.io.targets.s3 import connection, ranges, upload
+from fastpersist.io.targets.s3.connection import ObjectURL
+from fastpersist.io.targets.s3.keys import abort_uploads, list_keys, put_bytes, remove, remove_keys
 
 __all__ = ["ObjectParts", "part_url", "read_parts", "remove_checkpoint"]
 
 _SHOWN = 8  # keys named in a note or warning; the rest are counted
 
 
-def part_url(url: objectstore.ObjectURL, name: str) -> objectstore.ObjectURL:
+def part_url(url: ObjectURL, name: str) -> ObjectURL:
     """Where the part object ``name`` (a manifest's part name) of the checkpoint at ``url`` is: beside it.
 
     The manifest parser has checked ``name`` already; checked again here, with
@@ -69,7 +72,7 @@ def part_url(url: objectstore.ObjectURL, name: str) -> objectstore.ObjectURL:
     """
     check_file_name(name, checkpoint=url.path, what="a part object of the sharded checkpoint")
     folder, slash, _ = url.key.rpartition("/")
-    return objectstore.ObjectURL(url.bucket, folder + slash + name)
+    return ObjectURL(url.bucket, folder + slash + name)
 
 
 class ObjectParts:
@@ -88,7 +91,7 @@ class ObjectParts:
 
     def __init__(self, destination, settings: Settings):
         self.url = destination.url  # an io.targets.S3Object: its parsed URL
-        self.client = objectstore.make_client(settings.s3_concurrency)
+        self.client = connection.make_client(settings.s3_concurrency)
 
     @property
     def target(self) -> str:
@@ -104,7 +107,7 @@ class ObjectParts:
             ObjectStoreError and its subclasses: the upload failed and was
                 aborted (a note says so if the abort failed as well).
         """
-        return objectstore.commit_plan(
+        return upload.commit_plan(
             plan,
             part_url(self.url, name),
             settings,
@@ -121,7 +124,7 @@ class ObjectParts:
             ObjectStoreError and its subclasses: the store refused, or the
                 network failed (the manifest may then be stored or not).
         """
-        objectstore.put_bytes(self.url, manifest, client=self.client)
+        put_bytes(self.url, manifest, client=self.client)
 
     def discard(self, names, token: str | None = None) -> str | None:
         """Deletes the part objects ``names`` of a failed save; with ``token`` also every object and multipart
@@ -134,14 +137,14 @@ class ObjectParts:
         left: dict[str, str] = {}
         prefix = f"{self.url.key}.{token}.part-" if token else None
         if prefix:
-            left.update(objectstore.abort_uploads(self.url, prefix, client=self.client))
+            left.update(abort_uploads(self.url, prefix, client=self.client))
             try:
-                keys.update(objectstore.list_keys(self.url, prefix, client=self.client))
+                keys.update(list_keys(self.url, prefix, client=self.client))
             except BucketNotFoundError:
                 pass  # no bucket: nothing was stored
             except OSError as error:
                 left[prefix + "*"] = f"listing them failed ({error})"
-        left.update(objectstore.remove_keys(self.url, sorted(keys), client=self.client))
+        left.update(remove_keys(self.url, sorted(keys), client=self.client))
         if not left:
             return None
         return (
@@ -191,10 +194,10 @@ def remove_checkpoint(url: str, settings: Settings | None = None) -> None:
         return
     where = target.url
     settings = settings or config.settings()
-    client = objectstore.make_client(settings.s3_concurrency)
+    client = connection.make_client(settings.s3_concurrency)
     parts = _manifest_parts(where, settings, client)
-    objectstore.remove(url, client=client)
-    left = objectstore.remove_keys(where, [part_url(where, name).key for name in parts], client=client)
+    remove(url, client=client)
+    left = remove_keys(where, [part_url(where, name).key for name in parts], client=client)
     if left:
         raise ObjectStoreError(
             errno.EIO,
@@ -204,38 +207,38 @@ def remove_checkpoint(url: str, settings: Settings | None = None) -> None:
         )
 
 
-def _manifest_parts(url: objectstore.ObjectURL, settings: Settings, client) -> list[str]:
+def _manifest_parts(url: ObjectURL, settings: Settings, client) -> list[str]:
     """The part names of the manifest at ``url``; none when there is no object or another kind of object."""
     action = f"removing {url}"
     try:
-        size, etag = objectstore.head(url, client=client, action=action)
+        size, etag = ranges.head(url, client=client, action=action)
     except ObjectNotFoundError:
         return []
     seen = {url: (size, etag)}  # both reads are of this version of the object
     first = bytearray(min(size, HEAD_SIZE))
-    objectstore.read_ranges([(url, 0, memoryview(first))], settings, client=client, seen=seen, action=action)
+    ranges.read_ranges([(url, 0, memoryview(first))], settings, client=client, seen=seen, action=action)
     if not looks_like_manifest(bytes(first)):
         return []
     data = bytearray(size)
-    objectstore.read_ranges([(url, 0, memoryview(data))], settings, client=client, seen=seen, action=action)
+    ranges.read_ranges([(url, 0, memoryview(data))], settings, client=client, seen=seen, action=action)
     return [part.name for part in Manifest.from_bytes(bytes(data), url.path).parts]
 
 
-def _remove_parts(url: objectstore.ObjectURL, client, *, keep: str | None) -> dict[str, str]:
+def _remove_parts(url: ObjectURL, client, *, keep: str | None) -> dict[str, str]:
     """Deletes the part objects ``<key>.<token>.part-<U>-of-<N>`` of the key, but those of token ``keep``.
 
     Returns key -> why for what may be left (never raises).
     """
     pattern = re.compile(re.escape(url.key) + r"\.(?P<token>[0-9a-f]+)\.part-\d+-of-\d+")
     try:
-        keys = objectstore.list_keys(url, url.key + ".", client=client)
+        keys = list_keys(url, url.key + ".", client=client)
     except OSError as error:
         return {f"{url.key}.*.part-*": f"listing them failed ({error})"}
     parts = [k for k in keys if (match := pattern.fullmatch(k)) is not None and match["token"] != keep]
-    return objectstore.remove_keys(url, parts, client=client)
+    return remove_keys(url, parts, client=client)
 
 
-def _listed(url: objectstore.ObjectURL, left: dict[str, str]) -> str:
+def _listed(url: ObjectURL, left: dict[str, str]) -> str:
     shown = "; ".join(f"s3://{url.bucket}/{key} ({why})" for key, why in sorted(left.items())[:_SHOWN])
     return shown + (f"; and {len(left) - _SHOWN} more" if len(left) > _SHOWN else "")
 
@@ -252,7 +255,7 @@ def read_parts(source, manifest_bytes: bytes, settings: Settings, *, client=None
     downloaded checkpoint.
 
     Returns:
-        ``(buffer, size)`` as :func:`fastpersist.io.objectstore.download` returns them.
+        ``(buffer, size)`` as :func:`fastpersist.io.targets.s3.ranges.download` returns them.
 
     Raises:
         CorruptCheckpointError: a damaged manifest; (``UnsafeFileNameError``) one naming
@@ -266,13 +269,13 @@ def read_parts(source, manifest_bytes: bytes, settings: Settings, *, client=None
     url = source.url
     manifest = Manifest.from_bytes(manifest_bytes, url.path)
     if client is None:
-        client = objectstore.make_client(settings.s3_concurrency)
+        client = connection.make_client(settings.s3_concurrency)
     locations = {part.index: part_url(url, part.name) for part in manifest.parts}
 
     def look(part: PartInfo) -> tuple[int, str | None]:
         where = locations[part.index]
         try:
-            size, etag = objectstore.head(where, client=client, action=f"loading {url}")
+            size, etag = ranges.head(where, client=client, action=f"loading {url}")
         except ObjectNotFoundError as error:
             raise ObjectNotFoundError(
                 errno.ENOENT,
@@ -291,7 +294,7 @@ def read_parts(source, manifest_bytes: bytes, settings: Settings, *, client=None
 
     def fetch(pieces: list[tuple[PartInfo, memoryview]]) -> None:
         reads = [(locations[part.index], 0, view) for part, view in pieces]
-        objectstore.read_ranges(reads, settings, client=client, seen=seen, action=f"loading {url}")
+        ranges.read_ranges(reads, settings, client=client, seen=seen, action=f"loading {url}")
 
     assemble_into(memoryview(buffer).cast("B")[: manifest.size], manifest, fetch)
     return buffer, manifest.size

@@ -108,7 +108,7 @@ def write_plan(
             from one worker thread, and ``wait()``, which returns once every
             write submitted to it is done and raises the first error as an
             ``OSError`` (an object store's multipart upload is such a handle:
-            :mod:`fastpersist.io.objectstore`).
+            :mod:`fastpersist.io.targets.s3.upload`).
         after_reads: called once every byte of the plan's storages has been
             read or its copy queued, while the last windows are still being
             written, with ``[(device, event), ...]``: a CUDA event per side

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from fastpersist.dcp import FastPersistReader, FastPersistWriter
-from fastpersist.io import objectstore
+from fastpersist.io.targets.s3 import connection
 
 SETTINGS = {"s3_part_size": "5M", "s3_concurrency": 2}
 
@@ -134,8 +134,8 @@ def main() -> int:
 
     def failing_save() -> None:
         if rank == 1:
-            real = objectstore.make_client
-            objectstore.make_client = lambda concurrency: FailingClient(real(concurrency), nth=2)
+            real = connection.make_client
+            connection.make_client = lambda concurrency: FailingClient(real(concurrency), nth=2)
         try:
             dcp.save(sharded(mesh, full), storage_writer=FastPersistWriter(f"{url}/step-1", **SETTINGS))
         except BaseException as e:  # noqa: BLE001 - what every rank raised goes to the test
@@ -143,7 +143,7 @@ def main() -> int:
             failure.update(raised=True, type=type(e).__name__, ranks=sorted(getattr(e, "failures", {})), inner=inner)
         finally:
             if rank == 1:
-                objectstore.make_client = real
+                connection.make_client = real
 
     scenario(report, "failing_ran", failing_save)
     report["failure"] = failure

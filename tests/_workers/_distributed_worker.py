@@ -182,13 +182,13 @@ def _do(rank: int, world: int, directory: str, step: dict):
     if "s3_part_size" in step:
         overrides["s3_part_size"] = step["s3_part_size"]
     if "url" in step:
-        from fastpersist.io import objectstore
+        from fastpersist.io.targets.s3 import connection
 
-        objectstore.make_client = _REAL_MAKE_CLIENT.setdefault("s3", objectstore.make_client)  # no earlier step's fault
+        connection.make_client = _REAL_MAKE_CLIENT.setdefault("s3", connection.make_client)  # no earlier step's fault
         fail = step.get("s3_faults", {}).get(str(rank))  # {rank: {client method: the n-th call that fails}}
         if fail:
-            real = objectstore.make_client
-            objectstore.make_client = lambda concurrency: FaultyClient(real(concurrency), fail)
+            real = connection.make_client
+            connection.make_client = lambda concurrency: FaultyClient(real(concurrency), fail)
     if kind == "save":
         bad = step.get("bad")
         if bad == rank and step.get("fault") == "exception":

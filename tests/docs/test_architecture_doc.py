@@ -286,8 +286,7 @@ _SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "memory://")
 """URL schemes product code may name only where targets are resolved or implemented (``file://`` is left
 out: the Lightning plugins strip it to keep their local fast path)."""
 _STORES = (
-    "fastpersist/io/targets/",  # resolve() and one file per store
-    "fastpersist/io/objectstore.py",  # the S3 requests (boto3)
+    "fastpersist/io/targets/",  # resolve() and one file (or package: s3/, with its requests) per store
     "fastpersist/distributed/objectstore.py",  # collective saves as S3 part objects
     "fastpersist/bench/",  # a leaf: the benchmarks name the stores they measure
 )

@@ -124,15 +124,15 @@ class RecordingClient:
 def recording_client(s3, monkeypatch):
     """Every client fastpersist makes in this test is a :class:`RecordingClient` over a real one; the
     fixture's value is a list of them, in order."""
-    from fastpersist.io import objectstore
+    from fastpersist.io.targets.s3 import connection
 
     made = []
-    real = objectstore.make_client
+    real = connection.make_client
 
     def make(concurrency):
         client = RecordingClient(real(concurrency))
         made.append(client)
         return client
 
-    monkeypatch.setattr(objectstore, "make_client", make)
+    monkeypatch.setattr(connection, "make_client", make)
     return made

@@ -28,7 +28,7 @@ from fastpersist import config
 from fastpersist.dcp import FastPersistReader, FastPersistWriter
 from fastpersist.dcp import objectstore as dcp_objectstore
 from fastpersist.errors import BucketNotFoundError, ObjectNotFoundError, ObjectStoreError
-from fastpersist.io import objectstore
+from fastpersist.io.targets.s3 import connection, upload
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -170,14 +170,14 @@ def test_async_save(s3):
 
 def test_stale_metadata_is_deleted_before_any_upload(s3, monkeypatch):
     _save(_small_state(), s3.url("ckpt"))
-    real = objectstore.commit_plan
+    real = upload.commit_plan
     seen_metadata = []
 
     def watching(plan, destination, *args, **kwargs):
         seen_metadata.append(".metadata" in _keys(s3, "ckpt"))
         return real(plan, destination, *args, **kwargs)
 
-    monkeypatch.setattr(objectstore, "commit_plan", watching)
+    monkeypatch.setattr(upload, "commit_plan", watching)
     new = {"a": torch.arange(10, dtype=torch.float32) + 1, "b": torch.zeros(3, 3), "step": 2}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -197,14 +197,14 @@ def test_overwrite_false_refuses_and_keeps_the_checkpoint(s3):
 
 
 def _failing_uploads(monkeypatch, method: str, nth: int, error: BaseException) -> None:
-    real = objectstore.make_client
+    real = connection.make_client
 
     def failing(concurrency):
         client = real(concurrency)
         client.fail[method] = (nth, error)
         return client
 
-    monkeypatch.setattr(objectstore, "make_client", failing)
+    monkeypatch.setattr(connection, "make_client", failing)
 
 
 def _network_error():
@@ -234,7 +234,7 @@ def test_a_failed_commit_leaves_no_metadata(s3, recording_client, monkeypatch):
     """Every file is up, the PutObject of .metadata fails: still no checkpoint, and the error says why."""
     state = _small_state()
     _save(state, s3.url("ckpt"))
-    real = objectstore.make_client
+    real = connection.make_client
 
     def refuse_metadata(**arguments):
         if arguments["Key"].endswith(".metadata"):
@@ -245,7 +245,7 @@ def test_a_failed_commit_leaves_no_metadata(s3, recording_client, monkeypatch):
         client.before["put_object"] = refuse_metadata  # (the data file, of one part, is a PutObject too)
         return client
 
-    monkeypatch.setattr(objectstore, "make_client", failing)
+    monkeypatch.setattr(connection, "make_client", failing)
     with pytest.raises(BaseException) as caught:
         _save(state, s3.url("ckpt"))
     assert "uploading s3://" in _describe(caught.value) and "ckpt/.metadata" in _describe(caught.value)
@@ -255,7 +255,7 @@ def test_a_failed_commit_leaves_no_metadata(s3, recording_client, monkeypatch):
 def test_commit_checks_every_rank_object(s3):
     prefix = dcp_objectstore.prefix_of(s3.url("ckpt"))
     s3.put("ckpt/__0_0.distcp", b"x" * 10)
-    client = objectstore.make_client(2)
+    client = connection.make_client(2)
     settings = config.settings()
     dcp_objectstore.check_committed(prefix, {"__0_0.distcp": 10}, settings, client=client)
     with pytest.raises(ObjectStoreError, match="holds 10 bytes where its rank uploaded 11"):

@@ -21,7 +21,7 @@ from fastpersist.errors import (
     TruncatedCheckpointError,
 )
 from fastpersist.format.serializer import plan_save
-from fastpersist.io import objectstore
+from fastpersist.io.targets.s3 import connection, upload
 
 _MiB = 1 << 20
 _PREVIOUS = {"version": torch.tensor([1]), "weights": torch.arange(1000)}
@@ -43,7 +43,7 @@ def test_network_error_in_a_part_aborts_and_keeps_the_previous_object(s3, record
     fastpersist.save(_PREVIOUS, s3.url("ckpt.pt"))
     recording_client.clear()
     with pytest.raises(ObjectStoreError, match="uploading part 2 .*Check AWS_ENDPOINT_URL") as caught:
-        original = objectstore.make_client
+        original = connection.make_client
 
         def failing(concurrency):
             client = original(concurrency)
@@ -51,7 +51,7 @@ def test_network_error_in_a_part_aborts_and_keeps_the_previous_object(s3, record
             return client
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(objectstore, "make_client", failing)
+            patch.setattr(connection, "make_client", failing)
             fastpersist.save(_NEXT, s3.url("ckpt.pt"), s3_part_size="5M", s3_concurrency=1)
     assert isinstance(caught.value, CheckpointIOError) and isinstance(caught.value, RuntimeError)
     assert caught.value.filename == s3.url("ckpt.pt")
@@ -65,14 +65,14 @@ def test_network_error_in_a_part_aborts_and_keeps_the_previous_object(s3, record
 
 def test_keyboard_interrupt_aborts_and_keeps_the_previous_object(s3, recording_client, monkeypatch):
     fastpersist.save(_PREVIOUS, s3.url("ckpt.pt"))
-    real = objectstore.make_client
+    real = connection.make_client
 
     def interrupted(concurrency):
         client = real(concurrency)
         client.fail["upload_part"] = (3, KeyboardInterrupt())
         return client
 
-    monkeypatch.setattr(objectstore, "make_client", interrupted)
+    monkeypatch.setattr(connection, "make_client", interrupted)
     with pytest.raises(KeyboardInterrupt):
         fastpersist.save(_NEXT, s3.url("ckpt.pt"), s3_part_size="5M", s3_concurrency=2)
     assert recording_client[-1].calls["abort_multipart_upload"] == 1
@@ -83,7 +83,7 @@ def test_failed_completion_aborts(s3, recording_client, monkeypatch):
     from botocore.exceptions import ClientError
 
     fastpersist.save(_PREVIOUS, s3.url("ckpt.pt"))
-    real = objectstore.make_client
+    real = connection.make_client
     refusal = ClientError({"Error": {"Code": "InternalError", "Message": "injected"}}, "CompleteMultipartUpload")
 
     def refusing(concurrency):
@@ -91,7 +91,7 @@ def test_failed_completion_aborts(s3, recording_client, monkeypatch):
         client.fail["complete_multipart_upload"] = (1, refusal)
         return client
 
-    monkeypatch.setattr(objectstore, "make_client", refusing)
+    monkeypatch.setattr(connection, "make_client", refusing)
     with pytest.raises(ObjectStoreError, match="completing the upload .*InternalError") as caught:
         fastpersist.save(_NEXT, s3.url("ckpt.pt"), s3_part_size="5M")
     assert caught.value.code == "InternalError"
@@ -100,7 +100,7 @@ def test_failed_completion_aborts(s3, recording_client, monkeypatch):
 
 
 def test_a_failed_abort_is_reported_with_the_command_that_cleans_up(s3, recording_client, monkeypatch):
-    real = objectstore.make_client
+    real = connection.make_client
 
     def failing_twice(concurrency):
         client = real(concurrency)
@@ -108,7 +108,7 @@ def test_a_failed_abort_is_reported_with_the_command_that_cleans_up(s3, recordin
         client.fail["abort_multipart_upload"] = (1, _network_error())
         return client
 
-    monkeypatch.setattr(objectstore, "make_client", failing_twice)
+    monkeypatch.setattr(connection, "make_client", failing_twice)
     with pytest.raises(ObjectStoreError) as caught:
         fastpersist.save(_NEXT, s3.url("ckpt.pt"), s3_part_size="5M")
     notes = " ".join(getattr(caught.value, "__notes__", []))
@@ -128,14 +128,14 @@ def test_an_object_of_one_part_goes_up_in_one_put(s3, recording_client):
 
 def test_a_failed_single_put_keeps_the_previous_object(s3, recording_client, monkeypatch):
     fastpersist.save(_PREVIOUS, s3.url("ckpt.pt"))
-    real = objectstore.make_client
+    real = connection.make_client
 
     def failing(concurrency):
         client = real(concurrency)
         client.fail["put_object"] = (1, _network_error())
         return client
 
-    monkeypatch.setattr(objectstore, "make_client", failing)
+    monkeypatch.setattr(connection, "make_client", failing)
     with pytest.raises(ObjectStoreError, match="uploading"):
         fastpersist.save(_NEXT, s3.url("ckpt.pt"))
     _assert_previous_intact(s3, "ckpt.pt")
@@ -153,7 +153,7 @@ def test_failed_before_commit_check_aborts(s3, part_size):
     if part_size:
         settings = settings.replace(s3_part_size=5 << 20)
     with pytest.raises(fastpersist.TensorModifiedError):
-        objectstore.commit_plan(plan, objectstore.target(s3.url("ckpt.pt")), settings, None, before_commit=refuse)
+        upload.commit_plan(plan, connection.target(s3.url("ckpt.pt")), settings, None, before_commit=refuse)
     _assert_previous_intact(s3, "ckpt.pt")
 
 
@@ -211,21 +211,21 @@ def test_unreachable_endpoint(s3, monkeypatch):
 
 def test_object_replaced_during_a_load_fails_the_load(s3, recording_client, monkeypatch):
     fastpersist.save(_PREVIOUS, s3.url("ckpt.pt"))
-    real = objectstore.make_client
+    real = connection.make_client
 
     def replacing(concurrency):
         client = real(concurrency)
         client.before["get_object"] = lambda **_: s3.put("ckpt.pt", b"another object")
         return client
 
-    monkeypatch.setattr(objectstore, "make_client", replacing)
+    monkeypatch.setattr(connection, "make_client", replacing)
     with pytest.raises(ObjectStoreError, match="replaced while it was being read"):
         fastpersist.load(s3.url("ckpt.pt"))
 
 
 def test_a_response_that_breaks_off_is_fetched_again(s3, recording_client, monkeypatch):
     fastpersist.save(_NEXT, s3.url("ckpt.pt"))
-    real = objectstore.make_client
+    real = connection.make_client
 
     class BrokenBody:
         """The first 1000 bytes of a response, then the end: a connection that dropped."""
@@ -246,7 +246,7 @@ def test_a_response_that_breaks_off_is_fetched_again(s3, recording_client, monke
         )
         return client
 
-    monkeypatch.setattr(objectstore, "make_client", breaking)
+    monkeypatch.setattr(connection, "make_client", breaking)
     loaded = fastpersist.load(s3.url("ckpt.pt"), s3_concurrency=1)
     assert torch.equal(loaded["weights"], _NEXT["weights"])
     assert recording_client[-1].calls["get_object"] == 2

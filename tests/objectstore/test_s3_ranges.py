@@ -1,4 +1,4 @@
-"""io.objectstore.read_ranges against moto's S3 server: parts of objects straight into their destinations,
+"""io.targets.s3.ranges.read_ranges against moto's S3 server: parts of objects straight into their destinations,
 coalesced where they (nearly) touch, conditional on the ETag first seen."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fastpersist.errors import (
     ShortResponseError,
     TruncatedCheckpointError,
 )
-from fastpersist.io import objectstore
+from fastpersist.io.targets.s3 import connection, ranges
 
 _MiB = 1 << 20
 
@@ -25,7 +25,7 @@ def _settings():
 
 
 def _reads(store, key, spans):
-    url = objectstore.ObjectURL(store.bucket, key)
+    url = connection.ObjectURL(store.bucket, key)
     return [(url, start, memoryview(bytearray(length))) for start, length in spans]
 
 
@@ -42,7 +42,7 @@ def test_pieces_land_in_their_destinations_with_few_gets(s3, recording_client):
         (12 * _MiB, 5),  # the last bytes, 2 MiB past the previous read: a GET of its own
     ]
     reads = _reads(s3, "blob", spans)
-    objectstore.read_ranges(reads, _settings())
+    ranges.read_ranges(reads, _settings())
     for (start, length), (_, _, destination) in zip(spans, reads):
         assert bytes(destination) == data[start : start + length]
     calls = recording_client[-1].calls
@@ -54,12 +54,12 @@ def test_seen_objects_are_not_asked_again_and_a_replaced_one_fails(s3, recording
     s3.put("blob", b"a" * 1000)
     seen: dict = {}
     reads = _reads(s3, "blob", [(0, 10)])
-    objectstore.read_ranges(reads, _settings(), seen=seen)
+    ranges.read_ranges(reads, _settings(), seen=seen)
     url = reads[0][0]
     assert seen[url][0] == 1000
     s3.put("blob", b"b" * 1000)
     with pytest.raises(ObjectStoreError, match="replaced while it was being read") as caught:
-        objectstore.read_ranges(_reads(s3, "blob", [(0, 10)]), _settings(), seen=seen)
+        ranges.read_ranges(_reads(s3, "blob", [(0, 10)]), _settings(), seen=seen)
     assert caught.value.code in ("PreconditionFailed", "412")
     assert "head_object" not in recording_client[-1].calls
 
@@ -67,23 +67,23 @@ def test_seen_objects_are_not_asked_again_and_a_replaced_one_fails(s3, recording
 def test_a_read_past_the_end_fails_before_any_get(s3, recording_client):
     s3.put("blob", b"x" * 100)
     with pytest.raises(TruncatedCheckpointError, match="holds 100 bytes, but bytes up to 101"):
-        objectstore.read_ranges(_reads(s3, "blob", [(90, 11)]), _settings())
+        ranges.read_ranges(_reads(s3, "blob", [(90, 11)]), _settings())
     assert "get_object" not in recording_client[-1].calls
 
 
 def test_missing_object_and_bucket(s3):
     with pytest.raises(ObjectNotFoundError):
-        objectstore.read_ranges(_reads(s3, "absent", [(0, 1)]), _settings())
-    url = objectstore.ObjectURL(s3.bucket + "-missing", "blob")
+        ranges.read_ranges(_reads(s3, "absent", [(0, 1)]), _settings())
+    url = connection.ObjectURL(s3.bucket + "-missing", "blob")
     with pytest.raises(BucketNotFoundError):
-        objectstore.read_ranges([(url, 0, memoryview(bytearray(1)))], _settings())
+        ranges.read_ranges([(url, 0, memoryview(bytearray(1)))], _settings())
 
 
 def test_a_broken_off_response_is_fetched_again(s3, recording_client, monkeypatch):
     """The retry starts the GET over: its bytes go to the same pieces again."""
     data = os.urandom(3000)
     s3.put("blob", data)
-    real = objectstore._fetch_range
+    real = ranges._fetch_range
     broken = {"count": 0}
 
     def once_broken(client, url, etag, start, end, destination, stop):
@@ -93,7 +93,7 @@ def test_a_broken_off_response_is_fetched_again(s3, recording_client, monkeypatc
             raise ShortResponseError("injected")
         return real(client, url, etag, start, end, destination, stop)
 
-    monkeypatch.setattr(objectstore, "_fetch_range", once_broken)
+    monkeypatch.setattr(ranges, "_fetch_range", once_broken)
     reads = _reads(s3, "blob", [(0, 100), (200, 2000)])
-    objectstore.read_ranges(reads, _settings())
+    ranges.read_ranges(reads, _settings())
     assert bytes(reads[0][2]) == data[:100] and bytes(reads[1][2]) == data[200:2200]

@@ -9,7 +9,7 @@ import torch
 import fastpersist
 from fastpersist.api import safetensors as fs
 from fastpersist.errors import InvalidSafetensorsError, ObjectNotFoundError, ObjectStoreError
-from fastpersist.io import objectstore
+from fastpersist.io.targets.s3 import connection, ranges
 
 _MiB = 1 << 20
 
@@ -204,16 +204,16 @@ def test_an_object_replaced_while_open_fails_the_read(s3):
 def test_safe_open_reads_through_read_ranges_pinned_to_the_etag_of_its_head(s3, monkeypatch):
     # One ranged-read mechanism: ObjectReader is a HEAD plus read_ranges calls given that HEAD's ETag.
     fastpersist.save_file({"a": torch.arange(5), "b": torch.ones(3)}, s3.url("model.safetensors"))
-    real, calls = objectstore.read_ranges, []
+    real, calls = ranges.read_ranges, []
 
     def recording(reads, settings, **options):
         calls.append((list(reads), dict(options["seen"])))
         return real(reads, settings, **options)
 
-    monkeypatch.setattr(objectstore, "read_ranges", recording)
+    monkeypatch.setattr(ranges, "read_ranges", recording)
     with fastpersist.safe_open(s3.url("model.safetensors"), framework="pt") as f:
         assert torch.equal(f.get_tensor("b"), torch.ones(3))
-    url = objectstore.target(s3.url("model.safetensors"))
+    url = connection.target(s3.url("model.safetensors"))
     assert len(calls) == 2  # the header, then "b"
     for reads, seen in calls:
         assert [read[0] for read in reads] == [url]
@@ -232,36 +232,36 @@ def _assert_previous_intact(s3, key: str) -> None:
 @pytest.mark.parametrize("failure", ["network", "interrupt"])
 def test_failure_mid_upload_keeps_the_previous_object(s3, recording_client, monkeypatch, failure):
     fastpersist.save_file(_PREVIOUS, s3.url("model.safetensors"))
-    real = objectstore.make_client
+    real = connection.make_client
 
     def failing(concurrency):
         client = real(concurrency)
         client.fail["upload_part"] = (2, _network_error() if failure == "network" else KeyboardInterrupt())
         return client
 
-    monkeypatch.setattr(objectstore, "make_client", failing)
+    monkeypatch.setattr(connection, "make_client", failing)
     expected = ObjectStoreError if failure == "network" else KeyboardInterrupt
     with pytest.raises(expected):
         fastpersist.save_file(_NEXT, s3.url("model.safetensors"), s3_part_size="5M", s3_concurrency=1)
     client = recording_client[-1]
     assert client.calls["abort_multipart_upload"] == 1 and "complete_multipart_upload" not in client.calls
-    monkeypatch.setattr(objectstore, "make_client", real)
+    monkeypatch.setattr(connection, "make_client", real)
     _assert_previous_intact(s3, "model.safetensors")
 
 
 def test_failed_single_put_keeps_the_previous_object(s3, recording_client, monkeypatch):
     fastpersist.save_file(_PREVIOUS, s3.url("model.safetensors"))
-    real = objectstore.make_client
+    real = connection.make_client
 
     def failing(concurrency):
         client = real(concurrency)
         client.fail["put_object"] = (1, _network_error())
         return client
 
-    monkeypatch.setattr(objectstore, "make_client", failing)
+    monkeypatch.setattr(connection, "make_client", failing)
     with pytest.raises(ObjectStoreError, match="uploading"):
         fastpersist.save({"version": torch.tensor([2])}, s3.url("model.safetensors"))
-    monkeypatch.setattr(objectstore, "make_client", real)
+    monkeypatch.setattr(connection, "make_client", real)
     _assert_previous_intact(s3, "model.safetensors")
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist.io import memory, objectstore
+from fastpersist.io import memory
+from fastpersist.io.targets.s3 import connection
 
 _MiB = 1 << 20
 
@@ -118,11 +119,11 @@ def test_settings_apply_from_the_config_mechanism(s3, recording_client):
 
 
 def test_part_size_grows_where_the_checkpoint_needs_more_than_10000_parts():
-    assert objectstore.part_size_for(100 * _MiB, 64 * _MiB) == 64 * _MiB
-    assert objectstore.part_size_for(10_000 * 64 * _MiB, 64 * _MiB) == 64 * _MiB
-    grown = objectstore.part_size_for(10_000 * 64 * _MiB + 1, 64 * _MiB)
+    assert connection.part_size_for(100 * _MiB, 64 * _MiB) == 64 * _MiB
+    assert connection.part_size_for(10_000 * 64 * _MiB, 64 * _MiB) == 64 * _MiB
+    grown = connection.part_size_for(10_000 * 64 * _MiB + 1, 64 * _MiB)
     assert grown == 65 * _MiB and grown % _MiB == 0
-    assert -(-(10_000 * 64 * _MiB + 1) // grown) <= objectstore.MAX_PARTS
+    assert -(-(10_000 * 64 * _MiB + 1) // grown) <= connection.MAX_PARTS
 
 
 def test_settings_refuse_part_sizes_s3_refuses():
@@ -218,3 +219,15 @@ def test_load_honours_weights_only_and_map_location(s3):
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         fastpersist.load(s3.url("custom.pt"))
     assert fastpersist.load(s3.url("custom.pt"), weights_only=False)["custom"] == fractions.Fraction(1, 3)
+
+
+def test_the_former_module_name_gives_the_same_functions():
+    """``fastpersist.io.objectstore`` (documented: its ``upload_file`` for use on its own) re-exports the S3
+    requests from their modules under ``io.targets.s3``: the same objects, not copies."""
+    from fastpersist.io import objectstore
+    from fastpersist.io.targets.s3 import files, keys, ranges, upload
+
+    defined = {**vars(connection), **vars(files), **vars(keys), **vars(ranges), **vars(upload)}
+    assert {name: getattr(objectstore, name) is defined[name] for name in objectstore.__all__} == dict.fromkeys(
+        objectstore.__all__, True
+    )

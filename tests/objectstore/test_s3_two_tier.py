@@ -17,7 +17,8 @@ import torch
 import fastpersist
 from fastpersist.api import futures
 from fastpersist.errors import BucketNotFoundError, ObjectStoreError
-from fastpersist.io import commit, objectstore, queue
+from fastpersist.io import commit, queue
+from fastpersist.io.targets.s3 import connection
 
 _MiB = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -108,14 +109,14 @@ def test_upload_errors_surface_at_result_and_the_local_file_stays(s3, tmp_path):
 
 def test_a_failed_upload_keeps_the_previous_object(s3, recording_client, tmp_path, monkeypatch):
     fastpersist.save(_state(1), s3.url("ckpt.pt"))
-    real = objectstore.make_client
+    real = connection.make_client
 
     def failing(concurrency):
         client = real(concurrency)
         client.fail["upload_part"] = (2, _network_error())
         return client
 
-    monkeypatch.setattr(objectstore, "make_client", failing)
+    monkeypatch.setattr(connection, "make_client", failing)
     future = fastpersist.async_save(
         _state(2, size=4 * _MiB), s3.url("ckpt.pt"), local_copy=tmp_path / "ckpt.pt", s3_part_size="5M"
     )
@@ -123,7 +124,7 @@ def test_a_failed_upload_keeps_the_previous_object(s3, recording_client, tmp_pat
         future.result()
     assert caught.value.code == "ConnectionClosedError"
     assert recording_client[-1].calls["abort_multipart_upload"] == 1
-    monkeypatch.setattr(objectstore, "make_client", real)
+    monkeypatch.setattr(connection, "make_client", real)
     assert fastpersist.load(s3.url("ckpt.pt"))["version"].item() == 1
     assert s3.uploads_in_progress() == []
     assert fastpersist.load(tmp_path / "ckpt.pt")["version"].item() == 2  # the fast tier has the new one
@@ -225,12 +226,12 @@ def _child_environment(s3) -> dict:
 _CHILD = textwrap.dedent(
     """
     import os, signal, sys, time, torch, fastpersist
-    from fastpersist.io import objectstore
+    from fastpersist.io.targets.s3 import connection
     url, local, go, wait_forever = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
     # Ctrl-C raises KeyboardInterrupt even in a process started with SIGINT ignored (a background job of a
     # shell without job control), where Python would not install its handler.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    real = objectstore.make_client
+    real = connection.make_client
 
     def held(concurrency):  # the upload waits until the parent says go: it is surely pending until then
         client = real(concurrency)
@@ -243,7 +244,7 @@ _CHILD = textwrap.dedent(
         client.meta.events.register("before-call.s3.PutObject", wait_for_go)
         return client
 
-    objectstore.make_client = held
+    connection.make_client = held
     fastpersist.async_save({"w": torch.arange(100_000, dtype=torch.float32)}, url, local_copy=local)
     print("saved", flush=True)
     if wait_forever:

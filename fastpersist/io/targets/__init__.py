@@ -37,7 +37,7 @@ __all__ = ["FileObject", "LocalFile", "RangeReader", "S3Object", "Sink", "Target
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 _COLLAPSED = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)")  # what pathlib makes of scheme://...
-_BOTO3 = "s3"  # through boto3 (io.objectstore); every other scheme through fsspec
+_BOTO3 = "s3"  # through boto3 (io.targets.s3); every other scheme through fsspec
 
 
 def _scheme(f: Any) -> str | None:

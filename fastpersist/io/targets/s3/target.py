@@ -1,8 +1,9 @@
 """An object in S3 or an S3-compatible store (``s3://bucket/key``) as a target, through boto3.
 
-The requests are :mod:`fastpersist.io.objectstore`'s (its docstring is the
-design): a save is a multipart upload fed by the writer's ring, whose
-completion is the commit and whose abort leaves the previous object intact;
+The requests are those of the modules beside this one (the package's
+docstring, :mod:`fastpersist.io.targets.s3`, is the design): a save is a
+multipart upload fed by the writer's ring, whose completion is the commit and
+whose abort leaves the previous object intact;
 a load is concurrent ranged GETs pinned to the ETag seen first. This file is
 where a checkpoint's operations meet them: one object (a ``torch.save`` or
 safetensors file, a collective save's manifest), or a prefix whose children
@@ -21,12 +22,12 @@ import errno
 
 from fastpersist.config import Settings
 from fastpersist.errors import ObjectNotFoundError, ObjectStoreError
-from fastpersist.io import objectstore
 from fastpersist.io.targets.base import RangeReader, Target
+from fastpersist.io.targets.s3 import connection, files, keys, ranges, upload
 
 __all__ = ["S3Object"]
 
-SCHEME = objectstore.SCHEME
+SCHEME = connection.SCHEME
 
 
 @dataclasses.dataclass
@@ -71,19 +72,19 @@ class S3Object(Target):
         return self.key  # its stem names the archive's top folder, as a local file's name does
 
     @property
-    def url(self) -> objectstore.ObjectURL:
+    def url(self) -> connection.ObjectURL:
         """The object's parsed URL.
 
         Raises:
             ValueError: no bucket or no key, or a key ending in ``/`` (a "folder").
         """
-        return objectstore.target(self.path)
+        return connection.target(self.path)
 
     def _client(self):
         return None if self._session is None else self._session.client
 
     def _client_or_new(self, settings: Settings):
-        return self._client() or objectstore.make_client(settings.s3_concurrency)
+        return self._client() or connection.make_client(settings.s3_concurrency)
 
     # ------------------------------------------------------------------ saves
 
@@ -113,8 +114,8 @@ class S3Object(Target):
         return "parts"
 
     def commit_plan(self, plan, settings: Settings, streams=None, *, before_commit=None, after_reads=None) -> list[int]:
-        """A multipart upload committed by its completion: :func:`fastpersist.io.objectstore.commit_plan`."""
-        return objectstore.commit_plan(
+        """A multipart upload committed by its completion: :func:`fastpersist.io.targets.s3.upload.commit_plan`."""
+        return upload.commit_plan(
             plan,
             self.url,
             settings,
@@ -125,27 +126,27 @@ class S3Object(Target):
         )
 
     def put_bytes(self, data, settings: Settings) -> None:
-        """One ``PutObject`` (:func:`fastpersist.io.objectstore.put_bytes`)."""
-        objectstore.put_bytes(self.url, data, client=self._client_or_new(settings))
+        """One ``PutObject`` (:func:`fastpersist.io.targets.s3.keys.put_bytes`)."""
+        keys.put_bytes(self.url, data, client=self._client_or_new(settings))
 
     def upload_file(self, source, settings: Settings) -> None:
-        """:func:`fastpersist.io.objectstore.upload_file`."""
-        objectstore.upload_file(source, self.url, settings, client=self._client())
+        """:func:`fastpersist.io.targets.s3.files.upload_file`."""
+        files.upload_file(source, self.url, settings, client=self._client())
 
     # ------------------------------------------------------------------ loads
 
     def download(self, settings: Settings):
-        """:func:`fastpersist.io.objectstore.download` (one HEAD, then concurrent ranged GETs)."""
-        return objectstore.download(self.url, settings, client=self._client())
+        """:func:`fastpersist.io.targets.s3.ranges.download` (one HEAD, then concurrent ranged GETs)."""
+        return ranges.download(self.url, settings, client=self._client())
 
     def open_reader(self, settings: Settings) -> RangeReader:
-        """:class:`fastpersist.io.objectstore.ObjectReader`: one HEAD, then reads pinned to its ETag."""
-        return objectstore.ObjectReader(self.url, settings, client=self._client())
+        """:class:`fastpersist.io.targets.s3.ranges.ObjectReader`: one HEAD, then reads pinned to its ETag."""
+        return ranges.ObjectReader(self.url, settings, client=self._client())
 
     def read_ranges(self, reads, settings: Settings) -> None:
-        """:func:`fastpersist.io.objectstore.read_ranges`, pinned to the ETags this connection saw first."""
+        """:func:`fastpersist.io.targets.s3.ranges.read_ranges`, pinned to the ETags this connection saw first."""
         seen = None if self._session is None else self._session.seen
-        objectstore.read_ranges(
+        ranges.read_ranges(
             [(where.url, offset, destination) for where, offset, destination in reads],
             settings,
             client=self._client(),
@@ -161,14 +162,14 @@ class S3Object(Target):
         """
         url = self.url
         try:
-            objectstore.head(url, client=self._client() or objectstore.make_client(1), action=f"looking for {url}")
+            ranges.head(url, client=self._client() or connection.make_client(1), action=f"looking for {url}")
         except ObjectNotFoundError:  # (a missing bucket is a BucketNotFoundError, raised)
             return False
         return True
 
     def remove(self) -> None:
         """One ``DeleteObject`` (S3's delete succeeds where there is no object)."""
-        objectstore.remove(self.url.path, client=self._client())
+        keys.remove(self.url.path, client=self._client())
 
     # ------------------------------------------------------------------ prefixes (DCP)
 
@@ -187,7 +188,7 @@ class S3Object(Target):
 
     def connected(self, settings: Settings, *, client=None) -> S3Object:
         """This prefix or object with one client (``client``, or a new one) for every request made through it."""
-        session = _Session(client if client is not None else objectstore.make_client(settings.s3_concurrency))
+        session = _Session(client if client is not None else connection.make_client(settings.s3_concurrency))
         return S3Object(self.bucket, self.key, text=self._text, session=session)
 
     def check_sizes(self, sizes: dict[str, int], settings: Settings) -> None:
@@ -208,7 +209,7 @@ class S3Object(Target):
 
         def check(name: str) -> None:
             url = self.child(name).url
-            size, _ = objectstore.head(url, client=client, action=f"checking the upload of {url} before the commit")
+            size, _ = ranges.head(url, client=client, action=f"checking the upload of {url} before the commit")
             if size != sizes[name]:
                 raise ObjectStoreError(
                     errno.EIO,
