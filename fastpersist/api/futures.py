@@ -37,7 +37,7 @@ first saved to the local ``path`` by the ordinary synchronous local save
 (atomic, fsync, O_DIRECT) -- at disk speed, before ``async_save`` returns, so
 the state may change at once -- and the local file is then uploaded by the
 same background queue (the target's ``upload_file``; for S3
-:func:`fastpersist.io.objectstore.upload_file`): one
+:func:`fastpersist.io.targets.s3.files.upload_file`): one
 queued job per save, whose future raises the upload's errors, completes at
 interpreter exit and behaves after ``fork()`` as every other. The local file
 is kept: it is the fast tier a restart may load.
