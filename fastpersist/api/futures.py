@@ -24,7 +24,9 @@ At most ``async_max_pending`` saves are in flight: a new one first waits for
 the oldest. Under a Checkpointer's hooks a pipelined save does not wait: it
 is queued at once, and the hook before the next optimizer step waits until
 it has read the state (so at most the save being written and the one
-waiting to read are in flight, and neither holds a staging area). Errors are never lost: ``result()``/``wait()`` re-raise them; a
+waiting to read are in flight, and neither holds a staging area).
+
+Errors are never lost: ``result()``/``wait()`` re-raise them; a
 failed save whose error nobody checked is reported by a ``RuntimeWarning`` at
 the next ``async_save``, and at interpreter exit (after pending saves have
 finished) on stderr, with exit status 1. Saves still pending at exit are
