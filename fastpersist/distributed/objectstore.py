@@ -153,10 +153,13 @@ class ObjectParts:
             f"aws s3api abort-multipart-upload for uploads), or let a bucket lifecycle rule expire them"
         )
 
-    def remove_old(self, token: str) -> None:
+    def remove_old(self, token: str, *, later: bool = False) -> None:
         """After a committed save: deletes the part objects of earlier saves to the key (any other token).
 
-        Best effort: a failure is a ``RuntimeWarning`` naming what is left, never an error.
+        Best effort: a failure is a ``RuntimeWarning`` naming what is left, never an error. Always now,
+        ``later`` or not: listing and deleting are requests of one call here, and the listing must be made
+        before this rank joins the next call (whose parts it would otherwise see as old); their cost beside
+        an upload was not measured.
         """
         left = _remove_parts(self.url, self.client, keep=token)
         if left:

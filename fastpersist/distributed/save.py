@@ -431,9 +431,7 @@ class CollectiveSave:
                 pending.launch_all()
             return pending
 
-        launcher = workers.executor(1, "fastpersist-digests")
-        self._early = ({record.key: i for i, record in enumerate(own)}, launcher.submit(launch))
-        launcher.shutdown(wait=False)  # its thread ends with the launches
+        self._early = ({record.key: i for i, record in enumerate(own)}, workers.detached("fastpersist-digests", launch))
 
     def local_plan(self) -> SavePlan:
         """This rank's plan of its own object (after :meth:`plan_locally`): which devices its tensors are on."""
@@ -688,12 +686,9 @@ class CollectiveSave:
         if self.rank == 0:
             self.temporary = None
         if self.store is not None and (self.rank == 0 or not self.store.seen_by_every_rank):
-            if isinstance(self.store, _LocalParts):
-                # Unlinking a large part took 25 ms on a disk (docs/distributed.md): off the save thread, whose
-                # next save would otherwise wait for it.
-                self.store.remove_old(self.token, later=self.in_background)
-            else:
-                self.store.remove_old(self.token)
+            # Unlinking a large part took 25 ms on a disk (docs/distributed.md): an asynchronous save's next
+            # save, on the same thread, would wait for it.
+            self.store.remove_old(self.token, later=self.in_background)
 
     def _commit(self) -> dict[str, Any]:
         """Rank 0's commit step: repair (a save verified after its write), CRC-32s, descriptors, trailer or manifest."""
@@ -994,9 +989,7 @@ class _LocalParts:
         """
         stale = _stale_parts(self.target, token)
         if later and stale:
-            cleaner = workers.executor(1, "fastpersist-cleanup")
-            cleaner.submit(_unlink_all, stale)
-            cleaner.shutdown(wait=False)  # its thread ends with the unlinks (joined at interpreter exit)
+            workers.detached("fastpersist-cleanup", _unlink_all, stale)
         else:
             _unlink_all(stale)
 

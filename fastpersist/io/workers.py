@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["executor", "InlineExecutor", "threads_allowed"]
+__all__ = ["executor", "detached", "InlineExecutor", "threads_allowed"]
 
 
 def threads_allowed() -> bool:
@@ -64,3 +64,16 @@ def executor(max_workers: int, thread_name_prefix: str = "fastpersist") -> concu
     if not threads_allowed():
         return InlineExecutor()
     return _FallbackPool(max_workers, thread_name_prefix=thread_name_prefix)
+
+
+def detached(name: str, fn: Callable[..., Any], /, *args: Any) -> concurrent.futures.Future:
+    """Runs ``fn(*args)`` on a thread of its own that ends with it (at once, here, during interpreter shutdown).
+
+    For work that must not hold up the caller's next step (a save's digests, the unlinks of replaced parts).
+    The thread is joined at interpreter exit, as every pool thread is.
+    """
+    pool = executor(1, name)
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)
