@@ -58,6 +58,7 @@ __all__ = [
 ENGINES = ("auto", "io_uring", "threads")
 ASYNC_MODES = ("pipelined", "snapshot")
 GDS_PATHS = ("auto", "cufile", "bounce")
+TMPFS_MAPPING = ("auto", "always", "never")
 CONFIG_FILE_VERSION = 1
 _MiB = 1 << 20
 
@@ -115,6 +116,13 @@ class Settings:
     storage, but a process's first such load captures the graphs, and they keep part of each device's memory until
     ``fastpersist.release_buffers()``: worth it for processes that load many times. Where the graphs cannot be made
     (the device's memory is full), the CPU checksums. The gain and both costs are measured in
+    docs/performance.md."""
+    tmpfs_mapping: str = "auto"
+    """Saves to tmpfs (/dev/shm) allocate the file's range first, then copy each window into a mapping of the file on
+    the CRC pool's threads side by side, instead of ``write`` calls, which fill a tmpfs file one thread at a time
+    under its inode lock. A full filesystem still raises ``ENOSPC`` (from the allocation, before any copy).
+    ``auto`` maps where the pool has at least four threads (on fewer cores the zero-filling of the allocation
+    costs more than the parallel copies gain), ``always`` and ``never`` as they say. Measured in
     docs/performance.md."""
     huge_pages: bool = True
     """Ask for transparent huge pages (best effort) for large load destinations (fewer page faults) and for the pooled
@@ -305,6 +313,8 @@ def _validate(s: Settings) -> None:
         raise ConfigError(f"intra_op_parallelism must be between 1 and 256, got {s.intra_op_parallelism}")
     if s.gds_path not in GDS_PATHS:
         raise ConfigError(f"gds_path must be one of {GDS_PATHS}, got {s.gds_path!r}")
+    if s.tmpfs_mapping not in TMPFS_MAPPING:
+        raise ConfigError(f"tmpfs_mapping must be one of {TMPFS_MAPPING}, got {s.tmpfs_mapping!r}")
     if s.async_mode not in ASYNC_MODES:
         raise ConfigError(f"async_mode must be one of {ASYNC_MODES}, got {s.async_mode!r}")
     if not 1 <= s.async_max_pending <= 64:

@@ -58,12 +58,15 @@ __all__ = [
     "CrcJob",
     "hash64",
     "hash64_many",
+    "errno_advice",
 ]
 
 File = _native.File
 AlignedBuffer = _native.AlignedBuffer
 Request = _native.Request
 
+errno_advice = _native.errno_advice
+"""``errno_advice(errno)``: what to do about it, as the native errors' messages end (``""`` for most errnos)."""
 crc32 = _native.crc32
 """``crc32(address, length, crc=0)``: zlib's CRC-32 of memory, at memory speed (GIL released)."""
 crc32_of = _native.crc32_of

@@ -14,7 +14,8 @@ For each window, in order:
    record's running CRC, and the data descriptors and central directory that
    fall into the window (they need those CRCs) are written in;
 4. **submit** — the window goes to the native engine, which writes it with
-   O_DIRECT while the next windows are filled.
+   O_DIRECT while the next windows are filled (on tmpfs: copied into a
+   mapping of the file by the pool's threads, :mod:`fastpersist.io.mapping`).
 
 Fill runs on the calling thread; checksum and finalize each run on a worker
 thread of their own, window by window in file order. So filling window
@@ -40,6 +41,7 @@ from fastpersist.config import Settings
 from fastpersist.format.plan import BytesRecord, SavePlan, Segment, SegmentKind, StorageRecord
 from fastpersist.io import checksum as crc_pool
 from fastpersist.io import engine, memory, timeline, workers
+from fastpersist.io import mapping as mapped
 from fastpersist.io.ring import Ring, SharedHandle, Slot, read_events, side_streams
 
 __all__ = ["write_plan", "side_streams", "read_events", "initial_crcs", "idle_work"]
@@ -142,11 +144,19 @@ def write_plan(
         crcs = [0 if isinstance(record, StorageRecord) else crc for record, crc in zip(plan.records, crcs)]
     if streams is None:
         streams = side_streams(plan)
-    if make_handle is None:
-        make_handle = (lambda: engine.make_handle(settings)) if getattr(file, "direct", True) else _serial(settings)
-    with Ring(
-        [make_handle() for _ in range(count)], window_size, huge_pages=settings.huge_pages, streams=streams
-    ) as ring:
+    mapping = None
+    if make_handle is None and getattr(file, "direct", True):
+        make_handle = lambda: engine.make_handle(settings)  # noqa: E731
+    elif make_handle is None:
+        if mapped.wanted(file, settings.tmpfs_mapping):
+            mapping = mapped.Mapping.for_writing(file, first + shift, size + shift)
+        make_handle = (lambda: mapped.WriteHandle(mapping)) if mapping is not None else _serial(settings)
+    with contextlib.ExitStack() as stack:
+        if mapping is not None:  # after the ring: nothing copies into it any more; unmapping takes a while
+            stack.callback(workers.detached, "fastpersist-unmap", mapping.close)
+        ring = stack.enter_context(
+            Ring([make_handle() for _ in range(count)], window_size, huge_pages=settings.huge_pages, streams=streams)
+        )
         fill_cursor = _Cursor(segments)
         checksum_cursor = _Cursor(segments)
         if partial:  # skip the segments that end before the range

@@ -205,6 +205,9 @@ it, an O_DIRECT descriptor of the same file. Raises OSError subclasses
       .def_property_readonly("alignment", &File::alignment)
       .def_property_readonly("memory_alignment", &File::memory_alignment)
       .def_property_readonly("fallback_reason", &File::fallback_reason)
+      .def_property_readonly(
+          "filesystem", [](const File& f) { return filesystem_type(f.fd(), f.path()); },
+          "Name of the filesystem holding the file (\"ext4\", \"tmpfs\", ... or \"0x<magic>\").")
       .def_property_readonly("closed", &File::closed)
       .def_property_readonly("mode", [](const File& f) {
         return f.mode() == OpenMode::kRead ? "r" : f.mode() == OpenMode::kWrite ? "w" : "rw";
@@ -488,6 +491,8 @@ own request and sees only its own error, whatever other threads do on the handle
       },
       py::arg("data"), py::arg("crc") = 0,
       "CRC-32 (zlib's) of a contiguous buffer (bytes, bytearray, memoryview, array), continued from ``crc``.");
+  m.def("errno_advice", &errno_advice, py::arg("errno"),
+        "What to do about an errno in a failed I/O (as every native error message ends), or \"\".");
   m.def("crc32_combine", &crc32_combine, py::arg("crc_first"), py::arg("crc_second"), py::arg("length_second"),
         "CRC-32 of two ranges back to back from each one's CRC-32 (zlib's crc32_combine).");
   m.def("crc32_accelerated", &crc32_accelerated, "Whether CRC-32 uses carry-less multiplication on this CPU.");
@@ -539,6 +544,12 @@ started) are computed on the calling thread.)")
           },
           py::arg("addresses"), py::arg("lengths"),
           "Queues the CRC-32 of each range (addresses[i], lengths[i]); returns their CrcJob.")
+      .def("submit_copies", &CrcPool::submit_copies, py::arg("destinations"), py::arg("sources"), py::arg("lengths"),
+           py::arg("populate") = 0,
+           "Queues a copy of each range (sources[i], lengths[i]) to destinations[i]; returns their CrcJob (done "
+           "once every range is copied). ``populate``: 1 or 2 fill the page tables of the sources or the "
+           "destinations (a file mapping) before each copy; with 2 a range whose pages cannot be allocated is not "
+           "copied and its value is the errno (EFAULT: no room), else every value is 0.")
       .def("shutdown", &CrcPool::shutdown, py::call_guard<py::gil_scoped_release>(),
            "Runs what is queued, then stops and joins the threads (idempotent).")
       .def_property_readonly("threads", &CrcPool::threads);

@@ -1,8 +1,11 @@
 // CrcPool: see crc_pool.hpp.
 #include "fastpersist/crc_pool.hpp"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <stdexcept>
 #include <utility>
 
@@ -47,22 +50,76 @@ std::shared_ptr<CrcJob> CrcPool::submit(const std::vector<uintptr_t>& addresses,
   if (addresses.size() != lengths.size()) {
     throw std::invalid_argument("CrcPool.submit: addresses and lengths differ in length");
   }
+  return queue(addresses, lengths, nullptr, kPopulateNone);
+}
+
+std::shared_ptr<CrcJob> CrcPool::submit_copies(const std::vector<uintptr_t>& destinations,
+                                               const std::vector<uintptr_t>& sources,
+                                               const std::vector<size_t>& lengths, int populate) {
+  if (destinations.size() != sources.size() || sources.size() != lengths.size()) {
+    throw std::invalid_argument("CrcPool.submit_copies: destinations, sources and lengths differ in length");
+  }
+  return queue(sources, lengths, &destinations, populate);
+}
+
+namespace {
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+// Fills the page tables of [address, address + length) in one call (allocating a file mapping's missing pages
+// for MADV_POPULATE_WRITE); 0, or the errno: EFAULT where an access would raise SIGBUS (no room for a page),
+// EINVAL before Linux 5.14.
+int populate_range(const void* address, size_t length, int advice) noexcept {
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t start = reinterpret_cast<uintptr_t>(address) & ~(page - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(address) + length;
+  if (length == 0 || ::madvise(reinterpret_cast<void*>(start), end - start, advice) == 0) return 0;
+  return errno;
+}
+
+}  // namespace
+
+void CrcPool::run(const Task& task) noexcept {
+  if (task.populate == kPopulateSource) (void)populate_range(task.data, task.length, MADV_POPULATE_READ);
+  if (task.populate == kPopulateDestination) {
+    // A page that cannot be allocated is reported instead of copied into (which would raise SIGBUS).
+    const int error = populate_range(task.destination, task.length, MADV_POPULATE_WRITE);
+    if (error != 0) {
+      task.job->set(task.index, static_cast<uint32_t>(error));
+      return;
+    }
+  }
+  if (task.destination == nullptr) {
+    task.job->set(task.index, crc32_update(0, task.data, task.length));
+  } else {
+    std::memcpy(task.destination, task.data, task.length);
+    task.job->set(task.index, 0);
+  }
+}
+
+std::shared_ptr<CrcJob> CrcPool::queue(const std::vector<uintptr_t>& addresses, const std::vector<size_t>& lengths,
+                                       const std::vector<uintptr_t>* destinations, int populate) {
   auto job = std::make_shared<CrcJob>(addresses.size());
+  auto task = [&](size_t i) {
+    void* destination = destinations == nullptr ? nullptr : reinterpret_cast<void*>((*destinations)[i]);
+    return Task{job, i, reinterpret_cast<const void*>(addresses[i]), lengths[i], destination, populate};
+  };
   // In a forked child the pool's lock may have been held by a thread that is gone: do not touch it.
   bool here = ::getpid() != owner_;
   if (!here) {
     std::lock_guard<std::mutex> lock(mutex_);
     here = inline_here();
     if (!here) {
-      for (size_t i = 0; i < addresses.size(); ++i) {
-        tasks_.push_back(Task{job, i, reinterpret_cast<const void*>(addresses[i]), lengths[i]});
-      }
+      for (size_t i = 0; i < addresses.size(); ++i) tasks_.push_back(task(i));
     }
   }
   if (here) {
-    for (size_t i = 0; i < addresses.size(); ++i) {
-      job->set(i, crc32_update(0, reinterpret_cast<const void*>(addresses[i]), lengths[i]));
-    }
+    for (size_t i = 0; i < addresses.size(); ++i) run(task(i));
   } else if (addresses.size() == 1) {
     ready_.notify_one();
   } else {
@@ -81,7 +138,7 @@ void CrcPool::work() {
       task = std::move(tasks_.front());
       tasks_.pop_front();
     }
-    task.job->set(task.index, crc32_update(0, task.data, task.length));
+    run(task);
   }
 }
 

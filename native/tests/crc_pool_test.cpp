@@ -1,10 +1,11 @@
 // Tests of the CRC-32 pool (crc_pool.hpp) without Python: results equal crc32_update, many jobs from
 // several threads at once, waiting, shutdown draining what is queued, submissions after shutdown,
-// mismatched lists, and a forked child that computes on its own thread:
+// mismatched lists, copies, and a forked child that computes on its own thread:
 //   g++ -std=c++17 -pthread -Inative/include -Inative/src native/src/*.cpp native/tests/crc_pool_test.cpp && ./a.out
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <stdexcept>
 #include <thread>
@@ -80,6 +81,34 @@ int main() {
     auto after = pool.submit(addresses, lengths);  // computed on this thread
     EXPECT(after->done() && matches(*after, addresses, lengths));
     pool.shutdown();  // idempotent
+  }
+
+  {
+    // Copies, their page tables filled first or not, on the threads and (after shutdown) here.
+    CrcPool pool(3);
+    for (int after_shutdown = 0; after_shutdown < 2; ++after_shutdown) {
+      if (after_shutdown) pool.shutdown();
+      for (int populate : {CrcPool::kPopulateNone, CrcPool::kPopulateSource, CrcPool::kPopulateDestination}) {
+        std::vector<unsigned char> copy(data.size(), 0);
+        std::vector<uintptr_t> destinations;
+        for (uintptr_t address : addresses) destinations.push_back(reinterpret_cast<uintptr_t>(copy.data()) + (address - base));
+        auto job = pool.submit_copies(destinations, addresses, lengths, populate);
+        job->wait();
+        bool same = job->done();
+        for (size_t i = 0; i < addresses.size(); ++i) {
+          const size_t at = addresses[i] - base;
+          same = same && std::equal(data.begin() + at, data.begin() + at + lengths[i], copy.begin() + at);
+        }
+        EXPECT(same);
+      }
+    }
+    bool refused = false;
+    try {
+      pool.submit_copies({base}, addresses, lengths);
+    } catch (const std::invalid_argument&) {
+      refused = true;
+    }
+    EXPECT(refused);
   }
 
   {

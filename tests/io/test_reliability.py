@@ -200,19 +200,23 @@ def test_directory_without_permission(tmp_path):
 
 
 @pytest.mark.root
-@pytest.mark.parametrize("direct", [True, False])
-def test_disk_full_keeps_old_checkpoint_and_leaves_no_temporary(small_tmpfs, direct):
+@pytest.mark.parametrize(
+    "settings",
+    [{"direct": True}, {"direct": False, "tmpfs_mapping": "never"}, {"tmpfs_mapping": "always"}],
+    ids=["direct", "written", "mapped"],
+)
+def test_disk_full_keeps_old_checkpoint_and_leaves_no_temporary(small_tmpfs, settings):
     path = os.path.join(small_tmpfs, "ckpt.pt")
     old = small_checkpoint(path)
     before = open(path, "rb").read()
     with pytest.raises(OSError) as info:
-        fastpersist.save({"big": torch.randn(2_000_000)}, path, direct=direct)  # 8 MB into 4 MiB
+        fastpersist.save({"big": torch.randn(2_000_000)}, path, **settings)  # 8 MB into 4 MiB
     assert info.value.errno == errno.ENOSPC
     assert "filesystem is full" in str(info.value)
     assert any("previous file there is untouched" in note for note in getattr(info.value, "__notes__", []))
     assert open(path, "rb").read() == before and same(old, fastpersist.load(path, verify=True))
     assert os.listdir(small_tmpfs) == ["ckpt.pt"]
-    future = fastpersist.async_save({"big": torch.randn(2_000_000)}, path)
+    future = fastpersist.async_save({"big": torch.randn(2_000_000)}, path, **settings)
     with pytest.raises(OSError) as info:
         future.result(timeout=60)
     assert info.value.errno == errno.ENOSPC and open(path, "rb").read() == before
