@@ -45,7 +45,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return f"{self.tool} {self.block_size >> 20 or self.block_size >> 10}{'M' if self.block_size >= 1 << 20 else 'K'} QD{self.queue_depth}"
+        size = f"{self.block_size >> 20}M" if self.block_size >= 1 << 20 else f"{self.block_size >> 10}K"
+        return f"{self.tool} {size} QD{self.queue_depth}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"tool": self.tool, "block_size": self.block_size, "queue_depth": self.queue_depth}
@@ -68,10 +69,9 @@ def _stamped_pattern(nbytes: int) -> torch.Tensor:
 
 
 class CeilingProbe:
-    """Writes and reads one file of ``nbytes`` (rounded up to 4 KiB) in a temporary directory of
-    ``directory`` with any :class:`Candidate`; the engine candidates use ``engine_name``, fio ones run where
-    fio is installed and ``use_fio``. Two buffers of ``nbytes`` (the pattern, the read destination). A
-    context manager: :meth:`close` removes the files."""
+    """Writes and reads one file of ``nbytes`` (rounded up to 4 KiB) in a temporary directory of ``directory``
+    with any :class:`Candidate` (engine ones with ``engine_name``; fio ones where installed and ``use_fio``),
+    from and into buffers of ``nbytes``. A context manager: :meth:`close` removes the files."""
 
     def __init__(self, directory: str, nbytes: int, engine_name: str = "auto", use_fio: bool = True):
         from fastpersist.io import engine, memory
@@ -101,12 +101,8 @@ class CeilingProbe:
         return os.path.join(self.workdir, f"{tool}.bin")
 
     def _handle(self, candidate: Candidate) -> Any:
-        return self._engine.IoHandle(
-            block_size=candidate.block_size,
-            queue_depth=candidate.queue_depth,
-            engine=self.engine_name,
-            direct=self.direct,
-        )
+        knobs = {"block_size": candidate.block_size, "queue_depth": candidate.queue_depth}
+        return self._engine.IoHandle(**knobs, engine=self.engine_name, direct=self.direct)
 
     def candidates(self, op: str, read_buffers: tuple[int, int] | None = None) -> list[Candidate]:
         """The grid for ``op``: engine (and fio) at every block size x queue depth; reads also at ``read_buffers``
@@ -208,10 +204,10 @@ def measure_ceiling(
 ) -> dict[str, Any]:
     """The write and read ceilings of ``directory`` for a file of ``nbytes``.
 
-    Every candidate of the grid writes and reads back ``min(nbytes, grid_bytes)``, in a seeded random order;
-    then, ``passes`` times, the best engine and the best fio candidate of each operation move the full
-    ``nbytes``. A sample that fails verification or raises has ``error`` set and never counts; the ceiling
-    of an operation is its fastest full-size sample (the best any tool did on this storage in this run).
+    Every candidate of the grid moves ``min(nbytes, grid_bytes)``, in a seeded random order; then, ``passes``
+    times, the best engine and fio candidates of each operation move ``nbytes``. A sample that fails
+    verification or raises has ``error`` set and never counts; an operation's ceiling is its fastest
+    full-size sample (the best any tool did on this storage in this run).
 
     Returns:
         ``{"bytes", "direct", "fio", "seed", "grid": {"write": [...], "read": [...]},
