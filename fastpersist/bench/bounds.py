@@ -338,11 +338,9 @@ class CopyCeiling:
                 event = torch.cuda.Event()
                 event.record(stream)
                 pending.append((slot, event, length))
-            elif crc:  # the save's CPU path: copied and checksummed in one pass
-                checksum.copy_with_crc32(buffer.data_ptr(), source.data_ptr() + offset, length)
-                continue
-            else:
-                checksum.copy(buffer.data_ptr(), source.data_ptr() + offset, length)
+            else:  # the save's CPU path: copied (and checksummed) in one pass
+                copy = checksum.copy_with_crc32 if crc else checksum.copy
+                copy(buffer.data_ptr(), source.data_ptr() + offset, length)
                 continue
             if len(pending) > 1:  # the previous window's copy has had a window's time to land
                 self._landed(pending.popleft(), crc, checks)

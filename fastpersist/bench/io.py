@@ -1,21 +1,15 @@
 """``python -m fastpersist.bench io``: sequential engine throughput, optionally against fio.
 
-Like DeepSpeed's ``ds_io``: ``--size`` bytes written to one fresh file with the engine (preallocated
-outside the clock unless ``--no-fallocate``, timed to fsync), read back (O_DIRECT, or buffered after
-dropping its pages) and verified outside the clock, repeated; median GB/s (10^9 bytes/s). With ``--fio``
-fio runs the same file size, block size, queue depth and O_DIRECT setting, alternating first, and the
-ratio engine/fio is printed. ``--gpu`` moves a CUDA tensor through a pinned bounce buffer, ``--gpu
---use_gds`` through :class:`fastpersist.GdsHandle`. Example::
+Like DeepSpeed's ``ds_io``: ``--size`` bytes written to one fresh file (preallocated outside the clock
+unless ``--no-fallocate``, timed to fsync), read back (O_DIRECT, or buffered after dropping its pages) and
+verified outside the clock; median GB/s (10^9 bytes/s). ``--fio`` runs fio with the same settings,
+alternating first; ``--gpu`` moves a CUDA tensor through a pinned bounce buffer (``--use_gds``: through
+:class:`fastpersist.GdsHandle`). ds_io command lines work with the program name replaced
+(:func:`apply_ds_io`; docs/deepnvme-parity.md): one naming ``--folder``, ``--folder_to_device_mapping`` or
+``--io_size`` writes (``--read``: reads) 1M blocks by default and also prints ds_io's ``E2E ... Latency`` /
+``Speed`` lines (GB = 2**30 bytes there)::
 
-    python -m fastpersist.bench io --size 4G --block-size 16M --queue-depth 32 --fio
-
-DeepSpeed ``ds_io`` command lines work with the program name replaced (:func:`apply_ds_io`; the table of
-flags is in docs/deepnvme-parity.md): one naming ``--folder``, ``--folder_to_device_mapping`` or
-``--io_size`` writes (``--read``: reads), defaults to ds_io's 1M blocks and also prints ds_io's ``E2E ...
-Latency`` / ``Speed`` lines (GB = 2**30 bytes there)::
-
-    fastpersist bench io --folder /local_nvme --io_size 400M --read --block_size 1M \\
-        --queue_depth 32 --io_parallel 4 --loops 3 --validate
+    fastpersist bench io --folder /local_nvme --io_size 400M --read --block_size 1M --queue_depth 32 --loops 3
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """The storage ceiling: what the storage does with no format at all, the upper bound each method is compared with.
 
-:func:`measure_ceiling` is independent of any save path: the best of fio (when installed) and of the
-engine's single-request mode (one request over the whole file, split into ``block_size`` chunks with
-``queue_depth`` in flight) over a small grid, plus, for reads, the in-flight depth loads use. Every file
-is written from a pattern in which each 4 KiB block carries its own index and fsync'ed with its directory
-(as a save is), and every read is compared byte for byte with it (fio checks its own CRC32C headers), so a
-misplaced or stale block fails the measurement instead of inflating it.
+:func:`measure_ceiling`: the best of fio (when installed) and of the engine's single-request mode over a
+small grid of block sizes and queue depths (for reads also the depth loads use). Every file is written from
+a pattern whose 4 KiB blocks carry their own index and fsync'ed with its directory, as a save is, and every
+read is compared with it (fio checks its own CRC32C headers): a misplaced or stale block fails the
+measurement instead of inflating it.
 """
 
 from __future__ import annotations
