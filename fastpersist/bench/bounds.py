@@ -1,13 +1,8 @@
 """What this machine allows, measured in the same run: the bounds the benchmarks print next to each figure.
 
-Each function times the same bytes moved with no format and no bookkeeping, the way the fastest plain
-program would (the bounds and what they bound are tabled in docs/performance.md): :func:`write_ceiling`
-(one and eight ``pwrite`` threads and fio, the best), :func:`fio_write_seconds` (its blocks allocated inside
-the clock, as a save's are), :func:`read_ceiling` (``pread`` threads), :func:`shared_write_ceiling` (N
-writers at once), :class:`CopyCeiling` (the pipelines' copies and CRC-32s through a ring of page-locked
-windows, no format), and the engine's raw transfer of host memory (:func:`engine_write`,
-:func:`engine_read`; :func:`preallocate`, :func:`fsync_file` and :func:`file_problem` lay files down and
-check them).
+Each times the same bytes moved with no format and no bookkeeping, the way the fastest plain program would
+(what each bounds is tabled in docs/performance.md); the engine's raw transfers of host memory
+(:func:`engine_write`, :func:`engine_read`) and fio's (:func:`fio_command`) are here too.
 """
 
 from __future__ import annotations
@@ -61,7 +56,6 @@ def takes_o_direct(directory: str) -> bool:
 
 
 def fsync_file(path: str) -> None:
-    """fsync of ``path``'s data (not of its directory entry)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -79,9 +73,8 @@ def preallocate(path: str, nbytes: int, direct: bool = True) -> None:
 def engine_write(
     path: str, buffer: torch.Tensor, nbytes: int, handle: Any, *, direct: bool = True, allocate: bool = False
 ) -> None:
-    """The first ``nbytes`` of page-aligned host ``buffer`` written into ``path`` by the engine's ``handle``, then
-    fsync'ed: what the storage takes from host memory with no format (``allocate``: the file's blocks allocated
-    first, inside the call, where O_DIRECT works)."""
+    """The first ``nbytes`` of page-aligned host ``buffer`` written into ``path`` by the engine's ``handle`` and
+    fsync'ed (``allocate``: the file's blocks allocated first, inside the call, where O_DIRECT works)."""
     with engine.File(path, "w", direct=direct) as f:
         if allocate and f.direct:
             f.allocate(0, nbytes)
@@ -125,8 +118,8 @@ def fio_command(
     fallocate: bool = True,
     verify: bool = True,
 ) -> list[str]:
-    """The fio command line for one sequential job over ``path`` (io_uring; ``end_fsync`` for writes). With
-    ``verify`` fio stamps every block with a CRC32C header when writing and checks it when reading."""
+    """fio's command line for one sequential job over ``path`` (io_uring; ``end_fsync`` for writes); ``verify``:
+    fio stamps every block with a CRC32C header when writing and checks it when reading."""
     fio = system.find_fio() or "fio"
     command = [fio, "--name=fastpersist-ceiling", f"--filename={path}", f"--rw={rw}", f"--bs={block_size}"]
     command += [f"--iodepth={queue_depth}", "--ioengine=io_uring", f"--direct={1 if direct else 0}"]
@@ -160,12 +153,8 @@ def run_fio(command: list[str], rw: str) -> float:
 
 
 def fio_write_seconds(path: str, nbytes: int) -> float:
-    """Seconds fio takes to write a fresh ``path`` of ``nbytes``: 16 MiB blocks, QD 32, io_uring,
-    O_DIRECT where the filesystem takes it, blocks allocated inside the clock, end_fsync.
-
-    Raises:
-        RuntimeError: fio failed (its message included).
-    """
+    """Seconds fio takes to write a fresh ``path`` of ``nbytes``: 16 MiB blocks, QD 32, O_DIRECT where it
+    works, blocks allocated inside the clock (as a save's are), end_fsync. RuntimeError when fio failed."""
     size = max(-(-nbytes // (16 << 20)) * (16 << 20), 16 << 20)
     remove_path(path)  # a fresh file each time, like a checkpoint (overwriting blocks is faster)
     direct = takes_o_direct(os.path.dirname(path) or ".")
@@ -200,13 +189,9 @@ def _pwrite_file(path: str, view: memoryview, nbytes: int, flags: int, threads: 
 
 
 def write_ceiling(directory: str, nbytes: int, repeats: int = 3) -> dict[str, Any]:
-    """Seconds to write ``nbytes`` into a fresh file of ``directory`` (+ fsync) at the storage's best, several ways.
-
-    ``pwrite-1``/``pwrite-8``: one or eight threads writing 8 MiB blocks from page-aligned memory,
-    O_DIRECT where the filesystem takes it (buffered otherwise); ``fio``: :func:`fio_write_seconds`,
-    when fio is installed. Each is the median of ``repeats``; the previous file is deleted (and
-    the deletion synced) before each run. ``best_s``: the fastest of them.
-    """
+    """Seconds to write ``nbytes`` into a fresh file of ``directory`` (+ fsync) at the storage's best, several ways:
+    ``pwrite-1``/``pwrite-8`` (threads writing 8 MiB blocks, O_DIRECT where it works) and ``fio`` (where
+    installed), each the median of ``repeats``, the previous file deleted and synced first; ``best_s``."""
     nbytes = max(nbytes, 1 << 20)
     path = os.path.join(directory, f".fastpersist-ceiling-{os.getpid()}.bin")
     view, flags = _pattern(), _write_flags(directory)
@@ -235,10 +220,8 @@ def write_ceiling(directory: str, nbytes: int, repeats: int = 3) -> dict[str, An
 
 
 def shared_write_ceiling(directory: str, nbytes: int, writers: int, repeats: int = 3) -> dict[str, Any]:
-    """Seconds for ``writers`` concurrent writers to write ``nbytes`` together into ``directory`` (+ fsync):
-    what a collective save's ranks can do at best. Each writer (a thread: ``pwrite`` releases the
-    interpreter) writes its share to a fresh file of its own as :func:`write_ceiling` does; ``per_writer_s``
-    is the median of ``repeats`` until the last is done, a bound for a collective save of ``nbytes``."""
+    """Seconds for ``writers`` threads to write ``nbytes`` together into files of their own in ``directory``
+    (+ fsync), as :func:`write_ceiling` does: ``per_writer_s``, a bound for a collective save's ranks."""
     share = max(-(-nbytes // writers), 1 << 20)
     paths = [os.path.join(directory, f".fastpersist-ceiling-{os.getpid()}-{k}.bin") for k in range(writers)]
     view, flags = _pattern(), _write_flags(directory)
@@ -278,13 +261,11 @@ def read_ceiling(
     wants a cold read.
     """
     size = os.path.getsize(path) if size is None else size
-    fd = None
-    if direct:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        except OSError:
-            fd = None
-    if fd is None:
+    try:
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    except OSError:
+        if not direct:
+            raise
         fd = os.open(path, os.O_RDONLY)
     if buffers is None:
         buffers = [memory.aligned_empty(block) for _ in range(threads)]
@@ -310,14 +291,11 @@ def read_ceiling(
 
 
 class CopyCeiling:
-    """Copies ``tensors``' bytes through a ring of ``slots`` page-locked windows of ``window`` bytes.
-
-    :meth:`to_host` is the save pipeline without its format: device-to-host copies on a side stream (a
-    memcpy for CPU tensors), with ``crc`` each window checksummed on the pool as soon as its copy has landed,
-    while the next windows are copied. :meth:`to_device` is the load pipeline's: each window checksummed
-    (``crc``) and copied into a ring of device (or host) windows; the tensors are only read. Both return
-    their seconds.
-    """
+    """Copies ``tensors``' bytes through a ring of ``slots`` page-locked windows of ``window`` bytes, the
+    tensors only read: :meth:`to_host` is the save pipeline without its format (device-to-host copies on a
+    side stream or memcpy, ``crc``: each window checksummed on the pool once its copy has landed), and
+    :meth:`to_device` the load pipeline's (each window checksummed and copied into device or host windows).
+    Both return their seconds."""
 
     def __init__(self, tensors: list[torch.Tensor], window: int = 64 << 20, slots: int = 8):
         self.sources = [t.detach().reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
@@ -360,11 +338,9 @@ class CopyCeiling:
                 event = torch.cuda.Event()
                 event.record(stream)
                 pending.append((slot, event, length))
-            elif crc:  # the save's CPU path: copied and checksummed in one pass
-                checksum.copy_with_crc32(buffer.data_ptr(), source.data_ptr() + offset, length)
-                continue
-            else:
-                checksum.copy(buffer.data_ptr(), source.data_ptr() + offset, length)
+            else:  # the save's CPU path: copied (and checksummed) in one pass
+                copy = checksum.copy_with_crc32 if crc else checksum.copy
+                copy(buffer.data_ptr(), source.data_ptr() + offset, length)
                 continue
             if len(pending) > 1:  # the previous window's copy has had a window's time to land
                 self._landed(pending.popleft(), crc, checks)

@@ -41,87 +41,43 @@ def _options(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("what to save")
     what.add_argument("--model", default=workloads.DEFAULT_MODEL, help="model whose shapes to use (see --list-models)")
     what.add_argument("--layers", type=int, default=None, help="keep only the first N transformer blocks")
-    option(
-        what,
-        "size",
-        type=str,
-        default=None,
-        help="keep as many blocks as fit in this size (e.g. 2G, 512MiB); overrides --layers",
-    )
+    option(what, "size", type=str, default=None, help="keep as many blocks as fit in this size; overrides --layers")
     what.add_argument("--dtype", choices=sorted(workloads.DTYPES), default="bf16", help="parameter dtype")
     option(what, "device")
-    what.add_argument(
-        "--training-state",
-        action="store_true",
-        help="save a full training checkpoint: + Adam moments (fp32), fp32 master weights, step, RNG state",
-    )
+    what.add_argument("--training-state", action="store_true", help="+ Adam moments, fp32 master weights, step, RNG")
     what.add_argument("--seed", type=int, default=0, help="random seed of the synthetic data")
 
     how = parser.add_argument_group("how to measure")
-    how.add_argument(
-        "--methods",
-        default=None,
-        help="comma-separated save and load methods to run (default: every default method; see --list-methods)",
-    )
+    how.add_argument("--methods", default=None, help="comma-separated methods (default: the default ones)")
     how.add_argument("--skip", default="", help="comma-separated methods to leave out")
     option(how, "repeats")
-    how.add_argument(
-        "--load-repeats",
-        type=int,
-        default=1,
-        help="cold loads of each load method per timed round, each after its own cache drop and memory pause",
-    )
+    how.add_argument("--load-repeats", type=int, default=1, help="cold loads of each load method per timed round")
     how.add_argument("--warmup", type=int, default=1, help="untimed rounds first (still verified)")
-    option(
-        how,
-        "dir",
-        help="directory on the filesystem to test; a temporary subdirectory is made there and removed "
-        "afterwards (default: the current directory)",
-    )
+    option(how, "dir", help="a temporary subdirectory is made there (default: the current directory)")
     option(how, "no_drop_caches")
     how.add_argument(
         "--settle",
         type=float,
         default=None,
-        help="seconds to wait (after a sync) between a round's saves and its loads, so that every loaded file "
-        "has settled: some virtual disks read a file slowly right after it was written (default: "
-        f"{_SETTLE_DEFAULT:g} s, 0 on tmpfs)",
+        help=f"seconds between a round's saves and its loads (default: {_SETTLE_DEFAULT:g} s, 0 on tmpfs)",
     )
     how.add_argument(
         "--memory-settle",
         type=float,
         default=None,
-        help="seconds to wait before each timed load, after the page cache is dropped, so that the memory freed "
-        "before it is handed back to the host and every load starts on memory in the same state (default: "
+        help="seconds before each timed load, for freed memory to go back to the host (default: "
         f"{_MEMORY_SETTLE_DEFAULT:g} s on a virtual machine with free page reporting, else 0)",
     )
+    how.add_argument("--order-seed", type=int, default=0, help="seed of every round's random method order")
+    how.add_argument("--no-ceiling", action="store_true", help="do not measure the storage ceiling")
+    how.add_argument("--no-fio", action="store_true", help="leave fio out of the ceiling")
+    how.add_argument("--ceiling-grid-size", default="256M", help="file size of each point of the ceiling's grid")
+    threads = max(1, min(8, os.cpu_count() or 1))
+    how.add_argument("--dcp-threads", type=int, default=threads, help="DCP FileSystemWriter threads")
     how.add_argument(
-        "--order-seed", type=int, default=0, help="seed of the random method order of every round (recorded)"
+        "--fp-setting", action="append", default=[], metavar="NAME=VALUE", help="a fastpersist setting (repeatable)"
     )
-    how.add_argument(
-        "--no-ceiling",
-        action="store_true",
-        help="do not measure the storage ceiling (best of fio and an engine grid; see docs/checkpoint-benchmark.md)",
-    )
-    how.add_argument("--no-fio", action="store_true", help="leave fio out of the ceiling even when it is installed")
-    how.add_argument(
-        "--ceiling-grid-size",
-        default="256M",
-        help="file size of each grid point of the ceiling search (the finalists use the state's size)",
-    )
-    how.add_argument(
-        "--dcp-threads", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="DCP FileSystemWriter threads"
-    )
-    how.add_argument(
-        "--fp-setting",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a fastpersist setting for the fastpersist methods (repeatable), e.g. block_size=16M",
-    )
-    how.add_argument(
-        "--config", default=None, help="a fastpersist configuration file (as written by 'fastpersist tune')"
-    )
+    how.add_argument("--config", default=None, help="a fastpersist configuration file ('fastpersist tune')")
 
     out = parser.add_argument_group("output")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -298,7 +254,7 @@ def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, A
         raise SystemExit(130) from None
     document["machine"]["code"] = code
     if not dist.is_main:
-        raise SystemExit(1 if any(r["status"] == "FAILED" for r in document["results"]) else 0)
+        raise SystemExit(_status(document))
     return document
 
 
@@ -314,15 +270,16 @@ def _run(
 ) -> dict[str, Any]:
     """One measured run in ``work``: the state built, the ceiling, the rounds and the document."""
     if ctx.dist.is_main:
-        print(
-            f"building {spec.name} ({layers} of {spec.num_layers} blocks, {args.dtype}"
-            f"{', training state' if args.training_state else ''}) on {ctx.device} ...",
-            file=sys.stderr,
-        )
+        what = f"{layers} of {spec.num_layers} blocks, {args.dtype}{', training state' if args.training_state else ''}"
+        print(f"building {spec.name} ({what}) on {ctx.device} ...", file=sys.stderr)
     build_start = time.perf_counter()
-    dtype = workloads.DTYPES[args.dtype]
     state = workloads.build_state(
-        spec, dtype=dtype, device=ctx.device, layers=layers, training_state=args.training_state, seed=args.seed
+        spec,
+        dtype=workloads.DTYPES[args.dtype],
+        device=ctx.device,
+        layers=layers,
+        training_state=args.training_state,
+        seed=args.seed,
     )
     tensors, _objects = workloads.flatten_state(state)
     state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -386,9 +343,14 @@ def _run(
         "elapsed_seconds": elapsed,
         "baselines": BASELINES,
         "results": [r.as_dict(state_bytes) for r in results],
+        "order": {
+            "seed": args.order_seed,
+            "rounds": schedule,
+            "settle_seconds": args.settle,
+            "memory_settle_seconds": args.memory_settle,
+        },
+        "ceiling": ceiling,
     }
-    order = {"seed": args.order_seed, "rounds": schedule, "settle_seconds": args.settle}
-    document.update(order={**order, "memory_settle_seconds": args.memory_settle}, ceiling=ceiling)
     report.annotate_ceiling(document)
     return document
 
@@ -485,14 +447,75 @@ def _timed(
     return value, ended, {**sample, "rss_delta_bytes": memory.delta, "memory_source": memory.source}
 
 
-def _problem(
-    expected: Any, method: Any, ctx: BenchContext, what: str, read: Callable[..., Any], *args: Any
-) -> str | None:
-    """How ``read(*args)`` differs from ``expected`` (None: the same bytes), a failure to read it included."""
-    try:
-        return measure.verify_state(expected, method.flat(read(*args)), ctx.device)
-    except Exception as e:  # noqa: BLE001 - a failed read-back or comparison marks the method FAILED
-        return f"{what} failed: {_short_error(e)}"
+@dataclasses.dataclass
+class _Runner:
+    """One timed, verified save or load of :func:`run_benchmark`; a failure marks its result FAILED."""
+
+    state: Any
+    expected: Any  # the state flattened, to compare every file and loaded state with
+    ctx: BenchContext
+    dropper: Any
+    state_bytes: int
+
+    def verified(self, result: MethodResult, method: Any, what: str, read: Callable[..., Any], *args: Any) -> bool:
+        """Whether ``read(*args)`` gives the original bytes; if not (a failure to read included) ``result`` fails."""
+        try:
+            problem = measure.verify_state(self.expected, method.flat(read(*args)), self.ctx.device)
+        except Exception as e:  # noqa: BLE001 - a failed read-back or comparison marks the method FAILED
+            problem = f"{what} failed: {_short_error(e)}"
+        if problem:
+            result.fail(f"verification failed: {problem}")
+        return not problem
+
+    def save(self, method: SaveMethod, result: MethodResult, path: str, tag: dict[str, Any]) -> float | None:
+        """Saves into a fresh ``path``; when the save ended (None: it failed)."""
+        measure.remove_path(path)
+        system.release_memory()
+        self.ctx.synchronize()
+        self.ctx.dist.barrier()
+        timed = _timed(result, "save", _save, method, self.state, path, self.ctx)
+        if timed is None:
+            return None
+        extra, ended, sample = timed
+        result.file_bytes = sum(os.path.getsize(f) for f in system.files_under(path))
+        if not self.verified(result, method, "reading the file back", method.read_back, path, self.state, self.ctx):
+            return None
+        sample = {"seconds": sample.pop("seconds"), "blocked_seconds": extra.get("blocked_seconds"), **sample}
+        result.samples.append({**sample, **tag, "gbps": self.state_bytes / sample["seconds"] / 1e9})
+        return ended
+
+    def load(self, method: LoadMethod, result: MethodResult, path: str, saved: float, pause: float, tag: dict) -> None:
+        """Loads ``path`` (saved at ``saved``) cold, after a ``pause`` for freed memory to settle."""
+        system.release_memory()  # before the drop and the pause: what is freed now settles too
+        cache = self.dropper.drop([path])
+        time.sleep(pause)
+        self.ctx.dist.barrier()
+        age = time.perf_counter() - saved
+        self.ctx.synchronize()
+        timed = _timed(result, "load", _load, method, self.state, path, self.ctx)
+        if timed is None or not self.verified(result, method, "comparing the loaded state", lambda: timed[0]):
+            return
+        sample = {**timed[2], "file_age_seconds": age, "memory_settle_seconds": pause, **tag, "cache": cache}
+        result.samples.append({**sample, "gbps": self.state_bytes / sample["seconds"] / 1e9})
+
+
+def _method_results(
+    save_methods: Sequence[SaveMethod], load_methods: Sequence[LoadMethod], ctx: BenchContext
+) -> tuple[list[SaveMethod], dict[tuple[str, str], MethodResult]]:
+    """The saves to run (those given, then the untimed saves of loads' sources) and every method's result."""
+    saves = list(save_methods)
+    results = {("save", m.name): MethodResult("save", m.name, m.label) for m in saves}
+    for m in load_methods:
+        if ("save", m.source) not in results:
+            if m.source not in SAVE_METHODS:
+                raise KeyError(f"load method {m.name!r} reads files of unknown save method {m.source!r}")
+            saves.append(SAVE_METHODS[m.source])
+            results[("save", m.source)] = MethodResult("save", m.source, SAVE_METHODS[m.source].label, timed=False)
+    results.update({("load", m.name): MethodResult("load", m.name, m.label) for m in load_methods})
+    for m in saves + list(load_methods):
+        if reason := m.unavailable(ctx):
+            results[("save" if isinstance(m, SaveMethod) else "load", m.name)].fail(reason, "skipped")
+    return saves, results
 
 
 def run_benchmark(
@@ -518,118 +541,63 @@ def run_benchmark(
     Each round runs the saves, then the loads (``load_repeats`` times each in a timed round), each phase in
     a fresh order from ``random.Random(order_seed)`` (the same on every rank; recorded in ``schedule``), then
     deletes its files: no method always follows another, so a disk that drifts over the run hurts all alike.
-    A save is timed to the end of :func:`measure.fsync_paths` of what it wrote, a load until the state is
-    complete on the device; every file is read back and every loaded state compared with the original
-    (untimed), and the first difference or exception marks the method FAILED (its loads skipped). A load
-    whose ``source`` is not among ``save_methods`` has that save run untimed each round.
+    A save is timed until durable (:func:`measure.fsync_paths`), a load until the state is complete on the
+    device; every file and loaded state is then compared with the original, and a difference or exception
+    marks the method FAILED (its loads skipped). A load whose ``source`` is not among ``save_methods`` has
+    that save run untimed each round.
 
-    Between a round's saves and its loads everything is synced and ``settle_seconds`` pass: some (virtual)
-    disks read a file slowly for a while after it was written, which would penalise the file saved last.
-    Before each timed load (and a timed round's saves) memory is released, the page cache dropped and
-    ``memory_settle_seconds`` pass: a virtual machine with free page reporting hands freed 2 MiB blocks back
-    to its host about two seconds later, and until then a load that takes them finds them backed and fast;
-    with the pause every load starts on memory the host has taken back, as a fresh process does, whatever
-    the method before it freed. Samples record the file's age and the pause.
+    ``settle_seconds`` pass between a round's saves and its loads: some virtual disks read a file slowly for
+    a while after it was written. Before each timed load (and a timed round's saves) memory is released, the
+    page cache dropped and ``memory_settle_seconds`` pass: a virtual machine with free page reporting hands
+    freed memory back to its host about two seconds later, and a load that finds it still backed is faster
+    than one in a fresh process. Samples record the file's age and the pause.
 
     Returns:
         A :class:`MethodResult` per method: the saves as given, the untimed helper saves, the loads.
     """
     ctx = ctx or BenchContext()
-    dropper = dropper or system.CacheDropper()
     progress = progress or (lambda _text: None)
     state_bytes = workloads.state_nbytes(state) if state_bytes is None else state_bytes
-    expected = workloads.flatten_state(state)
-    saves = list(save_methods)
-    results = {("save", m.name): MethodResult("save", m.name, m.label) for m in saves}
-    for m in load_methods:
-        if ("save", m.source) not in results:
-            if m.source not in SAVE_METHODS:
-                raise KeyError(f"load method {m.name!r} reads files of unknown save method {m.source!r}")
-            saves.append(SAVE_METHODS[m.source])
-            results[("save", m.source)] = MethodResult("save", m.source, SAVE_METHODS[m.source].label, timed=False)
-    results.update({("load", m.name): MethodResult("load", m.name, m.label) for m in load_methods})
-    for m in saves + list(load_methods):
-        if reason := m.unavailable(ctx):
-            results[("save" if isinstance(m, SaveMethod) else "load", m.name)].fail(reason, "skipped")
+    runner = _Runner(state, workloads.flatten_state(state), ctx, dropper or system.CacheDropper(), state_bytes)
+    saves, results = _method_results(save_methods, load_methods, ctx)
     if load_repeats < 1:
         raise ValueError(f"load_repeats must be at least 1, got {load_repeats}")
     if memory_settle_seconds < 0:
         raise ValueError(f"memory_settle_seconds must be at least 0, got {memory_settle_seconds}")
     rounds = Rounds(repeats, warmup, order="shuffle", seed=order_seed)
     for index in range(warmup + repeats):
-        is_warmup = index < warmup
+        tag = {"round": index, "warmup": index < warmup}
         save_order = rounds.ordered(saves, index)
-        load_order = rounds.ordered(list(load_methods) * (1 if is_warmup else load_repeats), index)
-        where = f"round {index + 1}/{warmup + repeats}"
+        load_order = rounds.ordered(list(load_methods) * (1 if tag["warmup"] else load_repeats), index)
         if schedule is not None:
-            names = {"save": [m.name for m in save_order], "load": [m.name for m in load_order]}
-            schedule.append({"round": index, "warmup": is_warmup, **names})
+            schedule.append({**tag, "save": [m.name for m in save_order], "load": [m.name for m in load_order]})
+        where = f"round {index + 1}/{warmup + repeats}"
         written: dict[str, tuple[str, float]] = {}  # save method -> its verified output, when its save ended
         created: dict[str, str] = {}  # everything to delete at the end of the round
         try:
-            pause = 0.0 if is_warmup else memory_settle_seconds
+            pause = 0.0 if tag["warmup"] else memory_settle_seconds
             if pause:  # the last round's files were deleted: their page cache is free memory the host still backs
                 system.release_memory()
                 time.sleep(pause)
             for method in save_order:
-                result = results[("save", method.name)]
-                if result.status != "ok":
-                    continue
-                progress(f"{where}: save {method.name}")
-                path = created[method.name] = method.target(directory, ctx)
-                measure.remove_path(path)
-                system.release_memory()
-                ctx.synchronize()
-                ctx.dist.barrier()
-                timed = _timed(result, "save", _save, method, state, path, ctx)
-                if timed is None:
-                    continue
-                extra, ended, sample = timed
-                result.file_bytes = sum(os.path.getsize(f) for f in system.files_under(path))
-                problem = _problem(expected, method, ctx, "reading the file back", method.read_back, path, state, ctx)
-                if problem:
-                    result.fail(f"verification failed: {problem}")
-                    continue
-                written[method.name] = (path, ended)
-                sample = {"seconds": sample.pop("seconds"), "blocked_seconds": extra.get("blocked_seconds"), **sample}
-                result.samples.append(
-                    {**sample, "round": index, "warmup": is_warmup, "gbps": state_bytes / sample["seconds"] / 1e9}
-                )
+                if (result := results[("save", method.name)]).status == "ok":
+                    progress(f"{where}: save {method.name}")
+                    path = created[method.name] = method.target(directory, ctx)
+                    if (ended := runner.save(method, result, path, tag)) is not None:
+                        written[method.name] = (path, ended)
             if load_order and written:
                 os.sync()
                 time.sleep(max(0.0, settle_seconds - pause))  # the first load's pause completes the settle
             for method in load_order:
-                result = results[("load", method.name)]
-                if result.status != "ok":
+                if (result := results[("load", method.name)]).status != "ok":
                     continue
                 if method.source not in written:
                     source = results[("save", method.source)]
-                    result.fail(
-                        f"its input ({method.source}) was not written: {source.status} {source.reason or ''}".strip(),
-                        "skipped",
-                    )
+                    reason = f"its input ({method.source}) was not written: {source.status} {source.reason or ''}"
+                    result.fail(reason.strip(), "skipped")
                     continue
                 progress(f"{where}: load {method.name}")
-                path, saved = written[method.source]
-                system.release_memory()  # before the drop and the pause: what is freed now settles too
-                cache = dropper.drop([path])
-                time.sleep(pause)
-                ctx.dist.barrier()
-                age = time.perf_counter() - saved
-                ctx.synchronize()
-                timed = _timed(result, "load", _load, method, state, path, ctx)
-                if timed is None:
-                    continue
-                loaded, _, sample = timed
-                problem = _problem(expected, method, ctx, "comparing the loaded state", lambda x: x, loaded)
-                del loaded, timed
-                if problem:
-                    result.fail(f"verification failed: {problem}")
-                    continue
-                sample.update(
-                    file_age_seconds=age, memory_settle_seconds=pause, round=index, warmup=is_warmup, cache=cache
-                )
-                result.samples.append({**sample, "gbps": state_bytes / sample["seconds"] / 1e9})
+                runner.load(method, result, *written[method.source], pause, tag)
         finally:
             by_name = {m.name: m for m in saves}
             for name, path in created.items():
@@ -665,6 +633,10 @@ def _text(document: dict[str, Any]) -> str:
     )
 
 
+def _status(document: dict[str, Any]) -> int:
+    return 1 if any(r["status"] == "FAILED" for r in document["results"]) else 0
+
+
 BENCHMARK = Benchmark(
     "checkpoint",
     _options,
@@ -681,7 +653,7 @@ BENCHMARK = Benchmark(
     render=lambda documents: report.to_markdown([document for _, document in documents]),
     png=report.save_png,
     report="--markdown",
-    status=lambda document: 1 if any(r["status"] == "FAILED" for r in document["results"]) else 0,
+    status=_status,
     redirect=("--shape", "shapes"),  # --shape many-small|many-medium|huge|mixed, --sink (issue 15)
 )
 main = BENCHMARK.main

@@ -1,21 +1,15 @@
 """``python -m fastpersist.bench io``: sequential engine throughput, optionally against fio.
 
-Like DeepSpeed's ``ds_io``: ``--size`` bytes written to one fresh file with the engine (preallocated
-outside the clock unless ``--no-fallocate``, timed to fsync), read back (O_DIRECT, or buffered after
-dropping its pages) and verified outside the clock, repeated; median GB/s (10^9 bytes/s). With ``--fio``
-fio runs the same file size, block size, queue depth and O_DIRECT setting, alternating first, and the
-ratio engine/fio is printed. ``--gpu`` moves a CUDA tensor through a pinned bounce buffer, ``--gpu
---use_gds`` through :class:`fastpersist.GdsHandle`. Example::
+Like DeepSpeed's ``ds_io``: ``--size`` bytes written to one fresh file (preallocated outside the clock
+unless ``--no-fallocate``, timed to fsync), read back (O_DIRECT, or buffered after dropping its pages) and
+verified outside the clock; median GB/s (10^9 bytes/s). ``--fio`` runs fio with the same settings,
+alternating first; ``--gpu`` moves a CUDA tensor through a pinned bounce buffer (``--use_gds``: through
+:class:`fastpersist.GdsHandle`). ds_io command lines work with the program name replaced
+(:func:`apply_ds_io`; docs/deepnvme-parity.md): one naming ``--folder``, ``--folder_to_device_mapping`` or
+``--io_size`` writes (``--read``: reads) 1M blocks by default and also prints ds_io's ``E2E ... Latency`` /
+``Speed`` lines (GB = 2**30 bytes there)::
 
-    python -m fastpersist.bench io --size 4G --block-size 16M --queue-depth 32 --fio
-
-DeepSpeed ``ds_io`` command lines work with the program name replaced (:func:`apply_ds_io`; the table of
-flags is in docs/deepnvme-parity.md): one naming ``--folder``, ``--folder_to_device_mapping`` or
-``--io_size`` writes (``--read``: reads), defaults to ds_io's 1M blocks and also prints ds_io's ``E2E ...
-Latency`` / ``Speed`` lines (GB = 2**30 bytes there)::
-
-    fastpersist bench io --folder /local_nvme --io_size 400M --read --block_size 1M \\
-        --queue_depth 32 --io_parallel 4 --loops 3 --validate
+    fastpersist bench io --folder /local_nvme --io_size 400M --read --block_size 1M --queue_depth 32 --loops 3
 """
 
 from __future__ import annotations
@@ -32,7 +26,6 @@ import torch
 from fastpersist import display, system
 from fastpersist.bench import bounds, measure
 from fastpersist.bench.harness import Benchmark, Rounds, UsageError, option, size, timed
-from fastpersist.bench.methods import ceilings
 from fastpersist.io import engine, memory
 
 __all__ = ["BENCHMARK", "UsageError", "apply_ds_io", "build_parser", "ds_io_summary", "main"]
@@ -47,28 +40,15 @@ DEFAULT_BLOCK_SIZE = 16 << 20
 def _options(p: argparse.ArgumentParser) -> None:
     option(p, "dir", help="directory for the test file (default: current directory)")
     option(p, "size", help="bytes per file, e.g. 4G (default 1G)")
-    p.add_argument(
-        "--block-size",
-        "--block_size",
-        type=size,
-        help="bytes per I/O request (default 16M; 1M for a ds_io command line)",
-    )
+    p.add_argument("--block-size", "--block_size", type=size, help="bytes per request (default 16M; ds_io: 1M)")
     p.add_argument("--queue-depth", "--queue_depth", type=int, default=32, help="requests in flight per lane")
     p.add_argument("--threads", "--io_parallel", type=int, help="lanes, i.e. intra_op_parallelism (default 1)")
-    p.add_argument(
-        "--engine",
-        default="auto",
-        choices=("auto", "io_uring", "threads", *DS_IO_ENGINES),
-        help="auto (default), io_uring, threads; ds_io's aio_handle and aio_basic mean auto",
-    )
+    engines = ("auto", "io_uring", "threads", *DS_IO_ENGINES)
+    p.add_argument("--engine", default="auto", choices=engines, help="ds_io's aio_handle and aio_basic mean auto")
     p.add_argument("--buffered", action="store_true", help="no O_DIRECT (both tools)")
     p.add_argument("--single-submit", "--single_submit", action="store_true", help="one io_uring_enter per request")
-    p.add_argument(
-        "--no-overlap-events",
-        "--sequential_requests",
-        action="store_true",
-        help="submit and reap in batches (overlap_events=False)",
-    )
+    overlap = "submit and reap in batches (overlap_events=False)"
+    p.add_argument("--no-overlap-events", "--sequential_requests", action="store_true", help=overlap)
     p.add_argument("--no-fallocate", action="store_true", help="do not preallocate the file (both tools)")
     p.add_argument("--no-huge-pages", action="store_true", help="engine buffers on 4 KiB pages (fio's default memory)")
     option(p, "repeats", "--repeats", "--loops", help="repeats; the median is reported (default 3)")
@@ -76,61 +56,41 @@ def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fio", action="store_true", help="also run fio (ioengine=io_uring) with the same settings")
     p.add_argument("--no-verify", action="store_true", help="skip the byte-for-byte check of each read")
 
-    ds = p.add_argument_group(
-        "DeepSpeed ds_io",
-        "ds_io's options with ds_io's meaning (--block_size, --queue_depth, --single_submit, "
-        "--sequential_requests, --io_parallel, --loops and --engine are listed above)",
-    )
+    ds = p.add_argument_group("DeepSpeed ds_io", "ds_io's options with ds_io's meaning (and some listed above)")
     ds.add_argument("--folder", help="folder for the test file (= --dir)")
-    ds.add_argument(
-        "--folder_to_device_mapping",
-        default=[],
-        nargs="+",
-        metavar="FOLDER:DEVICE",
-        help="one FOLDER:DEVICE (the CUDA device used with --gpu); several (one process each) are not supported",
-    )
+    mapping = "one FOLDER:DEVICE (the CUDA device used with --gpu)"
+    ds.add_argument("--folder_to_device_mapping", default=[], nargs="+", metavar="FOLDER:DEVICE", help=mapping)
     ds.add_argument("--io_size", type=size, help="bytes to read or write, e.g. 400M (= --size)")
     ds.add_argument("--read", action="store_true", help="read instead of write (= --mode read)")
     ds.add_argument("--validate", action="store_true", help="check the bytes of every read and write")
     ds.add_argument("--handle", action="store_true", help="accepted: I/O always goes through one handle")
     ds.add_argument("--gpu", action="store_true", help="the data lives on a CUDA device (pinned bounce buffer)")
-    ds.add_argument(
-        "--use_gds",
-        action="store_true",
-        help="with --gpu: move the device tensor with GdsHandle (DeepNVMe's gds_handle; cuFile or bounce path)",
-    )
-    ds.add_argument(
-        "--gds_path",
-        "--gds-path",
-        choices=("auto", "cufile", "bounce"),
-        help="GdsHandle's data path with --use_gds (default: the gds_path setting, auto)",
-    )
+    ds.add_argument("--use_gds", action="store_true", help="with --gpu: move the device tensor with GdsHandle")
+    paths = ("auto", "cufile", "bounce")
+    ds.add_argument("--gds_path", "--gds-path", choices=paths, help="GdsHandle's data path (default: the setting)")
     ds.add_argument("--multi_process", type=int, default=1, help="only 1 is supported")
     ds.add_argument("--warmup_loops", type=int, default=0, help="untimed repetitions before the timed ones")
-    ds.add_argument(
-        "--use_accelerator_pin_memory", action="store_true", help="accepted: host buffers are always locked (pinned)"
-    )
+    pinned = "accepted: host buffers are always locked (pinned)"
+    ds.add_argument("--use_accelerator_pin_memory", action="store_true", help=pinned)
     ds.add_argument("--slow_bounce_buffer", action="store_true", help="not supported")
     ds.add_argument("--torch_legacy_save", action="store_true", help="only for --engine torch_fastio (not supported)")
     ds.add_argument("--fast_io_size", help="only for --engine torch_fastio (not supported)")
 
 
 def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
-    """Maps ds_io's options onto this benchmark's, in place; fills the defaults.
-
-    Sets ``dir``, ``size``, ``block_size``, ``threads``, ``mode``, ``engine``
-    and ``device`` (``"cpu"`` or ``"cuda:N"``) and ``ds_io`` (whether it is a
-    ds_io command line: one naming a ds_io-only target or size option).
+    """Maps ds_io's options onto this benchmark's, in place, and fills the defaults (``dir``, ``size``,
+    ``block_size``, ``threads``, ``mode``, ``engine``, ``device``: ``"cpu"`` or ``"cuda:N"``); ``ds_io``:
+    whether the command line names a ds_io-only target or size option.
 
     Raises:
-        UsageError: an option that is not supported or a contradiction; the
-            message says what to use instead.
+        UsageError: an option that is not supported or a contradiction; the message says what to use instead.
     """
     ds_io = args.ds_io = bool(args.folder or args.folder_to_device_mapping or args.io_size is not None)
     torch_engine = (
         f"--engine {args.engine} (torch.save through DeepSpeed) is not provided; use --engine aio_handle here, "
         "and 'python -m fastpersist.bench checkpoint' to compare torch.save with fastpersist.save"
     )
+    mapping = args.folder_to_device_mapping
     for refused, message in (  # the first that applies is the usage error
         (args.use_gds and not args.gpu, "--use_gds moves a CUDA tensor: add --gpu (as ds_io requires)"),
         (args.gds_path is not None and not args.use_gds, "--gds_path applies to --use_gds only"),
@@ -144,47 +104,38 @@ def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
             "--slow_bounce_buffer is not supported: the pinned bounce buffer is allocated once, outside the timing",
         ),
         (args.multi_process != 1, "--multi_process: only 1 process is supported; run one command per process"),
+        (args.folder and mapping, "--folder and --folder_to_device_mapping cannot be specified together"),
+        (
+            len(mapping) > 1,
+            "--folder_to_device_mapping with several FOLDER:DEVICE (one process each) is not supported; "
+            "run one command per folder",
+        ),
     ):
         if refused:
             raise UsageError(message)
     if args.engine in ("aio_handle", "aio_basic"):
         args.engine = "auto"
-
     device_index = 0
-    if args.folder and args.folder_to_device_mapping:
-        raise UsageError("--folder and --folder_to_device_mapping cannot be specified together")
-    if args.folder_to_device_mapping:
-        if len(args.folder_to_device_mapping) > 1:
-            raise UsageError(
-                "--folder_to_device_mapping with several FOLDER:DEVICE (one process each) is not supported; "
-                "run one command per folder"
-            )
-        folder, sep, device = args.folder_to_device_mapping[0].rpartition(":")
+    if mapping:
+        folder, sep, device = mapping[0].rpartition(":")
         if not sep or not folder or not device.isdigit():
-            raise UsageError(
-                f"--folder_to_device_mapping takes FOLDER:DEVICE, got {args.folder_to_device_mapping[0]!r}"
-            )
+            raise UsageError(f"--folder_to_device_mapping takes FOLDER:DEVICE, got {mapping[0]!r}")
         args.folder, device_index = folder, int(device)
     if args.folder:
         if args.dir is not None and os.path.abspath(args.dir) != os.path.abspath(args.folder):
             raise UsageError("--dir and --folder name the same thing; give one")
         args.dir = args.folder
-    if args.dir is None:
-        args.dir = "."
+    args.dir = "." if args.dir is None else args.dir
     if not os.path.isdir(args.dir):
         raise UsageError(f"folder {args.dir} does not exist")
-
     if args.io_size is not None:
         if args.size is not None and args.size != args.io_size:
             raise UsageError("--size and --io_size name the same thing; give one")
         args.size = args.io_size
-    if args.size is None:
-        args.size = 1 << 30
-    if args.block_size is None:
-        args.block_size = DS_IO_DEFAULT_BLOCK_SIZE if ds_io else DEFAULT_BLOCK_SIZE
-    if args.threads is None:
-        args.threads = 1
-
+    defaults = {"size": 1 << 30, "block_size": DS_IO_DEFAULT_BLOCK_SIZE if ds_io else DEFAULT_BLOCK_SIZE, "threads": 1}
+    for name, default in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.read:
         if args.mode not in (None, "read"):
             raise UsageError(f"--read contradicts --mode {args.mode}")
@@ -195,7 +146,6 @@ def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError("--validate contradicts --no-verify")
     if args.warmup_loops < 0 or args.repeats < 1:
         raise UsageError("--loops must be at least 1 and --warmup_loops at least 0")
-
     args.device = "cpu"
     if args.gpu:
         if not torch.cuda.is_available():
@@ -204,10 +154,8 @@ def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
                 "(drop --gpu to measure host memory <-> storage)"
             )
         if device_index >= torch.cuda.device_count():
-            raise UsageError(
-                f"--folder_to_device_mapping names CUDA device {device_index}; "
-                f"this machine has {torch.cuda.device_count()}"
-            )
+            count = torch.cuda.device_count()
+            raise UsageError(f"--folder_to_device_mapping names CUDA device {device_index}; this machine has {count}")
         if args.fio:
             raise UsageError("--fio measures host memory only; drop --fio or --gpu")
         args.device = f"cuda:{device_index}"
@@ -217,8 +165,7 @@ def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the benchmark; returns the results document (see ``--json``), ds_io's options mapped first."""
     apply_ds_io(args)
-    direct = not args.buffered
-    size = args.size
+    direct, size, fallocate = not args.buffered, args.size, not args.no_fallocate
     if size % 4096 or args.block_size % 4096:
         raise UsageError("--size and --block-size must be multiples of 4096")
     use_fio = args.fio
@@ -238,10 +185,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         gds = GdsHandle(**knobs, path=args.gds_path, direct=direct)
     handle = engine.IoHandle(**knobs, direct=direct)
     probe = engine.probe_directory(args.dir)
-    do_write = args.mode in ("both", "write")
-    do_read = args.mode in ("both", "read")
+    do_write, do_read = args.mode in ("both", "write"), args.mode in ("both", "read")
     verify_reads = args.validate or not args.no_verify
-    fallocate = not args.no_fallocate
 
     # Random bytes (no pattern a deduplicating or compressing backend could
     # exploit), written once: this also touches every page outside the timing
@@ -261,37 +206,25 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     device_source = source.to(device) if on_gpu and do_write else None
     device_destination = torch.zeros(size, dtype=torch.uint8, device=device) if on_gpu and do_read else None
     expected = source.clone() if on_gpu and (do_write or verify_reads) else source
-    sync = device if on_gpu else None
 
-    def write(path: str) -> float:
-        """Seconds to write the data durably (into a file preallocated outside the timing, unless --no-fallocate)."""
-        if fallocate:
-            bounds.preallocate(path, size, direct)
-        elif os.path.exists(path):
-            os.unlink(path)
+    def write(path: str) -> None:
+        """The data written durably (into a file preallocated outside the timing, unless --no-fallocate)."""
         if gds is not None:
-            return timed(lambda: (gds.sync_pwrite(device_source, path), bounds.fsync_file(path)), sync)[1]["seconds"]
+            gds.sync_pwrite(device_source, path)
+            bounds.fsync_file(path)
+            return
+        if device_source is not None:
+            source.copy_(device_source)  # to the pinned bounce buffer (synchronous)
+        bounds.engine_write(path, source, size, handle, direct=direct)
 
-        def engine_write() -> None:
-            if device_source is not None:
-                source.copy_(device_source)  # to the pinned bounce buffer (synchronous)
-            bounds.engine_write(path, source, size, handle, direct=direct)
-
-        return timed(engine_write, sync)[1]["seconds"]
-
-    def read(path: str) -> float:
-        """Seconds to read ``path`` (to the device with --gpu); its cached pages dropped first when buffered."""
-        if not direct:
-            system.CacheDropper().drop([path])
+    def read(path: str) -> None:
+        """``path`` read (to the device with --gpu)."""
         if gds is not None:
-            return timed(lambda: gds.sync_pread(device_destination, path), sync)[1]["seconds"]
-
-        def engine_read() -> None:
-            bounds.engine_read(path, destination, size, handle, direct=direct)
-            if device_destination is not None:
-                device_destination.copy_(destination)
-
-        return timed(engine_read, sync)[1]["seconds"]
+            gds.sync_pread(device_destination, path)
+            return
+        bounds.engine_read(path, destination, size, handle, direct=direct)
+        if device_destination is not None:
+            device_destination.copy_(destination)
 
     def check_read() -> None:
         got = device_destination.cpu() if device_destination is not None else destination
@@ -306,8 +239,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         if rw == "read" and args.buffered:
             system.CacheDropper().drop([path])
         options = dict(direct=direct, threads=args.threads, fallocate=fallocate, verify=False)
-        command = ceilings.fio_command(path, rw, size, args.block_size, args.queue_depth, **options)
-        return ceilings.run_fio(command, rw) / 1e9
+        command = bounds.fio_command(path, rw, size, args.block_size, args.queue_depth, **options)
+        return bounds.run_fio(command, rw) / 1e9
 
     workdir = measure.scratch_dir(args.dir, ".fastpersist-bench-")
     path, fio_path = os.path.join(workdir, "engine.bin"), os.path.join(workdir, "fio.bin")
@@ -316,12 +249,18 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         sample = {}
         if tool == "engine":
             if do_write:
-                sample["write_s"] = write(path)
+                if fallocate:
+                    bounds.preallocate(path, size, direct)
+                elif os.path.exists(path):
+                    os.unlink(path)
+                sample["write_s"] = timed(lambda: write(path), device if on_gpu else None)[1]["seconds"]
                 problem = bounds.file_problem(path, expected) if args.validate else None
                 if problem:
                     raise RuntimeError(f"write verification failed: {problem}")
             if do_read:
-                sample["read_s"] = read(path)
+                if not direct:  # cold: its cached pages dropped first
+                    system.CacheDropper().drop([path])
+                sample["read_s"] = timed(lambda: read(path), device if on_gpu else None)[1]["seconds"]
                 if verify_reads:
                     check_read()
             if do_write:
@@ -352,36 +291,27 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    samples = {
-        f"{tool}_{op}": [s[op] for s in rounds.samples.get(tool, []) if op in s]
-        for tool in ("engine", "fio")
-        for op in ("write", "read")
-    }
-    seconds = {
-        f"engine_{op}": [s[f"{op}_s"] for s in rounds.samples["engine"] if f"{op}_s" in s] for op in ("write", "read")
-    }
+    def values(tool: str, key: str) -> list[float]:
+        return [s[key] for s in rounds.samples.get(tool, []) if key in s]
 
     def median(values: list[float]) -> float | None:
         return statistics.median(values) if values else None
 
+    samples = {f"{tool}_{op}": values(tool, op) for tool in ("engine", "fio") for op in ("write", "read")}
     results = {name: median(values) for name, values in samples.items()}
     pairs = {op: (results[f"engine_{op}"], results[f"fio_{op}"]) for op in ("write", "read")}
-    ratios = {op: e / f if e and f else None for op, (e, f) in pairs.items()}
     return {
         "benchmark": "fastpersist.bench.io",
         "settings": {
             "dir": os.path.abspath(args.dir),
             "size": size,
-            "block_size": args.block_size,
-            "queue_depth": args.queue_depth,
-            "threads": args.threads,
+            **{k: getattr(args, k) for k in ("block_size", "queue_depth", "threads")},
             "engine": handle.engine,
             "direct": direct,
             "single_submit": args.single_submit,
             "overlap_events": not args.no_overlap_events,
             "fallocate": fallocate,
-            "repeats": args.repeats,
-            "warmup_loops": args.warmup_loops,
+            **{k: getattr(args, k) for k in ("repeats", "warmup_loops")},
             "huge_pages": not args.no_huge_pages,
             "device": str(device),
             "validate": args.validate,
@@ -391,8 +321,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "filesystem": probe,
         "gbps_median": results,
         "gbps_samples": samples,
-        "seconds_median": {name: median(values) for name, values in seconds.items()},
-        "ratio_engine_to_fio": ratios,
+        "seconds_median": {f"engine_{op}": median(values("engine", f"{op}_s")) for op in ("write", "read")},
+        "ratio_engine_to_fio": {op: e / f if e and f else None for op, (e, f) in pairs.items()},
         "stats": handle.stats(),
         "gds": None if gds is None else {"path": gds.path, "reason": gds.path_reason},
     }

@@ -1,16 +1,11 @@
 """Checkpoint shapes users hit, against torch and an independent ceiling, in one run.
 
-``python -m fastpersist.bench shapes --shape many-small --tensors 20000 --tensor-bytes 16-256``
-(or ``python -m fastpersist.bench checkpoint --shape ...``, which comes here).
-
-Shapes (:func:`build_shape`): ``many-small`` (``--tensor-bytes`` each, a range cycling through its powers of
-two), ``many-medium`` (``--tensors`` equal tensors totalling ``--size``), ``huge`` (one tensor; above 4 GiB:
-zip64), ``mixed`` (1,000+ parameters, optimizer state with Python scalars, half on the GPU with CUDA).
-Saves: ``fastpersist`` (durable), ``torch.save`` + fsync, fio's write with ``--fio``; loads: fastpersist
-verified or not, ``weights_only`` or not, and ``torch.load``; ``--sink``: the real pipelines into
-``/dev/null`` and from ``/dev/zero``, storing nothing. Unless ``--no-ceiling``, every result is given
-against its bound, measured in the same rounds (:mod:`fastpersist.bench.bounds`: ``ceiling: write``,
-``ceiling: read``, ``ceiling: copy to host`` / ``to device``, ``+ CRC-32``); see docs/performance.md.
+``python -m fastpersist.bench shapes --shape many-small --tensors 20000 --tensor-bytes 16-256`` (or
+``checkpoint --shape ...``, which comes here). Shapes: see :func:`build_shape`. Saves: fastpersist (durable),
+torch.save + fsync, fio's write with ``--fio``; loads: fastpersist verified or not, ``weights_only`` or not,
+and torch.load; ``--sink``: the real pipelines into ``/dev/null`` and from ``/dev/zero``, storing nothing.
+Unless ``--no-ceiling``, every result is given against its bound (:mod:`fastpersist.bench.bounds`), measured
+in the same rounds; see docs/performance.md.
 """
 
 from __future__ import annotations
@@ -32,9 +27,10 @@ import torch
 import fastpersist
 from fastpersist import config, system
 from fastpersist.bench import bounds, compare, measure
-from fastpersist.bench.harness import Benchmark, Rounds, UsageError, markdown_table, option, timed
+from fastpersist.bench.harness import Benchmark, Rounds, UsageError, figure, markdown_table, option, timed
 from fastpersist.config import parse_size
 from fastpersist.io import timeline
+from fastpersist.tuning import workloads
 from fastpersist.tuning.workloads import format_bytes
 
 __all__ = ["BENCHMARK", "SHAPES", "build_shape", "main", "markdown", "sink_save"]
@@ -57,7 +53,12 @@ def _tensor_sizes(text: str) -> list[int]:
 def build_shape(
     shape: str, tensors: int | None, tensor_bytes: str | None, size: int, device: str, zeros: bool = False
 ) -> Any:
-    """The state to save for ``shape`` (see the module docstring); ``zeros`` for the sink load."""
+    """The state to save for ``shape``; ``zeros`` for the sink load.
+
+    ``many-small``: ``--tensor-bytes`` each (a range cycles through its powers of two); ``many-medium``:
+    ``--tensors`` equal tensors totalling ``--size``; ``huge``: one tensor (above 4 GiB: zip64); ``mixed``:
+    1,000+ parameters, optimizer state with Python scalars, half on the GPU with CUDA.
+    """
     cuda = device.startswith("cuda")
 
     def make(nbytes: int, dtype=torch.float32, on: str = device) -> torch.Tensor:
@@ -111,13 +112,7 @@ def build_shape(
 
 
 def _tensors_of(state: Any) -> list[torch.Tensor]:
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in _tensors_of(v)]
-    if isinstance(state, (list, tuple)):
-        return [t for v in state for t in _tensors_of(v)]
-    return []
+    return list(workloads.flatten_state(state)[0].values())
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -183,26 +178,24 @@ def _sink_load(path: str, settings: config.Settings, device: str, verify: bool) 
         zero.close()
 
 
-def _options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", choices=SHAPES, help="the state's shape (required to measure)")
-    parser.add_argument("--tensors", type=int, default=None, help="number of tensors (parameters for mixed)")
-    parser.add_argument("--tensor-bytes", default=None, help="bytes per tensor, or a range like 16-256")
-    option(parser, "size", type=str, default="1G", help="total bytes for many-medium / mixed, tensor bytes for huge")
-    option(parser, "device", help="where the state lives and loads go (cpu, cuda)")
-    option(parser, "dir", help="where files go (default: a temporary directory on disk)")
-    option(parser, "repeats")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    parser.add_argument("--sink", action="store_true", help="also run the pipelines without storage (labelled sink)")
-    parser.add_argument("--sink-only", action="store_true", help="only the sink pipelines (no storage at all)")
-    parser.add_argument("--fio", action="store_true", help="also give fio's write of the same bytes a row of its own")
-    parser.add_argument(
-        "--no-ceiling", action="store_true", help="do not measure the bounds (see the module docstring)"
-    )
-    parser.add_argument("--no-torch", action="store_true", help="leave the torch baselines out")
-    parser.add_argument("--no-loads", action="store_true")
-    parser.add_argument("--loads", default="all", help="comma list of load variants to run (default all)")
-    option(parser, "no_drop_caches")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="fastpersist setting")
+def _options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", choices=SHAPES, help="the state's shape (required to measure)")
+    p.add_argument("--tensors", type=int, default=None, help="number of tensors (parameters for mixed)")
+    p.add_argument("--tensor-bytes", default=None, help="bytes per tensor, or a range like 16-256")
+    option(p, "size", type=str, default="1G", help="total bytes for many-medium / mixed, tensor bytes for huge")
+    option(p, "device", help="where the state lives and loads go (cpu, cuda)")
+    option(p, "dir", help="where files go (default: a temporary directory on disk)")
+    option(p, "repeats")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    p.add_argument("--sink", action="store_true", help="also run the pipelines without storage (labelled sink)")
+    p.add_argument("--sink-only", action="store_true", help="only the sink pipelines (no storage at all)")
+    p.add_argument("--fio", action="store_true", help="also give fio's write of the same bytes a row of its own")
+    p.add_argument("--no-ceiling", action="store_true", help="do not measure the bounds (see the module docstring)")
+    p.add_argument("--no-torch", action="store_true", help="leave the torch baselines out")
+    p.add_argument("--no-loads", action="store_true")
+    p.add_argument("--loads", default="all", help="comma list of load variants to run (default all)")
+    option(p, "no_drop_caches")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="fastpersist setting")
 
 
 def _methods(args: argparse.Namespace, state: Any, nbytes: int, settings: config.Settings, directory: str):
@@ -385,10 +378,6 @@ copies and CRC-32s done on the refill thread), for the last CRC-32s and device c
 (parsing, unpickling, allocating, submitting, copying small records out)."""
 
 
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
 def markdown(doc: dict[str, Any]) -> str:
     """A Markdown table of one result document (what docs/benchmarks.md shows)."""
     machine = doc.get("machine", {})
@@ -400,17 +389,19 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
     ]
     bounded = any("of_bound" in r for r in doc["results"])  # documents from before the bounds have none
-    header = ["op", "method", "kind", "median s", "GB/s", "x torch", *(["of bound"] if bounded else [])]
-    header += ["x fio", "peak RSS growth", "CPU s"]
+    ratios = {
+        "x torch": "speedup_vs_torch",
+        **({"of bound": "of_bound"} if bounded else {}),
+        "x fio": "fraction_of_fio",
+    }
+    header = ["op", "method", "kind", "median s", "GB/s", *ratios, "peak RSS growth", "CPU s"]
     rows = []
     for r in doc["results"]:
-        ratio = f"{r['speedup_vs_torch']:.2f}" if r.get("speedup_vs_torch") else "-"
-        fio = f"{r['fraction_of_fio']:.2f}" if r.get("fraction_of_fio") else "-"
+        gbps = figure(r["gbps"] if (r.get("gbps") or 0) >= 0.01 else None)
         rss = format_bytes(r["peak_rss_delta"]) if r.get("peak_rss_delta") is not None else "-"
-        cpu = f"{r['cpu_seconds_median']:.2f}" if r.get("cpu_seconds_median") is not None else "-"
-        gbps = f"{r['gbps']:.2f}" if (r.get("gbps") or 0) >= 0.01 else "-"
-        bound = [f"{r['of_bound']:.2f}" if r.get("of_bound") else "-"] if bounded else []
-        rows.append([r["op"], r["method"], r["kind"], f"{r['median_s']:.3f}", gbps, ratio, *bound, fio, rss, cpu])
+        cells = [figure(r.get(key) or None) for key in ratios.values()]  # none (or 0): a dash
+        cells += [rss, figure(r.get("cpu_seconds_median"))]
+        rows.append([r["op"], r["method"], r["kind"], f"{r['median_s']:.3f}", gbps, *cells])
     lines += markdown_table(header, "<<<" + ">" * (len(header) - 3), rows)
     if bounded:
         pairs = {}
@@ -431,7 +422,7 @@ def markdown(doc: dict[str, Any]) -> str:
             "slot's refill (its copies and CRC-32s), for the last CRC-32s and device copies, and the rest (parsing, "
             "unpickling, allocating, submitting); `-`: not recorded by that run's code:"
         )
-        table = [[r["method"], *(_seconds(r["caller_waits_s"].get(label)) for label in _WAITS)] for r in waiting]
+        table = [[r["method"], *(figure(r["caller_waits_s"].get(label), ".3f") for label in _WAITS)] for r in waiting]
         lines += ["", caption, "", *markdown_table(["load", *_WAITS], "<" + ">" * len(_WAITS), table)]
     return "\n".join(lines)
 

@@ -49,8 +49,7 @@ class BenchContext:
 class _Method:
     name: str = ""
     label: str = ""
-    default: bool = True
-    """Run when no ``--methods`` are given."""
+    default: bool = True  # run when no --methods are given
 
     def unavailable(self, ctx: BenchContext) -> str | None:
         """Why this method cannot run here, or None."""
@@ -63,9 +62,8 @@ class _Method:
 
 
 class SaveMethod(_Method):
-    """One way of writing a checkpoint. Per round the runner times :meth:`save` and then an fsync of what
-    it wrote (every method pays for durability alike), verifies :meth:`read_back` (untimed) and calls
-    :meth:`cleanup` at the end of the round."""
+    """One way of writing a checkpoint. The runner times :meth:`save` and an fsync of what it wrote (every
+    method pays for durability alike), verifies :meth:`read_back` (untimed), then calls :meth:`cleanup`."""
 
     extension: str = ".pt"
 
@@ -283,31 +281,31 @@ class TorchSave(SaveMethod):
     name, label = "torch.save", "torch.save + fsync"
 
     def save(self, state, path, ctx):
-        torch.save(state, path)
+        with self._settings(ctx):
+            torch.save(state, path)
         return {}
 
     def read_back(self, path, state, ctx):
         return torch_load(path, ctx)
 
+    def _settings(self, ctx: BenchContext) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
 
 class TorchSaveFast(TorchSave):
     name, label = "torch.save-fast", "torch.save, no CRC32 + fsync"
 
-    def _settings(self, ctx: BenchContext) -> dict[str, Any]:
-        return {"compute_crc32": False, **({"use_pinned_memory_for_d2h": True} if ctx.is_cuda else {})}
+    def _settings(self, ctx):
+        pinned = {"use_pinned_memory_for_d2h": True} if ctx.is_cuda else {}
+        return _torch_serialization_settings(compute_crc32=False, **pinned)
 
     def unavailable(self, ctx):
         try:
-            with _torch_serialization_settings(**self._settings(ctx)):
+            with self._settings(ctx):
                 pass
         except (ImportError, AttributeError) as e:
             return f"torch {torch.__version__} has no torch.utils.serialization.config.save ({e})"
         return None
-
-    def save(self, state, path, ctx):
-        with _torch_serialization_settings(**self._settings(ctx)):
-            torch.save(state, path)
-        return {}
 
 
 class TorchLoad(LoadMethod):

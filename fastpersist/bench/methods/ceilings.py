@@ -1,11 +1,10 @@
 """The storage ceiling: what the storage does with no format at all, the upper bound each method is compared with.
 
-:func:`measure_ceiling` is independent of any save path: the best of fio (when installed) and of the
-engine's single-request mode (one request over the whole file, split into ``block_size`` chunks with
-``queue_depth`` in flight) over a small grid, plus, for reads, the in-flight depth loads use. Every file
-is written from a pattern in which each 4 KiB block carries its own index and fsync'ed with its directory
-(as a save is), and every read is compared byte for byte with it (fio checks its own CRC32C headers), so a
-misplaced or stale block fails the measurement instead of inflating it.
+:func:`measure_ceiling`: the best of fio (when installed) and of the engine's single-request mode over a
+small grid of block sizes and queue depths (for reads also the depth loads use). Every file is written from
+a pattern whose 4 KiB blocks carry their own index and fsync'ed with its directory, as a save is, and every
+read is compared with it (fio checks its own CRC32C headers): a misplaced or stale block fails the
+measurement instead of inflating it.
 """
 
 from __future__ import annotations
@@ -45,7 +44,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return f"{self.tool} {self.block_size >> 20 or self.block_size >> 10}{'M' if self.block_size >= 1 << 20 else 'K'} QD{self.queue_depth}"
+        size = f"{self.block_size >> 20}M" if self.block_size >= 1 << 20 else f"{self.block_size >> 10}K"
+        return f"{self.tool} {size} QD{self.queue_depth}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"tool": self.tool, "block_size": self.block_size, "queue_depth": self.queue_depth}
@@ -68,10 +68,9 @@ def _stamped_pattern(nbytes: int) -> torch.Tensor:
 
 
 class CeilingProbe:
-    """Writes and reads one file of ``nbytes`` (rounded up to 4 KiB) in a temporary directory of
-    ``directory`` with any :class:`Candidate`; the engine candidates use ``engine_name``, fio ones run where
-    fio is installed and ``use_fio``. Two buffers of ``nbytes`` (the pattern, the read destination). A
-    context manager: :meth:`close` removes the files."""
+    """Writes and reads one file of ``nbytes`` (rounded up to 4 KiB) in a temporary directory of ``directory``
+    with any :class:`Candidate` (engine ones with ``engine_name``; fio ones where installed and ``use_fio``),
+    from and into buffers of ``nbytes``. A context manager: :meth:`close` removes the files."""
 
     def __init__(self, directory: str, nbytes: int, engine_name: str = "auto", use_fio: bool = True):
         from fastpersist.io import engine, memory
@@ -101,12 +100,8 @@ class CeilingProbe:
         return os.path.join(self.workdir, f"{tool}.bin")
 
     def _handle(self, candidate: Candidate) -> Any:
-        return self._engine.IoHandle(
-            block_size=candidate.block_size,
-            queue_depth=candidate.queue_depth,
-            engine=self.engine_name,
-            direct=self.direct,
-        )
+        knobs = {"block_size": candidate.block_size, "queue_depth": candidate.queue_depth}
+        return self._engine.IoHandle(**knobs, engine=self.engine_name, direct=self.direct)
 
     def candidates(self, op: str, read_buffers: tuple[int, int] | None = None) -> list[Candidate]:
         """The grid for ``op``: engine (and fio) at every block size x queue depth; reads also at ``read_buffers``
@@ -208,10 +203,10 @@ def measure_ceiling(
 ) -> dict[str, Any]:
     """The write and read ceilings of ``directory`` for a file of ``nbytes``.
 
-    Every candidate of the grid writes and reads back ``min(nbytes, grid_bytes)``, in a seeded random order;
-    then, ``passes`` times, the best engine and the best fio candidate of each operation move the full
-    ``nbytes``. A sample that fails verification or raises has ``error`` set and never counts; the ceiling
-    of an operation is its fastest full-size sample (the best any tool did on this storage in this run).
+    Every candidate of the grid moves ``min(nbytes, grid_bytes)``, in a seeded random order; then, ``passes``
+    times, the best engine and fio candidates of each operation move ``nbytes``. A sample that fails
+    verification or raises has ``error`` set and never counts; an operation's ceiling is its fastest
+    full-size sample (the best any tool did on this storage in this run).
 
     Returns:
         ``{"bytes", "direct", "fio", "seed", "grid": {"write": [...], "read": [...]},
