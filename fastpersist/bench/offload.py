@@ -36,23 +36,12 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-budget", type=size, default=None, help="GPU bytes for weights (default: size/4)")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--accelerate-tokens", type=int, default=4, help="new tokens for accelerate (it is slow)")
-    parser.add_argument(
-        "--disk-tokens",
-        type=int,
-        default=None,
-        help="new tokens for fastpersist-disk (default: --new-tokens; every step reads the streamed weights from disk)",
-    )
-    parser.add_argument(
-        "--accelerate-offload-dir",
-        default=None,
-        help="accelerate's offload_folder (default: DIR/accelerate-offload; it writes a copy of the offloaded weights)",
-    )
-    parser.add_argument(
-        "--nondeterministic",
-        action="store_true",
-        help="leave cuBLAS and torch free to pick nondeterministic kernels (default: deterministic ones, so that "
-        "every method's tokens can be compared with full-gpu's bit for bit)",
-    )
+    disk = "new tokens for fastpersist-disk (default: --new-tokens; every step reads the streamed weights from disk)"
+    parser.add_argument("--disk-tokens", type=int, default=None, help=disk)
+    folder = "accelerate's offload_folder (default: DIR/accelerate-offload; it writes a copy of the offloaded weights)"
+    parser.add_argument("--accelerate-offload-dir", default=None, help=folder)
+    free = "let cuBLAS and torch pick nondeterministic kernels (default: deterministic ones: tokens comparable bit for bit)"
+    parser.add_argument("--nondeterministic", action="store_true", help=free)
 
 
 def _llama_config(size: int):
@@ -83,8 +72,7 @@ def _empty_model(llama_config):
     except ImportError:  # meta parameters, real (CPU) rotary buffers
         with torch.device("meta"):
             model = transformers.LlamaForCausalLM(llama_config).to(torch.bfloat16)
-        rotary = type(model.model.rotary_emb)(config=llama_config)  # built outside the meta device
-        model.model.rotary_emb = rotary
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=llama_config)  # built outside the meta device
         return model.eval()
     with init_empty_weights():
         model = transformers.LlamaForCausalLM(llama_config).to(torch.bfloat16)
@@ -92,16 +80,13 @@ def _empty_model(llama_config):
 
 
 class _Clock:
-    """A logits processor that notes the time of every generation step (the first one: prefill done).
-
-    ``between_steps``, if given, runs after each step's time is noted (accelerate's
-    page-cache drop); its duration is left out of the timeline.
-    """
+    """A logits processor that notes the time of every generation step (the first one: prefill done) and keeps
+    the prefill's logits of the last prompt position (float32, CPU). ``between_steps`` runs after each step's
+    time is noted (accelerate's page-cache drop), its duration left out of the timeline."""
 
     def __init__(self, between_steps=None):
         self.times: list[float] = []
         self.first_scores: torch.Tensor | None = None
-        """The prefill's logits of the last prompt position (float32, on the CPU)."""
         self._between = between_steps
         self._excluded = 0.0
 
@@ -154,13 +139,9 @@ def _generate(model, batch: int, prompt: int, new_tokens: int, between_steps=Non
 
 
 class _ColdReads:
-    """Empties the page cache of accelerate's files before each step, as for a model larger than host memory.
-
-    accelerate reads offloaded weights through the page cache; on a machine whose
-    RAM holds the whole model, every pass after the first would be served from
-    memory. Where the files live on tmpfs nothing can be dropped, and ``detail``
-    says so.
-    """
+    """Empties the page cache of accelerate's files before each step, as for a model larger than host memory:
+    accelerate reads offloaded weights through it, and with RAM for the whole model every pass after the first
+    would come from memory. On tmpfs nothing can be dropped; ``detail`` says so."""
 
     def __init__(self, roots: list[str]):
         from fastpersist.system import CacheDropper, filesystem_of
@@ -168,41 +149,32 @@ class _ColdReads:
         self.roots = [root for root in roots if os.path.exists(root)]
         self._dropper = CacheDropper()
         on_tmpfs = [root for root in self.roots if filesystem_of(root).get("type") == "tmpfs"]
+        self.detail = f"page cache of its files dropped before every step ({self._dropper.mode})"
         if on_tmpfs:
             self.detail = (
                 f"{', '.join(on_tmpfs)} on tmpfs: accelerate's reads of it are served from memory (nothing to drop); "
                 f"page cache of the rest dropped before every step ({self._dropper.mode})"
             )
-        else:
-            self.detail = f"page cache of its files dropped before every step ({self._dropper.mode})"
 
     def __call__(self) -> None:
         self._dropper.drop(self.roots)
 
 
-def _agreement(tokens, reference, logits=None, reference_logits=None) -> dict[str, Any]:
-    """How a run's output compares with the full-gpu run's: same tokens, share of equal tokens, prefill logits.
-
-    Greedy sequences part for good at their first different token, so the share
-    of equal tokens says how early that happens; the largest difference of the
-    prefill's last-position logits says whether the computation itself differs
-    (0: bit for bit the same) or only its last bits.
-    """
+def _agreement(tokens, logits, reference: tuple | None) -> dict[str, Any]:
+    """How a run's output compares with full-gpu's (``reference``: its tokens and prefill logits): same tokens, share
+    of equal tokens (greedy sequences part for good at their first different token: how early), the largest
+    difference of the prefill's last-position logits (0: the computation is bit for bit the same)."""
     if reference is None:
         return {"same_tokens_as_full_gpu": None, "token_agreement": None}
-    reference = reference[:, : tokens.shape[1]]  # full-gpu made more tokens where the method's count differs
-    result = {
-        "same_tokens_as_full_gpu": bool(torch.equal(tokens, reference)),
-        "token_agreement": float((tokens == reference).float().mean()),
+    expected = reference[0][:, : tokens.shape[1]]  # full-gpu made more tokens where the method's count differs
+    finite = torch.isfinite(reference[1])  # generate's min_new_tokens sets the end token's score to -inf
+    same = torch.equal(finite, torch.isfinite(logits))
+    return {
+        "same_tokens_as_full_gpu": bool(torch.equal(tokens, expected)),
+        "token_agreement": float((tokens == expected).float().mean()),
+        "prefill_logits_max_abs_diff": float((logits - reference[1])[finite].abs().max()) if same else float("inf"),
+        "prefill_logits_max_abs": float(reference[1][finite].abs().max()),
     }
-    if logits is not None and reference_logits is not None:
-        finite = torch.isfinite(reference_logits)  # generate's min_new_tokens sets the end token's score to -inf
-        if not torch.equal(finite, torch.isfinite(logits)):
-            result["prefill_logits_max_abs_diff"] = float("inf")
-        else:
-            result["prefill_logits_max_abs_diff"] = float((logits - reference_logits)[finite].abs().max())
-        result["prefill_logits_max_abs"] = float(reference_logits[finite].abs().max())
-    return result
 
 
 def _read_ceiling(path: str) -> float:
@@ -332,6 +304,57 @@ def _same(row: dict[str, Any]) -> str:
     return "no" if share is None else f"no ({share:.1%} of tokens)"
 
 
+def _full_gpu(llama_config, path: str, batches: list[int], args, results: dict, reference: dict) -> None:
+    """Generation with the checkpoint fully loaded on the GPU: the compute bound, and the ``reference`` tokens.
+
+    The reference is the checkpoint loaded into the model the other methods get (built on the meta device, its
+    rotary buffers computed on the CPU), not the model that was saved: that one's buffers were computed on the
+    GPU, and their last bits change greedy tokens of a deep model.
+    """
+    import fastpersist
+
+    model = _empty_model(llama_config)
+    model.load_state_dict(fastpersist.load_file(path, device="cuda"), assign=True)
+    model.cuda()
+    _generate(model, batches[0], 8, 2)  # CUDA and cuBLAS warm-up, untimed
+    for batch in batches:
+        row = _generate(model, batch, args.prompt, args.new_tokens)
+        reference[batch] = (row.pop("tokens"), row.pop("logits"))
+        if batch == batches[0]:  # how far the same model on the same GPU agrees with itself
+            again = _generate(model, batch, args.prompt, args.new_tokens)
+            row["repeat"] = _agreement(again["tokens"], again["logits"], reference[batch])
+        results.setdefault("full-gpu", []).append(row)
+        print(f"full-gpu batch {batch}: {row['decode_tokens_per_second']:.1f} tokens/s", flush=True)
+
+
+def _accelerate(llama_config, path: str, budget: int, batches: list[int], args, results: dict, reference: dict):
+    """Generation with accelerate's ``load_checkpoint_and_dispatch`` (cold reads: :class:`_ColdReads`); what its
+    reads are (None: accelerate is not installed)."""
+    try:
+        from accelerate import load_checkpoint_and_dispatch
+    except ImportError:
+        print("accelerate-disk: skipped (accelerate is not installed)")
+        return None
+    offload_dir = args.accelerate_offload_dir or os.path.join(args.dir, "accelerate-offload")
+    model = load_checkpoint_and_dispatch(
+        _empty_model(llama_config),
+        path,
+        device_map="auto",
+        max_memory={0: budget, "cpu": 1 << 30},
+        offload_folder=offload_dir,
+        dtype=torch.bfloat16,
+    )
+    cold = _ColdReads([path, offload_dir])
+    print(f"accelerate-disk: {cold.detail}", flush=True)
+    for batch in batches:
+        cold()
+        row = _generate(model, batch, args.prompt, args.accelerate_tokens, between_steps=cold)
+        row.update(_agreement(row.pop("tokens"), row.pop("logits"), reference.get(batch)))
+        results.setdefault("accelerate-disk", []).append(row)
+        print(f"accelerate-disk batch {batch}: {row['decode_tokens_per_second']:.3f} tokens/s", flush=True)
+    return cold.detail
+
+
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
     """Builds and saves the model, then generates with every method; returns the document."""
     if not torch.cuda.is_available():
@@ -369,26 +392,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     disk_tokens = args.new_tokens if args.disk_tokens is None else args.disk_tokens
     accelerate_reads = None
     results: dict[str, list[dict[str, Any]]] = {}
-    reference: dict[int, torch.Tensor] = {}
-    reference_logits: dict[int, torch.Tensor] = {}
+    reference: dict[int, tuple] = {}  # batch -> full-gpu's tokens and prefill logits
     if "full-gpu" in methods:
-        # The reference is the checkpoint fully loaded into the model the other methods get (built on the
-        # meta device, its rotary buffers computed on the CPU), not the model that was saved: that one's
-        # buffers were computed on the GPU, and their last bits change greedy tokens of a deep model.
-        model = _empty_model(llama_config)
-        model.load_state_dict(fastpersist.load_file(path, device="cuda"), assign=True)
-        model.cuda()
-        _generate(model, batches[0], 8, 2)  # CUDA and cuBLAS warm-up, untimed
-        for batch in batches:
-            row = _generate(model, batch, args.prompt, args.new_tokens)
-            reference[batch] = row.pop("tokens")
-            reference_logits[batch] = row.pop("logits")
-            if batch == batches[0]:  # how far the same model on the same GPU agrees with itself
-                again = _generate(model, batch, args.prompt, args.new_tokens)
-                row["repeat"] = _agreement(again["tokens"], reference[batch], again["logits"], reference_logits[batch])
-            results.setdefault("full-gpu", []).append(row)
-            print(f"full-gpu batch {batch}: {row['decode_tokens_per_second']:.1f} tokens/s", flush=True)
-        del model
+        _full_gpu(llama_config, path, batches, args, results, reference)
     torch.cuda.empty_cache()
     read_ceiling, copy_ceiling = _read_ceiling(path), _copy_ceiling()
     print(f"ceilings: disk read {read_ceiling:.2f} GB/s, host-to-device {copy_ceiling:.2f} GB/s", flush=True)
@@ -409,11 +415,10 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             if method == "fastpersist-host":
                 _generate(offloaded, batch, 8, 1)  # fills the host tier (the first pass reads the disk)
             row = _generate(offloaded, batch, args.prompt, new_tokens)
-            tokens = row.pop("tokens")
             row["rss_before_dispatch_bytes"] = rss_before
             row["staging_bytes"] = placement["slots"] * placement["slot_bytes"]
             row["host_tier_bytes"] = state.describe()["host_tier_bytes"]
-            row.update(_agreement(tokens, reference.get(batch), row.pop("logits"), reference_logits.get(batch)))
+            row.update(_agreement(row.pop("tokens"), row.pop("logits"), reference.get(batch)))
             bound = batch * ceiling * 1e9 / streamed_bytes[method] if streamed_bytes[method] else None
             row["bound_tokens_per_second"] = bound
             row["of_bound"] = row["decode_tokens_per_second"] / bound if bound else None
@@ -429,31 +434,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         del offloaded
         torch.cuda.empty_cache()
     if "accelerate-disk" in methods:
-        try:
-            from accelerate import load_checkpoint_and_dispatch
-        except ImportError:
-            print("accelerate-disk: skipped (accelerate is not installed)")
-        else:
-            offload_dir = args.accelerate_offload_dir or os.path.join(args.dir, "accelerate-offload")
-            model = load_checkpoint_and_dispatch(
-                _empty_model(llama_config),
-                path,
-                device_map="auto",
-                max_memory={0: budget, "cpu": 1 << 30},
-                offload_folder=offload_dir,
-                dtype=torch.bfloat16,
-            )
-            cold = _ColdReads([path, offload_dir])
-            accelerate_reads = cold.detail
-            print(f"accelerate-disk: {cold.detail}", flush=True)
-            for batch in batches:
-                cold()
-                row = _generate(model, batch, args.prompt, args.accelerate_tokens, between_steps=cold)
-                tokens = row.pop("tokens")
-                row.update(_agreement(tokens, reference.get(batch), row.pop("logits"), reference_logits.get(batch)))
-                results.setdefault("accelerate-disk", []).append(row)
-                print(f"accelerate-disk batch {batch}: {row['decode_tokens_per_second']:.3f} tokens/s", flush=True)
-            del model
+        accelerate_reads = _accelerate(llama_config, path, budget, batches, args, results, reference)
     return {
         "benchmark": "offload",
         "machine": machine_info(args.dir, "cuda"),
@@ -476,12 +457,6 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 BENCHMARK = Benchmark(
-    "offload",
-    _options,
-    _measure,
-    to_markdown,
-    description=__doc__.split("\n")[0],
-    svg=to_svg,
-    requires=("transformers",),
+    "offload", _options, _measure, to_markdown, __doc__.split("\n")[0], svg=to_svg, requires=("transformers",)
 )
 main = BENCHMARK.main

@@ -19,10 +19,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
-from fastpersist.bench.harness import Benchmark, Rounds, bf16_state, figure, markdown_table, option
+from fastpersist.bench.harness import Benchmark, Rounds, bf16_state, figure, markdown_table, option, timed
 from fastpersist.bench.measure import remove_path
 
 __all__ = ["BENCHMARK", "SCHEMA", "TARGETS", "main", "to_markdown"]
@@ -57,11 +56,10 @@ def _training(directory: str, iterations: int, scratch: str) -> dict[str, Any]:
     }
 
 
-def _disk_rounds(directory: str, state: dict, rounds: int) -> dict[str, Any]:
+def _disk_rounds(directory: str, state: dict, nbytes: int, rounds: int) -> dict[str, Any]:
     import fastpersist
     from fastpersist.bench import bounds
 
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
     path, fio_path = os.path.join(directory, "pace-save.pt"), os.path.join(directory, "pace-fio.bin")
     fastpersist.save(state, path)  # untimed: pools and the file system's first allocation
 
@@ -71,14 +69,33 @@ def _disk_rounds(directory: str, state: dict, rounds: int) -> dict[str, Any]:
         os.sync()
         if name == "fio":
             return bounds.fio_write_seconds(fio_path, nbytes)
-        started = time.perf_counter()
-        fastpersist.save(state, path)
-        return time.perf_counter() - started
+        return timed(lambda: fastpersist.save(state, path))[1]["seconds"]
 
     measured = Rounds(rounds, order="reverse", catch=False).run([["fio", "fastpersist"]], run).samples
     for stale in (path, fio_path):
         remove_path(stale)
     return _paired(nbytes, {"fio": measured["fio"], "fastpersist": measured["fastpersist"]}, "fastpersist", "fio")
+
+
+def _load_rounds(directory: str, state: dict, nbytes: int, rounds: int, device: str) -> dict[str, Any]:
+    import torch
+
+    import fastpersist
+
+    path = os.path.join(directory, "pace-load.pt")
+    fastpersist.save(state, path)
+
+    def run(verify: bool, index: int) -> float:
+        loaded, seconds = timed(lambda: fastpersist.load(path, map_location=device, verify=verify), device)
+        if index == 0 and verify and any(not torch.equal(loaded[k], state[k]) for k in state):
+            raise AssertionError("the verified load differs from the saved state")
+        return seconds["seconds"]
+
+    try:  # the first round is untimed
+        measured = Rounds(rounds, warmup=1, order="reverse", catch=False).run([[True, False]], run).samples
+    finally:
+        os.unlink(path)
+    return _paired(nbytes, {"verified": measured[True], "unverified": measured[False]}, "verified", "unverified")
 
 
 def _paired(nbytes: int, seconds: dict[str, list[float]], measured: str, reference: str) -> dict[str, Any]:
@@ -91,39 +108,6 @@ def _paired(nbytes: int, seconds: dict[str, list[float]], measured: str, referen
     return {"bytes": nbytes, "rounds": records, "ratio": statistics.median(r["ratio"] for r in records), **gbps}
 
 
-def _load_rounds(directory: str, state: dict, rounds: int, device: str) -> dict[str, Any]:
-    import torch
-
-    import fastpersist
-
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    path = os.path.join(directory, "pace-load.pt")
-    fastpersist.save(state, path)
-
-    def run(verify: bool, index: int) -> float:
-        started = time.perf_counter()
-        loaded = fastpersist.load(path, map_location=device, verify=verify)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
-        if index == 0 and verify and any(not torch.equal(loaded[k], state[k]) for k in state):
-            raise AssertionError("the verified load differs from the saved state")
-        return seconds
-
-    try:  # the first round is untimed
-        measured = Rounds(rounds, warmup=1, order="reverse", catch=False).run([[True, False]], run).samples
-    finally:
-        os.unlink(path)
-    return _paired(nbytes, {"verified": measured[True], "unverified": measured[False]}, "verified", "unverified")
-
-
-def _met(name: str, value: float | None) -> bool | None:
-    if value is None:
-        return None
-    _, comparison, target = TARGETS[name]
-    return value <= target if comparison == "<=" else value >= target
-
-
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -133,31 +117,31 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     if not system.find_fio():
         raise SystemExit(f"the disk save's ceiling is fio's write: {system.FIO_INSTALL_HINT}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    figures: dict[str, float | None] = {}
+    ratios: dict[str, float | None] = {}
     parts: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for where, directory in (("shm", args.shm), ("disk", args.disk)):
             os.makedirs(directory, exist_ok=True)
             parts[f"training-{where}"] = result = _training(directory, args.iterations, scratch)
             for mode in ("pipelined", "snapshot"):
-                figures[f"training-{where}-{mode}"] = (result.get("of_bound") or {}).get(f"fastpersist-{mode}")
+                ratios[f"training-{where}-{mode}"] = (result.get("of_bound") or {}).get(f"fastpersist-{mode}")
             print(f"training {where}: {result.get('of_bound', result.get('error'))}", file=sys.stderr)
     state = bf16_state(args.size, device)
-    parts["disk-save"] = _disk_rounds(args.disk, state, args.rounds)
-    figures["disk-save"] = parts["disk-save"]["ratio"]
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    parts["disk-save"] = _disk_rounds(args.disk, state, nbytes, args.rounds)
     print(f"disk save: {[round(r['ratio'], 3) for r in parts['disk-save']['rounds']]}", file=sys.stderr)
-    parts["verified-load"] = _load_rounds(args.shm, state, args.rounds, device)
-    figures["verified-load"] = parts["verified-load"]["ratio"]
+    parts["verified-load"] = _load_rounds(args.shm, state, nbytes, args.rounds, device)
+    results = {}
+    for name, (what, comparison, target) in TARGETS.items():
+        ratio = parts[name]["ratio"] if name in parts else ratios.get(name)
+        met = None if ratio is None else ratio <= target if comparison == "<=" else ratio >= target
+        results[name] = {"what": what, "target": f"{comparison} {target}", "ratio": ratio, "met": met}
     return {
         "schema": SCHEMA,
         "benchmark": "pace",
         "machine": machine_info(args.disk, device=device),
         "config": {"size": args.size, "rounds": args.rounds, "iterations": args.iterations, "device": device},
-        "results": {
-            name: {"what": what, "target": f"{comparison} {target}", "ratio": figures.get(name)}
-            | {"met": _met(name, figures.get(name))}
-            for name, (what, comparison, target) in TARGETS.items()
-        },
+        "results": results,
         "parts": parts,
     }
 

@@ -41,8 +41,6 @@ __all__ = ["BENCHMARK", "SCHEMA", "main", "make_state", "moto_server", "to_markd
 
 SCHEMA = "fastpersist.bench.s3/1"
 _MiB = 1 << 20
-_TENSOR_BYTES = 16 * _MiB
-_SERVER_START_S = 60.0
 
 
 def _options(p: argparse.ArgumentParser) -> None:
@@ -50,16 +48,10 @@ def _options(p: argparse.ArgumentParser) -> None:
     option(p, "repeats", help="repeats per method; median, min, max (default 3)")
     p.add_argument("--part-size", default=None, help="fastpersist's s3_part_size (and boto3's chunk size)")
     p.add_argument("--concurrency", type=int, default=None, help="fastpersist's s3_concurrency (and boto3's)")
-    p.add_argument(
-        "--endpoint",
-        default=None,
-        help="an S3-compatible endpoint URL; credentials from the environment (default: start a moto server)",
-    )
+    endpoint = "an S3-compatible endpoint URL; credentials from the environment (default: start a moto server)"
+    p.add_argument("--endpoint", default=None, help=endpoint)
     p.add_argument("--bucket", default="fastpersist-bench", help="bucket (created if missing; default %(default)s)")
     p.add_argument("--prefix", default="fastpersist-bench/", help="key prefix of the objects (deleted at the end)")
-
-
-# ----------------------------------------------------------------------------- the state
 
 
 def make_state(size: int, seed: int = 0) -> dict[str, Any]:
@@ -67,15 +59,12 @@ def make_state(size: int, seed: int = 0) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     left = size
-    index = 0
     while left > 0:
-        dtype = torch.bfloat16 if index % 2 == 0 else torch.float32
-        nbytes = min(_TENSOR_BYTES, left)
-        count = max(1, nbytes // dtype.itemsize)
+        dtype = torch.bfloat16 if len(tensors) % 2 == 0 else torch.float32
+        count = max(1, min(16 * _MiB, left) // dtype.itemsize)
         shape = (count // 1024, 1024) if count % 1024 == 0 else (count,)
-        tensors[f"layers.{index}.weight"] = torch.randn(shape, generator=generator).to(dtype)
+        tensors[f"layers.{len(tensors)}.weight"] = torch.randn(shape, generator=generator).to(dtype)
         left -= count * dtype.itemsize
-        index += 1
     return {"model": tensors, "step": 1000, "config": {"lr": 3e-4, "name": "bench"}}
 
 
@@ -83,21 +72,12 @@ def make_state(size: int, seed: int = 0) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def moto_server(timeout: float = _SERVER_START_S) -> Iterator[str]:
-    """Runs moto's S3 server in a child process on a free port of 127.0.0.1; yields its URL.
-
-    A child process, not a thread of this one: its memory stays out of this
-    process's RSS and its Python work out of this process's GIL.
-
-    Raises:
-        RuntimeError: the server exited or did not answer within ``timeout`` seconds.
-    """
+def moto_server(timeout: float = 60.0) -> Iterator[str]:
+    """Runs moto's S3 server on a free port of 127.0.0.1 and yields its URL; RuntimeError when it exits or does
+    not answer within ``timeout`` seconds. A child process: its memory and its Python work stay out of ours."""
     port = free_port()
-    child = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -140,17 +120,25 @@ def _endpoint(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
 # ----------------------------------------------------------------------------- the methods
 
 
+_LABELS = {
+    # method: (its save, its load), as the table names them
+    "fastpersist": ("fastpersist.save(state, 's3://...')", "fastpersist.load('s3://...')"),
+    "fastpersist-one-get": (
+        "",
+        "fastpersist.load('s3://...') of the same object in one GET (s3_part_size >= its size)",
+    ),
+    "boto3": ("torch.save to BytesIO + boto3 upload_fileobj", "boto3 get_object -> BytesIO -> torch.load"),
+    "s3fs": ("torch.save to s3fs fs.open(url, 'wb')", "torch.load(fs.open(url, 'rb'))"),
+    "s3torchconnector": ("torch.save to S3Checkpoint.writer", "torch.load(S3Checkpoint.reader)"),
+}
+
+
 @dataclasses.dataclass
 class _Method:
-    """One way to save and load: its labels, its save and load callables, or why it is skipped.
-
-    ``optional``: another library's method, compared where it runs; its
-    failure is reported ("failed: <reason>"), not a problem of the run.
-    """
+    """One way to save and load, or why it is skipped. ``optional``: another library's, compared where it runs;
+    its failure is its result ("failed: <reason>"), not a problem of the run."""
 
     name: str
-    save_label: str
-    load_label: str
     save: Callable[[dict[str, Any]], None] | None = None
     load: Callable[[], Any] | None = None
     skipped: str | None = None
@@ -216,34 +204,16 @@ def _methods(endpoint: str, bucket: str, settings: config.Settings, client, keys
 
     methods = [
         _Method(
-            "fastpersist",
-            "fastpersist.save(state, 's3://...')",
-            "fastpersist.load('s3://...')",
-            lambda state: fastpersist.save(state, url("fastpersist"), **overrides),
-            ours(**overrides),
+            "fastpersist", lambda state: fastpersist.save(state, url("fastpersist"), **overrides), ours(**overrides)
         ),
-        _Method(
-            "fastpersist-one-get",
-            "",
-            "fastpersist.load('s3://...') of the same object in one GET (s3_part_size >= its size)",
-            load=ours(**one_get),
-        ),
-        _Method(
-            "boto3",
-            "torch.save to BytesIO + boto3 upload_fileobj",
-            "boto3 get_object -> BytesIO -> torch.load",
-            boto3_save,
-            boto3_load,
-        ),
+        _Method("fastpersist-one-get", load=ours(**one_get)),
+        _Method("boto3", boto3_save, boto3_load),
     ]
-    for name, save_label, load_label, make in (
-        ("s3fs", "torch.save to s3fs fs.open(url, 'wb')", "torch.load(fs.open(url, 'rb'))", s3fs_methods),
-        ("s3torchconnector", "torch.save to S3Checkpoint.writer", "torch.load(S3Checkpoint.reader)", connector_methods),
-    ):
+    for name, make in (("s3fs", s3fs_methods), ("s3torchconnector", connector_methods)):
         try:
-            methods.append(_Method(name, save_label, load_label, *make(), optional=True))
+            methods.append(_Method(name, *make(), optional=True))
         except ImportError as e:
-            methods.append(_Method(name, save_label, load_label, skipped=str(e), optional=True))
+            methods.append(_Method(name, skipped=str(e), optional=True))
     return methods
 
 
@@ -276,25 +246,11 @@ def _warm_up(methods: dict[str, _Method], keys: dict[str, str], rounds: Rounds) 
                 keys[method.name] = saved_key
 
 
-def _summary(samples: list[dict[str, float]], nbytes: int, label: str) -> dict[str, Any]:
-    stats = measure.summarize([s["seconds"] for s in samples])
-    peaks = [s["peak_rss_delta"] for s in samples]
-    rates = {"median": stats["median"], "min": stats["max"], "max": stats["min"]}
-    return {
-        "label": label,
-        "status": "ok",
-        "seconds": stats,
-        "samples_s": [s["seconds"] for s in samples],
-        "gb_per_s": {name: nbytes / seconds / 1e9 for name, seconds in rates.items()},
-        "peak_extra_rss_bytes": {"median": sorted(peaks)[len(peaks) // 2], "max": max(peaks)},
-    }
-
-
 def _section(kind: str, methods: list[_Method], rounds: Rounds, verified: dict, nbytes: int, problems: list[str]):
     """The ``kind`` (save or load) results of every method: its summary, or why it was skipped or failed."""
     out: dict[str, Any] = {}
     for method in methods:
-        label = method.save_label if kind == "save" else method.load_label
+        label = _LABELS[method.name][kind == "load"]
         own, save_error = rounds.errors.get((kind, method.name)), rounds.errors.get(("save", method.name))
         if kind == "save" and method.save is None and method.skipped is None:
             continue
@@ -306,19 +262,26 @@ def _section(kind: str, methods: list[_Method], rounds: Rounds, verified: dict, 
             if own and not method.optional:  # another library failing is its result, not a problem of ours
                 problems.append(f"{kind} {method.name} failed: {reason}")
         else:
-            out[method.name] = _summary(rounds.samples[(kind, method.name)], nbytes, label)
+            samples = rounds.samples[(kind, method.name)]
+            stats, peaks = measure.summarize([s["seconds"] for s in samples]), [s["peak_rss_delta"] for s in samples]
+            out[method.name] = {
+                "label": label,
+                "status": "ok",
+                "seconds": stats,
+                "samples_s": [s["seconds"] for s in samples],
+                "gb_per_s": {
+                    k: nbytes / stats[s] / 1e9 for k, s in (("median", "median"), ("min", "max"), ("max", "min"))
+                },
+                "peak_extra_rss_bytes": {"median": sorted(peaks)[len(peaks) // 2], "max": max(peaks)},
+            }
             if kind == "load":
                 out[method.name]["verified"] = verified.get(method.name, "not loaded")
     return out
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Runs the benchmark; returns the result document (see the module docstring).
-
-    Raises:
-        ImportError: boto3 is missing (or moto, without ``--endpoint``).
-        RuntimeError: the moto server did not start.
-    """
+    """The result document (see the module docstring); ImportError without boto3 (or moto, with no
+    ``--endpoint``), RuntimeError when the moto server does not start."""
     import boto3
     from botocore.config import Config
 
@@ -361,33 +324,26 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             return stats
 
         compare.run_rounds(rounds, [name for name, m in active.items() if m.save is not None], active, save, load)
-
-        # Cross-reads (untimed): each library reads the other's object.
-        if rounds.samples.get(("save", "fastpersist")) and rounds.samples.get(("save", "boto3")):
+        saved = rounds.samples.get(("save", "fastpersist"))
+        if saved and rounds.samples.get(("save", "boto3")):  # each library reads the other's object, untimed
             name = "fastpersist.load of the torch.save object"
             loaded = fastpersist.load(url["boto3"], weights_only=True, **overrides)
             cross[name] = compare.check(expected, loaded, problems, name)
             body = client.get_object(Bucket=args.bucket, Key=keys["fastpersist"])["Body"]
             name = "torch.load of the fastpersist object"
-            cross[name] = compare.check(
-                expected, torch.load(io.BytesIO(body.read()), weights_only=True), problems, name
-            )
-
-        # The ring's cost: one fastpersist save after the pool is freed (its time is not a result).
-        ring_rss = None
-        if rounds.samples.get(("save", "fastpersist")):
+            loaded = torch.load(io.BytesIO(body.read()), weights_only=True)
+            cross[name] = compare.check(expected, loaded, problems, name)
+        if saved:  # the ring's cost: one fastpersist save after the pool is freed (its time is not a result)
             memory.release_pooled_buffers()
             system.release_memory()
             ring = timed(lambda: fastpersist.save(state, url["fastpersist"], **overrides), memory=True)
-            ring_rss = ring[1]["peak_rss_delta"]
-
         for key in keys.values():
             with contextlib.suppress(Exception):
                 client.delete_object(Bucket=args.bucket, Key=key)
 
     results = {kind: _section(kind, methods, rounds, verified, nbytes, problems) for kind in ("save", "load")}
-    if ring_rss is not None:
-        results["save"]["fastpersist"]["first_save_peak_extra_rss_bytes"] = ring_rss
+    if saved:
+        results["save"]["fastpersist"]["first_save_peak_extra_rss_bytes"] = ring[1]["peak_rss_delta"]
     ratios = compare.ratios(
         [("save", "fastpersist", "boto3"), ("load", "fastpersist", "boto3")],
         lambda kind, name: (results[kind].get(name) or {}).get("gb_per_s", {}).get("median"),
@@ -423,25 +379,21 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / _MiB:+,.0f} MiB"
 
 
+def _row(kind: str, entry: dict[str, Any]) -> list[str]:
+    if entry["status"] != "ok":
+        return [kind, entry["label"], f"{entry['status']}: {entry['reason']}", "-", "-", "-"]
+    s, g, check = entry["seconds"], entry["gb_per_s"], entry.get("verified", "-")
+    rss = _mib(entry["peak_extra_rss_bytes"]["median"])
+    if "first_save_peak_extra_rss_bytes" in entry:
+        rss += f" ({_mib(entry['first_save_peak_extra_rss_bytes'])} first save)"
+    spread = [f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f})" for x in (s, g)]
+    return [kind, entry["label"], *spread, rss, "yes" if check is True else str(check)]
+
+
 def to_markdown(document: dict[str, Any]) -> str:
     """The result as Markdown: one row per operation and method, skipped methods with their reason, the ratios."""
-    cfg = document["config"]
-    machine = document["machine"]
-    rows = []
-    for kind in ("save", "load"):
-        for entry in document["results"][kind].values():
-            if entry["status"] != "ok":
-                rows.append([kind, entry["label"], f"{entry['status']}: {entry['reason']}", "-", "-", "-"])
-                continue
-            s, g = entry["seconds"], entry["gb_per_s"]
-            rss = _mib(entry["peak_extra_rss_bytes"]["median"])
-            if "first_save_peak_extra_rss_bytes" in entry:
-                rss += f" ({_mib(entry['first_save_peak_extra_rss_bytes'])} first save)"
-            check = entry.get("verified", "-")
-            rows.append(
-                [kind, entry["label"], f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"]
-                + [f"{g['median']:.2f} ({g['min']:.2f}-{g['max']:.2f})", rss, "yes" if check is True else str(check)]
-            )
+    cfg, machine = document["config"], document["machine"]
+    rows = [_row(kind, entry) for kind in ("save", "load") for entry in document["results"][kind].values()]
     header = ["operation", "method", "seconds median (min-max)", "GB/s median (min-max)", "peak extra RSS", "verified"]
     lines = [
         f"{workloads.format_bytes(cfg['bytes'])} in {cfg['tensors']} CPU tensors ({cfg['dtypes']}), "
@@ -451,11 +403,10 @@ def to_markdown(document: dict[str, Any]) -> str:
         "",
         *markdown_table(header, "<<>>><", rows),
         "",
+        *(f"- {name}: {ratio:.2f}x" for name, ratio in document["ratios"].items()),
+        *(f"- {name}: {'verified' if ok is True else ok}" for name, ok in document.get("cross_reads", {}).items()),
+        *(f"- PROBLEM: {problem}" for problem in document["problems"]),
     ]
-    lines += [f"- {name}: {ratio:.2f}x" for name, ratio in document["ratios"].items()]
-    for name, outcome in document.get("cross_reads", {}).items():
-        lines.append(f"- {name}: {'verified' if outcome is True else outcome}")
-    lines += [f"- PROBLEM: {problem}" for problem in document["problems"]]
     return "\n".join(lines) + "\n"
 
 
@@ -464,8 +415,8 @@ BENCHMARK = Benchmark(
     _options,
     _measure,
     to_markdown,
-    description=__doc__.splitlines()[0],
-    schema=SCHEMA,
+    __doc__.partition("\n")[0],
+    SCHEMA,
     requires=lambda args: ("boto3",) if args.endpoint else ("boto3", "moto.server"),
     status=lambda document: 1 if document["problems"] else 0,
 )

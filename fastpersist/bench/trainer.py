@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ from typing import Any
 
 from fastpersist.bench.bounds import fsync_file
 from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, figure, markdown_table, option, spawn
+from fastpersist.bench.measure import machine_info, summarize
 from fastpersist.io.commit import fsync_directory
 
 __all__ = ["BENCHMARK", "METHODS", "SCHEMA", "fsync_tree", "main", "to_markdown", "to_svg"]
@@ -38,21 +38,16 @@ _RUN_OPTIONS = (*_MODEL_OPTIONS, "save_steps", "checkpoints", "device")
 """The options a run has (its children get the same command line), recorded in the config."""
 
 
-def _is_fastpersist_temporary(name: str) -> bool:
-    """A save in flight (``.<name>.fastpersist-...tmp``, io.commit): not a file of the checkpoint yet."""
-    return name.startswith(".") and ".fastpersist-" in name and name.endswith(".tmp")
-
-
 def _tree(directory: str):
-    """(each directory under ``directory``, the paths of its files); files being written by a background save
-    (fastpersist temporaries) left out: their save makes them durable when it commits."""
+    """(each directory under ``directory``, the paths of its files), the files of a save in flight left out
+    (``.<name>.fastpersist-...tmp``, io.commit): their save makes them durable when it commits."""
     for root, _, files in os.walk(directory):
-        yield root, [os.path.join(root, n) for n in files if not _is_fastpersist_temporary(n)]
+        saving = [n for n in files if n.startswith(".") and ".fastpersist-" in n and n.endswith(".tmp")]
+        yield root, [os.path.join(root, n) for n in files if n not in saving]
 
 
 def fsync_tree(directory: str) -> int:
-    """fsyncs every regular file under ``directory`` (:func:`_tree`), each directory, and ``directory``'s parent;
-    returns the files."""
+    """fsyncs every file of :func:`_tree`, each directory, and ``directory``'s parent; returns the files."""
     count = 0
     for root, files in _tree(directory):
         for path in files:
@@ -85,16 +80,13 @@ def _model(args):
 
 def _callback(method: str, device: str, timings: list[dict]):
     """A TrainerCallback timing each checkpoint from the saving step's end to on_save (and to durable)."""
-    import threading
-
     import torch
     from transformers import TrainerCallback
 
     import fastpersist
 
     class Timer(TrainerCallback):
-        def __init__(self):
-            self.started = None
+        started = None
 
         def on_step_end(self, args, state, control, **kwargs):
             if control.should_save:
@@ -109,18 +101,13 @@ def _callback(method: str, device: str, timings: list[dict]):
             if method != "unpatched":
                 fsync_tree(folder)
             record["blocked_s"] = time.perf_counter() - self.started
-            if method in _DURABLE:
-                done, lock = [time.perf_counter()], threading.Lock()
-
-                def stamp(_future):
-                    with lock:
-                        done.append(time.perf_counter())
-
+            if method in _DURABLE:  # durable when the last of its background saves is done (none: now)
                 pending = fastpersist.pending_saves() if method == "patched-async" else []
                 record["pending_saves"] = len(pending)
-                record["_durable"] = (self.started, done, lock)
+                done = [time.perf_counter()]
+                record["_durable"] = (self.started, done)
                 for future in pending:
-                    future.add_done_callback(stamp)
+                    future.add_done_callback(lambda _future: done.append(time.perf_counter()))
             timings.append(record)
 
     return Timer()
@@ -131,23 +118,20 @@ def _verify(trainer, folder: str) -> dict[str, Any]:
     import safetensors.torch
     import torch
 
-    model_state = trainer.model.state_dict()
+    live = trainer.model.state_dict()
     loaded = safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
-    if set(loaded) != set(model_state):
-        return {"ok": False, "why": f"model.safetensors keys differ: {sorted(set(loaded) ^ set(model_state))[:4]}"}
-    for name, tensor in loaded.items():
-        if not torch.equal(tensor, model_state[name].cpu()):
-            return {"ok": False, "why": f"model.safetensors: {name} differs"}
-    optimizer = torch.load(os.path.join(folder, "optimizer.pt"), map_location="cpu", weights_only=True)
-    live = trainer.optimizer.state_dict()
-    tensors = 0
-    for key, state in live["state"].items():
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor):
-                if not torch.equal(optimizer["state"][key][name], value.cpu()):
-                    return {"ok": False, "why": f"optimizer.pt: state {key}.{name} differs"}
-                tensors += 1
-    return {"ok": True, "tensors": len(loaded) + tensors}
+    if set(loaded) != set(live):
+        return {"ok": False, "why": f"model.safetensors keys differ: {sorted(set(loaded) ^ set(live))[:4]}"}
+    optimizer = torch.load(os.path.join(folder, "optimizer.pt"), map_location="cpu", weights_only=True)["state"]
+    pairs = [(f"model.safetensors: {name}", tensor, live[name]) for name, tensor in loaded.items()]
+    for key, state in trainer.optimizer.state_dict()["state"].items():
+        pairs += [
+            (f"optimizer.pt: state {key}.{n}", optimizer[key][n], v) for n, v in state.items() if torch.is_tensor(v)
+        ]
+    for what, saved, value in pairs:
+        if not torch.equal(saved, value.cpu()):
+            return {"ok": False, "why": f"{what} differs"}
+    return {"ok": True, "tensors": len(pairs)}
 
 
 def _run_one(args) -> dict[str, Any]:
@@ -197,11 +181,8 @@ def _run_one(args) -> dict[str, Any]:
         if restore is not None:
             restore()
     for record in timings:  # every background save has finished (wait_all above)
-        durable = record.pop("_durable", None)
-        if durable is not None:
-            started, done, lock = durable
-            with lock:
-                record["durable_s"] = max(done) - started
+        if durable := record.pop("_durable", None):
+            record["durable_s"] = max(durable[1]) - durable[0]
     last = os.path.join(output_dir, f"checkpoint-{steps}")
     verified = _verify(trainer, last)
     checkpoint_bytes = sum(os.path.getsize(path) for _, files in _tree(last) for path in files)
@@ -227,13 +208,10 @@ def _summary(samples: list[dict]) -> dict[str, Any]:
     checkpoints = [c for s in samples for c in s["checkpoints"]]
     firsts = [s["checkpoints"][0] for s in samples if s["checkpoints"]]
     later = [c for s in samples for c in s["checkpoints"][1:]] or checkpoints
-
-    def median(rows, key):
-        values = [r[key] for r in rows if r.get(key) is not None]
-        return statistics.median(values) if values else None
-
     medians = {
-        p + k: median(rows, k) for p, rows in (("first_", firsts), ("", later)) for k in ("blocked_s", "durable_s")
+        p + k: (summarize([r.get(k) for r in rows]) or {}).get("median")
+        for p, rows in (("first_", firsts), ("", later))
+        for k in ("blocked_s", "durable_s")
     }
     return {"checkpoints": len(checkpoints), **medians}
 
@@ -259,7 +237,6 @@ def _targets(results: dict[str, dict], ceiling: dict | None, nbytes: int) -> dic
 def _measure(args) -> dict[str, Any]:
     """Each method in a fresh process per directory, ``--repeats`` times; the document of them all."""
     from fastpersist.bench import bounds
-    from fastpersist.bench.measure import machine_info
 
     if unknown := set(args.methods) - set(METHODS):
         raise UsageError(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
@@ -279,11 +256,7 @@ def _measure(args) -> dict[str, Any]:
 
         # Every other directory starts with the last method: no method always runs first.
         rounds = Rounds(args.repeats, order="reverse").run([args.methods[:: -1 if index % 2 else 1]], run)
-        results = {
-            m: {**_summary(rounds.samples[m]), "samples": rounds.samples[m]}
-            for m in args.methods
-            if rounds.samples.get(m)
-        }
+        results = {m: {**_summary(runs), "samples": runs} for m in args.methods if (runs := rounds.samples.get(m))}
         results.update({m: {"error": e} for m, e in rounds.errors.items() if m not in results})
         nbytes = max((s["checkpoint_bytes"] for m in results for s in results[m].get("samples", [])), default=0)
         ceiling = bounds.write_ceiling(directory, nbytes) if nbytes and not args.no_ceiling else None
@@ -317,17 +290,13 @@ def to_markdown(document: dict[str, Any]) -> str:
         results = entry["methods"]
         sample = next((r["samples"][0] for r in results.values() if r.get("samples")), None)
         parameters = f"{sample['parameters'] / 1e9:.2f} B parameters, " if sample else ""
-        ceiling = entry.get("write_ceiling")
+        ceiling, nbytes = entry.get("write_ceiling"), entry["checkpoint_bytes"]
         lines += [
-            f"Trainer (transformers {document.get('transformers')}) on `{config['device']}`, "
-            f"{parameters}bf16 + AdamW, checkpoint {entry['checkpoint_bytes'] / 1e9:.2f} GB every "
-            f"{config['save_steps']} steps to `{entry['dir']}` ({entry.get('filesystem') or '?'}), "
-            f"{config['checkpoints']} checkpoints per run, {config['repeats']} run(s) per method"
-            + (
-                f"; write ceiling {entry['checkpoint_bytes'] / ceiling['best_s'] / 1e9:.2f} GB/s ({ceiling['best']})."
-                if ceiling
-                else "."
-            ),
+            f"Trainer (transformers {document.get('transformers')}) on `{config['device']}`, {parameters}bf16 + "
+            f"AdamW, checkpoint {nbytes / 1e9:.2f} GB every {config['save_steps']} steps to `{entry['dir']}` "
+            f"({entry.get('filesystem') or '?'}), {config['checkpoints']} checkpoints per run, {config['repeats']} "
+            "run(s) per method"
+            + (f"; write ceiling {nbytes / ceiling['best_s'] / 1e9:.2f} GB/s ({ceiling['best']})." if ceiling else "."),
             "",
         ]
         header = ["method", "blocked (s)", "durable (s)", "durable GB/s", "first blocked (s)", "first durable (s)"]
@@ -339,7 +308,7 @@ def to_markdown(document: dict[str, Any]) -> str:
             if "error" in r:
                 lines.append(f"| {method} | failed | | | | | |")
                 continue
-            gbps = entry["checkpoint_bytes"] / r["durable_s"] / 1e9 if r["durable_s"] else None
+            gbps = nbytes / r["durable_s"] / 1e9 if r["durable_s"] else None
             verified = all(s["verified"]["ok"] for s in r["samples"])
             lines.append(
                 f"| {method} | {figure(r['blocked_s'])} | {figure(r['durable_s'])} | {figure(gbps)} | "
@@ -401,11 +370,9 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-steps", type=int, default=30 if gpu else 2, help="checkpoint every N steps")
     parser.add_argument("--checkpoints", type=int, default=2 if gpu else 3, help="checkpoints per run")
     option(parser, "repeats", default=1, help="runs per method and directory")
+    methods = f"comma list (default: {','.join(METHODS)})"
     parser.add_argument(
-        "--methods",
-        type=lambda text: [m for m in text.split(",") if m],
-        default=list(METHODS),
-        help=f"comma list (default: {','.join(METHODS)})",
+        "--methods", type=lambda text: [m for m in text.split(",") if m], default=[*METHODS], help=methods
     )
     parser.add_argument("--no-ceiling", action="store_true", help="do not measure the directories' write ceilings")
     parser.add_argument("--method", help=argparse.SUPPRESS)
@@ -413,13 +380,6 @@ def _options(parser: argparse.ArgumentParser) -> None:
 
 
 BENCHMARK = Benchmark(
-    "trainer",
-    _options,
-    _measure,
-    to_markdown,
-    description=__doc__.split("\n\n")[0],
-    schema=SCHEMA,
-    svg=to_svg,
-    child=_run_one,
+    "trainer", _options, _measure, to_markdown, __doc__.partition("\n")[0], SCHEMA, svg=to_svg, child=_run_one
 )
 main = BENCHMARK.main

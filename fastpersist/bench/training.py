@@ -28,17 +28,8 @@ import time
 from typing import Any
 
 from fastpersist.bench import bounds
-from fastpersist.bench.harness import (
-    Benchmark,
-    Rounds,
-    Svg,
-    UsageError,
-    markdown_table,
-    option,
-    spawn,
-    timed,
-    write_json,
-)
+from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, markdown_table, option, spawn, timed
+from fastpersist.tuning.measure import write_json
 
 __all__ = ["BENCHMARK", "METHODS", "RANK_METHODS", "SCHEMA", "main", "save_phases", "to_markdown", "to_svg"]
 
@@ -47,6 +38,7 @@ METHODS = ["none", "fastpersist-pipelined", "fastpersist-snapshot", "fastpersist
 _COLLECTIVE = ("fastpersist-collective", "fastpersist-collective-pipelined", "fastpersist-collective-snapshot")
 RANK_METHODS = ["none", *_COLLECTIVE, "fastpersist-pipelined", "fastpersist-snapshot", "fastpersist-sync", "torch.save"]
 """The methods with ``--ranks`` > 1 (see the module docstring)."""
+_CHECKPOINTER = ("fastpersist-pipelined", "fastpersist-snapshot", *_COLLECTIVE[1:])
 
 
 def _build(args, device, seed: int = 0):
@@ -80,111 +72,98 @@ def _iteration(model, optimizer, tokens, amp: bool):
     return loss.item()
 
 
+def _setup(args, rank: int):
+    """This rank's model, optimizer and batch, and the model it trains: with ``--ranks``, in a process group
+    and wrapped in DDP."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = args.device == "cuda"
+    if args.ranks > 1:
+        if cuda:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.ranks)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    model, optimizer, tokens = _build(args, device, seed=rank)
+    ids = [device.index] if device.index is not None else None
+    trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids) if args.ranks > 1 else model
+    return model, optimizer, tokens, trained
+
+
 def _run_one(args) -> dict[str, Any]:
     """One method in this process (a child of :func:`_measure`, one per rank with ``--ranks``); its measurements."""
     import torch
+    import torch.distributed as dist
 
     import fastpersist
     from fastpersist.bench.measure import PeakMemory, remove_path
     from fastpersist.io import timeline
     from fastpersist.system import release_memory
 
-    rank, world = int(os.environ.get("RANK", 0)), args.ranks
-    distributed = world > 1
-    if distributed:
-        import torch.distributed as dist
-
-        if args.device == "cuda":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    model, optimizer, tokens = _build(args, device, seed=rank)
-    ids = [device.index] if device.index is not None else None
-    trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids) if distributed else model
-    amp = device.type == "cuda"
+    rank, method, distributed, cuda = int(os.environ.get("RANK", 0)), args.method, args.ranks > 1, args.device == "cuda"
+    model, optimizer, tokens, trained = _setup(args, rank)
     # One path for every rank: with several ranks, per-process names would not be one checkpoint.
-    path = os.path.join(args.dir, f"bench-{args.method}-{os.getppid() if distributed else os.getpid()}.pt")
-    method = args.method
-    blocked: list[float] = []
-    writes = not distributed or rank == 0 or method in _COLLECTIVE
-
-    def state():
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-
+    path = os.path.join(args.dir, f"bench-{method}-{os.getppid() if distributed else os.getpid()}.pt")
+    writes = method != "none" and (not distributed or rank == 0 or method in _COLLECTIVE)
+    group = {"group": dist.group.WORLD, "layout": args.layout} if method in _COLLECTIVE else {}
     checkpointer = lightning_io = None
-    futures: list = []  # the asynchronous saves' futures (a collective one's carry its SaveStats)
-    if writes and method in ("fastpersist-pipelined", "fastpersist-snapshot", *_COLLECTIVE[1:]):
-        group = {"group": dist.group.WORLD, "layout": args.layout} if method in _COLLECTIVE else {}
+    # The asynchronous saves' futures (a collective one's carry its SaveStats) and the seconds each save blocked.
+    futures, blocked = [], []
+    if writes and method in _CHECKPOINTER:
         checkpointer = fastpersist.Checkpointer(optimizer, model=model, mode=method.rsplit("-", 1)[1], **group)
     elif writes and method == "lightning-async":
         from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
         lightning_io = AsyncCheckpointIO(TorchCheckpointIO())
 
+    def state():
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
     def checkpoint():
         started = time.perf_counter()
-        if method == "none":
-            return
-        if method == "fastpersist-collective":
-            fastpersist.save(state(), path, group=dist.group.WORLD, layout=args.layout)
-        elif not writes:  # a rank that does not save
-            if method in ("fastpersist-sync", "torch.save"):
-                dist.barrier()  # waits for rank 0's save, as Lightning's ranks do
-            return
-        elif checkpointer is not None:
-            futures.append(checkpointer.save(state(), path))
-        elif method == "fastpersist-sync":
-            fastpersist.save(state(), path)
-        elif method == "torch.save":
-            timeline.mark("call")  # torch marks nothing itself: the whole save is one phase
-            torch.save(state(), path)
-            bounds.fsync_file(path)
-            timeline.mark("committed")
-        elif method == "lightning-async":
-            lightning_io.save_checkpoint(state(), path)
-        if distributed and method in ("fastpersist-sync", "torch.save"):
-            dist.barrier()
-        blocked.append(time.perf_counter() - started)
-
-    def drain():
         if checkpointer is not None:
-            checkpointer.wait()
-        if lightning_io is not None:
-            lightning_io.teardown()
+            futures.append(checkpointer.save(state(), path))
+        elif lightning_io is not None:
+            lightning_io.save_checkpoint(state(), path)
+        elif writes and method == "torch.save":
+            _torch_save(state(), path)
+        elif writes:  # fastpersist-sync, fastpersist-collective
+            fastpersist.save(state(), path, **group)
+        if distributed and method in ("fastpersist-sync", "torch.save"):
+            dist.barrier()  # the ranks that do not save wait for rank 0's save, as Lightning's ranks do
+        if writes:
+            blocked.append(time.perf_counter() - started)
 
     for _ in range(args.warmup):
-        _iteration(trained, optimizer, tokens, amp)
+        _iteration(trained, optimizer, tokens, cuda)
     if distributed:
         dist.barrier()
     if checkpointer is not None and args.prepare:
         checkpointer.prepare(state())
     release_memory()
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base_gpu = torch.cuda.memory_allocated()
-    blocked.clear()
     with PeakMemory() as host, timeline.recording() as events:
         started = time.perf_counter()
         for index in range(args.iterations):
-            _iteration(trained, optimizer, tokens, amp)
+            _iteration(trained, optimizer, tokens, cuda)
             if index % args.every == 0:
                 checkpoint()
         steady = time.perf_counter() - started
-        drain()
-        if device.type == "cuda":
+        if checkpointer is not None:
+            checkpointer.wait()
+        if lightning_io is not None:
+            lightning_io.teardown()
+        if cuda:
             torch.cuda.synchronize()
         drained = time.perf_counter() - started
-    checkpoint_bytes = os.path.getsize(path) if os.path.exists(path) else 0
-    parted = method in _COLLECTIVE and args.layout == "parts"
-    if parted and checkpoint_bytes:
-        from fastpersist.distributed.manifest import read_manifest
-
-        checkpoint_bytes = read_manifest(path).size  # the checkpoint the manifest and its parts make
-    saves = save_phases(events)
     if args.timeline:  # the raw marks, for a where-does-the-time-go trace (docs/async.md)
         os.makedirs(args.timeline, exist_ok=True)
         write_json({"started": started, "events": events}, os.path.join(args.timeline, f"{method}-rank{rank}.json"))
+    parted = method in _COLLECTIVE and args.layout == "parts"
+    peak_gpu = torch.cuda.max_memory_allocated() if cuda else None
     result = {
         "method": method,
         "iterations": args.iterations,
@@ -193,24 +172,15 @@ def _run_one(args) -> dict[str, Any]:
         "per_iteration_s": drained / args.iterations,
         "blocked_per_save_s": statistics.median(blocked) if blocked else 0.0,
         "first_blocked_s": blocked[0] if blocked else 0.0,
-        "saves": saves,
-        "checkpoint_bytes": checkpoint_bytes,
+        "saves": save_phases(events),
+        "checkpoint_bytes": _checkpoint_bytes(path, parted),
         "peak_host_delta_bytes": host.delta,
         "peak_host_bytes": host.peak,
-        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
-        "peak_gpu_delta_bytes": (torch.cuda.max_memory_allocated() - base_gpu) if device.type == "cuda" else None,
+        "peak_gpu_bytes": peak_gpu,
+        "peak_gpu_delta_bytes": None if peak_gpu is None else peak_gpu - base_gpu,
     }
-    collective = [f.stats for f in futures if f.stats is not None][1:]  # after the first save
-    if collective:
-        # Rank 0's view of its collective saves: seconds from the start of each to the end of each step's
-        # exchange (plan, verify in the caller; write, commit in the background), its write, its bytes.
-        steps = {k: statistics.median(s.steps.get(k, 0.0) for s in collective) for k in collective[0].steps}
-        result["collective"] = {
-            "steps_s": steps,
-            "write_s": statistics.median(s.write_seconds for s in collective),
-            "bytes_written": collective[0].bytes_written,
-            "file_size": collective[0].file_size,
-        }
+    if collective := _collective(futures):
+        result["collective"] = collective
     if distributed:
         # DDP holds the group: drop it first, so the group goes while the interpreter is alive (not at exit).
         del trained
@@ -221,6 +191,42 @@ def _run_one(args) -> dict[str, Any]:
         for leftover in [path, *(glob.glob(glob.escape(path) + ".*.part-*") if parted else ())]:
             remove_path(leftover)
     return result
+
+
+def _collective(futures: list) -> dict[str, Any] | None:
+    """Rank 0's view of its collective saves after the first (None: none): seconds from the start of each to the
+    end of each step's exchange (plan, verify in the caller; write, commit in the background), its write, its bytes."""
+    stats = [f.stats for f in futures if f.stats is not None][1:]
+    if not stats:
+        return None
+    return {
+        "steps_s": {k: statistics.median(s.steps.get(k, 0.0) for s in stats) for k in stats[0].steps},
+        "write_s": statistics.median(s.write_seconds for s in stats),
+        "bytes_written": stats[0].bytes_written,
+        "file_size": stats[0].file_size,
+    }
+
+
+def _torch_save(state: dict[str, Any], path: str) -> None:
+    """torch.save + fsync, marked as one phase on the timeline (torch marks nothing itself)."""
+    import torch
+
+    from fastpersist.io import timeline
+
+    timeline.mark("call")
+    torch.save(state, path)
+    bounds.fsync_file(path)
+    timeline.mark("committed")
+
+
+def _checkpoint_bytes(path: str, parted: bool) -> int:
+    """The size of the checkpoint at ``path``: its file's, or (``parted``) what its manifest and parts make."""
+    nbytes = os.path.getsize(path) if os.path.exists(path) else 0
+    if parted and nbytes:
+        from fastpersist.distributed.manifest import read_manifest
+
+        return read_manifest(path).size
+    return nbytes
 
 
 _PHASES = (
@@ -305,6 +311,11 @@ _RUN_OPTIONS = tuple(
 """The options a method's process runs with (its children get the same command line), recorded in the config."""
 
 
+def _median(samples: list[dict], key: str, per_iteration: bool = False) -> float | None:
+    values = [s[key] / s["iterations"] if per_iteration else s[key] for s in samples]
+    return statistics.median(values) if values else None
+
+
 def _measure(args) -> dict[str, Any]:
     """Each method in a fresh process (``--ranks`` of them), ``--repeats`` times; the document of them all."""
     from fastpersist.bench.measure import machine_info
@@ -329,57 +340,43 @@ def _measure(args) -> dict[str, Any]:
 
     rounds = Rounds(args.repeats, order="reverse").run([methods], run)
     samples = {m: rounds.samples.get(m, []) for m in methods}
-
-    def median(method: str, key: str, per_iteration: bool = False) -> float | None:
-        values = [s[key] / s["iterations"] if per_iteration else s[key] for s in samples[method]]
-        return statistics.median(values) if values else None
-
-    base, base_steady = median("none", "per_iteration_s"), median("none", "steady_s", True)
-    base_host = median("none", "peak_host_bytes")
-    base_gpu = samples["none"][0]["peak_gpu_bytes"] if samples["none"] else None
+    checkpoint_bytes = max((runs[0]["checkpoint_bytes"] for runs in samples.values() if runs), default=0)
+    ceiling = shared = None
+    if checkpoint_bytes and not args.no_ceiling:
+        ceiling = bounds.write_ceiling(args.dir, checkpoint_bytes)
+        if args.ranks > 1 and any(m in _COLLECTIVE for m in methods):
+            shared = bounds.shared_write_ceiling(args.dir, checkpoint_bytes, args.ranks)
+    none = samples["none"]
+    base, base_steady = _median(none, "per_iteration_s"), _median(none, "steady_s", True)
+    base_host, base_gpu = _median(none, "peak_host_bytes"), none[0]["peak_gpu_bytes"] if none else None
+    # Every `every` iterations one checkpoint must be written: the storage's share per iteration.
+    possible = max(base_steady, ceiling["best_s"] / args.every) if ceiling and base_steady else None
+    possible_shared = max(base_steady, shared["per_writer_s"] / args.every) if shared and base_steady else None
     results = []
-    for method in methods:
-        if not samples[method]:
+    for method, runs in samples.items():
+        if not runs:
             results.append({"method": method, "error": rounds.errors.get(method, "no sample")})
             continue
-        per, steady = median(method, "per_iteration_s"), median(method, "steady_s", True)
-        host_peak, gpu_peak = median(method, "peak_host_bytes"), samples[method][0]["peak_gpu_bytes"]
-        results.append(
-            {
-                "method": method,
-                "per_iteration_s": per,
-                "steady_per_iteration_s": steady,
-                "overhead_pct": None if not base else 100.0 * (per - base) / base,
-                "steady_overhead_pct": None if not base_steady else 100.0 * (steady - base_steady) / base_steady,
-                "blocked_per_save_s": median(method, "blocked_per_save_s"),
-                "checkpoint_bytes": samples[method][0]["checkpoint_bytes"],
-                "peak_host_bytes": host_peak,
-                "extra_host_bytes": None if base_host is None else host_peak - base_host,
-                "peak_gpu_bytes": gpu_peak,
-                "extra_gpu_bytes": None if gpu_peak is None or base_gpu is None else gpu_peak - base_gpu,
-                "samples": samples[method],
-            }
-        )
-    checkpoint_bytes = max((r.get("checkpoint_bytes") or 0) for r in results)
-    ceiling = bounds.write_ceiling(args.dir, checkpoint_bytes) if checkpoint_bytes and not args.no_ceiling else None
-    possible = None
-    if ceiling is not None and base_steady:
-        # Every `every` iterations one checkpoint must be written: the storage's share per iteration.
-        possible = max(base_steady, ceiling["best_s"] / args.every)
-    shared, possible_shared = None, None
-    if args.ranks > 1 and checkpoint_bytes and not args.no_ceiling and any(m in _COLLECTIVE for m in methods):
-        shared = bounds.shared_write_ceiling(args.dir, checkpoint_bytes, args.ranks)
-        if base_steady:
-            possible_shared = max(base_steady, shared["per_writer_s"] / args.every)
-    for result in results:
-        if "error" in result:
-            continue
-        result["phases"] = _phase_medians(result["samples"])
-        bound = possible_shared if result["method"] in _COLLECTIVE else possible
-        if bound:
-            result["possible_per_iteration_s"] = bound
-            result["steady_of_possible"] = result["steady_per_iteration_s"] / bound
-            result["of_possible"] = result["per_iteration_s"] / bound
+        per, steady = _median(runs, "per_iteration_s"), _median(runs, "steady_s", True)
+        host_peak, gpu_peak = _median(runs, "peak_host_bytes"), runs[0]["peak_gpu_bytes"]
+        result = {
+            "method": method,
+            "per_iteration_s": per,
+            "steady_per_iteration_s": steady,
+            "overhead_pct": None if not base else 100.0 * (per - base) / base,
+            "steady_overhead_pct": None if not base_steady else 100.0 * (steady - base_steady) / base_steady,
+            "blocked_per_save_s": _median(runs, "blocked_per_save_s"),
+            "checkpoint_bytes": runs[0]["checkpoint_bytes"],
+            "peak_host_bytes": host_peak,
+            "extra_host_bytes": None if base_host is None else host_peak - base_host,
+            "peak_gpu_bytes": gpu_peak,
+            "extra_gpu_bytes": None if gpu_peak is None or base_gpu is None else gpu_peak - base_gpu,
+            "samples": runs,
+            "phases": _phase_medians(runs),
+        }
+        if bound := (possible_shared if method in _COLLECTIVE else possible):
+            result.update(possible_per_iteration_s=bound, steady_of_possible=steady / bound, of_possible=per / bound)
+        results.append(result)
     return {
         "schema": SCHEMA,
         "machine": machine_info(args.dir, device=args.device),
@@ -394,55 +391,51 @@ def _measure(args) -> dict[str, Any]:
     }
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
 def _mib(n) -> str:
     return "-" if n is None else f"{n / 2**20:,.0f}"
 
 
-def to_markdown(document: dict[str, Any]) -> str:
-    """The result as Markdown: one row per method against the bound, then where each save's time goes."""
-
-    config = document["config"]
-    base = next((r for r in document["results"] if r["method"] == "none" and "error" not in r), None)
-    ceiling = document.get("write_ceiling")
-    possible = document.get("possible_per_iteration_s")
-    every = config.get("every", 1)
+def _setting(document: dict[str, Any]) -> str:
+    """The first paragraph of :func:`to_markdown`: what ran where, the loop's own time and the storage ceiling."""
+    config, machine, ceiling = document["config"], document["machine"], document.get("write_ceiling")
+    base = next(r for r in document["results"] if r["method"] == "none" and "error" not in r)
     # Runs before the bound was measured also saved during the warm-up and after every `every`-th iteration.
     cadence = "the first after the first timed iteration" if "write_ceiling" in document else "warm-up saves untimed"
-    lines = [
-        f"Device `{config['device']}` ({document['machine'].get('device_name')}, "
-        f"{document['machine'].get('cpu_count')} CPUs), checkpoint {document['checkpoint_bytes'] / 1e6:,.0f} MB "
-        f"(model + AdamW) to `{config['dir']}`, {config['iterations']} iterations, checkpoint every {every} "
-        f"({cadence}), "
-        + (f"{config['ranks']} data-parallel ranks (DDP, rank 0's times), " if config.get("ranks", 1) > 1 else "")
-        + f"median of {config['repeats']}; "
-        f"iteration without checkpoint {base['steady_per_iteration_s'] * 1000:.1f} ms"
-        + (
-            f", device-to-host copy of the state {document['d2h_seconds'] * 1000:.1f} ms"
-            if document.get("d2h_seconds")
-            else ""
-        )
-        + (
-            f"; storage ceiling: one checkpoint written in {ceiling['best_s'] * 1000:.1f} ms "
-            f"({ceiling['bytes'] / ceiling['best_s'] / 1e9:.2f} GB/s, {ceiling['best']}; "
-            + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in ceiling["seconds"].items())
-            + ")"
-            if ceiling
-            else ""
-        )
-        + ".",
-        "",
-    ]
-    if possible:
+    text = (
+        f"Device `{config['device']}` ({machine.get('device_name')}, {machine.get('cpu_count')} CPUs), checkpoint "
+        f"{document['checkpoint_bytes'] / 1e6:,.0f} MB (model + AdamW) to `{config['dir']}`, {config['iterations']} "
+        f"iterations, checkpoint every {config.get('every', 1)} ({cadence}), "
+    )
+    if config.get("ranks", 1) > 1:
+        text += f"{config['ranks']} data-parallel ranks (DDP, rank 0's times), "
+    text += f"median of {config['repeats']}; iteration without checkpoint {_ms(base['steady_per_iteration_s'])} ms"
+    if document.get("d2h_seconds"):
+        text += f", device-to-host copy of the state {_ms(document['d2h_seconds'])} ms"
+    if ceiling:
+        ways = ", ".join(f"{k} {_ms(v)} ms" for k, v in ceiling["seconds"].items())
+        text += f"; storage ceiling: one checkpoint written in {_ms(ceiling['best_s'])} ms "
+        text += f"({ceiling['bytes'] / ceiling['best_s'] / 1e9:.2f} GB/s, {ceiling['best']}; {ways})"
+    return text + "."
+
+
+def to_markdown(document: dict[str, Any]) -> str:
+    """The result as Markdown: one row per method against the bound, then where each save's time goes."""
+    every, lines = document["config"].get("every", 1), [_setting(document), ""]
+    if possible := document.get("possible_per_iteration_s"):
         lines += [
-            f"Possible (the bound): max(iteration, ceiling write / {every}) = {possible * 1000:.1f} ms per iteration.",
+            f"Possible (the bound): max(iteration, ceiling write / {every}) = {_ms(possible)} ms per iteration.",
             "",
         ]
     shared, possible_shared = document.get("shared_write_ceiling"), document.get("possible_collective_per_iteration_s")
     if shared and possible_shared:
         lines += [
             f"Possible for the collective methods: max(iteration, the slowest of {shared['writers']} concurrent "
-            f"writers' share / {every}) = {possible_shared * 1000:.1f} ms per iteration ({shared['writers']} writers "
-            f"wrote {shared['bytes'] / 1e6:,.0f} MB together in {shared['per_writer_s'] * 1000:.1f} ms).",
+            f"writers' share / {every}) = {_ms(possible_shared)} ms per iteration ({shared['writers']} writers "
+            f"wrote {shared['bytes'] / 1e6:,.0f} MB together in {_ms(shared['per_writer_s'])} ms).",
             "",
         ]
     header = ["method", "ms / iteration (steady)", "× possible", "with the final wait", "overhead (steady)"]
@@ -454,36 +447,35 @@ def to_markdown(document: dict[str, Any]) -> str:
             continue
         ratio = f"{r['steady_of_possible']:.2f}" if r.get("steady_of_possible") else "-"
         firsts = [s["first_blocked_s"] * 1000 for s in r["samples"] if "first_blocked_s" in s]
-        first = f"{statistics.median(firsts):.1f}" if firsts else "-"
         lines.append(
-            f"| {r['method']} | {r['steady_per_iteration_s'] * 1000:.1f} | {ratio} | {r['per_iteration_s'] * 1000:.1f} | "
-            f"{r['steady_overhead_pct']:+.1f}% | {r['overhead_pct']:+.1f}% | {r['blocked_per_save_s'] * 1000:.1f} | "
-            f"{first} | {_mib(r['extra_gpu_bytes'])} | {_mib(r['extra_host_bytes'])} |"
+            f"| {r['method']} | {_ms(r['steady_per_iteration_s'])} | {ratio} | {_ms(r['per_iteration_s'])} | "
+            f"{r['steady_overhead_pct']:+.1f}% | {r['overhead_pct']:+.1f}% | {_ms(r['blocked_per_save_s'])} | "
+            f"{f'{statistics.median(firsts):.1f}' if firsts else '-'} | {_mib(r['extra_gpu_bytes'])} | "
+            f"{_mib(r['extra_host_bytes'])} |"
         )
     phased = [r for r in document["results"] if "error" not in r and r.get("phases")]
     names = [name for name, _, _ in _PHASES if any(name in r["phases"] for r in phased)]  # the phases some save had
 
     def cell(phases: dict[str, float], name: str) -> str:  # the median ms, the first save's in brackets
         value, first = phases.get(name), phases.get("first " + name)
-        return ("-" if value is None else f"{value * 1000:.1f}") + ("" if first is None else f" ({first * 1000:.1f})")
+        return ("-" if value is None else _ms(value)) + ("" if first is None else f" ({_ms(first)})")
 
     if phased:
-        rows = [[r["method"], *(cell(r["phases"], name) for name in names)] for r in phased]
+        collective = ""
+        if "verify" in names:
+            collective = " (for the collective methods `pickle` includes the plan's exchange and `copies queued` the "
+            collective += "`verify` exchange)"
+        elif any(r["method"] in _COLLECTIVE for r in phased):
+            collective = (
+                " (for the collective methods `open` is the plan's and the verify's exchanges, on the save thread)"
+            )
         caption = (
             "Where a save's time goes (median ms over the saves after the first; the first save's in brackets): "
-            "`pickle`, `wait for slot` and `copies queued` are the caller's"
-            + (
-                " (for the collective methods `pickle` includes the plan's exchange and `copies queued` the `verify` "
-                "exchange)"
-                if "verify" in names
-                else " (for the collective methods `open` is the plan's and the verify's exchanges, on the save thread)"
-                if any(r["method"] in _COLLECTIVE for r in phased)
-                else ""
-            )
-            + "; the rest runs in the background "
-            "(in the caller for fastpersist-sync). `read`: until the last device-to-host copy is queued; "
+            f"`pickle`, `wait for slot` and `copies queued` are the caller's{collective}; the rest runs in the "
+            "background (in the caller for fastpersist-sync). `read`: until the last device-to-host copy is queued; "
             "`write`: until the last byte is written."
         )
+        rows = [[r["method"], *(cell(r["phases"], name) for name in names)] for r in phased]
         lines += ["", caption, "", *markdown_table(["method", *names], "<" + ">" * len(names), rows)]
     return "\n".join(lines) + "\n"
 
@@ -521,50 +513,30 @@ def _options(parser: argparse.ArgumentParser) -> None:
     # GPU defaults: a ~0.25 GB checkpoint (21M parameters + AdamW) and an iteration of roughly 0.1 s on
     # an H100, so that the write of one checkpoint (~2 GB/s here) can hide behind one iteration.
     sizes = {"--d-model": (512, 256), "--layers": (4, 2), "--heads": (8, 4), "--vocab": (8192, 2048)}
-    for flag, (on_gpu, on_cpu) in {**sizes, "--batch": (64, 8), "--seq": (2048, 64)}.items():
+    sizes.update({"--batch": (64, 8), "--seq": (2048, 64), "--iterations": (20, 8), "--warmup": (3, 2)})
+    for flag, (on_gpu, on_cpu) in sizes.items():
         parser.add_argument(flag, type=int, default=on_gpu if gpu else on_cpu)
     parser.add_argument("--every", type=int, default=1, help="checkpoint every N iterations (default: every one)")
-    parser.add_argument(
-        "--layout",
-        choices=["file", "parts"],
-        default="file",
-        help="with --ranks: the collective methods' layout (parts: one file per writer, for node-local storage)",
-    )
-    for flag, (on_gpu, on_cpu) in {"--iterations": (20, 8), "--warmup": (3, 2)}.items():
-        parser.add_argument(flag, type=int, default=on_gpu if gpu else on_cpu)
+    layout = "with --ranks: the collective methods' layout (parts: one file per writer, for node-local storage)"
+    parser.add_argument("--layout", choices=["file", "parts"], default="file", help=layout)
     option(parser, "repeats", default=1, help="runs of each method, in alternating order")
-    parser.add_argument(
-        "--ranks",
-        type=int,
-        default=1,
-        help="data-parallel processes (one per GPU, DDP); methods then: " + ",".join(RANK_METHODS),
-    )
+    ranks = "data-parallel processes (one per GPU, DDP); methods then: " + ",".join(RANK_METHODS)
+    parser.add_argument("--ranks", type=int, default=1, help=ranks)
     parser.add_argument("--methods", default=None, help=f"comma list (default: all of {','.join(METHODS)})")
-    parser.add_argument(
-        "--prepare",
-        type=lambda text: text.lower() in ("1", "true", "yes", "on"),
-        default=True,
-        help="Checkpointer methods: call Checkpointer.prepare after the warm-up (default true; 'false' times the "
-        "first save's allocation in the loop)",
-    )
+    prepare = "Checkpointer methods: call Checkpointer.prepare after the warm-up (default true; 'false' times the "
+    prepare += "first save's allocation in the loop)"
+    parser.add_argument("--prepare", type=_true, default=True, help=prepare)
     parser.add_argument("--no-ceiling", action="store_true", help="do not measure the storage's write ceiling")
-    parser.add_argument(
-        "--timeline",
-        metavar="DIR",
-        default=None,
-        help="write every rank's raw timeline of each method (save phases, exchanges, the step's waits) here",
-    )
+    timeline = "write every rank's raw timeline of each method (save phases, exchanges, the step's waits) here"
+    parser.add_argument("--timeline", metavar="DIR", default=None, help=timeline)
     parser.add_argument("--method", help=argparse.SUPPRESS)
 
 
+def _true(text: str) -> bool:
+    return text.lower() in ("1", "true", "yes", "on")
+
+
 BENCHMARK = Benchmark(
-    "training",
-    _options,
-    _measure,
-    to_markdown,
-    description=__doc__.split("\n\n")[0],
-    schema=SCHEMA,
-    svg=to_svg,
-    child=_run_one,
+    "training", _options, _measure, to_markdown, __doc__.partition("\n")[0], SCHEMA, svg=to_svg, child=_run_one
 )
 main = BENCHMARK.main
