@@ -1,12 +1,10 @@
 """``python -m fastpersist.bench dcp``: torch.distributed.checkpoint with FileSystemWriter vs FastPersistWriter.
 
-``--ranks`` processes (one process group on this host, gloo or NCCL) each hold their share of a ``--size``
-bf16 state and time, barrier to barrier on rank 0, every repeat: ``ceiling_write``/``ceiling_read`` (each
-rank's bytes through the engine, O_DIRECT), durable ``dcp.save`` with ``FileSystemWriter(thread_count=N,
-sync_files=True)`` for each N of ``--threads`` and with ``FastPersistWriter``, and the cold loads with
-``FileSystemReader`` and ``FastPersistReader`` into a preallocated state (compared with the saved one on
-the first repeat). GB/s of payload over all ranks, and the ratios to the best FileSystemWriter/Reader and
-to the ceiling; see docs/dcp.md.
+``--ranks`` processes of one process group on this host each hold their share of a ``--size`` bf16 state;
+every step is timed barrier to barrier: the engine's O_DIRECT ceiling, durable ``dcp.save`` through
+``FileSystemWriter`` (each ``--threads`` count) and ``FastPersistWriter``, and cold loads into a
+preallocated state (compared with the saved one on the first repeat). GB/s of payload over all ranks and
+the ratios to the best FileSystemWriter/Reader and to the ceiling; see docs/dcp.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """``python -m fastpersist.bench ranks``: data-parallel sharded save against the number of ranks.
 
 For each N in ``--ranks`` (1 always: the single writer of the same run), N processes of one process group
-hold the same ``--size`` state and time ``--repeat`` collective saves (``fastpersist.save(...,
-group=...)``): each rank's bytes and write time, and end to end (first start after a barrier to the last
-return). ``--sink`` saves into ``/dev/null`` (the pipeline without storage) and measures each N's bound:
-all ranks at once copying their share to the host (:class:`fastpersist.bench.bounds.CopyCeiling`). For
-per-rank targets (``--dir`` a comma list, ``--layout parts``) the N-rank time is projected from the single
-writer's rate plus the measured coordination. Every checkpoint is verified, the first loaded back and
-compared; see docs/distributed.md.
+time ``--repeat`` collective saves of the same ``--size`` state, per rank and end to end (first start after a
+barrier to the last return). ``--sink`` saves into ``/dev/null`` and measures each N's bound: all ranks at
+once copying their share to the host. For per-rank targets (``--dir`` a comma list) the N-rank time is
+projected from the single writer's rate plus the measured coordination. Every checkpoint is verified, the
+first loaded back and compared; see docs/distributed.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """``python -m fastpersist.bench safetensors``: safetensors files, fastpersist against the safetensors library.
 
-One real-shaped bf16 state dict, methods interleaved per repeat, medians with ratios to the baselines of
-the same run: durable saves (``fastpersist.save_file`` against ``safetensors.torch.save_file`` + fsync and
-the engine's O_DIRECT write of as many bytes) and cold loads (``fastpersist.load_file`` of the library's
-file and of its own against ``safetensors.torch.load_file`` and the O_DIRECT read; CPU results touched
-inside the clock). Every file is read back by the other library and every load compared with the
-original; see docs/safetensors.md.
+One real-shaped bf16 state dict, methods interleaved per repeat: durable saves and cold loads of fastpersist
+against the safetensors library and the engine's O_DIRECT ceiling of as many bytes (CPU results touched
+inside the clock), medians and ratios to the baselines of the same run. Every file is read back by the
+other library and every load compared with the original; see docs/safetensors.md.
 
 ::
 
