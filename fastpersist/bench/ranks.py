@@ -36,11 +36,17 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (1 is always added)")
     option(parser, "size", type=str, default="2G", help="checkpoint size (e.g. 256M, 2G)")
     option(parser, "device", choices=["cpu", "cuda"], help="where each rank's state lives")
-    option(parser, "dir", help="target directory; a comma list gives rank r the directory r %% len (per-rank targets)")
+    option(
+        parser,
+        "dir",
+        help="target directory; a comma list gives rank r the directory r %% len (per-rank targets, with --layout parts)",
+    )
     parser.add_argument("--layout", default="file", choices=["file", "parts"])
     parser.add_argument("--writers", default="all", choices=["all", "node"])
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
-    parser.add_argument("--sink", action="store_true", help="write into /dev/null and commit nothing (no storage)")
+    parser.add_argument(
+        "--sink", action="store_true", help="write into /dev/null and commit nothing: the pipeline without storage"
+    )
     option(parser, "repeats", "--repeat")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--markdown", default=None, help="write the table and a text chart (Markdown) here")
