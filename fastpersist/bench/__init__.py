@@ -1,7 +1,7 @@
 """Benchmarks: ``python -m fastpersist.bench <subcommand> [options]``.
 
 Subcommands live in modules of this package, a line each in :data:`SUBCOMMANDS` (both helps print them
-through :func:`listing`; :func:`register` adds one, its module imported only when it runs). Each declares
+through :func:`listing`), a module imported only when its subcommand runs. Each declares
 itself as one :class:`fastpersist.bench.harness.Benchmark`; the harness does the command line, rounds,
 child processes, JSON, reports and charts the same way for all. The checkpoint benchmark's methods are in
 :mod:`fastpersist.bench.methods`, its tables and the docs' blocks in :mod:`fastpersist.bench.report`.
@@ -9,7 +9,7 @@ child processes, JSON, reports and charts the same way for all. The checkpoint b
 
 from __future__ import annotations
 
-__all__ = ["SUBCOMMANDS", "listing", "register"]
+__all__ = ["SUBCOMMANDS", "listing"]
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "io": ("fastpersist.bench.io", "sequential write/read throughput of the I/O engine, optionally against fio"),
@@ -19,10 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("fastpersist.bench.report", "Markdown of results; --update-docs regenerates the docs' tables"),
     "shapes": ("fastpersist.bench.shapes", "many-small / many-medium / huge / mixed states vs torch, fio and a sink"),
     "safetensors": ("fastpersist.bench.safetensors_bench", "safetensors files: fastpersist vs the safetensors library"),
-    "dcp": (
-        "fastpersist.bench.dcp",
-        "torch.distributed.checkpoint: FileSystemWriter/Reader vs FastPersistWriter/Reader",
-    ),
+    "dcp": ("fastpersist.bench.dcp", "dcp.save/load: FileSystemWriter/Reader vs FastPersistWriter/Reader"),
     "ranks": ("fastpersist.bench.ranks", "data-parallel sharded save (group=...) against the number of ranks"),
     "training": ("fastpersist.bench.training", "overhead of checkpointing every iteration of a training loop"),
     "stages": ("fastpersist.bench.stages", "a CUDA load's ring stage by stage: read, + CRC-32, + copy, against pread"),
@@ -35,11 +32,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "s3": ("fastpersist.bench.s3", "save/load to an S3-compatible store (moto by default): fastpersist vs boto3, s3fs"),
 }
 """Subcommand name -> (module declaring ``BENCHMARK`` and ``main(argv)``, one-line description)."""
-
-
-def register(name: str, module: str, description: str = "") -> None:
-    """Adds subcommand ``name`` run by ``module.main(argv)``."""
-    SUBCOMMANDS[name] = (module, description)
 
 
 def listing() -> str:

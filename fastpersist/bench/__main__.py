@@ -8,26 +8,19 @@ import sys
 from fastpersist.bench import SUBCOMMANDS, listing
 
 
-def _usage() -> str:
-    return (
-        "usage: python -m fastpersist.bench <subcommand> [options]\n\n"
-        f"subcommands:\n{listing()}\n\n"
-        "'python -m fastpersist.bench <subcommand> --help' for its options"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = (
+        f"usage: python -m fastpersist.bench <subcommand> [options]\n\nsubcommands:\n{listing()}\n\n"
+        "'python -m fastpersist.bench <subcommand> --help' for its options"
+    )
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        print(usage)
         return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
-        print(f"unknown benchmark {name!r}\n\n{_usage()}", file=sys.stderr)
+    if argv[0] not in SUBCOMMANDS:
+        print(f"unknown benchmark {argv[0]!r}\n\n{usage}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    result = module.main(rest)
-    return int(result or 0)
+    return int(importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(argv[1:]) or 0)
 
 
 if __name__ == "__main__":

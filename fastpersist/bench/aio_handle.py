@@ -68,7 +68,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         remove_path(path)
         sample = {"write": timed(write, "cuda" if cuda else None)[1]["seconds"]}
         if name != "cpu_locked":
-            back.zero_()
+            back.zero_()  # the read must fill it again to compare equal
         sample["read"] = timed(read, "cuda" if cuda else None)[1]["seconds"]
         return sample if name == "cpu_locked" else dict(sample, equal=bool(torch.equal(back, device)))
 
@@ -89,15 +89,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         del bounce
     h.free_cpu_locked_tensor(host)
     remove_path(path)
-    return {
-        "benchmark": "aio_handle",
-        "size_bytes": n,
-        "repeat": args.repeat,
-        "handle": repr(h),
-        "config": {"size_bytes": n, "repeat": args.repeat, "handle": repr(h)},
-        "machine": machine_info(args.dir, device="cuda" if cuda else "cpu"),
-        "results": results,
-    }
+    run = {"size_bytes": n, "repeat": args.repeat, "handle": repr(h)}
+    machine = machine_info(args.dir, device="cuda" if cuda else "cpu")
+    return {"benchmark": "aio_handle", **run, "config": run, "machine": machine, "results": results}
 
 
 def to_markdown(document: dict[str, Any]) -> str:

@@ -1,12 +1,10 @@
 """``python -m fastpersist.bench dcp``: torch.distributed.checkpoint with FileSystemWriter vs FastPersistWriter.
 
-``--ranks`` processes (one process group on this host, gloo or NCCL) each hold their share of a ``--size``
-bf16 state and time, barrier to barrier on rank 0, every repeat: ``ceiling_write``/``ceiling_read`` (each
-rank's bytes through the engine, O_DIRECT), durable ``dcp.save`` with ``FileSystemWriter(thread_count=N,
-sync_files=True)`` for each N of ``--threads`` and with ``FastPersistWriter``, and the cold loads with
-``FileSystemReader`` and ``FastPersistReader`` into a preallocated state (compared with the saved one on
-the first repeat). GB/s of payload over all ranks, and the ratios to the best FileSystemWriter/Reader and
-to the ceiling; see docs/dcp.md.
+``--ranks`` processes of one process group on this host each hold their share of a ``--size`` bf16 state;
+every step is timed barrier to barrier: the engine's O_DIRECT ceiling, durable ``dcp.save`` through
+``FileSystemWriter`` (each ``--threads`` count) and ``FastPersistWriter``, and cold loads into a
+preallocated state (compared with the saved one on the first repeat). GB/s of payload over all ranks and
+the ratios to the best FileSystemWriter/Reader and to the ceiling; see docs/dcp.md.
 """
 
 from __future__ import annotations
@@ -55,15 +53,16 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     return results[0]
 
 
-# ----------------------------------------------------------------------------- worker
+class _Rank:
+    """This process's part of the group: its share of the state, and each step timed barrier to barrier."""
 
-
-class _Run:
     def __init__(self, args: argparse.Namespace):
         import torch
         import torch.distributed as dist
 
-        self.args, self.torch, self.dist = args, torch, dist
+        from fastpersist.system import CacheDropper
+
+        self.torch, self.dist = torch, dist
         if args.device == "cuda":  # before the group: NCCL binds each rank to its current device
             self.device = torch.device("cuda", int(os.environ["RANK"]) % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
@@ -71,31 +70,26 @@ class _Run:
             self.device = torch.device("cpu")
         dist.init_process_group(args.backend)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.state = self._make_state()
+        self.state = self._make_state(args.size // self.world, max(1, args.tensor_size // (2 * 4096)))
         self.payload = sum(t.numel() * t.element_size() for t in self.state.values())
         totals = torch.tensor(
             [self.payload], dtype=torch.int64, device=self.device if args.backend == "nccl" else "cpu"
         )
         dist.all_reduce(totals)
         self.total = int(totals.item())
-        from fastpersist.system import CacheDropper
-
         self.dropper = CacheDropper(enabled=not args.no_drop_caches) if self.rank == 0 else None
 
-    def _make_state(self) -> dict:
-        torch = self.torch
-        share = self.args.size // self.world
-        columns = 4096
-        rows = max(1, self.args.tensor_size // (2 * columns))
+    def _make_state(self, share: int, rows: int) -> dict:
+        """``share`` bytes of random bf16 in tensors of ``rows`` x 4096, seeded by the rank."""
+        torch, columns = self.torch, 4096
         generator = torch.Generator(device=self.device).manual_seed(1000 + self.rank)
-        state, left, index = {}, share, 0
+        state, left = {}, share
         while left > 0:
             count = min(rows, max(1, left // (2 * columns)))
-            state[f"rank{self.rank}.tensor{index}"] = torch.randn(
+            state[f"rank{self.rank}.tensor{len(state)}"] = torch.randn(
                 count, columns, generator=generator, device=self.device, dtype=torch.bfloat16
             )
             left -= count * columns * 2
-            index += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return state
@@ -124,52 +118,41 @@ class _Run:
             measure.remove_path(path)
         self.barrier()
 
-    def blank(self) -> dict:
-        return {k: self.torch.zeros_like(v) for k, v in self.state.items()}
+    def ceiling(self, path: str) -> tuple[float, float]:
+        """Raw O_DIRECT write and read of this rank's bytes, from and into aligned host memory."""
+        from fastpersist import config
+        from fastpersist.io import engine, memory
 
-    def check(self, loaded: dict, what: str) -> None:
+        buffer = memory.aligned_empty(self.payload, huge_pages=True)
+        buffer.fill_(7)
+        name = os.path.join(path, f"ceiling.{self.rank}")
+        os.makedirs(path, exist_ok=True)
+        handle = engine.make_handle(config.settings())
+        write = self.timed(lambda: bounds.engine_write(name, buffer, self.payload, handle, allocate=True))
+        self.drop_caches(path)
+        read = self.timed(lambda: bounds.engine_read(name, buffer, self.payload, handle))
+        self.remove(path)
+        return write, read
+
+    def save(self, dcp, path: str, writer) -> float:
+        """Seconds of a durable dcp.save to a fresh ``path`` through the storage writer ``writer()`` makes."""
+
+        def save() -> None:
+            dcp.save(self.state, storage_writer=writer())
+            if self.rank == 0:
+                measure.fsync_paths(path)
+
+        self.remove(path)
+        return self.timed(save)
+
+    def load(self, dcp, reader, check: bool) -> float:
+        """Seconds of a dcp.load into a preallocated state (compared with the saved one when ``check``)."""
+        loaded = {k: self.torch.zeros_like(v) for k, v in self.state.items()}
+        seconds = self.timed(lambda: dcp.load(loaded, storage_reader=reader))
         for key, tensor in self.state.items():
-            if not self.torch.equal(loaded[key], tensor):
-                raise AssertionError(f"{what}: {key} differs after the round trip")
-
-
-def _ceiling(run: _Run, path: str) -> tuple[float, float]:
-    """Raw O_DIRECT write and read of each rank's share of bytes, from and into aligned host memory."""
-    from fastpersist import config
-    from fastpersist.io import engine, memory
-
-    settings = config.settings()
-    buffer = memory.aligned_empty(run.payload, huge_pages=True)
-    buffer.fill_(7)
-    name = os.path.join(path, f"ceiling.{run.rank}")
-    os.makedirs(path, exist_ok=True)
-    handle = engine.make_handle(settings)
-    seconds_write = run.timed(lambda: bounds.engine_write(name, buffer, run.payload, handle, allocate=True))
-    run.drop_caches(path)
-    seconds_read = run.timed(lambda: bounds.engine_read(name, buffer, run.payload, handle))
-    run.remove(path)
-    return seconds_write, seconds_read
-
-
-def _timed_save(run: _Run, dcp, path: str, writer) -> float:
-    """Seconds of a durable dcp.save to a fresh ``path`` through the storage writer ``writer()`` makes."""
-
-    def save() -> None:
-        dcp.save(run.state, storage_writer=writer())
-        if run.rank == 0:
-            measure.fsync_paths(path)
-
-    run.remove(path)
-    return run.timed(save)
-
-
-def _timed_load(run: _Run, dcp, reader, *, check: bool) -> float:
-    """Seconds of a dcp.load into a preallocated state (checked against the saved one when ``check``)."""
-    loaded = run.blank()
-    seconds = run.timed(lambda: dcp.load(loaded, storage_reader=reader))
-    if check:
-        run.check(loaded, type(reader).__name__)
-    return seconds
+            if check and not self.torch.equal(loaded[key], tensor):
+                raise AssertionError(f"{type(reader).__name__}: {key} differs after the round trip")
+        return seconds
 
 
 def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -182,8 +165,14 @@ def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
 
     from fastpersist.dcp import FastPersistReader, FastPersistWriter
 
-    run = _Run(args)
+    run = _Rank(args)
     threads = [int(t) for t in str(args.threads).split(",") if t]
+    writer = functools.partial(FileSystemWriter, sync_files=True)
+    filesystem = [(f"filesystem_writer[t={n}]", f"filesystem-t{n}", writer, {"thread_count": n}) for n in threads]
+    methods = [  # writers (name, directory, class, keywords) of which the last one's file is read back by a reader
+        (filesystem, "filesystem_reader", FileSystemReader),
+        ([("fastpersist_writer", "fastpersist", FastPersistWriter, {})], "fastpersist_reader", FastPersistReader),
+    ]
     seconds: dict[str, list[float]] = {}
     cache_modes = set()
 
@@ -195,26 +184,18 @@ def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
     for repeat in range(args.repeats):
         if run.rank == 0:
             print(f"repeat {repeat + 1}/{args.repeats}: {run.total / _GB:.2f} GB over {run.world} ranks", flush=True)
-        write, read = _ceiling(run, os.path.join(args.dir, "ceiling"))
+        write, read = run.ceiling(os.path.join(args.dir, "ceiling"))
         record("ceiling_write", write)
         record("ceiling_read", read)
-
-        for count in threads:
-            path = os.path.join(args.dir, f"filesystem-t{count}")
-            writer = functools.partial(FileSystemWriter, path, thread_count=count, sync_files=True)
-            record(f"filesystem_writer[t={count}]", _timed_save(run, dcp, path, writer))
-            if count != threads[-1]:
-                run.remove(path)
-        path = os.path.join(args.dir, f"filesystem-t{threads[-1]}")
-        cache_modes.add(run.drop_caches(path))
-        record("filesystem_reader", _timed_load(run, dcp, FileSystemReader(path), check=repeat == 0))
-        run.remove(path)
-
-        path = os.path.join(args.dir, "fastpersist")
-        record("fastpersist_writer", _timed_save(run, dcp, path, functools.partial(FastPersistWriter, path)))
-        cache_modes.add(run.drop_caches(path))
-        record("fastpersist_reader", _timed_load(run, dcp, FastPersistReader(path), check=repeat == 0))
-        run.remove(path)
+        for writers, name, reader in methods:
+            for writer_name, directory, writer, keywords in writers:
+                path = os.path.join(args.dir, directory)
+                record(writer_name, run.save(dcp, path, functools.partial(writer, path, **keywords)))
+                if directory != writers[-1][1]:
+                    run.remove(path)
+            cache_modes.add(run.drop_caches(path))
+            record(name, run.load(dcp, reader(path), check=repeat == 0))
+            run.remove(path)
 
     document = _document(args, run, seconds, sorted(m for m in cache_modes if m)) if run.rank == 0 else None
     run.barrier()
@@ -222,15 +203,16 @@ def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
     return document
 
 
-def _document(args, run: _Run, seconds: dict[str, list[float]], cache_modes: list[str]) -> dict[str, Any]:
-    rates = {name: measure.summarize([run.total / v / _GB for v in values]) for name, values in seconds.items()}
-    results = {name: {"seconds": values, "GBps": rates[name]} for name, values in seconds.items()}
+def _document(args, run: _Rank, seconds: dict[str, list[float]], cache_modes: list[str]) -> dict[str, Any]:
+    results = {
+        name: {"seconds": values, "GBps": measure.summarize([run.total / v / _GB for v in values])}
+        for name, values in seconds.items()
+    }
 
     def median(name: str) -> float:
         return results[name]["GBps"]["median"]
 
-    writers = [n for n in results if n.startswith("filesystem_writer")]
-    best_writer = max(writers, key=median)
+    best_writer = max((n for n in results if n.startswith("filesystem_writer")), key=median)
     ratios = {
         "save_vs_best_filesystem_writer": median("fastpersist_writer") / median(best_writer),
         "save_vs_ceiling": median("fastpersist_writer") / median("ceiling_write"),
@@ -238,21 +220,13 @@ def _document(args, run: _Run, seconds: dict[str, list[float]], cache_modes: lis
         "load_vs_filesystem_reader": median("fastpersist_reader") / median("filesystem_reader"),
         "load_vs_ceiling": median("fastpersist_reader") / median("ceiling_read"),
     }
+    config = {"ranks": run.world, "backend": args.backend, "device": args.device, "total_bytes": run.total}
+    config.update(tensor_size=args.tensor_size, tensors_per_rank=len(run.state), threads=args.threads)
+    config.update(repeats=args.repeats, dir=os.path.abspath(args.dir), page_cache=cache_modes)
     return {
         "benchmark": "dcp",
         "machine": measure.machine_info(args.dir, str(run.device)),
-        "config": {
-            "ranks": run.world,
-            "backend": args.backend,
-            "device": args.device,
-            "total_bytes": run.total,
-            "tensor_size": args.tensor_size,
-            "tensors_per_rank": len(run.state),
-            "threads": args.threads,
-            "repeats": args.repeats,
-            "dir": os.path.abspath(args.dir),
-            "page_cache": cache_modes,
-        },
+        "config": config,
         "best_filesystem_writer": best_writer,
         "results": results,
         "ratios": ratios,
@@ -279,19 +253,16 @@ def render(documents: list[tuple[str, dict[str, Any]]]) -> str:
     for path, document in documents:
         config, results = document["config"], document["results"]
         parts.append(
-            f"`{path}`: {config['total_bytes'] / 2**30:.2f} GiB, {config['ranks']} ranks, "
-            f"{config['device']}, {config['repeats']} repeats, commit "
-            f"{document['machine']['code']['commit'][:12]}"
+            f"`{path}`: {config['total_bytes'] / 2**30:.2f} GiB, {config['ranks']} ranks, {config['device']}, "
+            f"{config['repeats']} repeats, commit {document['machine']['code']['commit'][:12]}"
         )
         rows = []
         for method, value in results.items():
             gbps = value.get("GBps") or {}
             if not gbps:
                 continue
-            ceiling = (
-                results.get("ceiling_read" if "read" in method else "ceiling_write", {}).get("GBps", {}).get("median")
-            )
-            ratio = gbps["median"] / ceiling if ceiling else None
+            ceiling = results.get("ceiling_read" if "read" in method else "ceiling_write", {}).get("GBps", {})
+            ratio = gbps["median"] / ceiling["median"] if ceiling.get("median") else None
             cell = "-" if ratio is None else f"{ratio:.2f}" + (" MEASUREMENT PROBLEM" if ratio > 1.0 else "")
             rows.append(
                 [method.replace("|", "\\|"), f"{gbps['median']:.2f} ({gbps['min']:.2f}-{gbps['max']:.2f})", cell]

@@ -1,12 +1,10 @@
 """GdsHandle throughput: ``python -m fastpersist.bench gds --dir D [--size 1G] [--json [PATH]]`` (needs a CUDA device).
 
-One CUDA tensor of ``--size`` bytes written to a fresh preallocated file (timed to fsync) and read back
-cold (timed until on the device) by each method, rounds rotating the order, every byte verified outside
-the clock: ``ceiling`` (the engine's raw O_DIRECT write/read of page-locked host memory), ``aio_copy``
-(``AioHandle`` on a pinned host tensor plus the torch copy to or from the device: DeepNVMe without GDS),
-``gds_bounce`` and ``gds_cufile`` (:class:`fastpersist.GdsHandle`'s two paths; one that cannot start is
-recorded as unavailable, with the reason). GB/s medians and the ratios to ``ceiling`` and ``aio_copy``;
-the method and results are in docs/deepnvme-parity.md.
+One CUDA tensor of ``--size`` bytes written to a fresh preallocated file (timed to fsync) and read back cold
+(timed until on the device) by each method in rotating rounds, every byte verified outside the clock:
+``ceiling`` (raw O_DIRECT of page-locked host memory), ``aio_copy`` (AioHandle + the torch copy: DeepNVMe
+without GDS), ``gds_bounce`` and ``gds_cufile`` (GdsHandle's two paths; one that cannot start is recorded
+with the reason). GB/s medians and the ratios to ``ceiling`` and ``aio_copy``; see docs/deepnvme-parity.md.
 """
 
 from __future__ import annotations

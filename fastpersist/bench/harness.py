@@ -1,12 +1,8 @@
 """The one runner of every benchmark subcommand: command line, rounds, child processes, document, tables, charts.
 
 A subcommand declares itself once, ``BENCHMARK = Benchmark(name, options, measure, markdown, ...)`` and
-``main = BENCHMARK.main``; :meth:`Benchmark.main` does the rest the same way for all of them (``--json``,
-``--report`` of earlier documents, ``--svg``, missing modules, usage errors, child processes, the exit
-status). What a measure shares: :func:`option` (the common options), :class:`Rounds` (methods interleaved
-round by round, a failed one left out; :func:`summarize`), :func:`timed` (one call's seconds, CPU seconds
-and peak RSS growth), :func:`spawn` (the benchmark's own command in fresh processes), :func:`markdown_table`
-and :class:`Svg`.
+``main = BENCHMARK.main``; :meth:`Benchmark.main` does the rest the same way for all of them. What a measure
+shares (options, rounds, timing, child processes, tables, charts) follows the class.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """``python -m fastpersist.bench ranks``: data-parallel sharded save against the number of ranks.
 
 For each N in ``--ranks`` (1 always: the single writer of the same run), N processes of one process group
-hold the same ``--size`` state and time ``--repeat`` collective saves (``fastpersist.save(...,
-group=...)``): each rank's bytes and write time, and end to end (first start after a barrier to the last
-return). ``--sink`` saves into ``/dev/null`` (the pipeline without storage) and measures each N's bound:
-all ranks at once copying their share to the host (:class:`fastpersist.bench.bounds.CopyCeiling`). For
-per-rank targets (``--dir`` a comma list, ``--layout parts``) the N-rank time is projected from the single
-writer's rate plus the measured coordination. Every checkpoint is verified, the first loaded back and
-compared; see docs/distributed.md.
+time ``--repeat`` collective saves of the same ``--size`` state, per rank and end to end (first start after a
+barrier to the last return). ``--sink`` saves into ``/dev/null`` and measures each N's bound: all ranks at
+once copying their share to the host. For per-rank targets (``--dir`` a comma list) the N-rank time is
+projected from the single writer's rate plus the measured coordination. Every checkpoint is verified, the
+first loaded back and compared; see docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -94,10 +92,8 @@ def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
             written, steps, seconds = stats.bytes_written, stats.steps, {k: getattr(stats, k) for k in _SECONDS}
         end = time.time()
         dist.barrier()
-        check = {}
-        if args.sink:
-            check = {"sink": True}
-        elif rank == 0:
+        check = {"sink": True} if args.sink else {}
+        if rank == 0 and not args.sink:
             report = fastpersist.verify(path)
             check = {"verified_records": report.records, "checksummed": report.checksummed}
             if repeat == 0:
@@ -120,8 +116,7 @@ def _bound_rounds(rank: int, world: int, state: dict, repeat: int, barrier) -> l
     from fastpersist.bench import bounds
 
     settings = config.settings()
-    tensors = list(state.values())[rank::world]
-    ceiling = bounds.CopyCeiling(tensors, settings.buffer_size, settings.buffer_count)
+    ceiling = bounds.CopyCeiling(list(state.values())[rank::world], settings.buffer_size, settings.buffer_count)
     ceiling.to_host(settings.checksum)  # untimed: first touches
     rows = []
     for index in range(repeat):
@@ -138,8 +133,7 @@ def _files_of(path: str) -> list[str]:
 
     if not is_manifest(path):
         return [path]
-    manifest = read_manifest(path)
-    return [path] + [os.path.join(os.path.dirname(path), p.name) for p in manifest.parts]
+    return [path] + [os.path.join(os.path.dirname(path), p.name) for p in read_manifest(path).parts]
 
 
 def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
@@ -156,18 +150,17 @@ def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, A
     per_rank = []
     for rank in range(world):
         mine = [r for r in rows if r["rank"] == rank]
-        seconds = measure.summarize([r["write_seconds"] for r in mine])
-        per_rank.append(
-            {
-                "rank": rank,
-                "bytes": mine[0]["bytes"],
-                "write_seconds": seconds,
-                **{k: measure.summarize([r.get(k, 0.0) for r in mine]) for k in _SECONDS[1:]},
-                "write_GBps": mine[0]["bytes"] / seconds["median"] / 1e9 if seconds["median"] else None,
-            }
+        seconds = {k: measure.summarize([r.get(k, 0.0) for r in mine]) for k in _SECONDS}
+        rate = (
+            mine[0]["bytes"] / seconds["write_seconds"]["median"] / 1e9 if seconds["write_seconds"]["median"] else None
         )
+        per_rank.append({"rank": rank, "bytes": mine[0]["bytes"], **seconds, "write_GBps": rate})
     checks = [r for r in rows if r["rank"] == 0]
     e2e = measure.summarize(end_to_end)
+    steps = {
+        step: measure.summarize([r["steps"][step] for r in checks if step in r["steps"]])
+        for step in ("plan", "match", "write", "commit")
+    }
     return {
         "ranks": world,
         "end_to_end_seconds": e2e,
@@ -175,12 +168,7 @@ def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, A
         "slowest_write_seconds": measure.summarize(slowest_write),
         "coordination_seconds": measure.summarize([e - w for e, w in zip(end_to_end, slowest_write)]),
         "per_rank": per_rank,
-        "rank0_steps_seconds": {
-            step: measure.summarize([r["steps"][step] for r in checks if step in r["steps"]])
-            for step in ("plan", "match", "write", "commit")
-        }
-        if world > 1
-        else None,
+        "rank0_steps_seconds": steps if world > 1 else None,
         "bound_seconds": bound,
         "file_bytes": checks[0].get("file_bytes"),
         "identity_check_seconds": max(p["digest_seconds"]["median"] for p in per_rank),
@@ -195,11 +183,9 @@ def _project(results: list[dict[str, Any]]) -> None:
     rate = single["per_rank"][0]["write_GBps"] * 1e9
     baseline = single["end_to_end_seconds"]["median"]
     for r in results:
-        largest = max(p["bytes"] for p in r["per_rank"])
         coordination = max(r["coordination_seconds"]["median"], 0.0) if r["ranks"] > 1 else 0.0
-        projected = largest / rate + coordination
-        r["projected_independent_seconds"] = projected
-        r["projected_speedup"] = baseline / projected
+        r["projected_independent_seconds"] = max(p["bytes"] for p in r["per_rank"]) / rate + coordination
+        r["projected_speedup"] = baseline / r["projected_independent_seconds"]
         r["measured_speedup"] = baseline / r["end_to_end_seconds"]["median"]
         if r.get("bound_seconds") and single.get("bound_seconds"):
             r["of_bound"] = r["bound_seconds"]["median"] / r["end_to_end_seconds"]["median"]
@@ -212,10 +198,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
     with tempfile.TemporaryDirectory(dir=(args.dir or ".").split(",")[0]) as scratch:
-        dirs = [d for d in args.dir.split(",")] if args.dir and "," in args.dir else [scratch]
+        dirs = args.dir.split(",") if args.dir and "," in args.dir else [scratch]
         settings = {"size": size, **{k: getattr(args, k) for k in ("device", "layout", "writers", "backend")}}
-        settings.update(repeat=args.repeat, timeout=args.timeout, dirs=dirs, sink=args.sink)
-        settings["checksum"] = config.settings().checksum
+        settings.update(repeat=args.repeat, timeout=args.timeout, sink=args.sink, checksum=config.settings().checksum)
         results = []
         for world in ranks:
             records, error = spawn("ranks", [*args.argv, "--dir", ",".join(dirs)], ranks=world, group=True)
@@ -230,15 +215,51 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     document = {
         "schema": SCHEMA,
         "machine": measure.machine_info(dirs[0] if os.path.isdir(dirs[0]) else None, args.device),
-        **{k: v for k, v in settings.items() if k != "dirs"},
+        **settings,
         "dirs": args.dir or "(temporary)",
-        "config": {k: v for k, v in settings.items() if k != "dirs"},
+        "config": settings,
         "results": results,
     }
     if args.markdown:
         with open(args.markdown, "w") as handle:
             handle.write(to_markdown(document))
     return document
+
+
+def _writing(r: dict[str, Any]) -> list[dict[str, Any]]:
+    return [p for p in r["per_rank"] if p["bytes"]]
+
+
+def _launch_ms(r: dict[str, Any]) -> str:
+    launch = [p["launch_seconds"]["median"] * 1e3 for p in _writing(r) if "launch_seconds" in p]
+    return f"{max(launch):.1f}" if launch and r["ranks"] > 1 else "n/a"
+
+
+_COLUMNS = [  # heading, the cell of one N's result r in a document of size bytes
+    ("N", lambda r, _: r["ranks"]),
+    ("per-rank bytes", lambda r, _: workloads.format_bytes(max(p["bytes"] for p in r["per_rank"]))),
+    ("per-rank write (s)", lambda r, _: f"{max(p['write_seconds']['median'] for p in _writing(r)):.3f}"),
+    ("per-rank GB/s", lambda r, _: f"{min(p['write_GBps'] for p in _writing(r)):.2f}"),
+    ("identity check: launch, in the write (ms)", lambda r, _: _launch_ms(r)),
+    ("identity check wait (s)", lambda r, _: f"{r.get('identity_check_seconds', 0.0):.3f}"),
+    ("end-to-end (s)", lambda r, _: f"{r['end_to_end_seconds']['median']:.3f}"),
+    ("end-to-end GB/s", lambda r, _: f"{r['end_to_end_GBps']:.2f}"),
+    ("vs single writer", lambda r, _: f"{r['measured_speedup']:.2f}x"),
+    ("projected, independent targets (s)", lambda r, _: f"{r['projected_independent_seconds']:.3f}"),
+    ("projected speed-up", lambda r, _: f"{r['projected_speedup']:.2f}x"),
+]
+_BOUND_COLUMNS = [
+    ("N", lambda r, _: r["ranks"]),
+    ("bound end-to-end (s)", lambda r, _: f"{r['bound_seconds']['median']:.3f}"),
+    ("bound GB/s", lambda r, size: f"{size / r['bound_seconds']['median'] / 1e9:.2f}"),
+    ("bound vs 1 rank", lambda r, _: f"{r['bound_speedup']:.2f}x"),
+    ("measured, of bound", lambda r, _: f"{r['of_bound']:.2f}"),
+]
+
+
+def _table(columns: list[tuple[str, Any]], results: list[dict[str, Any]], size: int) -> list[str]:
+    rows = [[cell(r, size) for _, cell in columns] for r in results]
+    return markdown_table([heading for heading, _ in columns], ">" * len(columns), rows)
 
 
 def _bar(value: float, scale: float, width: int = 40) -> str:
@@ -248,61 +269,35 @@ def _bar(value: float, scale: float, width: int = 40) -> str:
 
 def to_markdown(document: dict[str, Any]) -> str:
     """A Markdown table of one result document, and a text bar chart of end-to-end GB/s against N."""
-    machine = document["machine"]
+    machine, size, results = document["machine"], document["size"], document["results"]
     lines = [
         "#### sharded save against N ranks",
         "",
         f"{machine.get('cpu_count')} cores, {machine.get('device_name')}, torch {machine.get('torch')}, "
-        f"{workloads.format_bytes(document['size'])} bf16 on {document['device']} per rank, "
+        f"{workloads.format_bytes(size)} bf16 on {document['device']} per rank, "
         f"backend {document.get('backend', 'gloo')}, "
         + ("**sink** (/dev/null, nothing stored), " if document.get("sink") else "")
         + f"layout `{document['layout']}`, "
         f"writers `{document['writers']}`, {document['repeat']} repeats (medians), target {document['dirs']}",
         "",
+        *_table(_COLUMNS, results, size),
     ]
-    header = ["N", "per-rank bytes", "per-rank write (s)", "per-rank GB/s", "identity check: launch, in the write (ms)"]
-    header += ["identity check wait (s)", "end-to-end (s)", "end-to-end GB/s", "vs single writer"]
-    lines += markdown_table([*header, "projected, independent targets (s)", "projected speed-up"], ">" * 11, [])
-    for r in document["results"]:
-        writing = [p for p in r["per_rank"] if p["bytes"]]
-        launch = [p["launch_seconds"]["median"] * 1e3 for p in writing if "launch_seconds" in p]
-        lines.append(
-            f"| {r['ranks']} | {workloads.format_bytes(max(p['bytes'] for p in r['per_rank']))} | "
-            f"{max(p['write_seconds']['median'] for p in writing):.3f} | "
-            f"{min(p['write_GBps'] for p in writing):.2f} | "
-            f"{f'{max(launch):.1f}' if launch and r['ranks'] > 1 else 'n/a'} | "
-            f"{r.get('identity_check_seconds', 0.0):.3f} | "
-            f"{r['end_to_end_seconds']['median']:.3f} | "
-            f"{r['end_to_end_GBps']:.2f} | {r['measured_speedup']:.2f}x | "
-            f"{r['projected_independent_seconds']:.3f} | {r['projected_speedup']:.2f}x |"
-        )
-    if any(r.get("of_bound") for r in document["results"]):
+    bounded = [r for r in results if r.get("of_bound")]
+    if bounded:
+        checksummed = ", checksummed as it lands" if document.get("checksum", True) else ""
         lines += [
             "",
             "Bound (all ranks at once copy their share to the host through a ring of page-locked windows"
-            + (", checksummed as it lands" if document.get("checksum", True) else "")
-            + "; no format, no coordination):",
+            f"{checksummed}; no format, no coordination):",
             "",
-            *markdown_table(
-                ["N", "bound end-to-end (s)", "bound GB/s", "bound vs 1 rank", "measured, of bound"], ">" * 5, []
-            ),
+            *_table(_BOUND_COLUMNS, bounded, size),
         ]
-        for r in document["results"]:
-            if r.get("of_bound"):
-                seconds = r["bound_seconds"]["median"]
-                lines.append(
-                    f"| {r['ranks']} | {seconds:.3f} | {document['size'] / seconds / 1e9:.2f} | "
-                    f"{r['bound_speedup']:.2f}x | {r['of_bound']:.2f} |"
-                )
-    scale = max(
-        max(r["end_to_end_GBps"], document["size"] / r["projected_independent_seconds"] / 1e9)
-        for r in document["results"]
-    )
+    projected = [size / r["projected_independent_seconds"] / 1e9 for r in results]
+    scale = max(max(r["end_to_end_GBps"], p) for r, p in zip(results, projected))
     lines += ["", "```", "end-to-end GB/s (measured M, projected for independent per-rank targets P)"]
-    for r in document["results"]:
-        projected = document["size"] / r["projected_independent_seconds"] / 1e9
+    for r, p in zip(results, projected):
         lines.append(f"N={r['ranks']:<3} M {_bar(r['end_to_end_GBps'], scale)} {r['end_to_end_GBps']:.2f}")
-        lines.append(f"      P {_bar(projected, scale)} {projected:.2f}")
+        lines.append(f"      P {_bar(p, scale)} {p:.2f}")
     lines += ["```", ""]
     return "\n".join(lines)
 

@@ -27,11 +27,25 @@ from fastpersist.bench.harness import figure, markdown_table, read_document
 SCHEMA_PREFIX = "fastpersist.bench.checkpoint/"
 CEILING_OP = {"save": "write", "load": "read"}
 RESULTS_DIR = os.path.join("docs", "results")
+_SCHEMAS = {
+    "ranks": "fastpersist.bench.ranks/",
+    "training": "fastpersist-training-bench/",
+    "safetensors": "fastpersist.bench.safetensors/",
+}
+"""The benchmarks whose documents name them only in their ``schema`` (the others have a ``benchmark`` key)."""
 
 
 def load_result(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The checkpoint-benchmark document at ``path``; ValueError when it is not one (or unreadable)."""
     return read_document(os.fspath(path), "checkpoint", SCHEMA_PREFIX)
+
+
+def benchmark_of(document: dict[str, Any]) -> str | None:
+    """Which benchmark wrote ``document``: its ``benchmark`` key, else the name in its ``schema``."""
+    if document.get("benchmark"):
+        return str(document["benchmark"])
+    schema = str(document.get("schema", ""))
+    return next((name for name, prefix in _SCHEMAS.items() if schema.startswith(prefix)), None)
 
 
 # ----------------------------------------------------------------------------- rows
@@ -77,28 +91,38 @@ def measurement_problems(document: dict[str, Any]) -> list[str]:
     return [f"{r['op']} {r['label']}" for r in document["results"] if r.get("measurement_problem")]
 
 
-_FIGURES = ("gbps", "range", "seconds", "blocked", "rss_delta", "peak_rss", "ratio", "ceiling_ratio")
+_COLUMNS = [  # a row's key, its heading in the terminal's table and in Markdown (None: not there), alignment
+    ("op", None, "op", "<"),
+    ("label", "method", "method", "<"),
+    ("gbps", "GB/s", "GB/s", ">"),
+    ("range", "range", "range", ">"),
+    ("seconds", "time s", "time s", ">"),
+    ("blocked", "blocked s", "blocked s", ">"),
+    ("rss_delta", "RSS delta", "RSS delta", ">"),
+    ("peak_rss", "peak RSS", None, ">"),
+    ("ratio", "vs", "vs baseline", ">"),
+    ("ceiling_ratio", "of ceiling", "of ceiling", ">"),
+    ("status", "result", "result", "<"),
+]
+_FIGURES = [key for key, *_ in _COLUMNS[2:-1]]
 
 
 def _ceiling_row(document: dict[str, Any], op: str) -> dict[str, str] | None:
     ceiling, kind = document.get("ceiling") or {}, CEILING_OP[op]
     part = ceiling.get(kind)
-    row = {"op": op, "method": f"ceiling-{kind}", **dict.fromkeys(_FIGURES, "-")}
-    if ceiling.get("error") or not (part or {}).get("best"):
-        if not (ceiling.get("error") or part):
-            return None
-        status = (
-            f"not measured: {ceiling['error']}"
-            if ceiling.get("error")
-            else "FAILED: no candidate completed and verified"
-        )
-        return dict(row, label=f"storage {kind} ceiling", status=status)
+    row = {"op": op, "method": f"ceiling-{kind}", "label": f"storage {kind} ceiling", **dict.fromkeys(_FIGURES, "-")}
+    if ceiling.get("error"):
+        return dict(row, status=f"not measured: {ceiling['error']}")
+    if not part:
+        return None
+    if not part.get("best"):
+        return dict(row, status="FAILED: no candidate completed and verified")
     best, values = part["best"], [s["gbps"] for s in part["samples"] if s.get("gbps")]
     tools = "fio and engine" if (ceiling.get("fio") or {}).get("path") else "engine (fio not installed)"
     size = f"{best['block_size'] >> 20}M" if best["block_size"] >= 1 << 20 else f"{best['block_size'] >> 10}K"
+    row.update(gbps=f"{part['gbps']:.2f}", range=f"{min(values):.2f}-{max(values):.2f}", ceiling_ratio="1.00x")
     label = f"{kind} ceiling: {best['tool']} {size} QD{best['queue_depth']} (best of {tools} grid)"
-    figures = {"gbps": f"{part['gbps']:.2f}", "range": f"{min(values):.2f}-{max(values):.2f}", "ceiling_ratio": "1.00x"}
-    return dict(row, label=label, **figures, status="verified (bytes read back compared)")
+    return dict(row, label=label, status="verified (bytes read back compared)")
 
 
 def _row(document: dict[str, Any], r: dict[str, Any]) -> dict[str, str]:
@@ -108,11 +132,10 @@ def _row(document: dict[str, Any], r: dict[str, Any]) -> dict[str, str]:
         reason = r.get("reason") or ("no timed samples" if r["status"] == "ok" else "")
         return dict(row, status=f"{r['status']}: {reason}" if reason else r["status"])
     g, base = s["gbps"], _median(document, r["op"], document.get("baselines", {}).get(r["op"], ""))
-    row.update(
-        gbps=f"{g['median']:.2f}", range=f"{g['min']:.2f}-{g['max']:.2f}", seconds=_seconds(s["seconds"]["median"])
-    )
+    row.update(gbps=f"{g['median']:.2f}", range=f"{g['min']:.2f}-{g['max']:.2f}")
+    row.update(seconds=_seconds(s["seconds"]["median"]), rss_delta=_mib(s["rss_delta_bytes"]["median"]))
     row["blocked"] = _seconds(s["blocked_seconds"]["median"]) if s.get("blocked_seconds") else "-"
-    row.update(rss_delta=_mib(s["rss_delta_bytes"]["median"]), peak_rss=_mib(s["peak_rss_bytes"]["median"]).lstrip("+"))
+    row["peak_rss"] = _mib(s["peak_rss_bytes"]["median"]).lstrip("+")
     row["ratio"] = f"{g['median'] / base:.2f}x" if base else "-"
     row["ceiling_ratio"] = figure(limit, suffix="x")
     row["status"] = "verified" if r.get("timed", True) else "verified (not selected; ran to feed a load)"
@@ -134,40 +157,28 @@ def rows(document: dict[str, Any]) -> list[dict[str, str]]:
 
 def _headline(document: dict[str, Any]) -> list[str]:
     st, se, m = document["state"], document["settings"], document["machine"]
-    fs = m.get("filesystem", {})
-    layers = f"{se['layers']} of {se['model_layers']} blocks"
+    fs, code, order = m.get("filesystem", {}), m.get("code") or {}, document.get("order")
     what = (
-        f"{se['model']} ({layers}), {_gb(st['bytes'])} {se['dtype']}"
+        f"{se['model']} ({se['layers']} of {se['model_layers']} blocks), {_gb(st['bytes'])} {se['dtype']}"
         f"{' training state' if se.get('training_state') else ''}, {st['tensors']} tensors, on {se['device']}"
         + (f" ({m.get('device_name')})" if se["device"] != "cpu" else "")
     )
-    where = f"{fs.get('path', se['dir'])} ({fs.get('type', '?')} on {fs.get('device', '?')})"
     host = (
         f"{m.get('hostname')}, {m.get('cpu_count')} CPUs, {(m.get('ram_bytes') or 0) / 2**30:.0f} GiB RAM, "
         f"torch {m.get('torch')}, {m.get('date')}"
         + (f", load average {m['loadavg'][0]:.1f} at the end" if m.get("loadavg") else "")
     )
-    order = document.get("order")
-    rounds = (
-        f"median of {se['repeats']} rounds after {se['warmup']} warm-up"
-        + (
-            f" (loads: {se['load_repeats']} per round, {se['repeats'] * se['load_repeats']} in all), "
-            if se.get("load_repeats", 1) > 1
-            else ", "
-        )
-        + (f"methods in random order (seed {order['seed']})" if order else "methods interleaved")
-        + "; range is min-max"
-    )
-    code = m.get("code") or {}
     version = f"code: fastpersist {code.get('fastpersist', '?')} at commit {(code.get('commit') or 'unknown')[:12]}"
-    if code.get("dirty"):
-        version += " with uncommitted changes"
+    rounds = f"median of {se['repeats']} rounds after {se['warmup']} warm-up"
+    if se.get("load_repeats", 1) > 1:
+        rounds += f" (loads: {se['load_repeats']} per round, {se['repeats'] * se['load_repeats']} in all)"
+    rounds += ", " + (f"methods in random order (seed {order['seed']})" if order else "methods interleaved")
     return [
         what,
-        f"dir: {where}",
+        f"dir: {fs.get('path', se['dir'])} ({fs.get('type', '?')} on {fs.get('device', '?')})",
         f"machine: {host}",
-        version,
-        rounds,
+        version + (" with uncommitted changes" if code.get("dirty") else ""),
+        rounds + "; range is min-max",
         se.get("cache_detail", ""),
         _conditions(document),
     ]
@@ -178,36 +189,19 @@ def _conditions(document: dict[str, Any]) -> str:
     order = document.get("order") or {}
     if "memory_settle_seconds" not in order:
         return ""
-    pause = order["memory_settle_seconds"]
-    settle = order.get("settle_seconds", 0)
+    pause, settle = order["memory_settle_seconds"], order.get("settle_seconds", 0)
+    text = "equal conditions: before every load, memory released and the page cache dropped"
     if pause:
-        text = (
-            f"equal conditions: before every load, memory released and the page cache dropped, then a {pause:g} s "
-            "pause in which the host takes freed memory back (free page reporting); the same pause before each "
-            "round's saves"
+        text += (
+            f", then a {pause:g} s pause in which the host takes freed memory back (free page reporting); "
+            "the same pause before each round's saves"
         )
-    else:
-        text = "equal conditions: before every load, memory released and the page cache dropped"
     return text + (f"; every loaded file at least {settle:g} s old" if settle else "")
 
 
 def _baseline_note(document: dict[str, Any]) -> str:
     b = document.get("baselines", {})
     return f"vs = median GB/s relative to {b.get('save', '?')} (saves) and {b.get('load', '?')} (loads) in the same run"
-
-
-_COLUMNS = [
-    ("label", "method", "<"),
-    ("gbps", "GB/s", ">"),
-    ("range", "range", ">"),
-    ("seconds", "time s", ">"),
-    ("blocked", "blocked s", ">"),
-    ("rss_delta", "RSS delta", ">"),
-    ("peak_rss", "peak RSS", ">"),
-    ("ratio", "vs", ">"),
-    ("ceiling_ratio", "of ceiling", ">"),
-    ("status", "result", "<"),
-]
 
 
 def format_table(document: dict[str, Any], status_width: int = 70) -> str:
@@ -219,17 +213,16 @@ def format_table(document: dict[str, Any], status_width: int = 70) -> str:
         "save": "save (time to durable: fsync of files and directory)",
         "load": "load (cold: page cache dropped)" if cold else "load (page cache NOT dropped)",
     }
+    everything = rows(document)
     for op, title in titles.items():
-        op_rows = [r for r in rows(document) if r["op"] == op]
+        op_rows = [r for r in everything if r["op"] == op]
         for r in op_rows:
             r["status"] = r["status"] if len(r["status"]) <= status_width else r["status"][: status_width - 3] + "..."
-        columns = [c for c in _COLUMNS if c[0] != "blocked" or any(r["blocked"] != "-" for r in op_rows)]
+        blocked = any(r["blocked"] != "-" for r in op_rows)
+        columns = [c for c in _COLUMNS if c[1] and (c[0] != "blocked" or blocked)]
         if op_rows:
-            table = display.format_table(
-                [head for _, head, _ in columns],
-                [[r[key] for key, _, _ in columns] for r in op_rows],
-                "".join(align for _, _, align in columns),
-            )
+            cells = [[r[key] for key, *_ in columns] for r in op_rows]
+            table = display.format_table([c[1] for c in columns], cells, "".join(c[3] for c in columns))
             lines += ["", title, table]
     lines += ["", _baseline_note(document) + "; GB = 10^9 bytes of tensor data"]
     lines.append("blocked s = time async_save kept the caller; RSS delta = peak minus RSS before the call")
@@ -244,15 +237,13 @@ def to_markdown(documents: dict[str, Any] | Sequence[dict[str, Any]]) -> str:
     """Markdown of one or more result documents: each a headline and a table of every method (saves, then
     loads) with median GB/s, min-max, median time, blocked time (async), median RSS delta and the ratios to
     the baseline and the ceiling of the same run."""
+    columns = [c for c in _COLUMNS if c[2]]
     parts = []
     for document in [documents] if isinstance(documents, dict) else documents:
         headline = _headline(document)
-        parts.append(f"**{_md_escape(headline[0])}**  ")
-        parts += [f"{_md_escape(text)}  " for text in headline[1:] if text] + [""]
-        keys = ("op", "label", "gbps", "range", "seconds", "blocked", "rss_delta", "ratio", "ceiling_ratio", "status")
-        header = ["op", "method", "GB/s", "range", "time s", "blocked s", "RSS delta", "vs baseline", "of ceiling"]
-        table = [[_md_escape(r[key]) for key in keys] for r in rows(document)]
-        parts += markdown_table([*header, "result"], "<<>>>>>>><", table)
+        parts += [f"**{_md_escape(headline[0])}**  "] + [f"{_md_escape(text)}  " for text in headline[1:] if text]
+        table = [[_md_escape(r[key]) for key, *_ in columns] for r in rows(document)]
+        parts += ["", *markdown_table([c[2] for c in columns], "".join(c[3] for c in columns), table)]
         parts += ["", f"_{_baseline_note(document)}._", ""]
     return "\n".join(parts)
 
@@ -271,20 +262,17 @@ def save_png(document: dict[str, Any] | Sequence[dict[str, Any]], path: str | os
     first = documents[0]
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.5 + 0.45 * max(4, len(first["results"]))), squeeze=False)
     for ax, op in zip(axes[0], ("save", "load")):
-        labels, medians, lows, highs = [], [], [], []
-        for doc_index, doc in enumerate(documents):
-            for r in doc["results"]:
-                g = r["summary"].get("gbps") if r["status"] == "ok" else None
-                if r["op"] != op or not g:
-                    continue
-                suffix = f" [{doc_index + 1}]" if len(documents) > 1 else ""
-                labels.append(r["label"] + suffix)
-                medians.append(g["median"])
-                lows.append(g["median"] - g["min"])
-                highs.append(g["max"] - g["median"])
-        if not labels:
+        bars = [  # (label, median, min, max) of every verified method of this operation
+            (r["label"] + (f" [{index + 1}]" if len(documents) > 1 else ""), g["median"], g["min"], g["max"])
+            for index, doc in enumerate(documents)
+            for r in doc["results"]
+            if r["op"] == op and (g := r["summary"].get("gbps") if r["status"] == "ok" else None)
+        ]
+        if not bars:
             ax.set_visible(False)
             continue
+        labels, medians = [b[0] for b in bars], [b[1] for b in bars]
+        lows, highs = [b[1] - b[2] for b in bars], [b[3] - b[1] for b in bars]
         y = list(range(len(labels)))[::-1]
         ax.barh(y, medians, xerr=[lows, highs], color="#4878a8" if op == "save" else "#6aa84f", capsize=3)
         ax.set_yticks(y, labels)
@@ -304,14 +292,14 @@ def save_png(document: dict[str, Any] | Sequence[dict[str, Any]], path: str | os
 # ----------------------------------------------------------------------------- the docs
 
 
-def _summary_cell(document: dict[str, Any], op: str, method: str, baseline: str | None) -> str:
+def _summary_cell(document: dict[str, Any], op: str, method: str, baseline: str | None = None) -> str:
     value = _median(document, op, method)
     if value is None:
         return "-"
     base = _median(document, op, baseline) if baseline else None
-    text = f"{value:.2f}" + (f" ({value / base:.2f}x)" if base else "")
     result = next(r for r in document["results"] if r["op"] == op and r["method"] == method)
-    return text + (" MEASUREMENT PROBLEM" if result.get("measurement_problem") else "")
+    problem = " MEASUREMENT PROBLEM" if result.get("measurement_problem") else ""
+    return f"{value:.2f}" + (f" ({value / base:.2f}x)" if base else "") + problem
 
 
 def summary_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
@@ -320,18 +308,18 @@ def summary_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
     lines = markdown_table([*header, "fastpersist.load", "read ceiling"], "<<>>>>>>", [])
     for name, document in documents:
         st, se, m = document["state"], document["settings"], document["machine"]
-        fs = (m.get("filesystem") or {}).get("type", "?")
         device = se["device"] if se["device"] == "cpu" else m.get("device_name", se["device"])
         ceiling = document.get("ceiling") or {}
         cells = [
             f"[{name}](docs/results/{name})",
-            f"{_gb(st['bytes'])} {se['dtype']} {se['model']} on {device}, {fs}; {m.get('hostname')}, {m.get('cpu_count')} CPUs",
-            _summary_cell(document, "save", "torch.save", None),
+            f"{_gb(st['bytes'])} {se['dtype']} {se['model']} on {device}, "
+            f"{(m.get('filesystem') or {}).get('type', '?')}; {m.get('hostname')}, {m.get('cpu_count')} CPUs",
+            _summary_cell(document, "save", "torch.save"),
             _summary_cell(document, "save", "fastpersist", "torch.save"),
-            f"{ceiling['write']['gbps']:.2f}" if (ceiling.get("write") or {}).get("gbps") else "-",
-            _summary_cell(document, "load", "torch.load", None),
+            figure((ceiling.get("write") or {}).get("gbps") or None),
+            _summary_cell(document, "load", "torch.load"),
             _summary_cell(document, "load", "fastpersist.load", "torch.load"),
-            f"{ceiling['read']['gbps']:.2f}" if (ceiling.get("read") or {}).get("gbps") else "-",
+            figure((ceiling.get("read") or {}).get("gbps") or None),
         ]
         lines.append("| " + " | ".join(_md_escape(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
@@ -343,46 +331,6 @@ def _results_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
         regenerated = f"`docs/results/{name}`, regenerated by `python -m fastpersist.bench report --update-docs`:"
         parts += [f"### {name}", "", regenerated, "", to_markdown(document).rstrip("\n"), ""]
     return "\n".join(parts)
-
-
-def load_results(directory: str) -> list[tuple[str, dict[str, Any]]]:
-    """Every ``*.json`` of ``directory`` (sorted by name) as (name, document), checkpoint results annotated
-    with their ceiling ratios; ValueError for a file that is no result or records no code version (commit),
-    settings or machine (re-measure it)."""
-    documents = []
-    for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-        # Results of other benchmarks ("benchmark" key) are kept too; those with a block type render there.
-        document = raw if isinstance(raw, dict) and benchmark_of(raw) else load_result(path)
-        code = (document.get("machine") or {}).get("code") or {}
-        if not code.get("commit") or not (document.get("settings") or document.get("config")):
-            raise ValueError(f"{path}: records no code version (commit), settings or machine; re-measure it")
-        if str(document.get("schema", "")).startswith(SCHEMA_PREFIX):
-            annotate_ceiling(document)
-        documents.append((os.path.basename(path), document))
-    return documents
-
-
-def _of_kind(documents: Sequence[tuple[str, dict[str, Any]]], kind: str) -> list[tuple[str, dict[str, Any]]]:
-    if kind in ("summary", "results", "checkpoint"):
-        return [(n, d) for n, d in documents if str(d.get("schema", "")).startswith(SCHEMA_PREFIX)]
-    return [(n, d) for n, d in documents if benchmark_of(d) == kind]
-
-
-_SCHEMAS = {
-    "ranks": "fastpersist.bench.ranks/",
-    "training": "fastpersist-training-bench/",
-    "safetensors": "fastpersist.bench.safetensors/",
-}
-
-
-def benchmark_of(document: dict[str, Any]) -> str | None:
-    """Which benchmark wrote ``document``: its ``benchmark`` key, else the name in its ``schema``."""
-    if document.get("benchmark"):
-        return str(document["benchmark"])
-    schema = str(document.get("schema", ""))
-    return next((name for name, prefix in _SCHEMAS.items() if schema.startswith(prefix)), None)
 
 
 def _rendered_by(name: str):
@@ -405,12 +353,35 @@ RENDERERS: dict[str, Any] = {
 benchmark has its block, no second list to keep)."""
 
 
+def load_results(directory: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every ``*.json`` of ``directory`` (sorted by name) as (name, document), checkpoint results annotated
+    with their ceiling ratios; ValueError for a file that is no result or records no code version (commit),
+    settings or machine (re-measure it)."""
+    documents = []
+    for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        # Results of other benchmarks ("benchmark" key) are kept too; those with a block type render there.
+        document = raw if isinstance(raw, dict) and benchmark_of(raw) else load_result(path)
+        code = (document.get("machine") or {}).get("code") or {}
+        if not code.get("commit") or not (document.get("settings") or document.get("config")):
+            raise ValueError(f"{path}: records no code version (commit), settings or machine; re-measure it")
+        if str(document.get("schema", "")).startswith(SCHEMA_PREFIX):
+            annotate_ceiling(document)
+        documents.append((os.path.basename(path), document))
+    return documents
+
+
 def render_docs(text: str, documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
     """``text`` with every generated block replaced by what ``documents`` give."""
 
     def fill(match: re.Match[str]) -> str:
-        chosen = _of_kind(documents, match.group(2))
-        body = RENDERERS[match.group(2)](chosen)
+        kind = match.group(2)
+        if kind in ("summary", "results"):  # the checkpoint benchmark's
+            chosen = [(n, d) for n, d in documents if str(d.get("schema", "")).startswith(SCHEMA_PREFIX)]
+        else:
+            chosen = [(n, d) for n, d in documents if benchmark_of(d) == kind]
+        body = RENDERERS[kind](chosen)
         if not chosen:
             body = "_No results in docs/results/ yet: run examples/gpu_acceptance.sh or the benchmark with --json._\n"
         return match.group(1) + body + match.group(4)

@@ -1,11 +1,9 @@
 """``python -m fastpersist.bench safetensors``: safetensors files, fastpersist against the safetensors library.
 
-One real-shaped bf16 state dict, methods interleaved per repeat, medians with ratios to the baselines of
-the same run: durable saves (``fastpersist.save_file`` against ``safetensors.torch.save_file`` + fsync and
-the engine's O_DIRECT write of as many bytes) and cold loads (``fastpersist.load_file`` of the library's
-file and of its own against ``safetensors.torch.load_file`` and the O_DIRECT read; CPU results touched
-inside the clock). Every file is read back by the other library and every load compared with the
-original; see docs/safetensors.md.
+One real-shaped bf16 state dict, methods interleaved per repeat: durable saves and cold loads of fastpersist
+against the safetensors library and the engine's O_DIRECT ceiling of as many bytes (CPU results touched
+inside the clock), medians and ratios to the baselines of the same run. Every file is read back by the
+other library and every load compared with the original; see docs/safetensors.md.
 
 ::
 
@@ -15,6 +13,7 @@ original; see docs/safetensors.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 from typing import Any
@@ -70,11 +69,14 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         bounds.engine_write(raw_path, raw_buffer, raw_size, handle, allocate=True)
         measure.fsync_paths(raw_path)  # its directory entry too, as the saves' is
 
+    def ceiling_read(path: str) -> None:
+        bounds.engine_read(path, raw_buffer, raw_size, handle)
+
     def library_save() -> None:
         library.save_file(state, theirs_path)
         measure.fsync_paths(theirs_path)  # the file and its directory entry
 
-    where = str(device)
+    where, load_ours = str(device), functools.partial(ours.load_file, device=device)
     saves = {
         "ceiling": ("O_DIRECT write of the same bytes (engine) + fsync", ceiling_write),
         "fastpersist": ("fastpersist.save_file (durable)", lambda: ours.save_file(state, ours_path)),
@@ -84,27 +86,18 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             lambda: fastpersist.save(state, torch_path, checksum=False),
         ),
     }
-    ours_load = f"fastpersist.load_file(device={where!r})"
-    loads = {  # name: (label, the load, the file it reads)
-        "ceiling": (
-            "O_DIRECT read of the file (engine)",
-            lambda: bounds.engine_read(raw_path, raw_buffer, raw_size, handle),
-            raw_path,
-        ),
-        "fastpersist": (
-            f"{ours_load} of the library's file",
-            lambda: ours.load_file(theirs_path, device=device),
-            theirs_path,
-        ),
+    loads = {  # name: (label, the file it reads, its load of a path)
+        "ceiling": ("O_DIRECT read of the file (engine)", raw_path, ceiling_read),
+        "fastpersist": (f"fastpersist.load_file(device={where!r}) of the library's file", theirs_path, load_ours),
         "fastpersist-own": (
-            f"{ours_load} of its own (4 KiB-aligned) file",
-            lambda: ours.load_file(ours_path, device=device),
+            f"fastpersist.load_file(device={where!r}) of its own (4 KiB-aligned) file",
             ours_path,
+            load_ours,
         ),
         "safetensors": (
             f"safetensors.torch.load_file(device={where!r})",
-            lambda: library.load_file(ours_path, device=where),
             ours_path,
+            functools.partial(library.load_file, device=where),
         ),
     }
     saves = {k: v for k, v in saves.items() if k not in args.skip}
@@ -123,12 +116,12 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
     def load(name: str, index: int) -> dict[str, Any] | None:
         system.release_memory()
-        _, action, path = loads[name]
+        _, path, action = loads[name]
         if not os.path.exists(path):
             problems.append(f"load {name}: {path} missing (its save was skipped)")
             return None
         dropper.drop([path])
-        loaded, stats = timed(action, device, touch=True)
+        loaded, stats = timed(lambda: action(path), device, touch=True)
         if loaded is not None and index == 0:
             compare.check(expected, loaded, problems, f"load {name}", device)
         return stats
@@ -141,6 +134,15 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         measure.remove_path(path)
     if args.dir is None:
         os.rmdir(directory)
+    run = {"device": str(device), "bytes": nbytes, "tensors": len(state), "model": args.model, "layers": layers}
+    run.update(dtype="bf16", repeats=args.repeats, directory=directory, cache=dropper.detail)
+    run["engine"] = engine.resolve_engine(settings.engine)
+    machine = measure.machine_info(directory if os.path.isdir(directory) else ".", str(device))
+    return _document(machine, run, rounds, saves, loads, problems)
+
+
+def _document(machine: dict, run: dict, rounds: Rounds, saves: dict, loads: dict, problems: list) -> dict[str, Any]:
+    """The result of ``rounds`` of the ``saves`` and ``loads`` (name -> (label, ...)) of a run with ``run``."""
 
     def section(kind: str, methods: dict[str, tuple]) -> dict[str, Any]:
         out = {}
@@ -149,30 +151,13 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             if samples:
                 median = rounds.median((kind, name), "seconds")
                 out[name] = {"label": label, "seconds": [s["seconds"] for s in samples], "median_s": median}
-                out[name]["gb_per_s"] = nbytes / median / 1e9
+                out[name]["gb_per_s"] = run["bytes"] / median / 1e9
                 if kind == "save":
                     out[name]["peak_extra_rss_bytes"] = max(s["peak_rss_delta"] for s in samples)
         return out
 
-    result: dict[str, Any] = {
-        "schema": SCHEMA,
-        "machine": measure.machine_info(directory if os.path.isdir(directory) else ".", str(device)),
-        "config": {
-            "device": str(device),
-            "bytes": nbytes,
-            "tensors": len(state),
-            "model": args.model,
-            "layers": layers,
-            "dtype": "bf16",
-            "repeats": args.repeats,
-            "directory": directory,
-            "cache": dropper.detail,
-            "engine": engine.resolve_engine(settings.engine),
-        },
-        "save": section("save", saves),
-        "load": section("load", loads),
-        "problems": problems,
-    }
+    result = {"schema": SCHEMA, "machine": machine, "config": run, "save": section("save", saves)}
+    result.update(load=section("load", loads), problems=problems)
     pairs = [("fastpersist", "ceiling"), ("fastpersist", "safetensors"), ("fastpersist-own", "safetensors")]
     pairs = [(kind, *pair) for kind in ("save", "load") for pair in pairs if kind == "load" or pair[0] == "fastpersist"]
     result["ratios"] = compare.ratios(pairs, lambda kind, name: result[kind].get(name, {}).get("gb_per_s"))
