@@ -152,7 +152,7 @@ class Benchmark:
             return self.render(documents)
         parts = []
         for path, document in documents:
-            commit = ((document.get("machine") or {}).get("code") or {}).get("commit", "")[:12]
+            commit = (((document.get("machine") or {}).get("code") or {}).get("commit") or "")[:12]
             parts += [f"`{path}` (commit {commit})", "", self.markdown(document).rstrip("\n"), ""]
         return "\n".join(parts)
 
