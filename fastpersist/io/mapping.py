@@ -2,12 +2,14 @@
 
 A ``write`` into a tmpfs file allocates, zero-fills and fills its pages under
 the file's inode lock, one writer at a time, so a save to /dev/shm went at one
-thread's copy speed. Here the save's range is allocated first (``fallocate``),
-so a full filesystem fails with ``ENOSPC`` before any byte is copied, never as
-a ``SIGBUS`` inside a copy; then the ring's windows are copied into a shared
-mapping of it in pieces, side by side, each task first filling its pages'
-table entries in one call (``MADV_POPULATE_WRITE``, Linux 5.14) rather than
-taking a fault per page. The file is the save's own temporary (``O_EXCL``):
+thread's copy speed. Here the save's range is allocated (``fallocate``) at its
+first write, while the next windows are being read (a pipelined save's step
+waits for those reads, not for the allocation), so a full filesystem fails
+with ``ENOSPC`` before any byte is copied, never as a ``SIGBUS`` inside a
+copy; then the ring's windows are copied into a shared mapping of it in
+pieces, side by side, each task first filling its pages' table entries in
+one call (``MADV_POPULATE_WRITE``, Linux 5.14) rather than taking a fault per
+page. The file is the save's own temporary (``O_EXCL``):
 nothing truncates it under the mapping. It is unmapped on a thread of its own
 once the ring has drained (the commit does not wait for the unmapping). The
 ``tmpfs_mapping`` setting decides; measured in docs/performance.md (which
@@ -50,45 +52,63 @@ def wanted(file, when: str) -> bool:
 
 
 class Mapping:
-    """Bytes ``[start, end)`` of a regular file, mapped to write; :attr:`base` + a file offset is that byte's
-    address."""
+    """Bytes ``[start, end)`` of a regular file to be written through a mapping: allocated and mapped by the first
+    :meth:`address` (the save's first write), so that the save's first reads do not wait for the allocation;
+    ``address(offset)`` is then the address of the file's byte ``offset``. One thread (the writer's finalize
+    stage) asks for addresses; :meth:`close` once it no longer does."""
 
-    def __init__(self, descriptor: int, start: int, end: int, path: str):
-        self.path = path
-        self._offset = start - start % mmap.ALLOCATIONGRANULARITY
-        self._map = mmap.mmap(descriptor, end - self._offset, offset=self._offset, access=mmap.ACCESS_WRITE)
-        view = ctypes.c_char.from_buffer(self._map)
-        self.base = ctypes.addressof(view) - self._offset
-        del view  # no export left: close() can unmap
+    def __init__(self, descriptor: int, file, start: int, end: int):
+        self.path = file.path
+        self._file = file
+        self._descriptor = descriptor  # read and write: a shared mapping to write needs both
+        self._start, self._end = start, end
+        self._map: mmap.mmap | None = None
+        self._base = 0
 
     @classmethod
     def for_writing(cls, file, start: int, end: int) -> Mapping | None:
-        """``file``'s range ``[start, end)`` allocated and mapped for writing; None where the file is not a
-        regular file or cannot be mapped (the caller then writes). Raises ``OSError`` (``ENOSPC``, ``EDQUOT``)
-        when the filesystem has no room for the range."""
+        """``file``'s range ``[start, end)`` to write through a mapping; None where the file is not a regular file
+        that can be opened to read and write (the caller then writes)."""
         if end <= start:
             return None
-        try:  # a shared mapping to write needs a descriptor that reads too
+        try:
             descriptor = os.open(file.path, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             return None
         try:
-            if not _same_regular_file(descriptor, file):
-                return None
-            # Every page of the range now: a full filesystem fails here, before any copy (which would raise
-            # SIGBUS). fallocate only ever extends the file: ranks of a collective save share it.
-            if not file.allocate(start, end - start):
-                return None
-            return cls(descriptor, start, end, file.path)
-        except OSError as error:
-            if error.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            return None
-        finally:
-            os.close(descriptor)  # the mapping keeps its own reference to the file
+            if _same_regular_file(descriptor, file):
+                return cls(descriptor, file, start, end)
+        except OSError:
+            pass
+        os.close(descriptor)
+        return None
+
+    def address(self, offset: int) -> int:
+        """The address of the file's byte ``offset``. The first call allocates every page of the range (a full
+        filesystem raises ``OSError`` ``ENOSPC`` here, before any copy, which would raise SIGBUS; ``fallocate``
+        only ever extends the file: ranks of a collective save share it) and maps it."""
+        if self._map is None:
+            if self._descriptor < 0:
+                raise OSError(errno.EBADF, f"the mapping of '{self.path}' failed before or is closed", self.path)
+            try:
+                if not self._file.allocate(self._start, self._end - self._start):
+                    raise OSError(errno.EOPNOTSUPP, f"cannot allocate '{self.path}' to map it", self.path)
+                low = self._start - self._start % mmap.ALLOCATIONGRANULARITY
+                self._map = mmap.mmap(self._descriptor, self._end - low, offset=low, access=mmap.ACCESS_WRITE)
+                view = ctypes.c_char.from_buffer(self._map)
+                self._base = ctypes.addressof(view) - low
+                del view  # no export left: close() can unmap
+            finally:
+                os.close(self._descriptor)  # the mapping holds its own reference to the file
+                self._descriptor = -1
+        return self._base + offset
 
     def close(self) -> None:
-        self._map.close()
+        if self._map is not None:
+            self._map.close()
+        elif self._descriptor >= 0:
+            os.close(self._descriptor)
+            self._descriptor = -1
 
 
 @functools.cache
@@ -118,7 +138,7 @@ class WriteHandle:
         self._copies: list = []
 
     def submit_write(self, address: int, nbytes: int, file, offset: int, keepalive, **options) -> None:
-        destination = self._mapping.base + offset
+        destination = self._mapping.address(offset)
         populate = checksum.POPULATE_DESTINATION if _can_populate() else 0
         copy = checksum.submit_copy(destination, address, nbytes, piece_size=_PIECE, populate=populate)
         self._copies.append(copy)
