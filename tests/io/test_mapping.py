@@ -4,6 +4,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import threading
 import time
 import zipfile
 
@@ -157,3 +158,38 @@ def test_a_copy_whose_pages_cannot_be_filled_is_reported_not_copied(tmp_path):
     finally:
         del address
         view.close()
+
+
+def test_saves_from_several_threads_and_a_forked_child_map_their_own_files(tmpfs_dir, mappings):
+    """Each save maps its own file: threads saving at once, then a child forked while the pool runs (its pool
+    has no threads: the copies run on the saving thread)."""
+    states = [{"w": torch.full((400_000,), float(i)), "i": torch.tensor(i)} for i in range(4)]
+    paths = [os.path.join(tmpfs_dir, f"ckpt{i}.pt") for i in range(4)]
+    errors = []
+
+    def save(i):
+        try:
+            fastpersist.save(states[i], paths[i], tmpfs_mapping="always", buffer_size=1 << 20)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(mappings) == 4
+    for state, path in zip(states, paths):
+        assert torch.equal(fastpersist.load(path, verify=True)["w"], state["w"])
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            fastpersist.save(states[0], os.path.join(tmpfs_dir, "child.pt"), tmpfs_mapping="always")
+            loaded = fastpersist.load(os.path.join(tmpfs_dir, "child.pt"), verify=True)
+            # numpy's comparison: torch's would use the parent's intra-op threads, which a forked child has not
+            code = 0 if numpy.array_equal(loaded["w"].numpy(), states[0]["w"].numpy()) else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
