@@ -39,7 +39,6 @@ __all__ = [
     "submit_crc32",
     "submit_crc32_many",
     "submit_copy",
-    "submit_copies",
     "submit_copy_with_crc32",
     "crc32",
     "copy_with_crc32",
@@ -209,24 +208,16 @@ def submit_crc32(address: int, length: int, crc: int = 0, *, piece_size: int = P
     return PendingCrc(crc, [((job, index), n) for index, (_, n) in enumerate(pieces)])
 
 
-POPULATE_SOURCE = 1
-"""``populate`` of :func:`submit_copies`: the sources are a file mapping, its page tables filled before each copy."""
-POPULATE_DESTINATION = 2
-"""``populate`` of :func:`submit_copies`: the destinations are a file mapping (see :data:`POPULATE_SOURCE`)."""
-
-
-def submit_copies(ranges: list[tuple[int, int, int]], *, populate: int = 0):
-    """Queues a copy of each ``(destination, source, length)`` range (non-overlapping) on the native pool; returns
-    an ``engine.CrcJob`` to ``wait()`` for. Both sides stay alive until it is done. With ``populate``, each task
-    fills the page tables of that side of its range (a file mapping) in one call (``madvise``) instead of taking
-    a page fault per page."""
-    destinations, sources, lengths = (list(column) for column in zip(*ranges)) if ranges else ([], [], [])
-    return _crc_pool().submit_copies(destinations, sources, lengths, populate)
-
-
-def submit_copy(destination: int, source: int, length: int, *, piece_size: int = PIECE_SIZE, populate: int = 0):
-    """:func:`submit_copies` of ``length`` bytes in pieces of ``piece_size``, spread over the pool's threads."""
-    return submit_copies([(destination + o, source + o, n) for o, n in _split(length, piece_size)], populate=populate)
+def submit_copy(destination: int, source: int, length: int, *, piece_size: int = PIECE_SIZE, populate: bool = False):
+    """Queues a copy of ``length`` bytes (non-overlapping) on the native pool, in pieces of ``piece_size`` spread
+    over its threads; returns an ``engine.CrcJob`` to ``wait()`` for (both sides stay alive until then), whose
+    values are 0. With ``populate`` the destination is a file mapping: each task first fills its pages' table
+    entries in one call (``madvise``) instead of a fault per page, and a piece whose pages cannot be had is not
+    copied; its value is then the errno."""
+    pieces = _split(length, piece_size)
+    return _crc_pool().submit_copies(
+        [destination + o for o, _ in pieces], [source + o for o, _ in pieces], [n for _, n in pieces], populate
+    )
 
 
 def submit_crc32_many(ranges: list[tuple[int, int]]):

@@ -139,8 +139,7 @@ class WriteHandle:
 
     def submit_write(self, address: int, nbytes: int, file, offset: int, keepalive, **options) -> None:
         destination = self._mapping.address(offset)
-        populate = checksum.POPULATE_DESTINATION if _can_populate() else 0
-        copy = checksum.submit_copy(destination, address, nbytes, piece_size=_PIECE, populate=populate)
+        copy = checksum.submit_copy(destination, address, nbytes, piece_size=_PIECE, populate=_can_populate())
         self._copies.append(copy)
 
     def wait(self) -> None:

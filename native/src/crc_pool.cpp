@@ -50,12 +50,12 @@ std::shared_ptr<CrcJob> CrcPool::submit(const std::vector<uintptr_t>& addresses,
   if (addresses.size() != lengths.size()) {
     throw std::invalid_argument("CrcPool.submit: addresses and lengths differ in length");
   }
-  return queue(addresses, lengths, nullptr, kPopulateNone);
+  return queue(addresses, lengths, nullptr, false);
 }
 
 std::shared_ptr<CrcJob> CrcPool::submit_copies(const std::vector<uintptr_t>& destinations,
                                                const std::vector<uintptr_t>& sources,
-                                               const std::vector<size_t>& lengths, int populate) {
+                                               const std::vector<size_t>& lengths, bool populate) {
   if (destinations.size() != sources.size() || sources.size() != lengths.size()) {
     throw std::invalid_argument("CrcPool.submit_copies: destinations, sources and lengths differ in length");
   }
@@ -64,31 +64,26 @@ std::shared_ptr<CrcJob> CrcPool::submit_copies(const std::vector<uintptr_t>& des
 
 namespace {
 
-#ifndef MADV_POPULATE_READ
-#define MADV_POPULATE_READ 22
-#endif
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
 
-// Fills the page tables of [address, address + length) in one call (allocating a file mapping's missing pages
-// for MADV_POPULATE_WRITE); 0, or the errno: EFAULT where an access would raise SIGBUS (no room for a page),
-// EINVAL before Linux 5.14.
-int populate_range(const void* address, size_t length, int advice) noexcept {
+// Fills the page-table entries of a file mapping's [address, address + length) in one call, for writing;
+// 0, or the errno: EFAULT where an access would raise SIGBUS (no page to be had), EINVAL before Linux 5.14.
+int populate_range(void* address, size_t length) noexcept {
   static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   const uintptr_t start = reinterpret_cast<uintptr_t>(address) & ~(page - 1);
   const uintptr_t end = reinterpret_cast<uintptr_t>(address) + length;
-  if (length == 0 || ::madvise(reinterpret_cast<void*>(start), end - start, advice) == 0) return 0;
+  if (length == 0 || ::madvise(reinterpret_cast<void*>(start), end - start, MADV_POPULATE_WRITE) == 0) return 0;
   return errno;
 }
 
 }  // namespace
 
 void CrcPool::run(const Task& task) noexcept {
-  if (task.populate == kPopulateSource) (void)populate_range(task.data, task.length, MADV_POPULATE_READ);
-  if (task.populate == kPopulateDestination) {
-    // A page that cannot be allocated is reported instead of copied into (which would raise SIGBUS).
-    const int error = populate_range(task.destination, task.length, MADV_POPULATE_WRITE);
+  if (task.populate) {
+    // A page that cannot be had is reported instead of copied into (which would raise SIGBUS).
+    const int error = populate_range(task.destination, task.length);
     if (error != 0) {
       task.job->set(task.index, static_cast<uint32_t>(error));
       return;
@@ -103,7 +98,7 @@ void CrcPool::run(const Task& task) noexcept {
 }
 
 std::shared_ptr<CrcJob> CrcPool::queue(const std::vector<uintptr_t>& addresses, const std::vector<size_t>& lengths,
-                                       const std::vector<uintptr_t>* destinations, int populate) {
+                                       const std::vector<uintptr_t>* destinations, bool populate) {
   auto job = std::make_shared<CrcJob>(addresses.size());
   auto task = [&](size_t i) {
     void* destination = destinations == nullptr ? nullptr : reinterpret_cast<void*>((*destinations)[i]);

@@ -88,7 +88,7 @@ int main() {
     CrcPool pool(3);
     for (int after_shutdown = 0; after_shutdown < 2; ++after_shutdown) {
       if (after_shutdown) pool.shutdown();
-      for (int populate : {CrcPool::kPopulateNone, CrcPool::kPopulateSource, CrcPool::kPopulateDestination}) {
+      for (bool populate : {false, true}) {
         std::vector<unsigned char> copy(data.size(), 0);
         std::vector<uintptr_t> destinations;
         for (uintptr_t address : addresses) destinations.push_back(reinterpret_cast<uintptr_t>(copy.data()) + (address - base));

@@ -152,7 +152,7 @@ def test_a_copy_whose_pages_cannot_be_filled_is_reported_not_copied(tmp_path):
         view = mmap.mmap(f.fileno(), 1 << 16, access=mmap.ACCESS_READ)
     try:
         address = numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data
-        job = checksum.submit_copies([(address, source.data_ptr(), 1 << 16)], populate=checksum.POPULATE_DESTINATION)
+        job = checksum.submit_copy(address, source.data_ptr(), 1 << 16, populate=True)
         job.wait()
         assert job.crc(0) != 0 and path.read_bytes() == bytes(1 << 16)
     finally:

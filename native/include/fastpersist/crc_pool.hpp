@@ -70,22 +70,18 @@ class CrcPool {
   std::shared_ptr<CrcJob> submit(const std::vector<uintptr_t>& addresses, const std::vector<size_t>& lengths);
   /**
    * @brief Queues a copy of each range (@p sources[i], @p lengths[i]) to @p destinations[i] (non-overlapping);
-   * returns their job at once. Each range's value is 0 once copied, or, with kPopulateDestination, the errno of
-   * the page-table fill that failed, in which case nothing of the range was copied (EFAULT: a page could not be
-   * allocated, where the copy would have raised SIGBUS; EINVAL: a kernel before Linux 5.14).
-   * Same rules as submit(): the caller keeps both sides alive until the job is done; after shutdown() or in a
-   * forked child the copies run here.
-   * @param populate a file mapping's side, whose page tables each task fills in one call before its copy
-   *                 (madvise MADV_POPULATE_READ/WRITE) instead of a fault per page: kPopulateNone,
-   *                 kPopulateSource (best effort) or kPopulateDestination (required, see above).
+   * returns their job at once. Each range's value is 0 once copied, or, with @p populate, the errno of the
+   * page-table fill that failed, in which case nothing of the range was copied (EFAULT: a page could not be
+   * had, where the copy would have raised SIGBUS; EINVAL: a kernel before Linux 5.14). Same rules as submit():
+   * the caller keeps both sides alive until the job is done; after shutdown() or in a forked child the copies
+   * run here.
+   * @param populate the destinations are a file mapping, whose page-table entries each task fills in one call
+   *                 (madvise MADV_POPULATE_WRITE) before its copy instead of taking a fault per page.
    * @throws std::invalid_argument when the lists differ in length.
    */
   std::shared_ptr<CrcJob> submit_copies(const std::vector<uintptr_t>& destinations,
                                         const std::vector<uintptr_t>& sources, const std::vector<size_t>& lengths,
-                                        int populate = kPopulateNone);
-  static constexpr int kPopulateNone = 0;
-  static constexpr int kPopulateSource = 1;
-  static constexpr int kPopulateDestination = 2;
+                                        bool populate = false);
 
   /** @brief Runs what is queued, then stops and joins the threads. Idempotent. */
   void shutdown();
@@ -100,10 +96,10 @@ class CrcPool {
     const void* data;
     size_t length;
     void* destination;  // copy data here instead of computing its CRC-32
-    int populate;
+    bool populate;  // destination is a file mapping: fill its page tables first
   };
   std::shared_ptr<CrcJob> queue(const std::vector<uintptr_t>& addresses, const std::vector<size_t>& lengths,
-                                const std::vector<uintptr_t>* destinations, int populate);
+                                const std::vector<uintptr_t>* destinations, bool populate);
   static void run(const Task& task) noexcept;
   void work();
   bool inline_here() const;
