@@ -43,6 +43,7 @@ __all__ = [
     "resolve_engine",
     "make_handle",
     "inject_fault",
+    "fault_injected",
     "probe_directory",
     "memlock_limit",
     "crc32",
@@ -190,7 +191,9 @@ def inject_fault(
     length so the engine must resubmit the rest (the result must still be
     byte exact). ``count`` consecutive submissions are affected (0: all from
     ``nth`` on). Handles created outside the block are unaffected; nested
-    blocks use the innermost spec. Process wide (any thread).
+    blocks use the innermost spec. Process wide (any thread). Saves to tmpfs
+    write through handles inside the block, not through a mapping of the file
+    (:mod:`fastpersist.io.mapping`), so that the faults reach them.
 
     Args:
         nth: 1-based index of the first faulty submission.
@@ -214,6 +217,11 @@ def inject_fault(
     finally:
         with _fault_lock:
             _fault_stack.remove(spec)
+
+
+def fault_injected() -> bool:
+    """Whether an :func:`inject_fault` block is active (in any thread)."""
+    return _active_fault() is not None
 
 
 def _active_fault() -> dict[str, Any] | None:

@@ -43,8 +43,8 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 def wanted(file, when: str) -> bool:
     """Whether ``file`` (a native File) goes through a mapping under the ``tmpfs_mapping`` setting ``when``."""
-    if when == "never" or (when == "auto" and checksum.threads() < MIN_THREADS):
-        return False
+    if when == "never" or (when == "auto" and checksum.threads() < MIN_THREADS) or engine.fault_injected():
+        return False  # under inject_fault the save writes through handles, which the faults reach
     try:
         return getattr(file, "filesystem", None) in _FILESYSTEMS
     except OSError:  # fstatfs failed: read and write as usual, which report the error if there is one

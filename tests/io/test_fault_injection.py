@@ -38,8 +38,7 @@ ENGINES = [
 ]
 # Small windows and blocks: a ~2.4 MB checkpoint becomes ~40 submissions, so a fault
 # can land on the first, a middle and the last chunk, with others in flight.
-# The engine's writes: a save to tmpfs may otherwise copy into a mapping of the file (tests/io/test_mapping.py).
-SMALL = dict(buffer_size="256K", block_size="64K", buffer_count=3, queue_depth=4, tmpfs_mapping="never")
+SMALL = dict(buffer_size="256K", block_size="64K", buffer_count=3, queue_depth=4)
 
 
 def open_descriptors() -> int:

@@ -1,5 +1,6 @@
 """Saves to tmpfs through a mapping of the file, copied by the CRC pool's threads (the ``tmpfs_mapping`` setting)."""
 
+import errno
 import mmap
 import os
 import shutil
@@ -193,3 +194,11 @@ def test_saves_from_several_threads_and_a_forked_child_map_their_own_files(tmpfs
             os._exit(code)
     _, status = os.waitpid(child, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_injected_write_faults_reach_a_save_to_tmpfs(tmpfs_dir, mappings):
+    """inject_fault breaks the engine's handles: under it a save to tmpfs writes through them, not a mapping."""
+    path = os.path.join(tmpfs_dir, "ckpt.pt")
+    with engine.inject_fault(nth=1, errno=errno.EIO, op="write"), pytest.raises(OSError) as caught:
+        fastpersist.save(_state(), path, tmpfs_mapping="always")
+    assert caught.value.errno == errno.EIO and mappings == [] and os.listdir(tmpfs_dir) == []
