@@ -59,6 +59,7 @@ ENGINES = ("auto", "io_uring", "threads")
 ASYNC_MODES = ("pipelined", "snapshot")
 GDS_PATHS = ("auto", "cufile", "bounce")
 TMPFS_MAPPING = ("auto", "always", "never")
+DEVICE_CHECKSUM = ("auto", "always", "never")
 CONFIG_FILE_VERSION = 1
 _MiB = 1 << 20
 
@@ -109,14 +110,15 @@ class Settings:
     verify: bool = True
     """``load`` of a path checks every record's CRC-32, overlapped with the reads (see reliability.md). File objects
     and ``mmap=True`` loads are verified only with ``load(..., verify=True)``."""
-    device_checksum: bool = False
+    device_checksum: str = "auto"
     """Verified loads to CUDA checksum each record's whole 16 MiB and 4 MiB segments on the GPU after their copy
     (torch operations replayed as CUDA graphs on a stream of their own), and only the rest on the CPU, whose pass
-    otherwise competes with the reads and copies for the host's memory bandwidth. Faster verified loads from fast
-    storage, but a process's first such load captures the graphs, and they keep part of each device's memory until
-    ``fastpersist.release_buffers()``: worth it for processes that load many times. Where the graphs cannot be made
-    (the device's memory is full), the CPU checksums. The gain and both costs are measured in
-    docs/performance.md."""
+    otherwise competes with the reads and copies for the host's memory bandwidth. The graphs take time to capture and
+    keep part of each device's memory until ``fastpersist.release_buffers()``. ``auto`` never makes a load wait for
+    them: a verified load of at least 1 GiB to a device with none ready starts capturing them on a thread of their own
+    and checksums on the CPU, and later loads use them. ``always`` captures them in the first load that needs them,
+    ``never`` checksums on the CPU only (``true``/``false`` mean ``always``/``never``). Where the graphs cannot be made
+    (the device's memory is full), the CPU checksums. The gain and both costs are measured in docs/performance.md."""
     tmpfs_mapping: str = "auto"
     """Saves to tmpfs (/dev/shm) allocate the file's range first, then copy each window into a mapping of the file on
     the CRC pool's threads side by side, instead of ``write`` calls, which fill a tmpfs file one thread at a time
@@ -222,6 +224,7 @@ def _check_name(name: str) -> None:
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+_WERE_SWITCHES = {"device_checksum"}  # booleans once: true/false still mean always/never
 
 
 def parse_size(text: str | int) -> int:
@@ -286,6 +289,8 @@ def _coerce(name: str, value: Any) -> Any:
                 pass
         raise ConfigError(f"setting {name!r} takes an integer or a size like '8M', got {value!r}")
     if kind in ("str", str):
+        if name in _WERE_SWITCHES and (isinstance(value, bool) or str(value).strip().lower() in _TRUE | _FALSE):
+            return "always" if value is True or str(value).strip().lower() in _TRUE else "never"
         if isinstance(value, str):
             return value.strip()
         raise ConfigError(f"setting {name!r} takes a string, got {value!r}")
@@ -315,6 +320,10 @@ def _validate(s: Settings) -> None:
         raise ConfigError(f"gds_path must be one of {GDS_PATHS}, got {s.gds_path!r}")
     if s.tmpfs_mapping not in TMPFS_MAPPING:
         raise ConfigError(f"tmpfs_mapping must be one of {TMPFS_MAPPING}, got {s.tmpfs_mapping!r}")
+    if s.device_checksum not in DEVICE_CHECKSUM:
+        raise ConfigError(
+            f"device_checksum must be one of {DEVICE_CHECKSUM} (or true/false), got {s.device_checksum!r}"
+        )
     if s.async_mode not in ASYNC_MODES:
         raise ConfigError(f"async_mode must be one of {ASYNC_MODES}, got {s.async_mode!r}")
     if not 1 <= s.async_max_pending <= 64:

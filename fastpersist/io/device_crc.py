@@ -18,30 +18,51 @@ bytes starting from zero (zlib's without its two inversions):
   levels repeat until one value is left;
 * zlib's CRC-32 of ``n`` bytes is ``crc32_combine(0xFFFFFFFF, raw ^ 0xFFFFFFFF, n)``.
 
+The table step runs :data:`BLOCK` bytes at a time, so its temporaries (four
+bytes per byte) stay small whatever the segment's size.
+
 The operations for one segment of each of :data:`SEGMENTS` sizes are captured
-as a CUDA graph (about 30 launches become one replay; eager, the launches
-alone held a load's thread below the copies' speed), once per device and kept
-for later loads (a load running beside another captures a set of its own).
-Each segment is copied into the graph's input, replayed and its value copied
-out, on the set's stream, which waits for the segment's copy. Pieces shorter
-than the smallest segment, and the tail of every piece, stay on the CPU pool.
-The first capture in a process takes time and the set keeps part of the
-device's memory (both measured in docs/performance.md), so this is off by
-default (the ``device_checksum`` setting).
+as a CUDA graph (the launches become one replay; eager, the launches alone
+held a load's thread below the copies' speed), once per device and kept for
+later loads (a load running beside another captures a set of its own). Each
+segment is copied into the graph's input, replayed and its value copied out,
+on the set's stream, which waits for the segment's copy. Pieces shorter than
+the smallest segment, and the tail of every piece, stay on the CPU pool.
+
+Capturing takes time and the set keeps part of the device's memory (both
+measured in docs/performance.md). With the ``device_checksum`` setting at
+``auto`` (the default) no load waits for it: a large verified load with no set
+ready starts a capture on a thread of its own and checksums on the CPU, and
+the loads after it use the set (:meth:`DeviceCrc.if_ready`). ``always``
+captures in the load that needs a set, ``never`` keeps every checksum on the CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import threading
 
 import torch
 
-from fastpersist.io import engine
+from fastpersist.io import engine, workers
 
-__all__ = ["CHUNK", "GROUP", "SEGMENTS", "DeviceCrc", "Part", "raw_crc", "crc32_of_raw", "release"]
+__all__ = [
+    "CHUNK",
+    "GROUP",
+    "BLOCK",
+    "SEGMENTS",
+    "AUTO_BYTES",
+    "DeviceCrc",
+    "Part",
+    "raw_crc",
+    "crc32_of_raw",
+    "release",
+]
+
+_log = logging.getLogger(__name__)
 
 CHUNK = 256
 """Bytes a table row covers (the table holds ``CHUNK * 256`` int32 entries)."""
@@ -52,6 +73,12 @@ SEGMENTS = (16 << 20, 4 << 20)
 smallest is checksummed on the CPU: with 1 MiB graphs as well, a load of 36 MB records ran slower than on the
 CPU alone (the many small replays held the loading thread), with 16 and 4 MiB it ran fastest
 (docs/performance.md). The graphs of a device hold some of its memory while cached (measured there too)."""
+BLOCK = 4 << 20
+"""Bytes whose table step runs at once within a segment (a multiple of ``CHUNK``): its temporaries, four bytes per
+byte, are reused block after block, so a set's memory does not grow with its largest segment."""
+AUTO_BYTES = 1 << 30
+"""With ``device_checksum="auto"``, a verified load that puts at least this many bytes in whole segments on a
+device with no graph set ready starts capturing one in the background: a load that size dwarfs the set's memory."""
 _MASK = 0xFFFFFFFF
 
 
@@ -112,14 +139,14 @@ def raw_crc(data: torch.Tensor) -> torch.Tensor:
     if data.dim() != 1 or data.dtype != torch.uint8 or not data.numel() or data.numel() % (CHUNK * GROUP):
         raise ValueError(f"raw_crc takes a 1-D uint8 tensor of a positive multiple of {CHUNK * GROUP} bytes")
     table, offsets, shifts, weights = _tables(data.device)
-    rows = data.view(-1, CHUNK)
-    x = table.index_select(0, (rows + offsets).view(-1)).view(rows.shape[0], CHUNK)
-    width = CHUNK
-    while width > 1:
-        width //= 2
-        x[:, :width].bitwise_xor_(x[:, width : 2 * width])
-    bits = ((x[:, :1] >> shifts) & 1).float()  # (chunks, 32)
-    span, count = CHUNK, rows.shape[0]
+    if data.numel() <= BLOCK:
+        bits = _chunk_bits(data, table, offsets, shifts)
+    else:
+        bits = torch.empty(data.numel() // CHUNK, 32, device=data.device)
+        for start in range(0, data.numel(), BLOCK):
+            block = data[start : start + BLOCK]
+            bits[start // CHUNK : (start + block.numel()) // CHUNK] = _chunk_bits(block, table, offsets, shifts)
+    span, count = CHUNK, bits.shape[0]
     while count > 1:
         groups = -(-count // GROUP)
         front = groups * GROUP - count  # zero values in front change nothing
@@ -129,6 +156,17 @@ def raw_crc(data: torch.Tensor) -> torch.Tensor:
         bits = (sums.to(torch.int32) & 1).float()
         span, count = span * GROUP, groups
     return (bits.view(32).to(torch.int64) << weights).sum()
+
+
+def _chunk_bits(data: torch.Tensor, table, offsets, shifts) -> torch.Tensor:
+    """``(chunks, 32)`` float 0/1: the bits of each ``CHUNK``-byte chunk's ``raw``."""
+    rows = data.view(-1, CHUNK)
+    x = table.index_select(0, (rows + offsets).view(-1)).view(rows.shape[0], CHUNK)
+    width = CHUNK
+    while width > 1:
+        width //= 2
+        x[:, :width].bitwise_xor_(x[:, width : 2 * width])
+    return ((x[:, :1] >> shifts) & 1).float()
 
 
 def crc32_of_raw(raw: int, length: int) -> int:
@@ -188,21 +226,62 @@ class _Graphs:
 class _Cache:
     """The process's idle graph sets, by device: a load leases one (or captures one, one capture at a time in the
     process) and gives it back; :func:`release` drops the idle ones. Forgotten in a forked child (the parent's
-    graphs are not its own), never destroyed there."""
+    graphs are not its own), never destroyed there.
+
+    :meth:`ready` never captures on the caller's thread: it returns an idle set or None, and with ``start`` and no
+    idle set starts one capture per device on a thread of its own (:func:`fastpersist.io.workers.detached`,
+    joined at interpreter exit). A device whose background capture failed (its memory was full) is not tried again
+    until :func:`release`; a set whose capture began before a :func:`release` is dropped, not kept.
+    """
 
     def __init__(self):
         self.lock = threading.Lock()
         self.capturing = threading.Lock()
         self.idle: dict[torch.device, list[_Graphs]] = {}
+        self.background: set[torch.device] = set()  # captures underway on a thread of their own
+        self.failed: set[torch.device] = set()
+        self.generation = 0  # counts release() calls
         self.forked: list = []
 
     def lease(self, device: torch.device) -> _Graphs:
+        graphs = self.ready(device, start=False)
+        if graphs is not None:
+            return graphs
+        with self.capturing:
+            return _Graphs(device)
+
+    def ready(self, device: torch.device, start: bool) -> _Graphs | None:
         with self.lock:
             idle = self.idle.get(device)
             if idle:
                 return idle.pop()
-        with self.capturing:
-            return _Graphs(device)
+            start = start and device not in self.background and device not in self.failed and workers.threads_allowed()
+            if start:
+                self.background.add(device)
+            generation = self.generation
+        if start:
+            try:
+                workers.detached("fastpersist-crc-capture", self._capture, device, generation)
+            except BaseException:
+                with self.lock:
+                    self.background.discard(device)
+                raise
+        return None
+
+    def _capture(self, device: torch.device, generation: int) -> None:
+        try:
+            with self.capturing:
+                graphs = _Graphs(device)
+        except Exception as error:  # noqa: BLE001 - a background capture that fails leaves checksums on the CPU
+            _log.warning("checksums of verified loads to %s stay on the CPU: capturing failed: %s", device, error)
+            with self.lock:
+                self.background.discard(device)
+                self.failed.add(device)
+            return
+        with self.lock:
+            self.background.discard(device)
+            if generation == self.generation:
+                self.idle.setdefault(device, []).append(graphs)
 
     def give_back(self, graphs: _Graphs) -> None:
         with self.lock:
@@ -211,12 +290,14 @@ class _Cache:
     def release(self) -> int:
         with self.lock:
             idle, self.idle = self.idle, {}
+            self.failed.clear()
+            self.generation += 1
         return sum(graphs.nbytes for sets in idle.values() for graphs in sets)
 
     def forget_after_fork(self) -> None:
         self.lock, self.capturing = threading.Lock(), threading.Lock()
         self.forked.append(self.idle)
-        self.idle = {}
+        self.idle, self.background, self.failed = {}, set(), set()
 
 
 _cache = _Cache()
@@ -238,9 +319,11 @@ class DeviceCrc:
     graph set back.
     """
 
-    def __init__(self, device: torch.device, segments: int):
+    def __init__(self, device: torch.device, segments: int, graphs: _Graphs | None = None):
         self.device = device
-        self._graphs = _cache.lease(device) if device.type == "cuda" else None
+        if graphs is None and device.type == "cuda":
+            graphs = _cache.lease(device)
+        self._graphs = graphs
         self._stream = self._graphs.stream if self._graphs is not None else None
         try:
             if self._stream is not None:
@@ -251,6 +334,16 @@ class DeviceCrc:
             raise
         self._lengths: list[int] = []
         self._values: list[int] | None = None
+
+    @classmethod
+    def if_ready(cls, device: torch.device, segments: int, nbytes: int) -> DeviceCrc | None:
+        """A checker on a graph set that is ready (``device_checksum="auto"``), or None: then, for a load of at least
+        :data:`AUTO_BYTES` in whole segments (``nbytes``), a set is captured in the background for the loads after
+        this one. Never captures on the calling thread. On a CPU device (tests) the checker runs eagerly."""
+        if device.type != "cuda":
+            return cls(device, segments)
+        graphs = _cache.ready(device, start=nbytes >= AUTO_BYTES)
+        return None if graphs is None else cls(device, segments, graphs)
 
     @property
     def stream(self) -> torch.cuda.Stream | None:

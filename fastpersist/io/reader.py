@@ -494,7 +494,7 @@ def stream_to_device(
         handles.append(engine.make_handle(settings))
     # Windows are at most read_buffer_size; lease buffers no larger than the largest one needs.
     _, buffer_size = memory.ring_shape(max(w.end - w.start for w in windows), settings.read_buffer_size, 1)
-    checkers = _device_checkers(windows) if verify and settings.device_checksum else {}
+    checkers = _device_checkers(windows, settings.device_checksum) if verify else {}
     try:
         with Ring(handles[:count], buffer_size, huge_pages=settings.huge_pages) as ring:
             _stream_windows(windows, ring, pending if verify else None, checkers)
@@ -562,22 +562,31 @@ def _stream_windows(windows: list[_Window], ring: Ring, pending: dict[str, list]
         ring.wait_streams()
 
 
-def _device_checkers(windows: list[_Window]) -> dict[torch.device, DeviceCrc]:
-    """A :class:`DeviceCrc` per device that holds whole segments of the windows' pieces. A device where one
-    cannot be made (its memory is full, capture failed) is left out: its pieces are checksummed on the CPU."""
-    segments: dict[torch.device, int] = {}
+def _device_checkers(windows: list[_Window], mode: str) -> dict[torch.device, DeviceCrc]:
+    """A :class:`DeviceCrc` per device that holds whole segments of the windows' pieces, as the
+    ``device_checksum`` setting ``mode`` says: ``always`` captures a graph set where none is ready, ``auto`` takes
+    only a ready one (:meth:`DeviceCrc.if_ready`), ``never`` none. A device left out (no set ready, its memory
+    full, capture failed) has its pieces checksummed on the CPU."""
+    if mode == "never":
+        return {}
+    segments: dict[torch.device, list[int]] = {}
     for window in windows:
         for _, destination, _, _, length in window.pieces:
             if destination.device.type in _CHECKSUM_ON_DEVICE:
-                segments[destination.device] = segments.get(destination.device, 0) + DeviceCrc.count(length)
+                sizes = DeviceCrc.split(length)[0]
+                counted = segments.setdefault(destination.device, [0, 0])
+                counted[0], counted[1] = counted[0] + len(sizes), counted[1] + sum(sizes)
     checkers = {}
-    for device, count in segments.items():
+    for device, (count, nbytes) in segments.items():
         if not count:
             continue
         try:
-            checkers[device] = DeviceCrc(device, count)
+            checker = DeviceCrc(device, count) if mode == "always" else DeviceCrc.if_ready(device, count, nbytes)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
             _log.warning("checksums of %s stay on the CPU for this load: %s", device, error)
+        else:
+            if checker is not None:
+                checkers[device] = checker
     return checkers
 
 

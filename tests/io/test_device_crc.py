@@ -8,6 +8,8 @@ load checksums its records' whole segments that way.
 from __future__ import annotations
 
 import os
+import threading
+import time
 import zlib
 
 import pytest
@@ -166,3 +168,129 @@ def test_loads_reuse_their_graphs_and_release_buffers_frees_them(tmp_path, monke
     assert fastpersist.release_buffers() >= max(device_crc.SEGMENTS)
     assert torch.equal(load(), tensor)
     assert len(made) == 2
+
+
+def test_segments_longer_than_a_block_run_the_table_step_block_by_block(monkeypatch):
+    """The table step's temporaries cover one block at a time: blocks that divide the segment and one that leaves
+    a shorter last block give zlib's CRC-32 all the same."""
+    data = _random(3 * BLOCK, 6)
+    expected = zlib.crc32(data.numpy().tobytes())
+    for block in (BLOCK, 2 * BLOCK, 40 * device_crc.CHUNK):
+        monkeypatch.setattr(device_crc, "BLOCK", block)
+        assert device_crc.crc32_of_raw(device_crc.raw_crc(data).item(), data.numel()) == expected
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [(True, "always"), (False, "never"), ("true", "always"), ("0", "never"), ("auto", "auto"), (" never ", "never")],
+)
+def test_the_setting_takes_its_modes_and_the_old_booleans(given, expected):
+    assert fastpersist.config.resolve({"device_checksum": given}).device_checksum == expected
+
+
+def test_the_setting_defaults_to_auto_and_refuses_other_values(monkeypatch):
+    assert fastpersist.config.Settings().device_checksum == "auto"
+    with pytest.raises(fastpersist.ConfigError, match="device_checksum must be one of"):
+        fastpersist.config.resolve({"device_checksum": "sometimes"})
+
+
+class _FakeGraphs:
+    """Stands in for a captured set: records where it was made, waits for ``go`` first, fails if told to."""
+
+    made: list = []
+    go = None
+    fail = False
+
+    def __init__(self, device):
+        _FakeGraphs.go.wait(10)
+        if _FakeGraphs.fail:
+            raise torch.cuda.OutOfMemoryError("no room for the graphs")
+        self.device, self.nbytes = device, 1
+        _FakeGraphs.made.append(threading.current_thread().name)
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    monkeypatch.setattr(device_crc, "_Graphs", _FakeGraphs)
+    monkeypatch.setattr(_FakeGraphs, "made", [])
+    monkeypatch.setattr(_FakeGraphs, "go", threading.Event())
+    monkeypatch.setattr(_FakeGraphs, "fail", False)
+    return _FakeGraphs
+
+
+def _wait_until(condition) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "the background capture did not finish"
+        time.sleep(0.01)
+
+
+def test_auto_captures_on_a_thread_of_its_own_once_and_later_loads_take_the_set(fake_graphs):
+    cache, device = device_crc._Cache(), torch.device("cuda", 0)
+    assert cache.ready(device, start=False) is None and not cache.background  # a small load starts nothing
+    assert cache.ready(device, start=True) is None  # a large one starts the capture and does not wait
+    assert cache.ready(device, start=True) is None and cache.background == {device}  # one capture at a time
+    fake_graphs.go.set()
+    _wait_until(lambda: not cache.background)
+    assert fake_graphs.made == ["fastpersist-crc-capture_0"]
+    graphs = cache.ready(device, start=True)
+    assert isinstance(graphs, _FakeGraphs) and cache.ready(device, start=False) is None  # leased: not idle
+    cache.give_back(graphs)
+    assert cache.ready(device, start=False) is graphs and len(fake_graphs.made) == 1
+
+
+def test_a_failed_background_capture_is_not_retried_until_release(fake_graphs, caplog):
+    cache, device = device_crc._Cache(), torch.device("cuda", 0)
+    fake_graphs.fail = True
+    fake_graphs.go.set()
+    assert cache.ready(device, start=True) is None
+    _wait_until(lambda: not cache.background)
+    assert cache.failed == {device} and "stay on the CPU" in caplog.text
+    assert cache.ready(device, start=True) is None and not cache.background  # not tried again
+    fake_graphs.fail = False
+    cache.release()
+    assert cache.ready(device, start=True) is None
+    _wait_until(lambda: not cache.background)
+    assert isinstance(cache.ready(device, start=False), _FakeGraphs)
+
+
+def test_a_set_captured_across_a_release_is_dropped(fake_graphs):
+    """release_buffers() hands the device memory back: a capture that began before it does not keep a set after."""
+    cache, device = device_crc._Cache(), torch.device("cuda", 0)
+    assert cache.ready(device, start=True) is None
+    assert cache.release() == 0
+    fake_graphs.go.set()
+    _wait_until(lambda: not cache.background)
+    assert fake_graphs.made and cache.idle == {}
+
+
+def test_no_background_capture_starts_once_the_interpreter_shuts_down(fake_graphs, monkeypatch):
+    """Where no thread may start, a capture would run on the caller's thread: auto starts none."""
+    monkeypatch.setattr(device_crc.workers, "threads_allowed", lambda: False)
+    cache = device_crc._Cache()
+    assert cache.ready(torch.device("cuda", 0), start=True) is None and not cache.background
+
+
+@pytest.mark.gpu
+def test_auto_loads_checksum_on_the_cpu_until_the_set_is_captured_then_on_the_device(tmp_path, monkeypatch):
+    """The first large verified load neither waits for a capture nor checksums on the device; the loads after
+    the background capture do; all load equal, and a changed byte is still found."""
+    monkeypatch.setattr(device_crc, "AUTO_BYTES", 32 << 20)
+    fastpersist.release_buffers()
+    queued = []
+    real_queue = DeviceCrc.queue
+    monkeypatch.setattr(DeviceCrc, "queue", lambda self, *a: queued.extend(a[1]) or real_queue(self, *a))
+    tensor = _random((40 << 20) + 3000, 7)
+    path = tmp_path / "ckpt.pt"
+    fastpersist.save({"t": tensor}, path)
+    assert torch.equal(fastpersist.load(path, map_location="cuda", **_TWO_WINDOWS)["t"].cpu(), tensor)
+    assert not queued
+    _wait_until(lambda: not device_crc._cache.background)
+    assert torch.equal(fastpersist.load(path, map_location="cuda", **_TWO_WINDOWS)["t"].cpu(), tensor)
+    assert queued and set(queued) <= set(device_crc.SEGMENTS)
+    with open(path, "r+b") as f:
+        f.seek(_data_offset(path, tensor) + 100)
+        f.write(b"\x00\x01\x02")
+    with pytest.raises(fastpersist.ChecksumMismatchError, match="data/0"):
+        fastpersist.load(path, map_location="cuda", **_TWO_WINDOWS)
+    fastpersist.release_buffers()
