@@ -55,28 +55,19 @@ def _options(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--warmup", type=int, default=1, help="untimed rounds first (still verified)")
     option(how, "dir", help="a temporary subdirectory is made there (default: the current directory)")
     option(how, "no_drop_caches")
-    how.add_argument(
-        "--settle",
-        type=float,
-        default=None,
-        help=f"seconds between a round's saves and its loads (default: {_SETTLE_DEFAULT:g} s, 0 on tmpfs)",
-    )
-    how.add_argument(
-        "--memory-settle",
-        type=float,
-        default=None,
-        help="seconds before each timed load, for freed memory to go back to the host (default: "
-        f"{_MEMORY_SETTLE_DEFAULT:g} s on a virtual machine with free page reporting, else 0)",
-    )
+    settle = f"seconds between a round's saves and its loads (default: {_SETTLE_DEFAULT:g} s, 0 on tmpfs)"
+    how.add_argument("--settle", type=float, default=None, help=settle)
+    settle = "seconds before each timed load, for freed memory to go back to the host (default: "
+    settle += f"{_MEMORY_SETTLE_DEFAULT:g} s on a virtual machine with free page reporting, else 0)"
+    how.add_argument("--memory-settle", type=float, default=None, help=settle)
     how.add_argument("--order-seed", type=int, default=0, help="seed of every round's random method order")
     how.add_argument("--no-ceiling", action="store_true", help="do not measure the storage ceiling")
     how.add_argument("--no-fio", action="store_true", help="leave fio out of the ceiling")
     how.add_argument("--ceiling-grid-size", default="256M", help="file size of each point of the ceiling's grid")
     threads = max(1, min(8, os.cpu_count() or 1))
     how.add_argument("--dcp-threads", type=int, default=threads, help="DCP FileSystemWriter threads")
-    how.add_argument(
-        "--fp-setting", action="append", default=[], metavar="NAME=VALUE", help="a fastpersist setting (repeatable)"
-    )
+    setting = "a fastpersist setting (repeatable)"
+    how.add_argument("--fp-setting", action="append", default=[], metavar="NAME=VALUE", help=setting)
     how.add_argument("--config", default=None, help="a fastpersist configuration file ('fastpersist tune')")
 
     out = parser.add_argument_group("output")
@@ -100,9 +91,8 @@ def _print_methods(ctx: BenchContext) -> None:
         for name, m in registry.items():
             reason = m.unavailable(ctx)
             extra = f" (reads {m.source}'s files)" if op == "load" else ""
-            flag = "default" if m.default else "optional"
             state = f"unavailable: {reason}" if reason else "available"
-            print(f"{op}  {name:<28} {flag:<8} {m.label}{extra}; {state}")
+            print(f"{op}  {name:<28} {'default' if m.default else 'optional':<8} {m.label}{extra}; {state}")
 
 
 def _select_methods(args: argparse.Namespace) -> tuple[list[SaveMethod], list[LoadMethod]]:

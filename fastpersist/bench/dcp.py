@@ -25,12 +25,8 @@ _GB = 1e9
 
 def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="processes (one process group on this host)")
-    parser.add_argument(
-        "--backend",
-        default="gloo",
-        choices=["gloo", "nccl"],
-        help="process group backend (nccl needs --device cuda and a GPU per rank)",
-    )
+    backend = "process group backend (nccl needs --device cuda and a GPU per rank)"
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help=backend)
     option(parser, "size", default=4 << 30, help="total state bytes over all ranks")
     parser.add_argument("--tensor-size", type=size, default=64 << 20, help="bytes per tensor")
     option(parser, "device", choices=["cpu", "cuda"])

@@ -44,9 +44,8 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default="file", choices=["file", "parts"])
     parser.add_argument("--writers", default="all", choices=["all", "node"])
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
-    parser.add_argument(
-        "--sink", action="store_true", help="write into /dev/null and commit nothing: the pipeline without storage"
-    )
+    sink = "write into /dev/null and commit nothing: the pipeline without storage"
+    parser.add_argument("--sink", action="store_true", help=sink)
     option(parser, "repeats", "--repeat")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--markdown", default=None, help="write the table and a text chart (Markdown) here")

@@ -422,9 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="python -m fastpersist.bench report", description=main.__doc__)
     parser.add_argument("results", nargs="*", help="result JSON files to print as Markdown")
-    parser.add_argument(
-        "--update-docs", action="store_true", help="rewrite the generated tables of README.md and docs/"
-    )
+    update = "rewrite the generated tables of README.md and docs/"
+    parser.add_argument("--update-docs", action="store_true", help=update)
     parser.add_argument("--check-docs", action="store_true", help="exit 1 if a generated table is stale")
     parser.add_argument("--root", default=".", help="repository root (default: the current directory)")
     args = parser.parse_args(argv)
