@@ -12,11 +12,11 @@ queue the CRC of a window right after its read completes and keep reading
 and copying while the pool works (:class:`PendingCrc`).
 
 CRC-32s of memory ranges (:func:`submit_crc32`, :func:`submit_crc32_many`)
+and copies, with or without their CRC-32 in the same pass (:func:`submit_copies`)
 run on a native pool (``engine.CrcPool``) whose threads never take the
 interpreter lock: with Python threads each task took it to start and to
 finish, and a loading thread queued behind them for it (docs/performance.md).
-Other work (copies fused with their CRC-32, :func:`executor`'s users) runs on
-a pool of Python threads. Both pools are created on first use, sized to the
+Other work (:func:`executor`'s users) runs on a pool of Python threads. Both pools are created on first use, sized to the
 CPUs this process may run on (``FASTPERSIST_CRC_THREADS`` overrides), reused
 by every save and load, recreated after ``fork`` (threads do not survive it)
 and stopped at interpreter exit (later work runs on the calling thread).
@@ -40,6 +40,7 @@ __all__ = [
     "submit_crc32_many",
     "submit_copy",
     "submit_copy_with_crc32",
+    "submit_copies",
     "crc32",
     "copy_with_crc32",
     "copy",
@@ -220,6 +221,14 @@ def submit_copy(destination: int, source: int, length: int, *, piece_size: int =
     )
 
 
+def submit_copies(pieces: list[tuple[int, int, int]], checksum: bool = False):
+    """Queues a copy of each ``(destination, source, length)`` (non-overlapping) on the native pool, a task each;
+    with ``checksum`` each task computes its bytes' CRC-32 in the copy's pass (``job.crc(i)``; else 0). Returns an
+    ``engine.CrcJob`` to ``wait()`` for; both sides stay alive until then."""
+    destinations, sources, lengths = (list(side) for side in zip(*pieces)) if pieces else ([], [], [])
+    return _crc_pool().submit_copies(destinations, sources, lengths, False, checksum)
+
+
 def submit_crc32_many(ranges: list[tuple[int, int]]):
     """Queues the CRC-32 of each small ``(address, length)`` range on the native pool; returns an
     ``engine.CrcJob`` (``crc(i)`` is range ``i``'s)."""
@@ -232,14 +241,9 @@ def submit_copy_with_crc32(
     """Queues a copy of ``length`` bytes (non-overlapping) and its CRC-32, pieces on several cores."""
     if length <= 0:
         return PendingCrc(crc, [])
-    pool = executor()
-    return PendingCrc(
-        crc,
-        [
-            (pool.submit(engine.copy_with_crc32, destination + o, source + o, n), n)
-            for o, n in _split(length, piece_size)
-        ],
-    )
+    pieces = _split(length, piece_size)
+    job = submit_copies([(destination + o, source + o, n) for o, n in pieces], checksum=True)
+    return PendingCrc(crc, [((job, index), n) for index, (_, n) in enumerate(pieces)])
 
 
 def crc32(address: int, length: int, crc: int = 0, *, piece_size: int = PIECE_SIZE) -> int:
@@ -264,10 +268,7 @@ def copy(destination: int, source: int, length: int, *, piece_size: int = PIECE_
     if length <= piece_size:
         ctypes.memmove(destination, source, length)  # ctypes releases the GIL
         return
-    pool = executor()
-    futures = [pool.submit(ctypes.memmove, destination + o, source + o, n) for o, n in _split(length, piece_size)]
-    for future in futures:
-        future.result()
+    submit_copies([(destination + o, source + o, n) for o, n in _split(length, piece_size)]).wait()
 
 
 def crc32_combine_all(pieces, crc: int = 0) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import contextlib
+import ctypes
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
@@ -252,6 +253,7 @@ def _fill(
     records = plan.records
     view = slot.view
     device_copies: dict = {}  # stream -> [(destination, source)], queued once per window
+    host_copies: list = []  # (record, destination, source, length): CPU pieces for the pool, copied together
     for (kind, offset, _, index, data), lo, hi in cursor.overlapping(start, end):
         if kind == _BYTES:
             if lo == offset and hi - lo == len(data):
@@ -262,15 +264,16 @@ def _fill(
             record = records[index]
             if record.device.type == "cpu":
                 # Pointer arithmetic, not tensor slices: with 100,000 small storages the
-                # slicing cost more than the copies. Large pieces are copied (and
-                # checksummed) by several cores at once.
+                # slicing cost more than the copies.
                 destination, source = base + (lo - start), record.data_ptr() + (lo - offset - record.offset)
-                if checksum:
+                if hi - lo >= _POOL_COPY:
+                    host_copies.append((index, destination, source, hi - lo))
+                elif checksum:
                     # Records are filled in file order, so this running CRC is complete
                     # before finalize (on the worker) writes the record's descriptor.
-                    crcs[index] = crc_pool.copy_with_crc32(destination, source, hi - lo, crcs[index])
+                    crcs[index] = engine.copy_with_crc32(destination, source, hi - lo, crcs[index])
                 else:
-                    crc_pool.copy(destination, source, hi - lo)
+                    ctypes.memmove(destination, source, hi - lo)
                 continue
             held = offset + record.offset  # file offset of the view's first byte
             source = record.view[lo - held : hi - held]
@@ -280,12 +283,36 @@ def _fill(
             else:
                 destination.copy_(source)  # other devices (mps, xpu, ...)
         # DESCRIPTOR and TRAILER bytes need CRCs: written at finalize.
+    if host_copies:
+        _copy_on_the_pool(host_copies, crcs, checksum)
     for stream, pairs in device_copies.items():
         # One stream context per window, not per storage (entering one costs more than a small copy).
         with torch.cuda.stream(stream):
             for destination, source in pairs:
                 destination.copy_(source, non_blocking=True)
         slot.track_copies(stream)
+
+
+_POOL_COPY = 256 << 10
+"""CPU storage pieces of at least this many bytes are copied (and checksummed) on the CRC pool's threads, all of a
+window's at once; smaller ones on the filling thread, where a pool task's fixed cost would outweigh the copy."""
+
+
+def _copy_on_the_pool(pieces: list[tuple[int, int, int, int]], crcs: list[int], checksum: bool) -> None:
+    """Copies a window's large CPU pieces ``(record, destination, source, length)`` on the pool's threads side by
+    side, in ranges of at most ``PIECE_SIZE`` (each CRC-32 computed in its copy's pass), and waits for them; then
+    folds each range's CRC-32 into its record's running CRC, in file order. One piece after another on the filling
+    thread, a CPU state with many medium tensors (a training state: a snapshot) was copied at one core's speed."""
+    ranges = [
+        (index, destination + at, source + at, min(crc_pool.PIECE_SIZE, length - at))
+        for index, destination, source, length in pieces
+        for at in range(0, length, crc_pool.PIECE_SIZE)
+    ]
+    job = crc_pool.submit_copies([piece[1:] for piece in ranges], checksum)
+    job.wait()  # native, GIL released: a Ctrl-C is raised once no task can still write into the buffer
+    if checksum:
+        for k, (index, _, _, length) in enumerate(ranges):
+            crcs[index] = engine.crc32_combine(crcs[index], job.crc(k), length)
 
 
 _BYTES, _STORAGE, _DESCRIPTOR, _TRAILER = (

@@ -545,11 +545,12 @@ started) are computed on the calling thread.)")
           py::arg("addresses"), py::arg("lengths"),
           "Queues the CRC-32 of each range (addresses[i], lengths[i]); returns their CrcJob.")
       .def("submit_copies", &CrcPool::submit_copies, py::arg("destinations"), py::arg("sources"), py::arg("lengths"),
-           py::arg("populate") = false,
+           py::arg("populate") = false, py::arg("checksum") = false,
            "Queues a copy of each range (sources[i], lengths[i]) to destinations[i]; returns their CrcJob (done "
            "once every range is copied). With ``populate`` the destinations are a file mapping whose page tables "
            "each task fills first: a range whose pages cannot be had is not copied and its value is the errno "
-           "(EFAULT: no room), else every value is 0.")
+           "(EFAULT: no room), else every value is 0. With ``checksum`` each value is the range's CRC-32, "
+           "computed in the copy's pass.")
       .def("shutdown", &CrcPool::shutdown, py::call_guard<py::gil_scoped_release>(),
            "Runs what is queued, then stops and joins the threads (idempotent).")
       .def_property_readonly("threads", &CrcPool::threads);

@@ -50,16 +50,16 @@ std::shared_ptr<CrcJob> CrcPool::submit(const std::vector<uintptr_t>& addresses,
   if (addresses.size() != lengths.size()) {
     throw std::invalid_argument("CrcPool.submit: addresses and lengths differ in length");
   }
-  return queue(addresses, lengths, nullptr, false);
+  return queue(addresses, lengths, nullptr, false, false);
 }
 
 std::shared_ptr<CrcJob> CrcPool::submit_copies(const std::vector<uintptr_t>& destinations,
                                                const std::vector<uintptr_t>& sources,
-                                               const std::vector<size_t>& lengths, bool populate) {
+                                               const std::vector<size_t>& lengths, bool populate, bool checksum) {
   if (destinations.size() != sources.size() || sources.size() != lengths.size()) {
     throw std::invalid_argument("CrcPool.submit_copies: destinations, sources and lengths differ in length");
   }
-  return queue(sources, lengths, &destinations, populate);
+  return queue(sources, lengths, &destinations, populate, checksum);
 }
 
 namespace {
@@ -91,6 +91,8 @@ void CrcPool::run(const Task& task) noexcept {
   }
   if (task.destination == nullptr) {
     task.job->set(task.index, crc32_update(0, task.data, task.length));
+  } else if (task.checksum) {
+    task.job->set(task.index, copy_with_crc32(task.destination, task.data, task.length, 0));
   } else {
     std::memcpy(task.destination, task.data, task.length);
     task.job->set(task.index, 0);
@@ -98,11 +100,11 @@ void CrcPool::run(const Task& task) noexcept {
 }
 
 std::shared_ptr<CrcJob> CrcPool::queue(const std::vector<uintptr_t>& addresses, const std::vector<size_t>& lengths,
-                                       const std::vector<uintptr_t>* destinations, bool populate) {
+                                       const std::vector<uintptr_t>* destinations, bool populate, bool checksum) {
   auto job = std::make_shared<CrcJob>(addresses.size());
   auto task = [&](size_t i) {
     void* destination = destinations == nullptr ? nullptr : reinterpret_cast<void*>((*destinations)[i]);
-    return Task{job, i, reinterpret_cast<const void*>(addresses[i]), lengths[i], destination, populate};
+    return Task{job, i, reinterpret_cast<const void*>(addresses[i]), lengths[i], destination, populate, checksum};
   };
   // In a forked child the pool's lock may have been held by a thread that is gone: do not touch it.
   bool here = ::getpid() != owner_;

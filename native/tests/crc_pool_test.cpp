@@ -84,17 +84,19 @@ int main() {
   }
 
   {
-    // Copies, their page tables filled first or not, on the threads and (after shutdown) here.
+    // Copies, their page tables filled first or not, with their CRC-32s or not, on the threads and (after
+    // shutdown) here.
     CrcPool pool(3);
     for (int after_shutdown = 0; after_shutdown < 2; ++after_shutdown) {
       if (after_shutdown) pool.shutdown();
-      for (bool populate : {false, true}) {
+      for (int variant = 0; variant < 4; ++variant) {
+        const bool populate = variant & 1, checksum = variant & 2;
         std::vector<unsigned char> copy(data.size(), 0);
         std::vector<uintptr_t> destinations;
         for (uintptr_t address : addresses) destinations.push_back(reinterpret_cast<uintptr_t>(copy.data()) + (address - base));
-        auto job = pool.submit_copies(destinations, addresses, lengths, populate);
+        auto job = pool.submit_copies(destinations, addresses, lengths, populate, checksum);
         job->wait();
-        bool same = job->done();
+        bool same = job->done() && (checksum ? matches(*job, addresses, lengths) : job->crc(0) == 0);
         for (size_t i = 0; i < addresses.size(); ++i) {
           const size_t at = addresses[i] - base;
           same = same && std::equal(data.begin() + at, data.begin() + at + lengths[i], copy.begin() + at);

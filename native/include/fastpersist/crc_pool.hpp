@@ -77,11 +77,13 @@ class CrcPool {
    * run here.
    * @param populate the destinations are a file mapping, whose page-table entries each task fills in one call
    *                 (madvise MADV_POPULATE_WRITE) before its copy instead of taking a fault per page.
+   * @param checksum each range's value is the CRC-32 of its bytes, computed in the same pass as the copy
+   *                 (copy_with_crc32: the source is read once).
    * @throws std::invalid_argument when the lists differ in length.
    */
   std::shared_ptr<CrcJob> submit_copies(const std::vector<uintptr_t>& destinations,
                                         const std::vector<uintptr_t>& sources, const std::vector<size_t>& lengths,
-                                        bool populate = false);
+                                        bool populate = false, bool checksum = false);
 
   /** @brief Runs what is queued, then stops and joins the threads. Idempotent. */
   void shutdown();
@@ -97,9 +99,10 @@ class CrcPool {
     size_t length;
     void* destination;  // copy data here instead of computing its CRC-32
     bool populate;  // destination is a file mapping: fill its page tables first
+    bool checksum;  // with a destination: copy and compute the CRC-32 in one pass
   };
   std::shared_ptr<CrcJob> queue(const std::vector<uintptr_t>& addresses, const std::vector<size_t>& lengths,
-                                const std::vector<uintptr_t>* destinations, bool populate);
+                                const std::vector<uintptr_t>* destinations, bool populate, bool checksum);
   static void run(const Task& task) noexcept;
   void work();
   bool inline_here() const;
