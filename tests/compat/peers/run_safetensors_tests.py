@@ -89,14 +89,19 @@ def _child(mode: str, test_file: str, result_file: str) -> int:
         _patch(alignment=8)
     import pytest
 
-    work = tempfile.mkdtemp(prefix="safetensors-peer-")
-    os.makedirs(os.path.join(work, "tests", "data"))
-    os.chdir(work)  # the tests write ./tests/data/*.safetensors
-    ini = os.path.join(work, "pytest.ini")
-    with open(ini, "w") as f:
-        f.write("[pytest]\n")
-    plugin = _Outcomes()
-    code = pytest.main(["-q", "-p", "no:cacheprovider", "-c", ini, "--rootdir", work, test_file], plugins=[plugin])
+    test_file, home = os.path.abspath(test_file), os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="safetensors-peer-") as work:  # removed with what the tests wrote
+        os.makedirs(os.path.join(work, "tests", "data"))
+        os.chdir(work)  # the tests write ./tests/data/*.safetensors
+        try:
+            ini = os.path.join(work, "pytest.ini")
+            with open(ini, "w") as f:
+                f.write("[pytest]\n")
+            plugin = _Outcomes()
+            args = ["-q", "-p", "no:cacheprovider", "-c", ini, "--rootdir", work, test_file]
+            code = pytest.main(args, plugins=[plugin])
+        finally:
+            os.chdir(home)
     with open(result_file, "w") as f:
         json.dump({"exit_code": int(code), "results": plugin.results}, f)
     return 0
