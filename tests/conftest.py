@@ -62,6 +62,31 @@ def saves_checked():
     assert not left, f"a test left failed saves unchecked: {left}"
 
 
+def run_in_threads(target, count: int, timeout: float | None = None) -> list[BaseException]:
+    """Runs ``target(i)`` for i in range(count) on threads started together, joins them (each for at most
+    ``timeout``) and returns what any of them raised, for the test to assert on."""
+    errors: list[BaseException] = []
+
+    def guarded(index: int) -> None:
+        try:
+            target(index)
+        except BaseException as error:  # noqa: BLE001 - reported to the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    return errors
+
+
+@pytest.fixture
+def in_threads():
+    """:func:`run_in_threads`, for tests that call an entry point from several threads at once."""
+    return run_in_threads
+
+
 @pytest.fixture
 def disk_dir(tmp_path):
     """A directory on the disk the repository lives on (ext4 here: O_DIRECT works)."""

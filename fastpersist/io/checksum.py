@@ -215,18 +215,16 @@ def submit_copy(destination: int, source: int, length: int, *, piece_size: int =
     values are 0. With ``populate`` the destination is a file mapping: each task first fills its pages' table
     entries in one call (``madvise``) instead of a fault per page, and a piece whose pages cannot be had is not
     copied; its value is then the errno."""
-    pieces = _split(length, piece_size)
-    return _crc_pool().submit_copies(
-        [destination + o for o, _ in pieces], [source + o for o, _ in pieces], [n for _, n in pieces], populate
-    )
+    return submit_copies([(destination + o, source + o, n) for o, n in _split(length, piece_size)], populate=populate)
 
 
-def submit_copies(pieces: list[tuple[int, int, int]], checksum: bool = False):
+def submit_copies(pieces: list[tuple[int, int, int]], checksum: bool = False, *, populate: bool = False):
     """Queues a copy of each ``(destination, source, length)`` (non-overlapping) on the native pool, a task each;
-    with ``checksum`` each task computes its bytes' CRC-32 in the copy's pass (``job.crc(i)``; else 0). Returns an
-    ``engine.CrcJob`` to ``wait()`` for; both sides stay alive until then."""
+    with ``checksum`` each task computes its bytes' CRC-32 in the copy's pass (``job.crc(i)``; else 0; for
+    ``populate`` see :func:`submit_copy`). Returns an ``engine.CrcJob`` to ``wait()`` for; both sides stay alive
+    until then."""
     destinations, sources, lengths = (list(side) for side in zip(*pieces)) if pieces else ([], [], [])
-    return _crc_pool().submit_copies(destinations, sources, lengths, False, checksum)
+    return _crc_pool().submit_copies(destinations, sources, lengths, populate, checksum)
 
 
 def submit_crc32_many(ranges: list[tuple[int, int]]):

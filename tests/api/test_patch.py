@@ -303,24 +303,15 @@ def test_load_model_and_save_model_of_the_library_go_through_the_patch(tmp_path)
 # ----------------------------------------------------------------------------- threads, fork, exit, Ctrl-C
 
 
-def test_patch_and_restore_from_several_threads(tmp_path):
-    errors = []
-
+def test_patch_and_restore_from_several_threads(tmp_path, in_threads):
     def work(index: int) -> None:
-        try:
-            for round_ in range(10):
-                with fastpersist.patch(mode="snapshot" if index % 2 else "sync"):
-                    path = tmp_path / f"{index}-{round_}.pt"
-                    torch.save(big_state(index), path)
-                    assert same(torch.load(path), big_state(index))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for round_ in range(10):
+            with fastpersist.patch(mode="snapshot" if index % 2 else "sync"):
+                path = tmp_path / f"{index}-{round_}.pt"
+                torch.save(big_state(index), path)
+                assert same(torch.load(path), big_state(index))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    errors = in_threads(work, 4, timeout=120)
     assert errors == []
     assert all(current()[k] is v for k, v in ORIGINALS.items())
     assert all(page_aligned(tmp_path / f"{i}-9.pt") for i in range(4))

@@ -10,7 +10,6 @@ and checked with plain Python. Run on a GPU machine::
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import torch
@@ -239,25 +238,17 @@ def test_work_queued_on_the_callers_stream_comes_first(handle, tmp_path):
     assert total == 42 * t.numel()
 
 
-def test_blocking_calls_from_several_threads(handle, tmp_path):
+def test_blocking_calls_from_several_threads(handle, tmp_path, in_threads):
     tensors = [_random_device(2 * CHUNK + i, seed=i) for i in range(4)]
-    errors: list[BaseException] = []
 
     def run(i: int) -> None:
-        try:
-            path = str(tmp_path / f"thread{i}.bin")
-            assert handle.sync_pwrite(tensors[i], path) == 1
-            back = torch.empty_like(tensors[i])
-            assert handle.sync_pread(back, path) == 1
-            assert torch.equal(back, tensors[i])
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
+        path = str(tmp_path / f"thread{i}.bin")
+        assert handle.sync_pwrite(tensors[i], path) == 1
+        back = torch.empty_like(tensors[i])
+        assert handle.sync_pread(back, path) == 1
+        assert torch.equal(back, tensors[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    errors = in_threads(run, 4)
     assert not errors, errors
 
 

@@ -98,6 +98,15 @@ def _event_now() -> torch.cuda.Event:
     return event
 
 
+@pytest.fixture
+def queued(monkeypatch) -> list[int]:
+    """The sizes of the segments checksummed on the device, in queue order, by every load of the test."""
+    sizes: list[int] = []
+    real_queue = DeviceCrc.queue
+    monkeypatch.setattr(DeviceCrc, "queue", lambda self, *a: sizes.extend(a[1]) or real_queue(self, *a))
+    return sizes
+
+
 # Two ring buffers: a 40 MiB record is read in 16 MiB windows (a load smaller than 16 windows spreads over the
 # ring in smaller ones, and pieces below the smallest segment are all checksummed on the CPU).
 _TWO_WINDOWS = {"read_buffer_count": 2}
@@ -105,13 +114,10 @@ _TWO_WINDOWS = {"read_buffer_count": 2}
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("on_device", [True, False])
-def test_a_verified_cuda_load_finds_a_changed_byte_in_any_part_of_a_record(tmp_path, monkeypatch, on_device):
+def test_a_verified_cuda_load_finds_a_changed_byte_in_any_part_of_a_record(tmp_path, queued, on_device):
     """A 40 MiB record: a flipped byte in its first and second windows (segments the device checksums) and in
     its last bytes (a tail the CPU checksums) is found, with the device's checksums and without; the untouched
     file loads equal."""
-    queued = []
-    real_queue = DeviceCrc.queue
-    monkeypatch.setattr(DeviceCrc, "queue", lambda self, *a: queued.extend(a[1]) or real_queue(self, *a))
     tensor = _random((40 << 20) + 3000, 4)
     path = tmp_path / "ckpt.pt"
     fastpersist.save({"t": tensor}, path)
@@ -272,14 +278,11 @@ def test_no_background_capture_starts_once_the_interpreter_shuts_down(fake_graph
 
 
 @pytest.mark.gpu
-def test_auto_loads_checksum_on_the_cpu_until_the_set_is_captured_then_on_the_device(tmp_path, monkeypatch):
+def test_auto_loads_checksum_on_the_cpu_until_the_set_is_captured_then_on_the_device(tmp_path, monkeypatch, queued):
     """The first large verified load neither waits for a capture nor checksums on the device; the loads after
     the background capture do; all load equal, and a changed byte is still found."""
     monkeypatch.setattr(device_crc, "AUTO_BYTES", 32 << 20)
     fastpersist.release_buffers()
-    queued = []
-    real_queue = DeviceCrc.queue
-    monkeypatch.setattr(DeviceCrc, "queue", lambda self, *a: queued.extend(a[1]) or real_queue(self, *a))
     tensor = _random((40 << 20) + 3000, 7)
     path = tmp_path / "ckpt.pt"
     fastpersist.save({"t": tensor}, path)

@@ -5,7 +5,6 @@ import mmap
 import os
 import shutil
 import tempfile
-import threading
 import time
 import zipfile
 
@@ -161,24 +160,12 @@ def test_a_copy_whose_pages_cannot_be_filled_is_reported_not_copied(tmp_path):
         view.close()
 
 
-def test_saves_from_several_threads_and_a_forked_child_map_their_own_files(tmpfs_dir, mappings):
+def test_saves_from_several_threads_and_a_forked_child_map_their_own_files(tmpfs_dir, mappings, in_threads):
     """Each save maps its own file: threads saving at once, then a child forked while the pool runs (its pool
     has no threads: the copies run on the saving thread)."""
     states = [{"w": torch.full((400_000,), float(i)), "i": torch.tensor(i)} for i in range(4)]
     paths = [os.path.join(tmpfs_dir, f"ckpt{i}.pt") for i in range(4)]
-    errors = []
-
-    def save(i):
-        try:
-            fastpersist.save(states[i], paths[i], tmpfs_mapping="always", buffer_size=1 << 20)
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=save, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    errors = in_threads(lambda i: fastpersist.save(states[i], paths[i], tmpfs_mapping="always", buffer_size=1 << 20), 4)
     assert not errors and len(mappings) == 4
     for state, path in zip(states, paths):
         assert torch.equal(fastpersist.load(path, verify=True)["w"], state["w"])
