@@ -8,6 +8,7 @@ are skipped where that is impossible (not root, no setpriv).
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import pathlib
 import shutil
@@ -20,6 +21,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import types
 import warnings
 import zipfile
 
@@ -261,6 +263,17 @@ def test_stale_cleanup_spares_live_and_foreign_and_undeletable(tmp_path, monkeyp
 
 
 def test_cleanup_lists_a_cheap_directory_at_every_save_and_an_expensive_one_rarely(tmp_path, monkeypatch):
+    # The cleanup's own clocks, made exact: a listing costs 1 us and each reading of the
+    # monotonic clock is 1 s later. Real clocks made this depend on the machine's load (a
+    # listing preempted for 20 ms on a busy CI runner is not listed again for 2 s).
+    ticks = itertools.count()
+    monkeypatch.setattr(
+        commit,
+        "time",
+        types.SimpleNamespace(
+            perf_counter=lambda: next(ticks) * 1e-6, monotonic=itertools.count().__next__, time=time.time
+        ),
+    )
     listings = []
     real = commit.remove_stale_temporaries
     monkeypatch.setattr(
