@@ -485,26 +485,16 @@ def _same_tensors(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_concurrent_save_file_to_one_path_from_threads_and_async(tmp_path):
-    import threading
-
+def test_concurrent_save_file_to_one_path_from_threads_and_async(tmp_path, in_threads):
     path = str(tmp_path / "m.safetensors")
-    errors = []
 
     def saver(seed):
-        try:
-            for _ in range(4):
-                fs.save_file(_seeded_tensors(seed), path)
-                fs.load_file(path)  # whichever save landed last: a whole file, never a torn one
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        for _ in range(4):
+            fs.save_file(_seeded_tensors(seed), path)
+            fs.load_file(path)  # whichever save landed last: a whole file, never a torn one
 
-    threads = [threading.Thread(target=saver, args=(s,)) for s in range(3)]
     future = fs.async_save_file(_seeded_tensors(9), path)
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    errors = in_threads(saver, 3)
     future.result(timeout=60)
     assert not errors, errors
     loaded = safetensors.torch.load_file(path)

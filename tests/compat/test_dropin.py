@@ -201,23 +201,15 @@ def test_fork_while_the_serializer_lock_is_held_leaves_the_child_able_to_save(tm
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-def test_concurrent_saves_to_one_path_all_succeed(tmp_path):
+def test_concurrent_saves_to_one_path_all_succeed(tmp_path, in_threads):
     path = tmp_path / "ckpt.pt"
-    errors = []
 
     def saver(seed):
-        try:
-            for _ in range(5):
-                fastpersist.save(state(seed), path)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        for _ in range(5):
+            fastpersist.save(state(seed), path)
 
-    threads = [threading.Thread(target=saver, args=(s,)) for s in range(4)]
     future = fastpersist.async_save(state(9), path)
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = in_threads(saver, 4)
     future.result()
     assert not errors, errors
     loaded = fastpersist.load(path)

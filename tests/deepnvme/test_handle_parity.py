@@ -267,7 +267,7 @@ def test_offset_zero_write_does_not_truncate(disk_dir):
 # ----------------------------------------------------------------------------- threads
 
 
-def test_blocking_calls_from_threads_report_only_their_own(disk_dir):
+def test_blocking_calls_from_threads_report_only_their_own(disk_dir, in_threads):
     h = AioHandle(4096, 2, True, True, 2)
     n = 1 << 20
     sources = [_payload(n, seed=10 + i) for i in range(4)]
@@ -283,17 +283,10 @@ def test_blocking_calls_from_threads_report_only_their_own(disk_dir):
 
     def run(i: int) -> None:
         barrier.wait()
-        try:
-            for _ in range(5):
-                results[i] = h.sync_pread(outs[i], paths[i])
-        except BaseException as e:  # noqa: BLE001 - recorded for the assertion
-            results[i] = e
+        for _ in range(5):
+            results[i] = h.sync_pread(outs[i], paths[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert in_threads(run, 4) == []
     assert results == {0: 1, 1: 1, 2: 1, 3: 1}
     assert h.wait() == 1  # only the asynchronous write
     for o, s in zip(outs, sources):
@@ -473,7 +466,7 @@ def test_cuda_async_respects_producer_stream(disk_dir):
 
 
 @pytest.mark.gpu
-def test_cuda_concurrent_blocking_calls(disk_dir):
+def test_cuda_concurrent_blocking_calls(disk_dir, in_threads):
     h = AioHandle(4096, 2, True, True, 2)
     n = 8 << 20
     sources = [torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda") for _ in range(3)]
@@ -481,18 +474,11 @@ def test_cuda_concurrent_blocking_calls(disk_dir):
     results: dict[int, object] = {}
 
     def run(i: int) -> None:
-        try:
-            results[i] = h.sync_pwrite(sources[i], paths[i])
-            out = torch.zeros_like(sources[i])
-            results[i] = (results[i], h.sync_pread(out, paths[i]), torch.equal(out, sources[i]))
-        except BaseException as e:  # noqa: BLE001
-            results[i] = e
+        results[i] = h.sync_pwrite(sources[i], paths[i])
+        out = torch.zeros_like(sources[i])
+        results[i] = (results[i], h.sync_pread(out, paths[i]), torch.equal(out, sources[i]))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert in_threads(run, 3) == []
     assert results == {i: (1, 1, True) for i in range(3)}
     assert h.wait() == 0
 

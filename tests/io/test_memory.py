@@ -153,40 +153,31 @@ def test_save_and_load_rings_follow_the_huge_pages_setting(tmp_path, monkeypatch
     assert torch.equal(fastpersist.load(tmp_path / "s.pt")["w"], state["w"])
 
 
-def test_lease_buffers_thread_safe():
+def test_lease_buffers_thread_safe(in_threads):
     size = 1 << 20
     seen: list[set[int]] = []
-    errors = []
     memory.release_pooled_buffers()
     before = memory.pooled_bytes()
 
-    def worker():
-        try:
-            for _ in range(20):
-                with memory.lease_buffers(2, size) as buffers:
-                    ptrs = {b.data_ptr() for b in buffers}
-                    seen.append(ptrs)
-                    for b in buffers:
-                        b.fill_(1)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
+    def worker(_):
+        for _ in range(20):
+            with memory.lease_buffers(2, size) as buffers:
+                ptrs = {b.data_ptr() for b in buffers}
+                seen.append(ptrs)
+                for b in buffers:
+                    b.fill_(1)
 
-    threads = [threading.Thread(target=worker) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert not in_threads(worker, 4)
     assert memory.pooled_bytes() - before <= 8 * size  # at most 4 threads x 2 buffers ever allocated
 
 
-def test_lease_buffers_concurrent_leases_never_share():
+def test_lease_buffers_concurrent_leases_never_share(in_threads):
     size = 1 << 20
     active: set[int] = set()
     lock = threading.Lock()
     clashes = []
 
-    def worker():
+    def worker(_):
         for _ in range(50):
             with memory.lease_buffers(1, size) as (buffer,):
                 with lock:
@@ -196,11 +187,7 @@ def test_lease_buffers_concurrent_leases_never_share():
                 with lock:
                     active.discard(buffer.data_ptr())
 
-    threads = [threading.Thread(target=worker) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert in_threads(worker, 4) == []
     assert clashes == []
 
 

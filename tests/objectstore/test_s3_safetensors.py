@@ -275,28 +275,19 @@ def test_what_stays_unsupported_is_refused_clearly(s3):
     assert s3.uploads_in_progress() == []
 
 
-def test_threads_and_a_forked_child_save_safetensors_objects(s3):
+def test_threads_and_a_forked_child_save_safetensors_objects(s3, in_threads):
     """save_file to s3:// from several threads at once, and from a child after os.fork(): each object is whole."""
     import os
     import threading
 
     tensors = [{"w": torch.randn(1 << 18), "i": torch.tensor([index])} for index in range(3)]
-    errors = []
     start = threading.Barrier(len(tensors))
 
     def save(index):
-        try:
-            start.wait()
-            fastpersist.save_file(tensors[index], s3.url(f"thread-{index}.safetensors"))
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
+        start.wait()
+        fastpersist.save_file(tensors[index], s3.url(f"thread-{index}.safetensors"))
 
-    threads = [threading.Thread(target=save, args=(index,)) for index in range(len(tensors))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
+    assert in_threads(save, len(tensors)) == []
     for index, expected in enumerate(tensors):
         loaded = fastpersist.load_file(s3.url(f"thread-{index}.safetensors"))
         assert torch.equal(loaded["w"], expected["w"]) and torch.equal(loaded["i"], expected["i"])

@@ -164,24 +164,15 @@ def test_async_save_commits_at_result(s3):
     _assert_state_equal(fastpersist.load(s3.url("async-snapshot.pt")), state)
 
 
-def test_threads_save_different_keys_at_once(s3):
+def test_threads_save_different_keys_at_once(s3, in_threads):
     states = [{"rank": index, "weights": torch.randn(3 * _MiB // 4 + index)} for index in range(4)]
-    errors = []
     start = threading.Barrier(len(states))
 
     def save(index):
-        try:
-            start.wait()
-            fastpersist.save(states[index], s3.url(f"thread-{index}.pt"))
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
+        start.wait()
+        fastpersist.save(states[index], s3.url(f"thread-{index}.pt"))
 
-    threads = [threading.Thread(target=save, args=(index,)) for index in range(len(states))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
+    assert in_threads(save, len(states)) == []
     for index, state in enumerate(states):
         loaded = fastpersist.load(s3.url(f"thread-{index}.pt"))
         assert loaded["rank"] == index and torch.equal(loaded["weights"], state["weights"])

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import types
 
 import pytest
@@ -202,24 +201,17 @@ def test_weights_are_restored_to_placeholders_between_passes(tmp_path, _close_mo
     assert model.embed.weight.device.type == "cpu" and model.head.weight is model.embed.weight  # tied: resident
 
 
-def test_threads_share_one_model(tmp_path, _close_models):
+def test_threads_share_one_model(tmp_path, _close_models, in_threads):
     original = reference()
     path = save(original, tmp_path, "fastpersist")
     model = dispatch(empty(), path, device="cpu", max_host_memory=250_000, slots=2)
     _close_models.append(model)
-    want, results, errors = expected(original), [], []
+    want, results = expected(original), []
 
-    def work():
-        try:
-            results.extend(run(model, passes=4))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+    def work(_):
+        results.extend(run(model, passes=4))
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    errors = in_threads(work, 4)
     assert not errors and len(results) == 16 and all(torch.equal(r, want) for r in results)
 
 
