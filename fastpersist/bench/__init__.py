@@ -1,17 +1,13 @@
 """Benchmarks: ``python -m fastpersist.bench <subcommand> [options]``.
 
-Subcommands live in modules of this package, a line each in :data:`SUBCOMMANDS` (both helps print them
-through :func:`listing`), a module imported only when its subcommand runs. Each declares
-itself as one :class:`fastpersist.bench.harness.Benchmark`; the harness does the command line, rounds,
-child processes, JSON, reports and charts the same way for all. The checkpoint benchmark's methods are in
-:mod:`fastpersist.bench.methods`, its tables and the docs' blocks in :mod:`fastpersist.bench.report`.
+A subcommand is a module declaring one :class:`fastpersist.bench.harness.Benchmark`, imported when it runs.
 """
 
 from __future__ import annotations
 
 __all__ = ["SUBCOMMANDS", "listing"]
 
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
+SUBCOMMANDS: dict[str, tuple[str, str]] = {  # name -> (module with BENCHMARK and main(argv), what it measures)
     "io": ("fastpersist.bench.io", "sequential write/read throughput of the I/O engine, optionally against fio"),
     "checkpoint": ("fastpersist.bench.checkpoint", "save/load a real-shaped checkpoint with every method"),
     "aio_handle": ("fastpersist.bench.aio_handle", "AioHandle tensor I/O: CPU locked, CUDA ring vs whole bounce"),
@@ -31,10 +27,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pace": ("fastpersist.bench.pace", "every storage-pace target ratio of one GPU in one run (training, disk, load)"),
     "s3": ("fastpersist.bench.s3", "save/load to an S3-compatible store (moto by default): fastpersist vs boto3, s3fs"),
 }
-"""Subcommand name -> (module declaring ``BENCHMARK`` and ``main(argv)``, one-line description)."""
 
 
 def listing() -> str:
-    """Every subcommand with its one-line description, a line each: what both helps print."""
+    """Every subcommand and what it measures, a line each: what both helps print."""
     width = max(map(len, SUBCOMMANDS), default=0)
     return "\n".join(f"  {name:<{width}}  {description}".rstrip() for name, (_, description) in SUBCOMMANDS.items())

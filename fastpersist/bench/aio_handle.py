@@ -1,10 +1,8 @@
 """AioHandle tensor I/O: ``python -m fastpersist.bench aio_handle --dir D [--size 2GiB] [--json OUT]``.
 
-Blocking ``sync_pwrite``/``sync_pread`` of one tensor through :class:`fastpersist.AioHandle`, GB/s medians
-of ``--repeat`` interleaved rounds: ``cpu_locked`` (a ``new_cpu_locked_tensor``, in place) and, with a GPU,
-``cuda_ring`` (a CUDA tensor through the handle's pinned chunk ring) against ``cuda_bounce`` (the whole
-tensor copied into a pinned buffer of its size), with the pinned bytes each needs. Writes are not fsynced
-(the handle does not fsync); see docs/deepnvme-parity.md.
+GB/s medians of blocking ``sync_pwrite``/``sync_pread`` of one tensor in interleaved rounds: ``cpu_locked`` (a
+``new_cpu_locked_tensor``) and, with a GPU, ``cuda_ring`` (the handle's pinned chunk ring) against ``cuda_bounce``
+(a pinned copy of the whole tensor), with the pinned bytes each needs. Not fsynced; see docs/deepnvme-parity.md.
 """
 
 from __future__ import annotations
@@ -21,6 +19,8 @@ from fastpersist.deepnvme.handle import AioHandle
 from fastpersist.io import memory
 
 __all__ = ["BENCHMARK", "main", "to_markdown"]
+
+_OPS = ("write", "read")
 
 
 def _options(p: argparse.ArgumentParser) -> None:
@@ -51,17 +51,11 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         pooled_before = memory.pooled_bytes()
         h.sync_pwrite(device[: 64 << 20], path)  # warms the ring's pooled buffers (a one-time cost in both designs)
         bounce = torch.empty(n, dtype=torch.uint8).pin_memory()
-
-        def bounce_write() -> None:
-            bounce.copy_(device)
-            h.sync_pwrite(bounce, path)
-
-        def bounce_read() -> None:
-            h.sync_pread(bounce, path)
-            back.copy_(bounce)
-
         ways["cuda_ring"] = (lambda: h.sync_pwrite(device, path), lambda: h.sync_pread(back, path))
-        ways["cuda_bounce"] = (bounce_write, bounce_read)
+        ways["cuda_bounce"] = (
+            lambda: (bounce.copy_(device), h.sync_pwrite(bounce, path)),
+            lambda: (h.sync_pread(bounce, path), back.copy_(bounce)),
+        )
 
     def run(name: str, _round: int) -> dict[str, Any]:
         write, read = ways[name]
@@ -73,19 +67,13 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         return sample if name == "cpu_locked" else dict(sample, equal=bool(torch.equal(back, device)))
 
     rounds = Rounds(args.repeat, order="rotate", catch=False).run([list(ways)], run)
-    results: dict[str, Any] = {
-        name: {"write_GBps": n / rounds.median(name, "write") / 1e9, "read_GBps": n / rounds.median(name, "read") / 1e9}
-        for name in ways
-    }
+    results: dict[str, Any] = {name: {f"{op}_GBps": n / rounds.median(name, op) / 1e9 for op in _OPS} for name in ways}
     if cuda:
         for name, pinned in (("cuda_ring", memory.pooled_bytes() - pooled_before), ("cuda_bounce", n)):
             results[name].update(pinned_bytes=pinned, round_trip_equal=all(s["equal"] for s in rounds.samples[name]))
         ring, base = results["cuda_ring"], results["cuda_bounce"]
-        results["ring_vs_bounce"] = {
-            "write_ratio": ring["write_GBps"] / base["write_GBps"],
-            "read_ratio": ring["read_GBps"] / base["read_GBps"],
-            "pinned_ratio": ring["pinned_bytes"] / base["pinned_bytes"],
-        }
+        ratios = {f"{op}_ratio": ring[f"{op}_GBps"] / base[f"{op}_GBps"] for op in _OPS}
+        results["ring_vs_bounce"] = dict(ratios, pinned_ratio=ring["pinned_bytes"] / base["pinned_bytes"])
         del bounce
     h.free_cpu_locked_tensor(host)
     remove_path(path)
@@ -95,24 +83,20 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def to_markdown(document: dict[str, Any]) -> str:
-    """The result as Markdown: write/read GB/s and pinned bytes per path, then the ring/bounce ratios."""
     results = document["results"]
+    rows = [
+        [name, f"{e['write_GBps']:.2f}", f"{e['read_GBps']:.2f}", f"{e.get('pinned_bytes', 0) / 2**20:.0f}"]
+        + [e.get("round_trip_equal", "-")]
+        for name, e in results.items()
+        if "write_GBps" in e
+    ]
+    header = ["path", "write GB/s", "read GB/s", "pinned MiB", "round trip equal"]
     lines = [
         f"{document['size_bytes'] / 2**20:.0f} MiB per transfer, median of {document['repeat']}, {document['handle']}",
         "",
-        *markdown_table(
-            ["path", "write GB/s", "read GB/s", "pinned MiB", "round trip equal"],
-            "<>>><",
-            [
-                [name, f"{e['write_GBps']:.2f}", f"{e['read_GBps']:.2f}", f"{e.get('pinned_bytes', 0) / 2**20:.0f}"]
-                + [e.get("round_trip_equal", "-")]
-                for name, e in results.items()
-                if "write_GBps" in e
-            ],
-        ),
+        *markdown_table(header, "<>>><", rows),
     ]
-    ratio = results.get("ring_vs_bounce")
-    if ratio:
+    if ratio := results.get("ring_vs_bounce"):
         lines += [
             "",
             f"- CUDA ring / whole-tensor bounce: write {ratio['write_ratio']:.2f}x, read {ratio['read_ratio']:.2f}x, "

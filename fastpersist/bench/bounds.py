@@ -1,14 +1,14 @@
 """What this machine allows, measured in the same run: the bounds the benchmarks print next to each figure.
 
-Each times the same bytes moved with no format and no bookkeeping, the way the fastest plain program would
-(what each bounds is tabled in docs/performance.md); the engine's raw transfers of host memory
-(:func:`engine_write`, :func:`engine_read`) and fio's (:func:`fio_command`) are here too.
+Each moves the same bytes with no format and no bookkeeping (docs/performance.md); the engine's and fio's raw
+transfers are here too.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import json
 import os
 import statistics
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fastpersist import system
+from fastpersist.bench.harness import timed
 from fastpersist.io import checksum, engine, memory
 from fastpersist.tuning.measure import remove_path
 
@@ -73,8 +74,8 @@ def preallocate(path: str, nbytes: int, direct: bool = True) -> None:
 def engine_write(
     path: str, buffer: torch.Tensor, nbytes: int, handle: Any, *, direct: bool = True, allocate: bool = False
 ) -> None:
-    """The first ``nbytes`` of page-aligned host ``buffer`` written into ``path`` by the engine's ``handle`` and
-    fsync'ed (``allocate``: the file's blocks allocated first, inside the call, where O_DIRECT works)."""
+    """The first ``nbytes`` of page-aligned ``buffer`` written into ``path`` by the engine's ``handle``, fsync'ed
+    (``allocate``: the file's blocks allocated first, inside the call, where O_DIRECT works)."""
     with engine.File(path, "w", direct=direct) as f:
         if allocate and f.direct:
             f.allocate(0, nbytes)
@@ -92,16 +93,13 @@ def engine_read(path: str, buffer: torch.Tensor, nbytes: int, handle: Any, *, di
 
 def file_problem(path: str, expected: torch.Tensor) -> str | None:
     """Compares the file's bytes with ``expected`` (read through the page cache, 64 MiB at a time)."""
-    size = expected.numel()
-    actual = os.path.getsize(path)
+    size, actual, step = expected.numel(), os.path.getsize(path), 64 << 20
     if actual != size:
         return f"{path} has {actual} bytes, expected {size}"
-    step = 64 << 20
     with open(path, "rb") as f:
         for offset in range(0, size, step):
-            chunk = f.read(step)
-            got = torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
-            if not torch.equal(got, expected[offset : offset + len(chunk)]):
+            chunk = torch.frombuffer(bytearray(f.read(step)), dtype=torch.uint8)
+            if not torch.equal(chunk, expected[offset : offset + len(chunk)]):
                 return f"{path} differs from the bytes written in [{offset}, {offset + len(chunk)})"
     return None
 
@@ -125,8 +123,7 @@ def fio_command(
     command += [f"--iodepth={queue_depth}", "--ioengine=io_uring", f"--direct={1 if direct else 0}"]
     command += [f"--size={size // threads}", f"--numjobs={threads}", "--group_reporting", "--output-format=json"]
     command.append(f"--fallocate={'native' if fallocate else 'none'}")
-    if threads > 1:
-        command.append(f"--offset_increment={size // threads}")
+    command += [f"--offset_increment={size // threads}"] if threads > 1 else []
     if verify:
         command += ["--verify=crc32c", "--do_verify=0"] if rw == "write" else ["--verify=crc32c"]
         command.append("--verify_state_save=0")  # else fio leaves a *-verify.state file in the working directory
@@ -136,15 +133,12 @@ def fio_command(
 
 
 def fio_job(command: list[str]) -> dict[str, Any]:
-    """Runs fio (``--output-format=json``): its first job's report; RuntimeError when fio failed (for a
-    verified read: a block did not verify)."""
+    """Runs fio: its first job's report; RuntimeError when fio failed (a verified read: a block did not verify)."""
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        raise RuntimeError(
-            f"fio failed ({result.returncode}): {(result.stderr.strip() or result.stdout[-2000:])[:2000]}"
-        )
-    document = json.loads(result.stdout[result.stdout.index("{") :])
-    return document["jobs"][0]
+        problem = (result.stderr.strip() or result.stdout[-2000:])[:2000]
+        raise RuntimeError(f"fio failed ({result.returncode}): {problem}")
+    return json.loads(result.stdout[result.stdout.index("{") :])["jobs"][0]
 
 
 def run_fio(command: list[str], rw: str) -> float:
@@ -162,14 +156,11 @@ def fio_write_seconds(path: str, nbytes: int) -> float:
     return (job["job_runtime"] / 1000.0) * nbytes / size  # scaled to the checkpoint's bytes
 
 
-def _pattern() -> memoryview:
+def _pattern_and_flags(directory: str) -> tuple[memoryview, int]:
     source = memory.aligned_empty(_BLOCK)
     source.fill_(7)
-    return memoryview(source.numpy())
-
-
-def _write_flags(directory: str) -> int:
-    return os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if takes_o_direct(directory) else 0)
+    direct = os.O_DIRECT if takes_o_direct(directory) else 0
+    return memoryview(source.numpy()), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct
 
 
 def _pwrite_file(path: str, view: memoryview, nbytes: int, flags: int, threads: int = 1) -> None:
@@ -189,23 +180,20 @@ def _pwrite_file(path: str, view: memoryview, nbytes: int, flags: int, threads: 
 
 
 def write_ceiling(directory: str, nbytes: int, repeats: int = 3, in_a_row: int = 0) -> dict[str, Any]:
-    """Seconds to write ``nbytes`` into a fresh file of ``directory`` (+ fsync) at the storage's best, several ways:
-    ``pwrite-1``/``pwrite-8`` (threads writing 8 MiB blocks, O_DIRECT where it works) and ``fio`` (where
-    installed), each the median of ``repeats``, the previous file deleted and synced first; ``best_s``. Then
-    ``in_a_row`` files by the faster ``pwrite`` way, as a checkpoint every iteration replaces the last: a second
-    thread frees each file once the next is written (a filesystem that discards freed blocks spends disk time
-    on it). ``in_a_row_s``: each write; ``sustained_s``: the row's time, its freeing included, per file."""
+    """Seconds to write ``nbytes`` into a fresh file of ``directory`` (+ fsync) at the storage's best: ``pwrite-1``,
+    ``pwrite-8`` (threads writing 8 MiB blocks, O_DIRECT where it works), ``fio`` (if installed), each the median of
+    ``repeats``, the previous file deleted and synced first. Then ``in_a_row`` files the faster pwrite way, as every
+    iteration's checkpoint replaces the last: a thread frees each file once the next is written (discarding freed
+    blocks costs disk time). ``in_a_row_s``: each write; ``sustained_s``: the row's time per file, freeing included."""
     nbytes = max(nbytes, 1 << 20)
     path = os.path.join(directory, f".fastpersist-ceiling-{os.getpid()}.bin")
-    view, flags = _pattern(), _write_flags(directory)
+    view, flags = _pattern_and_flags(directory)
 
     def pwrite(threads: int, target: str = path) -> float:
         if target == path and os.path.exists(path):
             os.unlink(path)
             os.sync()
-        started = time.perf_counter()
-        _pwrite_file(target, view, nbytes, flags, threads)
-        return time.perf_counter() - started
+        return timed(lambda: _pwrite_file(target, view, nbytes, flags, threads))[1]["seconds"]
 
     ways: dict[str, float] = {}
     row: list[float] = []
@@ -213,10 +201,8 @@ def write_ceiling(directory: str, nbytes: int, repeats: int = 3, in_a_row: int =
         for name, threads in (("pwrite-1", 1), ("pwrite-8", _THREADS)):
             ways[name] = statistics.median(pwrite(threads) for _ in range(repeats))
         if system.find_fio():
-            try:
+            with contextlib.suppress(RuntimeError, OSError, ValueError):
                 ways["fio"] = statistics.median(fio_write_seconds(path, nbytes) for _ in range(repeats))
-            except (RuntimeError, OSError, ValueError):
-                pass
         remove_path(path)
         threads = 1 if ways["pwrite-1"] <= ways["pwrite-8"] else _THREADS
         started = time.perf_counter()
@@ -241,7 +227,7 @@ def shared_write_ceiling(directory: str, nbytes: int, writers: int, repeats: int
     (+ fsync), as :func:`write_ceiling` does: ``per_writer_s``, a bound for a collective save's ranks."""
     share = max(-(-nbytes // writers), 1 << 20)
     paths = [os.path.join(directory, f".fastpersist-ceiling-{os.getpid()}-{k}.bin") for k in range(writers)]
-    view, flags = _pattern(), _write_flags(directory)
+    view, flags = _pattern_and_flags(directory)
 
     def once() -> float:
         for path in paths:
@@ -270,12 +256,9 @@ def read_ceiling(
     direct: bool = True,
 ) -> float:
     """Seconds for ``threads`` threads of ``block``-byte ``pread`` calls to read ``path`` (O_DIRECT where it works).
-
-    ``size``: the first bytes only (default: the whole file; ``/dev/zero`` needs it). ``buffers``: page-aligned
-    uint8 tensors of at least ``block`` bytes to read into, thread ``k`` into ``buffers[k % len(buffers)]``
-    (default: one new buffer per thread). ``direct=False`` reads through the page cache, as a buffered load
-    does. A read shorter than asked raises OSError. The caller drops the file's cached pages first when it
-    wants a cold read.
+    ``size``: the first bytes only (default: the whole file; ``/dev/zero`` needs it). ``buffers``: page-aligned uint8
+    tensors of at least ``block`` bytes, thread ``k`` reads into ``buffers[k % len(buffers)]`` (default: one each).
+    ``direct=False`` reads through the page cache. A short read raises OSError. Cold reads: the caller drops the cache.
     """
     size = os.path.getsize(path) if size is None else size
     try:
@@ -308,11 +291,9 @@ def read_ceiling(
 
 
 class CopyCeiling:
-    """Copies ``tensors``' bytes through a ring of ``slots`` page-locked windows of ``window`` bytes, the
-    tensors only read: :meth:`to_host` is the save pipeline without its format (device-to-host copies on a
-    side stream or memcpy, ``crc``: each window checksummed on the pool once its copy has landed), and
-    :meth:`to_device` the load pipeline's (each window checksummed and copied into device or host windows).
-    Both return their seconds."""
+    """Copies ``tensors``' bytes (only read) through a ring of ``slots`` page-locked windows of ``window`` bytes, in
+    seconds: :meth:`to_host` is the save pipeline without its format (copies on a side stream or memcpy; ``crc``: each
+    window checksummed once landed), :meth:`to_device` the load's (each window checksummed, copied to device/host)."""
 
     def __init__(self, tensors: list[torch.Tensor], window: int = 64 << 20, slots: int = 8):
         self.sources = [t.detach().reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
@@ -320,16 +301,11 @@ class CopyCeiling:
         self.ring = [memory.new_cpu_locked_tensor(window) for _ in range(slots)]
         for buffer in self.ring:
             buffer.fill_(1)
-        self.devices = sorted({s.device for s in self.sources if s.device.type == "cuda"}, key=str)
-        self.targets = {
-            d: [torch.empty(window, dtype=torch.uint8, device=d) for _ in range(slots)] for d in self.devices
-        }
-        self.host_targets = (
-            [memory.aligned_empty(window) for _ in range(slots)]
-            if any(s.device.type == "cpu" for s in self.sources)
-            else []
-        )
-        self.streams = {d: torch.cuda.Stream(d) for d in self.devices}
+        devices = sorted({s.device for s in self.sources if s.device.type == "cuda"}, key=str)
+        self.targets = {d: [torch.empty(window, dtype=torch.uint8, device=d) for _ in range(slots)] for d in devices}
+        on_host = any(s.device.type == "cpu" for s in self.sources)
+        self.host_targets = [memory.aligned_empty(window) for _ in range(slots)] if on_host else []
+        self.streams = {d: torch.cuda.Stream(d) for d in devices}
 
     def _pieces(self):
         for source in self.sources:
@@ -338,7 +314,7 @@ class CopyCeiling:
 
     def to_host(self, crc: bool) -> float:
         started = time.perf_counter()
-        pending: collections.deque = collections.deque()  # (slot, event or None, length)
+        pending: collections.deque = collections.deque()  # (slot, event, length) of the device copies
         checks: collections.deque = collections.deque()  # (slot, PendingCrc)
         slots = len(self.ring)
         for index, (source, offset, length) in enumerate(self._pieces()):
@@ -346,61 +322,50 @@ class CopyCeiling:
             while checks and (len(checks) >= slots - 1 or checks[0][0] == slot):
                 checks.popleft()[1].wait()
             while pending and (len(pending) >= slots - 1 or pending[0][0] == slot):
-                self._landed(pending.popleft(), crc, checks)
+                self._landed(pending, crc, checks)
             buffer = self.ring[slot]
-            if source.device.type == "cuda":
-                stream = self.streams[source.device]
-                with torch.cuda.stream(stream):
-                    buffer[:length].copy_(source[offset : offset + length], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-                pending.append((slot, event, length))
-            else:  # the save's CPU path: copied (and checksummed) in one pass
+            if source.device.type != "cuda":  # the save's CPU path: copied (and checksummed) in one pass
                 copy = checksum.copy_with_crc32 if crc else checksum.copy
                 copy(buffer.data_ptr(), source.data_ptr() + offset, length)
                 continue
+            stream = self.streams[source.device]
+            with torch.cuda.stream(stream):
+                buffer[:length].copy_(source[offset : offset + length], non_blocking=True)
+            pending.append((slot, stream.record_event(), length))
             if len(pending) > 1:  # the previous window's copy has had a window's time to land
-                self._landed(pending.popleft(), crc, checks)
+                self._landed(pending, crc, checks)
         while pending:
-            self._landed(pending.popleft(), crc, checks)
+            self._landed(pending, crc, checks)
         for _, check in checks:
             check.wait()
         return time.perf_counter() - started
 
-    def _landed(self, item, crc: bool, checks: collections.deque) -> None:
-        slot, event, length = item
-        if event is not None:
-            event.synchronize()
+    def _landed(self, pending: collections.deque, crc: bool, checks: collections.deque) -> None:
+        slot, event, length = pending.popleft()
+        event.synchronize()
         if crc:
             checks.append((slot, checksum.submit_crc32(self.ring[slot].data_ptr(), length)))
 
     def to_device(self, crc: bool) -> float:
         started = time.perf_counter()
         slots = len(self.ring)
-        in_flight: collections.deque = collections.deque()  # (slot, event or None, PendingCrc or None)
+        in_flight: collections.deque = collections.deque()  # (slot, what to wait for: the copy, then the check)
         for index, (source, _, length) in enumerate(self._pieces()):
             slot = index % slots
             while in_flight and (len(in_flight) >= slots or in_flight[0][0] == slot):
-                _, event, check = in_flight.popleft()
-                if event is not None:
-                    event.synchronize()
-                if check is not None:
-                    check.wait()
+                for wait in in_flight.popleft()[1]:
+                    wait()
             buffer = self.ring[slot]
-            check = checksum.submit_crc32(buffer.data_ptr(), length) if crc else None
-            event = None
+            waits = [checksum.submit_crc32(buffer.data_ptr(), length).wait] if crc else []
             if source.device.type == "cuda":
                 stream = self.streams[source.device]
                 with torch.cuda.stream(stream):
                     self.targets[source.device][slot][:length].copy_(buffer[:length], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
+                waits.insert(0, stream.record_event().synchronize)
             else:
                 checksum.copy(self.host_targets[slot].data_ptr(), buffer.data_ptr(), length)
-            in_flight.append((slot, event, check))
-        for _, event, check in in_flight:
-            if event is not None:
-                event.synchronize()
-            if check is not None:
-                check.wait()
+            in_flight.append((slot, waits))
+        for _, waits in in_flight:
+            for wait in waits:
+                wait()
         return time.perf_counter() - started

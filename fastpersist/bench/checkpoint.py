@@ -1,16 +1,14 @@
 """``python -m fastpersist.bench checkpoint``: save and load a real-shaped checkpoint every way.
 
-One run compares, on the same bytes, ``torch.save`` (default and fast settings), ``safetensors``,
-``torch.distributed.checkpoint`` and fastpersist (sync and async), then the matching loads. Every number
-is a time to durable (fsync of the files and their directory) or a cold load (page cache dropped first);
-every saved file and every loaded state is compared byte for byte with the original before its method is
-reported. See docs/checkpoint-benchmark.md. The methods are in :mod:`fastpersist.bench.methods`, the
-tables in :mod:`fastpersist.bench.report`; :func:`run_benchmark` runs the rounds.
+Every save is timed to durable (fsync of the files and their directory), every load cold (page cache dropped
+first), and every file and loaded state is compared byte for byte with the original before its method is
+reported. See docs/checkpoint-benchmark.md; the methods are in :mod:`fastpersist.bench.methods`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -30,9 +28,7 @@ from fastpersist.tuning import workloads
 
 SCHEMA = "fastpersist.bench.checkpoint/1"
 _SETTLE_DEFAULT = 5.0
-"""Seconds between a round's saves and its loads (see ``--settle``)."""
 _MEMORY_SETTLE_DEFAULT = 2.5
-"""Seconds before each timed load where the guest hands freed memory back to its host (see ``--memory-settle``)."""
 BASELINES = {"save": "torch.save", "load": "torch.load"}
 
 
@@ -111,8 +107,7 @@ def _select_methods(args: argparse.Namespace) -> tuple[list[SaveMethod], list[Lo
 
 
 def _fastpersist_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """``--fp-setting`` NAME=VALUE items as settings (validated) and ``--config`` loaded; a bad one is a usage
-    error."""
+    """``--fp-setting`` items, validated, and ``--config`` loaded; a bad one is a usage error."""
     values: dict[str, Any] = {}
     for item in args.fp_setting:
         key, equals, value = item.partition("=")
@@ -134,22 +129,14 @@ def _fastpersist_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def _measure(args: argparse.Namespace) -> dict[str, Any] | None:
     """A run: under torchrun (WORLD_SIZE > 1) in a gloo group for the barriers between timed operations.
-
-    Raises:
-        UsageError: bad arguments or an unusable directory (exit 2); SystemExit: 130 when interrupted, and on
-        ranks other than 0 their status (they print nothing).
-    """
+    SystemExit: 130 when interrupted; on ranks other than 0 their status (they print nothing)."""
     if args.list_models:
         _print_models()
         return None
     dist = measure.DistributedEnv()
-    group = False
-    if dist.world_size > 1:
-        import torch.distributed
-
-        group = torch.distributed.is_available() and not torch.distributed.is_initialized()
-        if group:
-            torch.distributed.init_process_group("gloo")
+    group = dist.world_size > 1 and torch.distributed.is_available() and not torch.distributed.is_initialized()
+    if group:
+        torch.distributed.init_process_group("gloo")
     try:
         return _main(args, dist)
     finally:
@@ -192,22 +179,6 @@ def _layers(args: argparse.Namespace) -> tuple[workloads.ModelSpec, int, int]:
         raise UsageError(str(e.args[0] if isinstance(e, KeyError) else e)) from e
 
 
-def _check_room(parent: str, fs: dict[str, Any], need: int, state_bytes: int, ctx: BenchContext) -> None:
-    if fs.get("free_bytes") is not None and fs["free_bytes"] < need:
-        raise UsageError(
-            f"{parent} has {workloads.format_bytes(fs['free_bytes'])} free; this run keeps one copy per "
-            f"save method at a time, about {workloads.format_bytes(need)}. Use --dir elsewhere, fewer --methods, "
-            "or a smaller --size."
-        )
-    available = system.available_memory()
-    if available is not None and ctx.device.type == "cpu" and state_bytes * 3 > available and ctx.dist.is_main:
-        print(
-            f"warning: the state ({workloads.format_bytes(state_bytes)}) plus a loaded copy and a verification "
-            f"copy may not fit in the {workloads.format_bytes(available)} of memory available",
-            file=sys.stderr,
-        )
-
-
 def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, Any] | None:
     device = _device(args, dist)
     overrides = _fastpersist_settings(args)
@@ -224,21 +195,31 @@ def _main(args: argparse.Namespace, dist: measure.DistributedEnv) -> dict[str, A
         raise UsageError(f"--dir {parent} is not a directory")
     fs = system.filesystem_of(parent)
     outputs = len(saves) + sum(1 for m in loads if m.source not in {s.name for s in saves})
-    _check_room(parent, fs, int(expected_bytes * 1.05) * max(outputs, 1) * dist.world_size, expected_bytes, ctx)
+    need = int(expected_bytes * 1.05) * max(outputs, 1) * dist.world_size
+    if fs.get("free_bytes") is not None and fs["free_bytes"] < need:
+        raise UsageError(
+            f"{parent} has {workloads.format_bytes(fs['free_bytes'])} free; this run keeps one copy per "
+            f"save method at a time, about {workloads.format_bytes(need)}. Use --dir elsewhere, fewer --methods, "
+            "or a smaller --size."
+        )
+    available = system.available_memory()
+    if available is not None and device.type == "cpu" and expected_bytes * 3 > available and dist.is_main:
+        print(
+            f"warning: the state ({workloads.format_bytes(expected_bytes)}) plus a loaded copy and a verification "
+            f"copy may not fit in the {workloads.format_bytes(available)} of memory available",
+            file=sys.stderr,
+        )
     if args.settle is None:  # the defaults resolved for this directory and machine
         args.settle = 0.0 if fs.get("type") == "tmpfs" else _SETTLE_DEFAULT
     if args.memory_settle is None:
         args.memory_settle = _MEMORY_SETTLE_DEFAULT if system.free_page_reporting() else 0.0
     code = measure.code_version()  # now: the code that runs, whatever is edited meanwhile
-    work = None
     try:
-        with measure.sigterm_as_interrupt():
-            try:
-                work = tempfile.mkdtemp(prefix=".fastpersist-bench-", dir=parent)
-                document = _run(args, ctx, spec, layers, saves, loads, parent, work)
-            finally:
-                if work is not None:
-                    measure.remove_path(work)
+        with (
+            measure.sigterm_as_interrupt(),
+            tempfile.TemporaryDirectory(prefix=".fastpersist-bench-", dir=parent, ignore_cleanup_errors=True) as work,
+        ):
+            document = _run(args, ctx, spec, layers, saves, loads, parent, work)
     except KeyboardInterrupt:
         print("\ninterrupted; temporary files removed, nothing reported", file=sys.stderr)
         raise SystemExit(130) from None
@@ -264,12 +245,7 @@ def _run(
         print(f"building {spec.name} ({what}) on {ctx.device} ...", file=sys.stderr)
     build_start = time.perf_counter()
     state = workloads.build_state(
-        spec,
-        dtype=workloads.DTYPES[args.dtype],
-        device=ctx.device,
-        layers=layers,
-        training_state=args.training_state,
-        seed=args.seed,
+        spec, dtype=args.dtype, device=ctx.device, layers=layers, training_state=args.training_state, seed=args.seed
     )
     tensors, _objects = workloads.flatten_state(state)
     state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -279,7 +255,8 @@ def _run(
     dropper = system.CacheDropper(enabled=not args.no_drop_caches)
     started = time.perf_counter()
     schedule: list[dict[str, Any]] = []
-    try:
+    pauses = {"settle_seconds": args.settle, "memory_settle_seconds": args.memory_settle}
+    with contextlib.closing(progress):
         ceiling = None if args.no_ceiling else _measure_ceiling(args, work, state_bytes, ctx, progress)
         results = run_benchmark(
             state,
@@ -294,12 +271,9 @@ def _run(
             state_bytes=state_bytes,
             order_seed=args.order_seed,
             schedule=schedule,
-            settle_seconds=args.settle,
             load_repeats=args.load_repeats,
-            memory_settle_seconds=args.memory_settle,
+            **pauses,
         )
-    finally:
-        progress.close()
     elapsed = time.perf_counter() - started
     document = {
         "schema": SCHEMA,
@@ -311,8 +285,7 @@ def _run(
             "model_layers": spec.num_layers,
             "dtype": args.dtype,
             "device": str(ctx.device),
-            "training_state": args.training_state,
-            **{k: getattr(args, k) for k in ("repeats", "load_repeats", "warmup")},
+            **{k: getattr(args, k) for k in ("training_state", "repeats", "load_repeats", "warmup")},
             "dir": parent,
             **{k: getattr(args, k) for k in ("seed", "order_seed", "dcp_threads")},
             "cache": dropper.mode,
@@ -333,12 +306,7 @@ def _run(
         "elapsed_seconds": elapsed,
         "baselines": BASELINES,
         "results": [r.as_dict(state_bytes) for r in results],
-        "order": {
-            "seed": args.order_seed,
-            "rounds": schedule,
-            "settle_seconds": args.settle,
-            "memory_settle_seconds": args.memory_settle,
-        },
+        "order": {"seed": args.order_seed, "rounds": schedule, **pauses},
         "ceiling": ceiling,
     }
     report.annotate_ceiling(document)
@@ -374,9 +342,6 @@ def _measure_ceiling(
             print(f"warning: the storage ceiling could not be measured: {ceiling['error']}", file=sys.stderr)
     ctx.dist.barrier()
     return ceiling
-
-
-# ----------------------------------------------------------------------------- the rounds
 
 
 @dataclasses.dataclass
@@ -420,21 +385,34 @@ def _short_error(e: BaseException) -> str:
 def _timed(
     result: MethodResult, op: str, call: Callable[..., Any], *args: Any
 ) -> tuple[Any, float, dict[str, Any]] | None:
-    """``call(*args)``'s value, when it ended and its sample (seconds, peak memory); None, ``result`` FAILED,
-    when it raised."""
+    """``call(*args)``'s value, when it ended and its sample; None (``result`` FAILED) when it raised."""
     try:
         with measure.PeakMemory() as memory:
             start = time.perf_counter()
             value = call(*args)
             ended = time.perf_counter()
-            seconds = ended - start
     except Exception as e:  # noqa: BLE001 - a method's failure is recorded, the run goes on
         result.fail(f"{op} raised {_short_error(e)}")
         if os.environ.get("FASTPERSIST_BENCH_TRACEBACK"):
             traceback.print_exc()
         return None
-    sample = {"seconds": seconds, "peak_rss_bytes": memory.peak, "baseline_rss_bytes": memory.baseline}
+    sample = {"seconds": ended - start, "peak_rss_bytes": memory.peak, "baseline_rss_bytes": memory.baseline}
     return value, ended, {**sample, "rss_delta_bytes": memory.delta, "memory_source": memory.source}
+
+
+def _save(method: SaveMethod, state: Any, path: str, ctx: BenchContext) -> dict[str, Any]:
+    extra = method.save(state, path, ctx) or {}
+    ctx.synchronize()
+    measure.fsync_paths(path)
+    return extra
+
+
+def _load(method: LoadMethod, state: Any, path: str, ctx: BenchContext) -> Any:
+    loaded = method.load(path, state, ctx)
+    if ctx.device.type == "cpu":
+        measure.touch_pages(method.flat(loaded)[0])
+    ctx.synchronize()
+    return loaded
 
 
 @dataclasses.dataclass
@@ -528,22 +506,14 @@ def run_benchmark(
 ) -> list[MethodResult]:
     """Runs every method ``warmup + repeats`` times, interleaved, and verifies each result.
 
-    Each round runs the saves, then the loads (``load_repeats`` times each in a timed round), each phase in
-    a fresh order from ``random.Random(order_seed)`` (the same on every rank; recorded in ``schedule``), then
-    deletes its files: no method always follows another, so a disk that drifts over the run hurts all alike.
-    A save is timed until durable (:func:`measure.fsync_paths`), a load until the state is complete on the
-    device; every file and loaded state is then compared with the original, and a difference or exception
-    marks the method FAILED (its loads skipped). A load whose ``source`` is not among ``save_methods`` has
-    that save run untimed each round.
-
-    ``settle_seconds`` pass between a round's saves and its loads: some virtual disks read a file slowly for
-    a while after it was written. Before each timed load (and a timed round's saves) memory is released, the
-    page cache dropped and ``memory_settle_seconds`` pass: a virtual machine with free page reporting hands
-    freed memory back to its host about two seconds later, and a load that finds it still backed is faster
-    than one in a fresh process. Samples record the file's age and the pause.
-
-    Returns:
-        A :class:`MethodResult` per method: the saves as given, the untimed helper saves, the loads.
+    Each round runs the saves, then the loads (``load_repeats`` times each in a timed round), each phase in a
+    fresh seeded order (recorded in ``schedule``), then deletes its files. A difference or exception marks a
+    method FAILED (its loads skipped); a load whose ``source`` is not among ``save_methods`` has that save run
+    untimed. ``settle_seconds`` pass between a round's saves and its loads (virtual disks read fresh files
+    slowly for a while); before each timed load, and a timed round's saves, memory is released, the cache
+    dropped and ``memory_settle_seconds`` pass (a VM with free page reporting returns freed memory to its host
+    about 2 s later; a load into memory still backed is faster than in a fresh process). Returns a
+    :class:`MethodResult` per method: the saves as given, the untimed helper saves, the loads.
     """
     ctx = ctx or BenchContext()
     progress = progress or (lambda _text: None)
@@ -597,30 +567,15 @@ def run_benchmark(
     return list(results.values())
 
 
-def _save(method: SaveMethod, state: Any, path: str, ctx: BenchContext) -> dict[str, Any]:
-    extra = method.save(state, path, ctx) or {}
-    ctx.synchronize()
-    measure.fsync_paths(path)
-    return extra
-
-
-def _load(method: LoadMethod, state: Any, path: str, ctx: BenchContext) -> Any:
-    loaded = method.load(path, state, ctx)
-    if ctx.device.type == "cpu":
-        measure.touch_pages(method.flat(loaded)[0])
-    ctx.synchronize()
-    return loaded
-
-
 def _text(document: dict[str, Any]) -> str:
-    """The terminal's report (:func:`report.format_table`), and a warning when a method beat the ceiling."""
-    problems = report.measurement_problems(document)
-    if not problems:
-        return report.format_table(document)
-    return report.format_table(document) + (
-        f"\n\nMEASUREMENT PROBLEM: {', '.join(problems)} exceeded the storage ceiling measured in this run; "
-        "the ceiling or the method's timing is wrong, so these ratios are not results."
-    )
+    """The terminal's report, and a warning when a method beat the ceiling."""
+    text = report.format_table(document)
+    if problems := report.measurement_problems(document):
+        text += (
+            f"\n\nMEASUREMENT PROBLEM: {', '.join(problems)} exceeded the storage ceiling measured in this run; "
+            "the ceiling or the method's timing is wrong, so these ratios are not results."
+        )
+    return text
 
 
 def _status(document: dict[str, Any]) -> int:
@@ -633,10 +588,9 @@ BENCHMARK = Benchmark(
     _measure,
     report.to_markdown,
     description=(
-        "Save and load a synthetic checkpoint with the exact tensor shapes of a real model, "
-        "with torch.save, safetensors, torch DCP and fastpersist, and compare them: time to "
-        "durable (fsync), cold loads (page cache dropped), peak host memory; every result "
-        "verified byte for byte."
+        "Save and load a synthetic checkpoint with the exact tensor shapes of a real model, with torch.save, "
+        "safetensors, torch DCP and fastpersist, and compare them: time to durable (fsync), cold loads (page "
+        "cache dropped), peak host memory; every result verified byte for byte."
     ),
     schema=report.SCHEMA_PREFIX,
     show=_text,

@@ -1,8 +1,4 @@
-"""Save and load methods compared in one run: the pieces the s3, safetensors and shapes benchmarks share.
-
-:func:`run_rounds` runs the saves, then the loads, in :class:`~fastpersist.bench.harness.Rounds`;
-:func:`check` compares a loaded state with the saved one; :func:`ratios` gives ours over a baseline.
-"""
+"""Save and load methods compared in one run: the pieces the s3, safetensors and shapes benchmarks share."""
 
 from __future__ import annotations
 
@@ -19,8 +15,8 @@ __all__ = ["check", "ratios", "run_rounds"]
 def run_rounds(
     rounds: Rounds, saves: Iterable[str], loads: Iterable[str], save: Callable[[str, int], Any], load: Callable
 ) -> Rounds:
-    """Runs ``rounds`` over the methods ``("save", name)`` of ``saves`` (``save(name, round)`` gives a sample),
-    then ``("load", name)`` of ``loads`` (``load(name, round)``); returns it."""
+    """Runs ``rounds`` over ``("save", name)`` of ``saves`` (``save(name, round)`` gives a sample), then
+    ``("load", name)`` of ``loads``; returns it."""
     phases = [[("save", name) for name in saves], [("load", name) for name in loads]]
     return rounds.run(phases, lambda method, index: (save if method[0] == "save" else load)(method[1], index))
 
@@ -28,8 +24,8 @@ def run_rounds(
 def check(
     expected: tuple[dict[str, Any], dict[str, Any]], loaded: Any, problems: list[str], what: str, device: Any = None
 ) -> bool | str:
-    """True when ``loaded`` is the state flattened into ``expected``, byte for byte; else what differs, also
-    appended to ``problems`` as ``what: difference``."""
+    """True when ``loaded`` is the flattened ``expected`` byte for byte, else what differs (also appended to
+    ``problems`` as ``what: difference``)."""
     problem = measure.verify_state(expected, workloads.flatten_state(loaded), device)
     if problem is not None:
         problems.append(f"{what}: {problem}")
@@ -37,8 +33,7 @@ def check(
 
 
 def ratios(pairs: Iterable[tuple[str, str, str]], value: Callable[[str, str], float | None]) -> dict[str, float]:
-    """``"op: ours / baseline"`` -> ``value(op, ours) / value(op, baseline)`` (3 decimals) of every
-    ``(op, ours, baseline)`` of ``pairs`` whose two values are known (not None)."""
+    """``"op: ours / baseline"`` -> the ratio of their ``value(op, name)`` (3 decimals) where both are known."""
     out = {}
     for op, ours, baseline in pairs:
         mine, theirs = value(op, ours), value(op, baseline)

@@ -1,10 +1,8 @@
 """``python -m fastpersist.bench dcp``: torch.distributed.checkpoint with FileSystemWriter vs FastPersistWriter.
 
-``--ranks`` processes of one process group on this host each hold their share of a ``--size`` bf16 state;
-every step is timed barrier to barrier: the engine's O_DIRECT ceiling, durable ``dcp.save`` through
-``FileSystemWriter`` (each ``--threads`` count) and ``FastPersistWriter``, and cold loads into a
-preallocated state (compared with the saved one on the first repeat). GB/s of payload over all ranks and
-the ratios to the best FileSystemWriter/Reader and to the ceiling; see docs/dcp.md.
+``--ranks`` processes of one group on this host each hold their share of a ``--size`` bf16 state. Timed barrier to
+barrier: the engine's O_DIRECT ceiling, durable ``dcp.save`` through ``FileSystemWriter`` (each ``--threads``) and
+``FastPersistWriter``, cold loads into a preallocated state (checked on the first repeat); see docs/dcp.md.
 """
 
 from __future__ import annotations
@@ -13,10 +11,17 @@ import argparse
 import functools
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from fastpersist.bench import bounds, measure
-from fastpersist.bench.harness import Benchmark, UsageError, markdown_table, option, size, spawn
+from fastpersist.bench.harness import Benchmark, UsageError, figure, markdown_table, option, size, spawn
+from fastpersist.config import settings
+from fastpersist.io import engine, memory
+from fastpersist.system import CacheDropper
 
 __all__ = ["BENCHMARK", "main"]
 
@@ -50,105 +55,89 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class _Rank:
-    """This process's part of the group: its share of the state, and each step timed barrier to barrier."""
+    """This process's part of the group: its share of the state, and the seconds of each step (rank 0 prints them)."""
 
     def __init__(self, args: argparse.Namespace):
-        import torch
-        import torch.distributed as dist
-
-        from fastpersist.system import CacheDropper
-
-        self.torch, self.dist = torch, dist
+        self.device = torch.device("cpu")
         if args.device == "cuda":  # before the group: NCCL binds each rank to its current device
             self.device = torch.device("cuda", int(os.environ["RANK"]) % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
         dist.init_process_group(args.backend)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.state = self._make_state(args.size // self.world, max(1, args.tensor_size // (2 * 4096)))
+        # random bf16 in tensors of `rows` x 4096, seeded by the rank
+        generator = torch.Generator(device=self.device).manual_seed(1000 + self.rank)
+        rows, left, self.state = max(1, args.tensor_size // (2 * 4096)), args.size // self.world, {}
+        while left > 0:
+            count = min(rows, max(1, left // (2 * 4096)))
+            name = f"rank{self.rank}.tensor{len(self.state)}"
+            self.state[name] = torch.randn(count, 4096, generator=generator, device=self.device, dtype=torch.bfloat16)
+            left -= count * 4096 * 2
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         self.payload = sum(t.numel() * t.element_size() for t in self.state.values())
-        totals = torch.tensor(
-            [self.payload], dtype=torch.int64, device=self.device if args.backend == "nccl" else "cpu"
-        )
+        totals = torch.tensor([self.payload], device=self.device if args.backend == "nccl" else "cpu")  # int64
         dist.all_reduce(totals)
         self.total = int(totals.item())
         self.dropper = CacheDropper(enabled=not args.no_drop_caches) if self.rank == 0 else None
-
-    def _make_state(self, share: int, rows: int) -> dict:
-        """``share`` bytes of random bf16 in tensors of ``rows`` x 4096, seeded by the rank."""
-        torch, columns = self.torch, 4096
-        generator = torch.Generator(device=self.device).manual_seed(1000 + self.rank)
-        state, left = {}, share
-        while left > 0:
-            count = min(rows, max(1, left // (2 * columns)))
-            state[f"rank{self.rank}.tensor{len(state)}"] = torch.randn(
-                count, columns, generator=generator, device=self.device, dtype=torch.bfloat16
-            )
-            left -= count * columns * 2
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return state
+        self.seconds: dict[str, list[float]] = {}
 
     def barrier(self) -> None:
         if self.device.type == "cuda":
-            self.torch.cuda.synchronize()
-        self.dist.barrier()
+            torch.cuda.synchronize()
+        dist.barrier()
 
-    def timed(self, function) -> float:
+    def fenced(self, function: Callable[[], Any]) -> tuple[Any, float]:
+        """``function()``'s result, and its seconds from the barrier before it to the one after."""
         self.barrier()
         start = time.perf_counter()
-        function()
+        result = function()
         self.barrier()
-        return time.perf_counter() - start
+        return result, time.perf_counter() - start
+
+    def record(self, name: str, seconds: float) -> None:
+        self.seconds.setdefault(name, []).append(seconds)
+        if self.rank == 0:
+            print(f"  {name:<24} {self.total / seconds / _GB:7.2f} GB/s ({seconds:.2f} s)", flush=True)
 
     def drop_caches(self, path: str) -> str:
-        self.barrier()
-        mode = self.dropper.drop([path]) if self.dropper is not None else ""
-        self.barrier()
-        return mode
+        return self.fenced(lambda: self.dropper.drop([path]) if self.dropper is not None else "")[0]
 
     def remove(self, path: str) -> None:
-        self.barrier()
-        if self.rank == 0:
-            measure.remove_path(path)
-        self.barrier()
+        self.fenced(lambda: measure.remove_path(path) if self.rank == 0 else None)
 
-    def ceiling(self, path: str) -> tuple[float, float]:
+    def ceiling(self, path: str) -> None:
         """Raw O_DIRECT write and read of this rank's bytes, from and into aligned host memory."""
-        from fastpersist import config
-        from fastpersist.io import engine, memory
-
         buffer = memory.aligned_empty(self.payload, huge_pages=True)
         buffer.fill_(7)
         name = os.path.join(path, f"ceiling.{self.rank}")
         os.makedirs(path, exist_ok=True)
-        handle = engine.make_handle(config.settings())
-        write = self.timed(lambda: bounds.engine_write(name, buffer, self.payload, handle, allocate=True))
+        handle = engine.make_handle(settings())
+        write = self.fenced(lambda: bounds.engine_write(name, buffer, self.payload, handle, allocate=True))[1]
         self.drop_caches(path)
-        read = self.timed(lambda: bounds.engine_read(name, buffer, self.payload, handle))
+        read = self.fenced(lambda: bounds.engine_read(name, buffer, self.payload, handle))[1]
         self.remove(path)
-        return write, read
+        self.record("ceiling_write", write)
+        self.record("ceiling_read", read)
 
-    def save(self, dcp, path: str, writer) -> float:
-        """Seconds of a durable dcp.save to a fresh ``path`` through the storage writer ``writer()`` makes."""
+    def save(self, dcp: Any, name: str, path: str, writer: Callable[[str], Any]) -> None:
+        """A durable dcp.save to a fresh ``path`` through the storage writer ``writer(path)`` makes."""
 
         def save() -> None:
-            dcp.save(self.state, storage_writer=writer())
+            dcp.save(self.state, storage_writer=writer(path))
             if self.rank == 0:
                 measure.fsync_paths(path)
 
         self.remove(path)
-        return self.timed(save)
+        self.record(name, self.fenced(save)[1])
 
-    def load(self, dcp, reader, check: bool) -> float:
-        """Seconds of a dcp.load into a preallocated state (compared with the saved one when ``check``)."""
-        loaded = {k: self.torch.zeros_like(v) for k, v in self.state.items()}
-        seconds = self.timed(lambda: dcp.load(loaded, storage_reader=reader))
+    def load(self, dcp: Any, name: str, reader: Any, check: bool) -> None:
+        """A dcp.load into a preallocated state (compared with the saved one when ``check``)."""
+        loaded = {k: torch.zeros_like(v) for k, v in self.state.items()}
+        seconds = self.fenced(lambda: dcp.load(loaded, storage_reader=reader))[1]
         for key, tensor in self.state.items():
-            if check and not self.torch.equal(loaded[key], tensor):
+            if check and not torch.equal(loaded[key], tensor):
                 raise AssertionError(f"{type(reader).__name__}: {key} differs after the round trip")
-        return seconds
+        self.record(name, seconds)
 
 
 def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -162,59 +151,49 @@ def _worker(args: argparse.Namespace) -> dict[str, Any] | None:
     from fastpersist.dcp import FastPersistReader, FastPersistWriter
 
     run = _Rank(args)
+    durable = functools.partial(FileSystemWriter, sync_files=True)
     threads = [int(t) for t in str(args.threads).split(",") if t]
-    writer = functools.partial(FileSystemWriter, sync_files=True)
-    filesystem = [(f"filesystem_writer[t={n}]", f"filesystem-t{n}", writer, {"thread_count": n}) for n in threads]
-    methods = [  # writers (name, directory, class, keywords) of which the last one's file is read back by a reader
-        (filesystem, "filesystem_reader", FileSystemReader),
-        ([("fastpersist_writer", "fastpersist", FastPersistWriter, {})], "fastpersist_reader", FastPersistReader),
+    filesystem = [
+        (f"filesystem_writer[t={n}]", f"filesystem-t{n}", functools.partial(durable, thread_count=n)) for n in threads
     ]
-    seconds: dict[str, list[float]] = {}
+    methods = [  # writers (name, directory, class) of which the last one's checkpoint is read back by a reader
+        (filesystem, "filesystem_reader", FileSystemReader),
+        ([("fastpersist_writer", "fastpersist", FastPersistWriter)], "fastpersist_reader", FastPersistReader),
+    ]
     cache_modes = set()
-
-    def record(name: str, value: float) -> None:
-        seconds.setdefault(name, []).append(value)
-        if run.rank == 0:
-            print(f"  {name:<24} {run.total / value / _GB:7.2f} GB/s ({value:.2f} s)", flush=True)
-
     for repeat in range(args.repeats):
         if run.rank == 0:
             print(f"repeat {repeat + 1}/{args.repeats}: {run.total / _GB:.2f} GB over {run.world} ranks", flush=True)
-        write, read = run.ceiling(os.path.join(args.dir, "ceiling"))
-        record("ceiling_write", write)
-        record("ceiling_read", read)
+        run.ceiling(os.path.join(args.dir, "ceiling"))
         for writers, name, reader in methods:
-            for writer_name, directory, writer, keywords in writers:
+            for writer_name, directory, writer in writers:
                 path = os.path.join(args.dir, directory)
-                record(writer_name, run.save(dcp, path, functools.partial(writer, path, **keywords)))
+                run.save(dcp, writer_name, path, writer)
                 if directory != writers[-1][1]:
                     run.remove(path)
             cache_modes.add(run.drop_caches(path))
-            record(name, run.load(dcp, reader(path), check=repeat == 0))
+            run.load(dcp, name, reader(path), check=repeat == 0)
             run.remove(path)
 
-    document = _document(args, run, seconds, sorted(m for m in cache_modes if m)) if run.rank == 0 else None
+    document = _document(args, run, sorted(m for m in cache_modes if m)) if run.rank == 0 else None
     run.barrier()
-    run.dist.destroy_process_group()
+    dist.destroy_process_group()
     return document
 
 
-def _document(args, run: _Rank, seconds: dict[str, list[float]], cache_modes: list[str]) -> dict[str, Any]:
+def _document(args: argparse.Namespace, run: _Rank, cache_modes: list[str]) -> dict[str, Any]:
     results = {
         name: {"seconds": values, "GBps": measure.summarize([run.total / v / _GB for v in values])}
-        for name, values in seconds.items()
+        for name, values in run.seconds.items()
     }
-
-    def median(name: str) -> float:
-        return results[name]["GBps"]["median"]
-
-    best_writer = max((n for n in results if n.startswith("filesystem_writer")), key=median)
+    median = {name: result["GBps"]["median"] for name, result in results.items()}
+    best_writer = max((n for n in results if n.startswith("filesystem_writer")), key=median.get)
     ratios = {
-        "save_vs_best_filesystem_writer": median("fastpersist_writer") / median(best_writer),
-        "save_vs_ceiling": median("fastpersist_writer") / median("ceiling_write"),
-        "best_filesystem_writer_vs_ceiling": median(best_writer) / median("ceiling_write"),
-        "load_vs_filesystem_reader": median("fastpersist_reader") / median("filesystem_reader"),
-        "load_vs_ceiling": median("fastpersist_reader") / median("ceiling_read"),
+        "save_vs_best_filesystem_writer": median["fastpersist_writer"] / median[best_writer],
+        "save_vs_ceiling": median["fastpersist_writer"] / median["ceiling_write"],
+        "best_filesystem_writer_vs_ceiling": median[best_writer] / median["ceiling_write"],
+        "load_vs_filesystem_reader": median["fastpersist_reader"] / median["filesystem_reader"],
+        "load_vs_ceiling": median["fastpersist_reader"] / median["ceiling_read"],
     }
     config = {"ranks": run.world, "backend": args.backend, "device": args.device, "total_bytes": run.total}
     config.update(tensor_size=args.tensor_size, tensors_per_rank=len(run.state), threads=args.threads)
@@ -254,15 +233,13 @@ def render(documents: list[tuple[str, dict[str, Any]]]) -> str:
         )
         rows = []
         for method, value in results.items():
-            gbps = value.get("GBps") or {}
-            if not gbps:
+            if not (gbps := value.get("GBps")):
                 continue
             ceiling = results.get("ceiling_read" if "read" in method else "ceiling_write", {}).get("GBps", {})
             ratio = gbps["median"] / ceiling["median"] if ceiling.get("median") else None
-            cell = "-" if ratio is None else f"{ratio:.2f}" + (" MEASUREMENT PROBLEM" if ratio > 1.0 else "")
-            rows.append(
-                [method.replace("|", "\\|"), f"{gbps['median']:.2f} ({gbps['min']:.2f}-{gbps['max']:.2f})", cell]
-            )
+            cell = figure(ratio) + (" MEASUREMENT PROBLEM" if ratio is not None and ratio > 1.0 else "")
+            rate = f"{gbps['median']:.2f} ({gbps['min']:.2f}-{gbps['max']:.2f})"
+            rows.append([method.replace("|", "\\|"), rate, cell])
         parts += ["", *markdown_table(["method", "GB/s median (min-max)", "of ceiling"], "<>>", rows), ""]
     return "\n".join(parts)
 

@@ -1,15 +1,15 @@
 """GdsHandle throughput: ``python -m fastpersist.bench gds --dir D [--size 1G] [--json [PATH]]`` (needs a CUDA device).
 
-One CUDA tensor of ``--size`` bytes written to a fresh preallocated file (timed to fsync) and read back cold
-(timed until on the device) by each method in rotating rounds, every byte verified outside the clock:
-``ceiling`` (raw O_DIRECT of page-locked host memory), ``aio_copy`` (AioHandle + the torch copy: DeepNVMe
-without GDS), ``gds_bounce`` and ``gds_cufile`` (GdsHandle's two paths; one that cannot start is recorded
-with the reason). GB/s medians and the ratios to ``ceiling`` and ``aio_copy``; see docs/deepnvme-parity.md.
+A CUDA tensor written to a fresh preallocated file (to fsync) and read back cold, each method in rotating rounds,
+every byte verified outside the clock: ``ceiling`` (O_DIRECT of locked host memory), ``aio_copy`` (AioHandle + a
+torch copy: DeepNVMe without GDS), ``gds_bounce``, ``gds_cufile`` (GdsHandle's paths); see docs/deepnvme-parity.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import os
 import shutil
 from typing import Any
@@ -24,6 +24,7 @@ from fastpersist.io import engine, memory
 __all__ = ["BENCHMARK", "METHODS", "main", "to_markdown"]
 
 METHODS = ("ceiling", "aio_copy", "gds_bounce", "gds_cufile")
+_BASES = ("ceiling", "aio_copy")
 
 
 def _options(p: argparse.ArgumentParser) -> None:
@@ -38,7 +39,7 @@ def _options(p: argparse.ArgumentParser) -> None:
 
 
 def _methods(args: argparse.Namespace, source: torch.Tensor, expected: torch.Tensor) -> dict[str, Any]:
-    """name -> (path taken, write(path), read(path), check()) of the methods asked for, or why one cannot start."""
+    """name -> (path taken, write(path), read(path), (tensor read into, its bytes)), or why one cannot start."""
     from fastpersist.deepnvme.gds import GdsHandle
     from fastpersist.deepnvme.handle import AioHandle
     from fastpersist.errors import GdsUnavailableError
@@ -49,61 +50,37 @@ def _methods(args: argparse.Namespace, source: torch.Tensor, expected: torch.Ten
     n = args.size
     destination = torch.empty(n, dtype=torch.uint8, device=source.device)
     host = memory.aligned_empty(n, lock=True)  # the host side of ceiling and aio_copy (pinned for CUDA)
-
-    def same(got: torch.Tensor, want: torch.Tensor) -> bool:
-        ok = bool(torch.equal(got, want))
-        got.zero_()
-        return ok
-
-    def device_ok() -> bool:
-        return same(destination, source)
-
+    knobs = (args.block_size, args.queue_depth, False, True, args.threads)
     methods: dict[str, Any] = {}
     if "ceiling" in wanted:
-        io = engine.IoHandle(
-            block_size=args.block_size, queue_depth=args.queue_depth, intra_op_parallelism=args.threads, direct=True
-        )
-        methods["ceiling"] = (
-            f"engine {io.engine}, O_DIRECT, host memory",
-            lambda path: bounds.engine_write(path, expected, n, io),
-            lambda path: bounds.engine_read(path, host, n, io),
-            lambda: same(host, expected),
-        )
+        io = engine.IoHandle(args.block_size, args.queue_depth, intra_op_parallelism=args.threads, direct=True)
+        write = functools.partial(bounds.engine_write, buffer=expected, nbytes=n, handle=io)
+        read = functools.partial(bounds.engine_read, buffer=host, nbytes=n, handle=io)
+        methods["ceiling"] = (f"engine {io.engine}, O_DIRECT, host memory", write, read, (host, expected))
     if "aio_copy" in wanted:
-        aio = AioHandle(args.block_size, args.queue_depth, False, True, args.threads)
-
-        def aio_write(path: str) -> None:
-            host.copy_(source)  # device -> pinned host (synchronous)
-            aio.sync_pwrite(host, path)
-            bounds.fsync_file(path)
-
-        def aio_read(path: str) -> None:
-            aio.sync_pread(host, path)
-            destination.copy_(host)
-
-        methods["aio_copy"] = ("AioHandle on a pinned host tensor + torch copy", aio_write, aio_read, device_ok)
-    for name, path_name in (("gds_bounce", "bounce"), ("gds_cufile", "cufile")):
-        if name in wanted:
-            try:
-                h = GdsHandle(args.block_size, args.queue_depth, False, True, args.threads, path=path_name)
-            except GdsUnavailableError as e:
-                methods[name] = str(e)
-                continue
-            methods[name] = (
-                f"{h.path}: {h.path_reason}",
-                lambda path, h=h: (h.sync_pwrite(source, path), bounds.fsync_file(path)),
-                lambda path, h=h: h.sync_pread(destination, path),
-                device_ok,
-            )
+        aio = AioHandle(*knobs)
+        methods["aio_copy"] = (  # the copies: device -> pinned host (synchronous) and back
+            "AioHandle on a pinned host tensor + torch copy",
+            lambda path: (host.copy_(source), aio.sync_pwrite(host, path), bounds.fsync_file(path)),
+            lambda path: (aio.sync_pread(host, path), destination.copy_(host)),
+            (destination, source),
+        )
+    for name in [m for m in ("gds_bounce", "gds_cufile") if m in wanted]:
+        try:
+            h = GdsHandle(*knobs, path=name.removeprefix("gds_"))
+        except GdsUnavailableError as e:
+            methods[name] = str(e)
+            continue
+        methods[name] = (
+            f"{h.path}: {h.path_reason}",
+            lambda path, h=h: (h.sync_pwrite(source, path), bounds.fsync_file(path)),
+            lambda path, h=h: h.sync_pread(destination, path),
+            (destination, source),
+        )
     return methods
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Runs every method ``args.repeats`` rounds; returns the results document.
-
-    Raises:
-        SystemExit: no CUDA device; UsageError: a size that is not a multiple of 4096, an unknown method.
-    """
     if not torch.cuda.is_available():
         raise SystemExit("the gds benchmark needs a CUDA device (GdsHandle moves CUDA tensors)")
     if args.size <= 0 or args.size % 4096:
@@ -119,7 +96,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     work = measure.scratch_dir(args.dir, ".fastpersist-bench-gds-")
 
     def run(name: str, _round: int) -> dict[str, Any]:
-        _, write, read, check = methods[name]
+        _, write, read, (got, want) = methods[name]
         path = os.path.join(work, f"{name}.bin")
         try:
             bounds.preallocate(path, args.size)
@@ -129,36 +106,28 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             read_seconds = timed(lambda: read(path), device)[1]["seconds"]
         finally:
             measure.remove_path(path)
-        return {"write": args.size / 1e9 / wrote, "read": args.size / 1e9 / read_seconds, "ok": check() and ok}
+        equal = bool(torch.equal(got, want))
+        got.zero_()  # for the next read to fill again
+        return {"write": args.size / 1e9 / wrote, "read": args.size / 1e9 / read_seconds, "ok": equal and ok}
 
     live = [name for name, m in methods.items() if not isinstance(m, str)]
     try:
         rounds = Rounds(args.repeats, order="rotate").run([live], run)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    results: dict[str, Any] = {}
+    results, ratios = {}, {}
     for name, m in methods.items():
         error = m if isinstance(m, str) else (f"failed: {rounds.errors[name]}" if name in rounds.errors else None)
-        results[name] = {"path": None if isinstance(m, str) else m[0], "error": error}
+        results[name] = entry = {"path": None if isinstance(m, str) else m[0], "error": error}
         if error is None:
+            ratios[name] = {}
             samples = rounds.samples[name]
-            results[name].update(
-                write_gbps=rounds.median(name, "write"),
-                read_gbps=rounds.median(name, "read"),
-                write_samples=[s["write"] for s in samples],
-                read_samples=[s["read"] for s in samples],
-                verified=all(s["ok"] for s in samples),
-            )
-    ok = {name: entry for name, entry in results.items() if entry["error"] is None}
-    ratios = {
-        name: {
-            f"{op}_vs_{base}": entry[f"{op}_gbps"] / ok[base][f"{op}_gbps"]
-            for base in ("ceiling", "aio_copy")
-            if base in ok and base != name
-            for op in ("write", "read")
-        }
-        for name, entry in ok.items()
-    }
+            entry.update({f"{op}_gbps": rounds.median(name, op) for op in ("write", "read")})
+            entry.update({f"{op}_samples": [s[op] for s in samples] for op in ("write", "read")})
+            entry["verified"] = all(s["ok"] for s in samples)
+    for name, base, op in itertools.product(ratios, _BASES, ("write", "read")):  # of the methods that ran
+        if base in ratios and base != name:
+            ratios[name][f"{op}_vs_{base}"] = results[name][f"{op}_gbps"] / results[base][f"{op}_gbps"]
     settings = {"dir": os.path.abspath(args.dir), "size": args.size, "repeats": args.repeats}
     settings.update(block_size=args.block_size, queue_depth=args.queue_depth, threads=args.threads)
     settings.update(device=str(device), cache=dropper.mode)
@@ -167,22 +136,19 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def to_markdown(document: dict[str, Any]) -> str:
-    """The result as Markdown: GB/s per method and the ratios to the ceiling and to AioHandle + copy."""
     s = document["settings"]
     rows = []
-    for name, entry in document["results"].items():
-        if entry.get("error"):
-            rows.append([name, "-", "-", "-", "-", "-", "-", f"unavailable: {entry['error']}"])
-            continue
+    for name, entry in document["results"].items():  # a method that did not run: its error, no figures
         r = document["ratios"].get(name, {})
-        ratios = [figure(r.get(f"{op}_vs_{base}")) for base in ("ceiling", "aio_copy") for op in ("write", "read")]
-        rows.append([name, f"{entry['write_gbps']:.2f}", f"{entry['read_gbps']:.2f}", *ratios, entry["path"]])
-    header = ["method", "write GB/s", "read GB/s", "write / ceiling", "read / ceiling", "write / aio_copy"]
+        cells = [figure(entry.get(f"{op}_gbps")) for op in ("write", "read")]
+        cells += [figure(r.get(f"{op}_vs_{base}")) for base in _BASES for op in ("write", "read")]
+        rows.append([name, *cells, f"unavailable: {entry['error']}" if entry.get("error") else entry["path"]])
+    header = ["method", "write GB/s", "read GB/s", *(f"{op} / {base}" for base in _BASES for op in ("write", "read"))]
     lines = [
         f"{s['size'] / 2**20:.0f} MiB CUDA tensor, median of {s['repeats']}, block {s['block_size'] >> 10} KiB, "
         f"queue depth {s['queue_depth']}, {s['threads']} threads; writes to durability, reads cold",
         "",
-        *markdown_table([*header, "read / aio_copy", "path"], "<>>>>>><", rows),
+        *markdown_table([*header, "path"], "<>>>>>><", rows),
     ]
     return "\n".join(lines) + "\n"
 

@@ -1,9 +1,4 @@
-"""The one runner of every benchmark subcommand: command line, rounds, child processes, document, tables, charts.
-
-A subcommand declares itself once, ``BENCHMARK = Benchmark(name, options, measure, markdown, ...)`` and
-``main = BENCHMARK.main``; :meth:`Benchmark.main` does the rest the same way for all of them. What a measure
-shares (options, rounds, timing, child processes, tables, charts) follows the class.
-"""
+"""The one runner of every benchmark subcommand: command line, rounds, child processes, document, tables, charts."""
 
 from __future__ import annotations
 
@@ -44,89 +39,54 @@ __all__ = [
     "write_json",
 ]
 
-size = config.size_argument
-"""The one size syntax of every option (binary units: ``4G`` = 4 GiB), as an argparse ``type``."""
+size = config.size_argument  # the one size syntax of every option (binary units: 4G = 4 GiB)
 
 
 class UsageError(ValueError):
     """A command line that cannot run as given; the message says what to use instead (a usage error, exit 2)."""
 
 
-# ----------------------------------------------------------------------------- options
-
-_OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
-    "dir": (("--dir",), {"default": None, "help": "directory on the storage to measure (default: a temporary one)"}),
-    "json": (("--json",), {"default": None, "metavar": "PATH", "help": "write the result document here"}),
-    "report": (
-        ("--report",),
-        {"nargs": "+", "metavar": "JSON", "help": "do not measure: print the tables of earlier --json documents"},
-    ),
-    "svg": (("--svg",), {"default": None, "metavar": "PATH", "help": "write a chart of the documents here"}),
-    "repeats": (
-        ("--repeats",),
-        {"type": int, "default": 3, "help": "timed rounds, the methods interleaved; medians are reported"},
-    ),
-    "device": (("--device",), {"default": "cpu", "help": "where the state lives and loads go: cpu or cuda[:N]"}),
-    "size": (("--size",), {"type": size, "help": "bytes (binary units: 4G = 4 GiB)"}),
-    "no_drop_caches": (
-        ("--no-drop-caches",),
-        {"action": "store_true", "help": "warm loads: leave the page cache alone before each load"},
-    ),
+_OPTIONS: dict[str, dict[str, Any]] = {  # the shared options, by name (their flag: --name with dashes)
+    "dir": {"help": "directory on the storage to measure (default: a temporary one)"},
+    "json": {"metavar": "PATH", "help": "write the result document here"},
+    "report": {"nargs": "+", "metavar": "JSON", "help": "do not measure: print the tables of earlier --json documents"},
+    "svg": {"metavar": "PATH", "help": "write a chart of the documents here"},
+    "repeats": {"type": int, "default": 3, "help": "timed rounds, the methods interleaved; medians are reported"},
+    "device": {"default": "cpu", "help": "where the state lives and loads go: cpu or cuda[:N]"},
+    "size": {"type": size, "help": "bytes (binary units: 4G = 4 GiB)"},
+    "no_drop_caches": {"action": "store_true", "help": "warm loads: leave the page cache alone before each load"},
 }
 
 
 def option(parser: argparse.ArgumentParser | Any, name: str, *flags: str, **changes: Any) -> None:
-    """Adds the shared option ``name`` (a key of ``_OPTIONS``) to ``parser``: ``flags`` rename it, ``changes``
-    replace its default, help or any other ``add_argument`` keyword."""
-    names, settings = _OPTIONS[name]
-    parser.add_argument(*(flags or names), **{**settings, **changes})
-
-
-# ----------------------------------------------------------------------------- the subcommand
+    """Adds the shared option ``name`` to ``parser``; ``flags`` rename it, ``changes`` override its settings."""
+    parser.add_argument(*(flags or ["--" + name.replace("_", "-")]), **{**_OPTIONS[name], **changes})
 
 
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
-    """One subcommand of ``python -m fastpersist.bench``, declared as data; :meth:`main` runs it.
-
-    Attributes:
-        options: adds the benchmark's own options to its parser (the shared ones through :func:`option`).
-        measure: the result document of the parsed arguments (None: nothing to report); may raise
-            :class:`UsageError` or ``SystemExit`` (an int: the exit status).
-        markdown: one document as Markdown (None: no table); ``show``: the terminal's text (default: it).
-        schema: the ``schema`` prefix of its documents, checked when ``--report`` reads one.
-        render: (path, document) pairs as Markdown, what ``--report`` prints and the docs' block of this
-            benchmark holds (default: each document's Markdown under its path and commit).
-        svg, png: a chart of the documents (adds ``--svg``), one document drawn into a PNG (adds ``--png``).
-        json: ``path`` (``--json PATH`` writes the document), ``print`` (``--json`` prints it instead of the
-            table) or ``either`` (``--json`` prints it, ``--json PATH`` writes it).
-        report: the option that reads earlier documents (None: no such option).
-        requires: modules it cannot run without, or a function of the arguments giving them (exit 2).
-        child: runs one child process of :func:`spawn` (hidden ``--child --out``); returns what the parent
-            reads back (None: nothing).
-        status: the exit status of a document (default 0).
-        redirect: ``(option, subcommand)``: a command line naming the option runs that subcommand instead.
-    """
+    """One subcommand, declared as data (``BENCHMARK = Benchmark(...)``, ``main = BENCHMARK.main``)."""
 
     name: str
-    options: Callable[[argparse.ArgumentParser], None]
+    options: Callable[[argparse.ArgumentParser], None]  # adds its own options (the shared ones: option())
+    # The document of the arguments (None: nothing to report); may raise UsageError or SystemExit(status).
     measure: Callable[[argparse.Namespace], dict[str, Any] | None]
-    markdown: Callable[[dict[str, Any]], str] | None
+    markdown: Callable[[dict[str, Any]], str] | None  # one document as Markdown (None: no table)
     description: str = ""
-    schema: str | None = None
-    show: Callable[[dict[str, Any]], str] | None = None
+    schema: str | None = None  # the prefix of its documents' schema, checked when --report reads one
+    show: Callable[[dict[str, Any]], str] | None = None  # the terminal's text (default: markdown)
+    # (path, document) pairs as Markdown: what --report prints and the docs' block holds (default: render_documents)
     render: Callable[[list[tuple[str, dict[str, Any]]]], str] | None = None
-    svg: Callable[[list[dict[str, Any]]], str] | None = None
-    png: Callable[[dict[str, Any], str], str] | None = None
-    json: str = "path"
-    report: str | None = "--report"
-    requires: tuple[str, ...] | Callable[[argparse.Namespace], Sequence[str]] = ()
-    child: Callable[[argparse.Namespace], Any] | None = None
-    status: Callable[[dict[str, Any]], int] | None = None
-    redirect: tuple[str, str] | None = None
+    svg: Callable[[list[dict[str, Any]]], str] | None = None  # a chart of the documents (adds --svg)
+    png: Callable[[dict[str, Any], str], str] | None = None  # one document drawn into a PNG (adds --png)
+    json: str = "path"  # --json PATH writes the document; "print": --json prints it; "either": both
+    report: str | None = "--report"  # the option that reads earlier documents (None: none)
+    requires: tuple[str, ...] | Callable[[argparse.Namespace], Sequence[str]] = ()  # modules it needs (exit 2)
+    child: Callable[[argparse.Namespace], Any] | None = None  # runs a child of spawn(); returns what it hands back
+    status: Callable[[dict[str, Any]], int] | None = None  # the exit status of a document (default 0)
+    redirect: tuple[str, str] | None = None  # (option, subcommand): a command line naming it runs that one
 
     def parser(self) -> argparse.ArgumentParser:
-        """The subcommand's parser: its own options, then the shared output options it declared."""
         parser = argparse.ArgumentParser(prog=f"python -m fastpersist.bench {self.name}", description=self.description)
         self.options(parser)
         if self.json == "print":
@@ -147,7 +107,7 @@ class Benchmark:
         return parser
 
     def render_documents(self, documents: list[tuple[str, dict[str, Any]]]) -> str:
-        """``documents`` (path, document) as Markdown: :attr:`render`, or each under its path and commit."""
+        """(path, document) pairs as Markdown: :attr:`render`, or each document under its path and commit."""
         if self.render is not None:
             return self.render(documents)
         parts = []
@@ -157,8 +117,8 @@ class Benchmark:
         return "\n".join(parts)
 
     def main(self, argv: list[str] | None = None) -> int:
-        """Runs the subcommand: a child's part, a report of earlier documents, or a measurement; returns 0 or
-        :attr:`status` of the document, 2 on a usage error or a missing module."""
+        """A child's part, a report of earlier documents or a measurement; returns 0 or the document's
+        :attr:`status`, 2 on a usage error or a missing module."""
         argv = list(sys.argv[1:] if argv is None else argv)
         if self.redirect and any(a == self.redirect[0] or a.startswith(self.redirect[0] + "=") for a in argv):
             from fastpersist.bench import SUBCOMMANDS
@@ -216,9 +176,14 @@ def _importable(module: str) -> bool:
         return False
 
 
+def _read_json(path: str) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def read_document(path: str, name: str, schema: str | None) -> dict[str, Any]:
-    """The result document at ``path`` of benchmark ``name`` (its ``schema`` starting with ``schema``, if
-    given); UsageError when unreadable, not JSON or not a result of that benchmark."""
+    """The document at ``path`` of benchmark ``name`` (its schema starting with ``schema``, if given);
+    UsageError when it is unreadable, not JSON or not one of its results."""
     try:
         document = _read_json(path)
     except (OSError, ValueError) as e:
@@ -228,19 +193,11 @@ def read_document(path: str, name: str, schema: str | None) -> dict[str, Any]:
     return document
 
 
-# ----------------------------------------------------------------------------- rounds
-
-
 class Rounds:
-    """Methods measured round by round, interleaved: no method always follows another.
-
-    ``warmup`` untimed rounds come first; each round runs every method of each phase (a list of method
-    lists, run one after the other) in the round's ``order``: ``fixed``, ``rotate`` (round r starts at the
-    r-th method), ``reverse`` (every other round backwards) or ``shuffle`` (from ``random.Random(seed)``).
-    ``run(method, round)`` returns a sample (None: nothing to record), kept in :attr:`samples` for timed
-    rounds. A method that raises, with ``catch``, has ``Type: message`` in :attr:`errors` and is left out of
-    the later rounds.
-    """
+    """Methods measured round by round (``warmup`` untimed ones first), interleaved so that no method always
+    follows another: each round runs the phases (lists of methods) in turn, a phase's methods in ``order``
+    (``fixed``, ``rotate``, ``reverse`` every other round, seeded ``shuffle``). With ``catch``, a method that
+    raises has ``Type: message`` in :attr:`errors` and is left out of the later rounds."""
 
     def __init__(self, repeats: int, warmup: int = 0, order: str = "fixed", seed: int = 0, catch: bool = True):
         self.repeats, self.warmup, self.order, self.catch = repeats, warmup, order, catch
@@ -249,7 +206,6 @@ class Rounds:
         self.errors: dict[Hashable, str] = {}
 
     def ordered(self, methods: Sequence[Any], index: int) -> list[Any]:
-        """``methods`` in the order of round ``index``."""
         methods = list(methods)
         if self.order == "rotate" and methods:
             shift = index % len(methods)
@@ -261,7 +217,7 @@ class Rounds:
         return methods
 
     def run(self, phases: Sequence[Sequence[Hashable]], run: Callable[[Any, int], Any]) -> Rounds:
-        """Runs every round (see the class); returns self."""
+        """Every round; ``run(method, round)``'s samples (None: none) of the timed rounds go to :attr:`samples`."""
         for index in range(self.warmup + self.repeats):
             for phase in phases:
                 for method in self.ordered(phase, index):
@@ -280,22 +236,17 @@ class Rounds:
         return self
 
     def median(self, method: Hashable, key: str | None = None) -> float | None:
-        """The median of ``method``'s samples (of their ``key``), or None without samples."""
-        values = [s[key] if key else s for s in self.samples.get(method, [])]
-        stats = summarize(values)
+        """The median of ``method``'s samples (of their ``key``), None without samples."""
+        stats = summarize([s[key] if key else s for s in self.samples.get(method, [])])
         return stats["median"] if stats else None
 
 
 def timed(
     action: Callable[[], Any], device: Any = None, memory: bool = False, touch: bool = False
 ) -> tuple[Any, dict[str, float]]:
-    """Calls ``action()``: its result and ``{"seconds", "cpu_seconds"}`` of the call (+ ``peak_rss_delta``).
-
-    With a CUDA ``device`` the clock starts and stops with the device idle. CPU seconds are this process's
-    (user + system, all threads): the software's cost, whatever the contention. ``memory``: the call's peak
-    RSS growth sampled too; ``touch``: a byte of every page of the result's CPU tensors read before the clock
-    stops (a lazily mapped load is complete only then).
-    """
+    """``action()`` and ``{"seconds", "cpu_seconds"}`` of the call (``memory``: + ``peak_rss_delta``). The
+    clock starts and stops with a CUDA ``device`` idle; CPU seconds (all threads) are the software's cost whatever
+    the contention; ``touch`` reads every page of the result before the clock stops (a lazy load ends only then)."""
     import torch
 
     from fastpersist.bench.measure import PeakMemory, touch_pages
@@ -321,32 +272,26 @@ def timed(
 
 
 def bf16_state(nbytes: int, device: str = "cpu", odd_tail: bool = False) -> dict[str, Any]:
-    """``nbytes`` of random bf16 on ``device`` in 64 MiB tensors ``t0``, ``t1``...: a checkpoint's bulk, the same
-    in every process (seeded). ``odd_tail``: the last 2000 bytes in a tensor of their own, so that ranges and
-    records do not line up."""
+    """``nbytes`` of seeded random bf16 (the same in every process) in 64 MiB tensors ``t0``, ``t1``...;
+    ``odd_tail``: the last 2000 bytes in a tensor of their own, so that ranges and records do not line up."""
     import torch
 
     device = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
     generator = torch.Generator(device=device).manual_seed(0)
-    state, index, left = {}, 0, nbytes // 2
+    state, left = {}, nbytes // 2
     while left > 0:
         count = min(left, 32 << 20)
         if odd_tail and left - count == 0 and count > 1000:
             count -= 1000
-        random = torch.randn(count, dtype=torch.float32, device=device, generator=generator)
-        state[f"t{index}"] = random.to(torch.bfloat16)
+        values = torch.randn(count, dtype=torch.float32, device=device, generator=generator)
+        state[f"t{len(state)}"] = values.to(torch.bfloat16)
         left -= count
-        index += 1
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
     return state
 
 
-# ----------------------------------------------------------------------------- child processes
-
-
 def free_port() -> int:
-    """A TCP port of 127.0.0.1 free now (for a process group's rendezvous or a local server)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -355,13 +300,9 @@ def free_port() -> int:
 def spawn(
     name: str, argv: Sequence[str], ranks: int = 1, capture: bool = True, group: bool | None = None
 ) -> tuple[list[Any], str | None]:
-    """Runs ``python -m fastpersist.bench name *argv --child`` in ``ranks`` fresh processes and waits for them.
-
-    With ``group`` (default: ``ranks`` > 1) they form one process group on this host (the variables torchrun
-    sets). ``capture``: their output is kept (returned on failure), not passed through. Returns what each
-    rank's :attr:`Benchmark.child` returned (None where nothing) and None; or no results and the last 3000
-    characters of their output (or the exit statuses) when one failed.
-    """
+    """Runs ``python -m fastpersist.bench name *argv --child`` in ``ranks`` fresh processes, one process group
+    with ``group`` (default: several ranks); ``capture`` keeps their output. Returns what each rank's
+    :attr:`Benchmark.child` returned and None, or ``[]`` and the end of their output when one failed."""
     group = ranks > 1 if group is None else group
     with tempfile.TemporaryDirectory() as scratch, tempfile.TemporaryFile("w+") as log:
         out = os.path.join(scratch, "child")
@@ -370,10 +311,8 @@ def spawn(
         if group:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks))
         output = {"stdout": log, "stderr": subprocess.STDOUT} if capture else {}
-        processes = [
-            subprocess.Popen(command, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)) if group else env, **output)
-            for r in range(ranks)
-        ]
+        envs = [dict(env, RANK=str(r), LOCAL_RANK=str(r)) if group else env for r in range(ranks)]
+        processes = [subprocess.Popen(command, env=e, **output) for e in envs]  # all started, then waited for
         codes = [p.wait() for p in processes]
         if any(codes):
             log.seek(0)
@@ -381,23 +320,14 @@ def spawn(
         return [_read_json(f"{out}.{rank}") if os.path.exists(f"{out}.{rank}") else None for rank in range(ranks)], None
 
 
-def _read_json(path: str) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-# ----------------------------------------------------------------------------- tables and charts
-
-
 def markdown_table(header: Sequence[str], align: str, rows: Sequence[Sequence[Any]]) -> list[str]:
-    """Lines of a Markdown table: ``header``, the alignment row (``align``: ``<`` left, ``>`` right, per
-    column) and one line per row of cells."""
+    """Lines of a Markdown table; ``align`` has a ``<`` (left) or ``>`` (right) per column."""
     rule = "| " + " | ".join("---:" if a == ">" else "---" for a in align) + " |"
     return ["| " + " | ".join(header) + " |", rule] + ["| " + " | ".join(map(str, row)) + " |" for row in rows]
 
 
 def figure(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
-    """A table's cell: ``value`` formatted by ``spec`` (and ``suffix``), ``-`` when there is none."""
+    """A table's cell: ``-`` when there is no value."""
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 

@@ -1,13 +1,8 @@
 """``python -m fastpersist.bench io``: sequential engine throughput, optionally against fio.
 
-Like DeepSpeed's ``ds_io``: ``--size`` bytes written to one fresh file (preallocated outside the clock
-unless ``--no-fallocate``, timed to fsync), read back (O_DIRECT, or buffered after dropping its pages) and
-verified outside the clock; median GB/s (10^9 bytes/s). ``--fio`` runs fio with the same settings,
-alternating first; ``--gpu`` moves a CUDA tensor through a pinned bounce buffer (``--use_gds``: through
-:class:`fastpersist.GdsHandle`). ds_io command lines work with the program name replaced
-(:func:`apply_ds_io`; docs/deepnvme-parity.md): one naming ``--folder``, ``--folder_to_device_mapping`` or
-``--io_size`` writes (``--read``: reads) 1M blocks by default and also prints ds_io's ``E2E ... Latency`` /
-``Speed`` lines (GB = 2**30 bytes there)::
+Like DeepSpeed's ``ds_io``: ``--size`` bytes written to a fresh file (preallocated outside the clock unless
+``--no-fallocate``, timed to fsync), read back cold and verified outside the clock; median GB/s (10^9 bytes/s).
+ds_io command lines work with the program name replaced (docs/deepnvme-parity.md), printing ds_io's lines too::
 
     fastpersist bench io --folder /local_nvme --io_size 400M --read --block_size 1M --queue_depth 32 --loops 3
 """
@@ -26,15 +21,12 @@ import torch
 from fastpersist import display, system
 from fastpersist.bench import bounds, measure
 from fastpersist.bench.harness import Benchmark, Rounds, UsageError, option, size, timed
+from fastpersist.deepnvme.gds import GdsHandle
 from fastpersist.io import engine, memory
 
 __all__ = ["BENCHMARK", "UsageError", "apply_ds_io", "build_parser", "ds_io_summary", "main"]
 
-DS_IO_ENGINES = ("aio_handle", "aio_basic", "torch_io", "torch_fastio")
-"""``ds_io --engine`` values; the first two run on the fastpersist engine."""
-
-DS_IO_DEFAULT_BLOCK_SIZE = 1 << 20
-DEFAULT_BLOCK_SIZE = 16 << 20
+DS_IO_ENGINES = ("aio_handle", "aio_basic", "torch_io", "torch_fastio")  # the first two: the fastpersist engine
 
 
 def _options(p: argparse.ArgumentParser) -> None:
@@ -78,13 +70,8 @@ def _options(p: argparse.ArgumentParser) -> None:
 
 
 def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
-    """Maps ds_io's options onto this benchmark's, in place, and fills the defaults (``dir``, ``size``,
-    ``block_size``, ``threads``, ``mode``, ``engine``, ``device``: ``"cpu"`` or ``"cuda:N"``); ``ds_io``:
-    whether the command line names a ds_io-only target or size option.
-
-    Raises:
-        UsageError: an option that is not supported or a contradiction; the message says what to use instead.
-    """
+    """Maps ds_io's options onto this benchmark's in place and fills the defaults (``device``: ``cpu`` or
+    ``cuda:N``; ``ds_io``: whether a ds_io-only target or size option is named); UsageError where it cannot."""
     ds_io = args.ds_io = bool(args.folder or args.folder_to_device_mapping or args.io_size is not None)
     torch_engine = (
         f"--engine {args.engine} (torch.save through DeepSpeed) is not provided; use --engine aio_handle here, "
@@ -121,27 +108,20 @@ def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
         if not sep or not folder or not device.isdigit():
             raise UsageError(f"--folder_to_device_mapping takes FOLDER:DEVICE, got {mapping[0]!r}")
         args.folder, device_index = folder, int(device)
-    if args.folder:
-        if args.dir is not None and os.path.abspath(args.dir) != os.path.abspath(args.folder):
-            raise UsageError("--dir and --folder name the same thing; give one")
-        args.dir = args.folder
-    args.dir = "." if args.dir is None else args.dir
+    if args.folder and args.dir is not None and os.path.abspath(args.dir) != os.path.abspath(args.folder):
+        raise UsageError("--dir and --folder name the same thing; give one")
+    args.dir = args.folder or ("." if args.dir is None else args.dir)
     if not os.path.isdir(args.dir):
         raise UsageError(f"folder {args.dir} does not exist")
-    if args.io_size is not None:
-        if args.size is not None and args.size != args.io_size:
-            raise UsageError("--size and --io_size name the same thing; give one")
-        args.size = args.io_size
-    defaults = {"size": 1 << 30, "block_size": DS_IO_DEFAULT_BLOCK_SIZE if ds_io else DEFAULT_BLOCK_SIZE, "threads": 1}
-    for name, default in defaults.items():
+    if args.io_size is not None and args.size not in (None, args.io_size):
+        raise UsageError("--size and --io_size name the same thing; give one")
+    args.size = args.size if args.io_size is None else args.io_size
+    for name, default in {"size": 1 << 30, "block_size": (1 if ds_io else 16) << 20, "threads": 1}.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
-    if args.read:
-        if args.mode not in (None, "read"):
-            raise UsageError(f"--read contradicts --mode {args.mode}")
-        args.mode = "read"
-    if args.mode is None:
-        args.mode = "write" if ds_io else "both"
+    if args.read and args.mode not in (None, "read"):
+        raise UsageError(f"--read contradicts --mode {args.mode}")
+    args.mode = "read" if args.read else args.mode or ("write" if ds_io else "both")
     if args.validate and args.no_verify:
         raise UsageError("--validate contradicts --no-verify")
     if args.warmup_loops < 0 or args.repeats < 1:
@@ -163,52 +143,42 @@ def apply_ds_io(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Runs the benchmark; returns the results document (see ``--json``), ds_io's options mapped first."""
     apply_ds_io(args)
     direct, size, fallocate = not args.buffered, args.size, not args.no_fallocate
     if size % 4096 or args.block_size % 4096:
         raise UsageError("--size and --block-size must be multiples of 4096")
-    use_fio = args.fio
-    if use_fio and system.find_fio() is None:
+    use_fio = args.fio and system.find_fio() is not None
+    if args.fio and not use_fio:
         print(f"{system.FIO_INSTALL_HINT}; running the engine only", file=sys.stderr)
-        use_fio = False
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     if on_gpu:
         torch.cuda.init()  # before allocating: locked host buffers are then registered with CUDA (pinned)
     knobs = dict(block_size=args.block_size, queue_depth=args.queue_depth, single_submit=args.single_submit)
     knobs.update(overlap_events=not args.no_overlap_events, intra_op_parallelism=args.threads, engine=args.engine)
-    gds = None
-    if args.use_gds:
-        from fastpersist.deepnvme.gds import GdsHandle
-
-        gds = GdsHandle(**knobs, path=args.gds_path, direct=direct)
+    gds = GdsHandle(**knobs, path=args.gds_path, direct=direct) if args.use_gds else None
     handle = engine.IoHandle(**knobs, direct=direct)
     probe = engine.probe_directory(args.dir)
     do_write, do_read = args.mode in ("both", "write"), args.mode in ("both", "read")
     verify_reads = args.validate or not args.no_verify
-
-    # Random bytes (no pattern a deduplicating or compressing backend could
-    # exploit), written once: this also touches every page outside the timing
-    # (page faults on fresh memory are far slower than the disk here).
+    # Random bytes (nothing a deduplicating or compressing backend could exploit), written once: this also
+    # touches every page outside the timing (page faults on fresh memory are far slower than the disk here).
     source = memory.aligned_empty(size, huge_pages=not args.no_huge_pages, lock=on_gpu)
     generator = torch.Generator().manual_seed(0)
-    if size % 8 == 0:
-        words = source.view(torch.int64)
-        for start in range(0, words.numel(), 32 << 20):
-            words[start : start + (32 << 20)].random_(generator=generator)
-    else:
-        source.random_(0, 256, generator=generator)
-    # --gpu: the data lives on the device; source/destination are the pinned bounce buffers.
+    words = source.view(torch.int64)  # size is a multiple of 4096
+    for start in range(0, words.numel(), 32 << 20):
+        words[start : start + (32 << 20)].random_(generator=generator)
+    # --gpu: the data lives on the device; source and destination are the pinned bounce buffers.
     destination = None
     if do_read and gds is None:  # GdsHandle reads straight into the device tensor
         destination = memory.aligned_empty(size, huge_pages=not args.no_huge_pages, lock=on_gpu).fill_(0)
     device_source = source.to(device) if on_gpu and do_write else None
     device_destination = torch.zeros(size, dtype=torch.uint8, device=device) if on_gpu and do_read else None
     expected = source.clone() if on_gpu and (do_write or verify_reads) else source
+    workdir = measure.scratch_dir(args.dir, ".fastpersist-bench-")
+    path, fio_path = os.path.join(workdir, "engine.bin"), os.path.join(workdir, "fio.bin")
 
-    def write(path: str) -> None:
-        """The data written durably (into a file preallocated outside the timing, unless --no-fallocate)."""
+    def write() -> None:  # durable, into a file preallocated outside the clock unless --no-fallocate
         if gds is not None:
             gds.sync_pwrite(device_source, path)
             bounds.fsync_file(path)
@@ -217,8 +187,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             source.copy_(device_source)  # to the pinned bounce buffer (synchronous)
         bounds.engine_write(path, source, size, handle, direct=direct)
 
-    def read(path: str) -> None:
-        """``path`` read (to the device with --gpu)."""
+    def read() -> None:
         if gds is not None:
             gds.sync_pread(device_destination, path)
             return
@@ -226,70 +195,71 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         if device_destination is not None:
             device_destination.copy_(destination)
 
-    def check_read() -> None:
-        got = device_destination.cpu() if device_destination is not None else destination
-        if not torch.equal(got, expected):
-            raise RuntimeError("read-back verification failed: bytes read differ from bytes written")
-        for buffer in (destination, device_destination):
-            if buffer is not None:
-                buffer.zero_()
-
-    def fio(path: str, rw: str) -> float:
-        """fio bandwidth in GB/s for one sequential job with the engine's settings."""
-        if rw == "read" and args.buffered:
-            system.CacheDropper().drop([path])
-        options = dict(direct=direct, threads=args.threads, fallocate=fallocate, verify=False)
-        command = bounds.fio_command(path, rw, size, args.block_size, args.queue_depth, **options)
-        return bounds.run_fio(command, rw) / 1e9
-
-    workdir = measure.scratch_dir(args.dir, ".fastpersist-bench-")
-    path, fio_path = os.path.join(workdir, "engine.bin"), os.path.join(workdir, "fio.bin")
-
-    def run(tool: str, index: int) -> dict[str, float] | None:
+    def run(tool: str, index: int) -> dict[str, float]:
+        if tool == "fio":
+            return _fio_round(args, fio_path, do_write, do_read) if index >= args.warmup_loops else {}
         sample = {}
-        if tool == "engine":
-            if do_write:
-                if fallocate:
-                    bounds.preallocate(path, size, direct)
-                elif os.path.exists(path):
-                    os.unlink(path)
-                sample["write_s"] = timed(lambda: write(path), device if on_gpu else None)[1]["seconds"]
-                problem = bounds.file_problem(path, expected) if args.validate else None
-                if problem:
-                    raise RuntimeError(f"write verification failed: {problem}")
-            if do_read:
-                if not direct:  # cold: its cached pages dropped first
-                    system.CacheDropper().drop([path])
-                sample["read_s"] = timed(lambda: read(path), device if on_gpu else None)[1]["seconds"]
-                if verify_reads:
-                    check_read()
-            if do_write:
+        if do_write:
+            if fallocate:
+                bounds.preallocate(path, size, direct)
+            elif os.path.exists(path):
                 os.unlink(path)
-        elif index >= args.warmup_loops:
-            if do_write or not os.path.exists(fio_path):
-                measure.remove_path(fio_path)
-                rate = fio(fio_path, "write")
-                if do_write:
-                    sample["write"] = rate
-            if do_read:
-                sample["read"] = fio(fio_path, "read")
-            if do_write:
-                os.unlink(fio_path)
-        for op in ("write", "read"):
-            if f"{op}_s" in sample:
-                sample[op] = size / 1e9 / sample[f"{op}_s"]
-        return sample
+            sample["write_s"] = timed(write, device)[1]["seconds"]
+            problem = bounds.file_problem(path, expected) if args.validate else None
+            if problem:
+                raise RuntimeError(f"write verification failed: {problem}")
+        if do_read:
+            if not direct:  # cold: its cached pages dropped first
+                system.CacheDropper().drop([path])
+            sample["read_s"] = timed(read, device)[1]["seconds"]
+            if verify_reads:
+                got = device_destination.cpu() if device_destination is not None else destination
+                if not torch.equal(got, expected):
+                    raise RuntimeError("read-back verification failed: bytes read differ from bytes written")
+                for buffer in [b for b in (destination, device_destination) if b is not None]:
+                    buffer.zero_()
+        if do_write:
+            os.unlink(path)
+        return {**sample, **{op: size / 1e9 / sample[f"{op}_s"] for op in ("write", "read") if f"{op}_s" in sample}}
 
     try:
         if not do_write:  # read only: lay the file down once
             if fallocate:
                 bounds.preallocate(path, size, direct)
             bounds.engine_write(path, expected, size, handle, direct=direct)
-        tools = ["engine", "fio"] if use_fio else ["engine"]
         # Who goes first alternates: this disk is fastest right after an idle period and slows under writing.
+        tools = ["engine", "fio"] if use_fio else ["engine"]
         rounds = Rounds(args.repeats, warmup=args.warmup_loops, order="reverse", catch=False).run([tools], run)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    return _document(args, handle, gds, probe, rounds)
+
+
+def _fio_round(args: argparse.Namespace, path: str, do_write: bool, do_read: bool) -> dict[str, float]:
+    """fio's GB/s of a round, one sequential job with the engine's settings (read only: the file written once)."""
+
+    def fio(rw: str) -> float:
+        if rw == "read" and args.buffered:
+            system.CacheDropper().drop([path])
+        options = dict(direct=not args.buffered, threads=args.threads, fallocate=not args.no_fallocate, verify=False)
+        command = bounds.fio_command(path, rw, args.size, args.block_size, args.queue_depth, **options)
+        return bounds.run_fio(command, rw) / 1e9
+
+    sample = {}
+    if do_write or not os.path.exists(path):
+        measure.remove_path(path)
+        rate = fio("write")
+        if do_write:
+            sample["write"] = rate
+    if do_read:
+        sample["read"] = fio("read")
+    if do_write:
+        os.unlink(path)
+    return sample
+
+
+def _document(args: argparse.Namespace, handle: Any, gds: Any, probe: dict[str, Any], rounds: Rounds) -> dict[str, Any]:
+    """The results document (see ``--json``): the settings, the medians (GB/s, seconds), samples and ratios."""
 
     def values(tool: str, key: str) -> list[float]:
         return [s[key] for s in rounds.samples.get(tool, []) if key in s]
@@ -304,16 +274,16 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "fastpersist.bench.io",
         "settings": {
             "dir": os.path.abspath(args.dir),
-            "size": size,
+            "size": args.size,
             **{k: getattr(args, k) for k in ("block_size", "queue_depth", "threads")},
             "engine": handle.engine,
-            "direct": direct,
+            "direct": not args.buffered,
             "single_submit": args.single_submit,
             "overlap_events": not args.no_overlap_events,
-            "fallocate": fallocate,
+            "fallocate": not args.no_fallocate,
             **{k: getattr(args, k) for k in ("repeats", "warmup_loops")},
             "huge_pages": not args.no_huge_pages,
-            "device": str(device),
+            "device": str(torch.device(args.device)),
             "validate": args.validate,
             "handle": "gds_handle" if gds is not None else "io_handle",
             "gds_path": gds.path if gds is not None else None,
@@ -331,31 +301,25 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 def ds_io_summary(doc: dict[str, Any]) -> list[str]:
     """ds_io's result lines for ``doc`` (median seconds; GB/sec with GB = 2**30 bytes, as ds_io prints)."""
     lines = []
-    size = doc["settings"]["size"]
     for op, word in (("write", "Write"), ("read", "Read")):
         latency = doc["seconds_median"].get(f"engine_{op}")
-        if latency is None:
-            continue
-        lines.append(f"E2E {word} Latency = {latency} sec")
-        lines.append(f"E2E {word} Speed = {size / latency / 2**30 if latency else 0.0} GB/sec")
+        if latency is not None:
+            speed = doc["settings"]["size"] / latency / 2**30 if latency else 0.0
+            lines += [f"E2E {word} Latency = {latency} sec", f"E2E {word} Speed = {speed} GB/sec"]
     return lines
 
 
 def _text(doc: dict[str, Any]) -> str:
     """The terminal's table (median GB/s of the engine and fio, their ratio, every sample), then ds_io's lines."""
-    s = doc["settings"]
-    via = f", GdsHandle path {s['gds_path']}" if s.get("gds_path") else ""
-    rows = []
+    s, rows = doc["settings"], []
     for op in ("write", "read"):
-        e = doc["gbps_median"][f"engine_{op}"]
-        if e is None:
-            continue
-        f = doc["gbps_median"][f"fio_{op}"]
+        e, f = doc["gbps_median"][f"engine_{op}"], doc["gbps_median"][f"fio_{op}"]
         r = doc["ratio_engine_to_fio"][op]
-        es = " ".join(f"{v:.2f}" for v in doc["gbps_samples"][f"engine_{op}"])
-        fs = " ".join(f"{v:.2f}" for v in doc["gbps_samples"][f"fio_{op}"])
-        rows.append((op, f"{e:.2f}", f"{f:.2f}" if f else "-", f"{100 * r:.0f}%" if r else "-", f"{es} | {fs}"))
+        samples = " | ".join(" ".join(f"{v:.2f}" for v in doc["gbps_samples"][f"{t}_{op}"]) for t in ("engine", "fio"))
+        if e is not None:
+            rows.append((op, f"{e:.2f}", f"{f:.2f}" if f else "-", f"{100 * r:.0f}%" if r else "-", samples))
     header = ("op", "engine GB/s", "fio GB/s", "ratio", "samples (engine | fio)")
+    via = f", GdsHandle path {s['gds_path']}" if s.get("gds_path") else ""
     title = (
         f"fastpersist io bench{via}: {s['size'] / 2**30:.2f} GiB, block {s['block_size'] >> 10} KiB, "
         f"queue depth {s['queue_depth']}, lanes {s['threads']}, engine {s['engine']}, "

@@ -1,7 +1,5 @@
 """The benchmarks' own measuring tools: peak host memory (:class:`PeakMemory`) and the ranks of a launched
-run (:class:`DistributedEnv`). The tools the tuner shares with the benchmarks (statistics, durability, the
-machine's description, checks) live in :mod:`fastpersist.tuning.measure`, re-exported here.
-"""
+run (:class:`DistributedEnv`). Those of :mod:`fastpersist.tuning.measure` are re-exported."""
 
 from __future__ import annotations
 
@@ -41,14 +39,13 @@ __all__ = [
 
 
 def scratch_dir(parent: str | None, prefix: str) -> str:
-    """A new temporary directory for a benchmark's files, in ``parent`` (made if missing; None: the system's)."""
+    """A new temporary directory in ``parent`` (made if missing; None: the system's)."""
     if parent:
         os.makedirs(parent, exist_ok=True)
     return tempfile.mkdtemp(prefix=prefix, dir=parent)
 
 
 def current_rss() -> int:
-    """Resident set size of this process in bytes (/proc/self/statm; the peak from getrusage elsewhere)."""
     try:
         with open("/proc/self/statm", "rb") as f:
             return int(f.read().split()[1]) * PAGE_SIZE
@@ -65,8 +62,7 @@ def peak_rss() -> int | None:
 
 
 def reset_peak_rss() -> bool:
-    """Resets VmHWM to the current RSS (Linux >= 4.0), so that :func:`peak_rss` catches peaks shorter than
-    any sampling interval; False where not allowed."""
+    """Resets VmHWM to the current RSS (Linux >= 4.0); False where not allowed."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -76,20 +72,15 @@ def reset_peak_rss() -> bool:
 
 
 class PeakMemory:
-    """Peak resident memory over a block: RSS sampled every ``interval`` seconds by a thread, and the kernel's
-    own high-water mark where it can be reset (short spikes between samples are not missed).
-
-    After the block: ``baseline`` (RSS just before), ``peak``, ``delta`` (peak - baseline) and ``source``
-    (``sampled`` or ``sampled+VmHWM``).
-    """
+    """Peak resident memory over a block (``baseline`` before it, ``peak``, ``delta``): RSS sampled every
+    ``interval`` seconds, and the kernel's high-water mark where it can be reset (``source``: ``sampled+VmHWM``),
+    so that spikes between samples are not missed."""
 
     def __init__(self, interval: float = 0.005):
         self.interval = interval
         self.baseline = self.peak = 0
         self.source = "sampled"
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._hwm = False
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -106,10 +97,9 @@ class PeakMemory:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, current_rss())
-        hwm = peak_rss() if self._hwm else None
+        rss, hwm = current_rss(), peak_rss() if self._hwm else None
+        self.peak = max(self.peak, rss, hwm or 0)
         if hwm is not None:
-            self.peak = max(self.peak, hwm)
             self.source = "sampled+VmHWM"
 
     @property
@@ -118,8 +108,7 @@ class PeakMemory:
 
 
 class DistributedEnv:
-    """Rank and world size from the launcher's environment (torchrun sets them; without one: rank 0 of 1).
-    :meth:`barrier` uses torch.distributed only when a process group is initialized."""
+    """Rank and world size from the launcher's environment (torchrun's; without one: rank 0 of 1)."""
 
     def __init__(self) -> None:
         self.rank = int(os.environ.get("RANK", "0"))
@@ -131,6 +120,7 @@ class DistributedEnv:
         return self.rank == 0
 
     def barrier(self) -> None:
+        """torch.distributed's barrier where a process group is initialized."""
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():

@@ -1,13 +1,9 @@
 """``python -m fastpersist.bench offload``: generation with a Llama-shaped model streamed from the checkpoint.
 
-A random Llama-shaped model of about ``--size`` bytes of bf16 saved as one safetensors file in ``--dir``,
-then greedy generation timed for each method: ``full-gpu`` (the checkpoint loaded on the GPU: the compute
-bound, and the tokens every other method must reproduce), ``fastpersist-disk``
-(``fastpersist.offload.dispatch`` with ``max_gpu_memory=--gpu-budget``), ``fastpersist-host`` (plus a host
-tier of the model's size) and ``accelerate-disk`` (``load_checkpoint_and_dispatch``, where installed).
-Each tier's bound in tokens/s comes from the disk's read ceiling and the host-to-device copy ceiling
-measured in the same run; reported: time to first token, decoding tokens/s, peak GPU and host memory, the
-ratio to the bound. See docs/offload.md.
+Greedy generation from a random bf16 model saved in ``--dir``: ``full-gpu`` (the compute bound; its tokens are the
+reference), ``fastpersist-disk`` (``fastpersist.offload.dispatch`` within ``--gpu-budget``), ``fastpersist-host`` (plus
+a host tier) and ``accelerate-disk``, each against its tier's bound from the disk read and host-to-device ceilings
+measured in the same run. See docs/offload.md.
 """
 
 from __future__ import annotations
@@ -49,19 +45,10 @@ def _llama_config(size: int):
 
     hidden, intermediate, vocab = 4096, 14336, 32000
     layer = 2 * (2 * hidden * hidden + 2 * hidden * 1024 + 3 * hidden * intermediate + 2 * hidden)
-    embeddings = 2 * 2 * vocab * hidden
-    layers = max(1, (size - embeddings) // layer)
-    return transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=int(layers),
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-    )
+    layers = max(1, (size - 2 * 2 * vocab * hidden) // layer)  # less the embeddings and the output head
+    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=int(layers))
+    heads = dict(num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)
+    return transformers.LlamaConfig(**shape, **heads, tie_word_embeddings=False, torch_dtype="bfloat16")
 
 
 def _empty_model(llama_config):
@@ -80,9 +67,8 @@ def _empty_model(llama_config):
 
 
 class _Clock:
-    """A logits processor that notes the time of every generation step (the first one: prefill done) and keeps
-    the prefill's logits of the last prompt position (float32, CPU). ``between_steps`` runs after each step's
-    time is noted (accelerate's page-cache drop), its duration left out of the timeline."""
+    """A logits processor noting the time of every step (the first: prefill done) and keeping the prefill's logits;
+    ``between_steps`` runs after each step's time is noted, its duration left out of the timeline."""
 
     def __init__(self, between_steps=None):
         self.times: list[float] = []
@@ -139,31 +125,26 @@ def _generate(model, batch: int, prompt: int, new_tokens: int, between_steps=Non
 
 
 class _ColdReads:
-    """Empties the page cache of accelerate's files before each step, as for a model larger than host memory:
-    accelerate reads offloaded weights through it, and with RAM for the whole model every pass after the first
-    would come from memory. On tmpfs nothing can be dropped; ``detail`` says so."""
+    """Drops the page cache of accelerate's files before each step, as for a model larger than host memory (else
+    every pass after the first reads memory). Nothing on tmpfs can be dropped: ``detail`` says so."""
 
     def __init__(self, roots: list[str]):
         from fastpersist.system import CacheDropper, filesystem_of
 
         self.roots = [root for root in roots if os.path.exists(root)]
         self._dropper = CacheDropper()
-        on_tmpfs = [root for root in self.roots if filesystem_of(root).get("type") == "tmpfs"]
-        self.detail = f"page cache of its files dropped before every step ({self._dropper.mode})"
-        if on_tmpfs:
-            self.detail = (
-                f"{', '.join(on_tmpfs)} on tmpfs: accelerate's reads of it are served from memory (nothing to drop); "
-                f"page cache of the rest dropped before every step ({self._dropper.mode})"
-            )
+        tmpfs = ", ".join(root for root in self.roots if filesystem_of(root).get("type") == "tmpfs")
+        note = f"{tmpfs} on tmpfs: accelerate's reads of it are served from memory (nothing to drop); " if tmpfs else ""
+        rest = "the rest" if tmpfs else "its files"
+        self.detail = f"{note}page cache of {rest} dropped before every step ({self._dropper.mode})"
 
     def __call__(self) -> None:
         self._dropper.drop(self.roots)
 
 
 def _agreement(tokens, logits, reference: tuple | None) -> dict[str, Any]:
-    """How a run's output compares with full-gpu's (``reference``: its tokens and prefill logits): same tokens, share
-    of equal tokens (greedy sequences part for good at their first different token: how early), the largest
-    difference of the prefill's last-position logits (0: the computation is bit for bit the same)."""
+    """A run's output against full-gpu's ``reference`` tokens and prefill logits: the share of equal tokens says how
+    early greedy sequences parted; a logits difference of 0 says the computation is bit for bit the same."""
     if reference is None:
         return {"same_tokens_as_full_gpu": None, "token_agreement": None}
     expected = reference[0][:, : tokens.shape[1]]  # full-gpu made more tokens where the method's count differs
@@ -183,8 +164,7 @@ def _read_ceiling(path: str) -> float:
     from fastpersist.system import CacheDropper
 
     CacheDropper().drop([path])
-    size = os.path.getsize(path)
-    piece = 1 << 30
+    size, piece = os.path.getsize(path), 1 << 30
     buffer = memory.new_cpu_locked_tensor(piece)
     file = engine.File(path, "r", direct=True)
     handle = engine.make_handle()
@@ -241,17 +221,15 @@ def to_markdown(document: dict[str, Any]) -> str:
     }
     for method, rows in document["results"].items():
         for row in rows:
-            bound, share = row.get("bound_tokens_per_second"), row.get("of_bound")
             tokens = row.get("new_tokens", default_tokens.get(method, config.get("new_tokens")))
             before = row.get("rss_before_dispatch_bytes", row.get("host_rss_baseline_bytes"))
             added = row["peak_host_rss_bytes"] - before if before is not None else None
-            staging = row.get("staging_bytes")
             lines.append(
                 f"| {method} | {row['batch']} | {tokens} | {row['decode_tokens_per_second']:.2f} | "
-                f"{_number(bound, '{:.2f}')} | {_number(share, '{:.2f}x')} | "
+                f"{_number(row.get('bound_tokens_per_second'), '{:.2f}')} | {_number(row.get('of_bound'), '{:.2f}x')} | "
                 f"{row['ttft_seconds']:.2f} | {row['peak_gpu_bytes'] / 1e9:.2f} | "
-                f"{row['peak_host_rss_bytes'] / 1e9:.2f} | {_number(added and added / 1e9, '{:+.2f}')} | "
-                f"{_number(staging and staging / 1e9, '{:.2f}')} | {_same(row)} | "
+                f"{row['peak_host_rss_bytes'] / 1e9:.2f} | {_number(added, '{:+.2f}', 1e9)} | "
+                f"{_number(row.get('staging_bytes'), '{:.2f}', 1e9)} | {_same(row)} | "
                 f"{_number(row.get('prefill_logits_max_abs_diff'), '{:.3g}')} |"
             )
     return "\n".join(lines) + "\n"
@@ -273,12 +251,8 @@ def to_svg(documents: list[dict[str, Any]]) -> str:
     colors = {"full-gpu": "#888", "accelerate-disk": "#c96", "fastpersist-disk": "#2a7", "fastpersist-host": "#275"}
     config = document["config"]
     svg, y = Svg(), 30
-    svg.title(
-        18,
-        f"{config['model_bytes'] / 1e9:.0f} GB Llama-shaped model, GPU budget {config['gpu_budget'] / 1e9:.1f} GB, "
-        f"prompt {config['prompt']}: decoding tokens/s (log scale; | = the tier's bound)",
-        13,
-    )
+    title = f"{config['model_bytes'] / 1e9:.0f} GB Llama-shaped model, GPU budget {config['gpu_budget'] / 1e9:.1f} GB, "
+    svg.title(18, title + f"prompt {config['prompt']}: decoding tokens/s (log scale; | = the tier's bound)", 13)
     for method, row in rows:
         value = row["decode_tokens_per_second"]
         svg.label(left - 6, y + 13, f"{method}, batch {row['batch']}")
@@ -291,8 +265,8 @@ def to_svg(documents: list[dict[str, Any]]) -> str:
     return svg.document(left + width + 80, y + 10)
 
 
-def _number(value: float | None, pattern: str) -> str:
-    return "" if value is None else pattern.format(value)
+def _number(value: float | None, pattern: str, unit: float = 1) -> str:
+    return "" if value is None else pattern.format(value / unit)
 
 
 def _same(row: dict[str, Any]) -> str:
@@ -305,12 +279,8 @@ def _same(row: dict[str, Any]) -> str:
 
 
 def _full_gpu(llama_config, path: str, batches: list[int], args, results: dict, reference: dict) -> None:
-    """Generation with the checkpoint fully loaded on the GPU: the compute bound, and the ``reference`` tokens.
-
-    The reference is the checkpoint loaded into the model the other methods get (built on the meta device, its
-    rotary buffers computed on the CPU), not the model that was saved: that one's buffers were computed on the
-    GPU, and their last bits change greedy tokens of a deep model.
-    """
+    """The compute bound and the ``reference`` tokens: the checkpoint loaded into the model the others get (rotary
+    buffers computed on the CPU), not the saved one, whose GPU-computed buffers change a deep model's greedy tokens."""
     import fastpersist
 
     model = _empty_model(llama_config)
@@ -328,21 +298,16 @@ def _full_gpu(llama_config, path: str, batches: list[int], args, results: dict, 
 
 
 def _accelerate(llama_config, path: str, budget: int, batches: list[int], args, results: dict, reference: dict):
-    """Generation with accelerate's ``load_checkpoint_and_dispatch`` (cold reads: :class:`_ColdReads`); what its
-    reads are (None: accelerate is not installed)."""
+    """Generation with ``load_checkpoint_and_dispatch``, reads cold; what its reads are (None: not installed)."""
     try:
         from accelerate import load_checkpoint_and_dispatch
     except ImportError:
         print("accelerate-disk: skipped (accelerate is not installed)")
         return None
     offload_dir = args.accelerate_offload_dir or os.path.join(args.dir, "accelerate-offload")
+    empty, limits = _empty_model(llama_config), {0: budget, "cpu": 1 << 30}
     model = load_checkpoint_and_dispatch(
-        _empty_model(llama_config),
-        path,
-        device_map="auto",
-        max_memory={0: budget, "cpu": 1 << 30},
-        offload_folder=offload_dir,
-        dtype=torch.bfloat16,
+        empty, path, device_map="auto", max_memory=limits, offload_folder=offload_dir, dtype=torch.bfloat16
     )
     cold = _ColdReads([path, offload_dir])
     print(f"accelerate-disk: {cold.detail}", flush=True)
@@ -356,7 +321,6 @@ def _accelerate(llama_config, path: str, budget: int, batches: list[int], args, 
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Builds and saves the model, then generates with every method; returns the document."""
     if not torch.cuda.is_available():
         raise UsageError("python -m fastpersist.bench offload needs a CUDA GPU")
     if not args.dir:
@@ -368,9 +332,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     from fastpersist.offload import dispatch
 
     if not args.nondeterministic:
-        # A random Llama's top logits are near ties: without these, the same model on the same GPU run
-        # twice agreed on about a third of 32 greedy tokens (H200, 40 GB model), and no method could be
-        # checked against another. The variable must be set before cuBLAS makes its first handle.
+        # A random Llama's top logits are near ties: without these, the same model run twice agreed on about a
+        # third of 32 greedy tokens (H200, 40 GB). The variable must be set before cuBLAS makes its first handle.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
     methods = [m for m in args.methods.split(",") if m]
@@ -386,11 +349,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     del model
     torch.cuda.empty_cache()
     budget = args.gpu_budget or model_bytes // 4
-    print(
-        f"model: {llama_config.num_hidden_layers} layers, {model_bytes / 1e9:.2f} GB bf16; GPU budget {budget / 1e9:.2f} GB"
-    )
+    layers = llama_config.num_hidden_layers
+    print(f"model: {layers} layers, {model_bytes / 1e9:.2f} GB bf16; GPU budget {budget / 1e9:.2f} GB")
     disk_tokens = args.new_tokens if args.disk_tokens is None else args.disk_tokens
-    accelerate_reads = None
     results: dict[str, list[dict[str, Any]]] = {}
     reference: dict[int, tuple] = {}  # batch -> full-gpu's tokens and prefill logits
     if "full-gpu" in methods:
@@ -399,9 +360,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     read_ceiling, copy_ceiling = _read_ceiling(path), _copy_ceiling()
     print(f"ceilings: disk read {read_ceiling:.2f} GB/s, host-to-device {copy_ceiling:.2f} GB/s", flush=True)
     streamed_bytes = {}
-    for method in ("fastpersist-disk", "fastpersist-host"):
-        if method not in methods:
-            continue
+    for method in [m for m in ("fastpersist-disk", "fastpersist-host") if m in methods]:
         host_tier = model_bytes if method == "fastpersist-host" else None
         empty = _empty_model(llama_config)
         rss_before = current_rss()
@@ -409,10 +368,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         state = offloaded.fastpersist_offload
         placement = state.describe()
         streamed_bytes[method] = sum(n for _, n in placement["streamed"])
-        ceiling = read_ceiling if method == "fastpersist-disk" else copy_ceiling
-        new_tokens = disk_tokens if method == "fastpersist-disk" else args.new_tokens
+        ceiling, new_tokens = (read_ceiling, disk_tokens) if host_tier is None else (copy_ceiling, args.new_tokens)
         for batch in batches:
-            if method == "fastpersist-host":
+            if host_tier is not None:
                 _generate(offloaded, batch, 8, 1)  # fills the host tier (the first pass reads the disk)
             row = _generate(offloaded, batch, args.prompt, new_tokens)
             row["rss_before_dispatch_bytes"] = rss_before
@@ -422,17 +380,17 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             bound = batch * ceiling * 1e9 / streamed_bytes[method] if streamed_bytes[method] else None
             row["bound_tokens_per_second"] = bound
             row["of_bound"] = row["decode_tokens_per_second"] / bound if bound else None
-            row["stats"] = {k: v for k, v in vars(state.stats()).items()}
+            row["stats"] = dict(vars(state.stats()))
             results.setdefault(method, []).append(row)
             print(
                 f"{method} batch {batch}: {row['decode_tokens_per_second']:.2f} tokens/s (bound {bound or 0:.2f}, "
-                f"{(row['of_bound'] or 0):.2f}x), TTFT {row['ttft_seconds']:.2f} s, "
-                f"same tokens {row['same_tokens_as_full_gpu']}",
+                f"{(row['of_bound'] or 0):.2f}x), TTFT {row['ttft_seconds']:.2f} s, same tokens {row['same_tokens_as_full_gpu']}",
                 flush=True,
             )
         state.close()
         del offloaded
         torch.cuda.empty_cache()
+    accelerate_reads = None
     if "accelerate-disk" in methods:
         accelerate_reads = _accelerate(llama_config, path, budget, batches, args, results, reference)
     return {
@@ -440,7 +398,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_info(args.dir, "cuda"),
         "config": {
             "model_bytes": model_bytes,
-            "layers": llama_config.num_hidden_layers,
+            "layers": layers,
             "gpu_budget": budget,
             "prompt": args.prompt,
             "new_tokens": args.new_tokens,

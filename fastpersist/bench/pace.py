@@ -3,11 +3,10 @@
     python -m fastpersist.bench pace --disk /mnt/nvme/fp --shm /dev/shm/fp --json out.json
     python -m fastpersist.bench pace --report out.json
 
-Each measurement against its own ceiling in the same run: ``training`` with a checkpoint every iteration
-(pipelined and snapshot, to shm and to disk) against that benchmark's bound; a ``--size`` GPU state saved
-durably to disk against fio's O_DIRECT write of as many bytes, alternating, per round (fio must be on
-``PATH``); the same state loaded from shm to the GPU verified against unverified. The document lists each
-target (:data:`TARGETS`), its ratio and whether it is met; see docs/performance.md.
+Each against its own ceiling in the same run: ``training`` every iteration (pipelined and snapshot, to shm and to
+disk) against its bound; a ``--size`` GPU state saved durably to disk against fio's O_DIRECT write (fio on ``PATH``),
+alternating; that state loaded from shm verified against unverified. Each target (:data:`TARGETS`), its ratio and
+whether it is met; see docs/performance.md.
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ def _disk_rounds(directory: str, state: dict, nbytes: int, rounds: int) -> dict[
     measured = Rounds(rounds, order="reverse", catch=False).run([["fio", "fastpersist"]], run).samples
     for stale in (path, fio_path):
         remove_path(stale)
-    return _paired(nbytes, {"fio": measured["fio"], "fastpersist": measured["fastpersist"]}, "fastpersist", "fio")
+    return _paired(nbytes, measured, "fastpersist", "fio")
 
 
 def _load_rounds(directory: str, state: dict, nbytes: int, rounds: int, device: str) -> dict[str, Any]:
@@ -85,17 +84,18 @@ def _load_rounds(directory: str, state: dict, nbytes: int, rounds: int, device: 
     path = os.path.join(directory, "pace-load.pt")
     fastpersist.save(state, path)
 
-    def run(verify: bool, index: int) -> float:
+    def run(name: str, index: int) -> float:
+        verify = name == "verified"
         loaded, seconds = timed(lambda: fastpersist.load(path, map_location=device, verify=verify), device)
         if index == 0 and verify and any(not torch.equal(loaded[k], state[k]) for k in state):
             raise AssertionError("the verified load differs from the saved state")
         return seconds["seconds"]
 
     try:  # the first round is untimed
-        measured = Rounds(rounds, warmup=1, order="reverse", catch=False).run([[True, False]], run).samples
+        measured = Rounds(rounds, warmup=1, order="reverse", catch=False).run([["verified", "unverified"]], run).samples
     finally:
         os.unlink(path)
-    return _paired(nbytes, {"verified": measured[True], "unverified": measured[False]}, "verified", "unverified")
+    return _paired(nbytes, measured, "verified", "unverified")
 
 
 def _paired(nbytes: int, seconds: dict[str, list[float]], measured: str, reference: str) -> dict[str, Any]:
@@ -117,8 +117,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     if not system.find_fio():
         raise SystemExit(f"the disk save's ceiling is fio's write: {system.FIO_INSTALL_HINT}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ratios: dict[str, float | None] = {}
-    parts: dict[str, Any] = {}
+    ratios, parts = {}, {}
     with tempfile.TemporaryDirectory() as scratch:
         for where, directory in (("shm", args.shm), ("disk", args.disk)):
             os.makedirs(directory, exist_ok=True)

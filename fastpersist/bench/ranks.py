@@ -1,11 +1,10 @@
 """``python -m fastpersist.bench ranks``: data-parallel sharded save against the number of ranks.
 
-For each N in ``--ranks`` (1 always: the single writer of the same run), N processes of one process group
-time ``--repeat`` collective saves of the same ``--size`` state, per rank and end to end (first start after a
-barrier to the last return). ``--sink`` saves into ``/dev/null`` and measures each N's bound: all ranks at
-once copying their share to the host. For per-rank targets (``--dir`` a comma list) the N-rank time is
-projected from the single writer's rate plus the measured coordination. Every checkpoint is verified, the
-first loaded back and compared; see docs/distributed.md.
+For each N in ``--ranks`` (and 1, the single writer), N processes of one process group time ``--repeat`` collective
+saves of the same ``--size`` state, per rank and end to end (first start after a barrier to the last return), every
+checkpoint verified, the first loaded back. ``--sink`` saves into ``/dev/null`` and measures each N's bound: all ranks
+at once copying their share to the host. For per-rank targets (``--dir`` a comma list) the N-rank time is projected
+from the single writer's rate plus the measured coordination; see docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 
 from fastpersist import config
-from fastpersist.bench import measure
+from fastpersist.bench import bounds, measure
 from fastpersist.bench.harness import Benchmark, bf16_state, markdown_table, option, spawn
 from fastpersist.bench.shapes import sink_save
 from fastpersist.io import targets
@@ -28,19 +27,17 @@ from fastpersist.tuning import workloads
 __all__ = ["BENCHMARK", "SCHEMA", "main", "to_markdown"]
 
 SCHEMA = "fastpersist.bench.ranks/1"
-_SECONDS = ("write_seconds", "digest_seconds", "prepare_seconds", "launch_seconds")
-"""A rank's seconds of a save, in its records (a single writer's are all its write)."""
+_SECONDS = ("write_seconds", "digest_seconds", "prepare_seconds", "launch_seconds")  # of a save, in a rank's records
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (1 is always added)")
     option(parser, "size", type=str, default="2G", help="checkpoint size (e.g. 256M, 2G)")
     option(parser, "device", choices=["cpu", "cuda"], help="where each rank's state lives")
-    option(
-        parser,
-        "dir",
-        help="target directory; a comma list gives rank r the directory r %% len (per-rank targets, with --layout parts)",
+    per_rank = (
+        "target directory; a comma list gives rank r the directory r %% len (per-rank targets, with --layout parts)"
     )
+    option(parser, "dir", help=per_rank)
     parser.add_argument("--layout", default="file", choices=["file", "parts"])
     parser.add_argument("--writers", default="all", choices=["all", "node"])
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
@@ -57,6 +54,7 @@ def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     import fastpersist
     from fastpersist.distributed import save as dsave
+    from fastpersist.distributed.manifest import is_manifest, read_manifest
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.device == "cuda" or args.backend == "nccl":
@@ -65,6 +63,7 @@ def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
     state = bf16_state(config.parse_size(args.size), args.device, odd_tail=True)
     directories = args.dir.split(",")
     path = os.path.join(directories[rank % len(directories)], "ranks-bench.pt")
+    options = {"group": dist.group.WORLD, **{k: getattr(args, k) for k in ("layout", "writers", "timeout")}}
     records = []
     for repeat in range(args.repeat):
         dist.barrier()
@@ -79,15 +78,7 @@ def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
             seconds = {"write_seconds": time.perf_counter() - began, **dict.fromkeys(_SECONDS[1:], 0.0)}
             steps = {}
         else:
-            stats = dsave.save(
-                state,
-                targets.Sink() if args.sink else path,
-                group=dist.group.WORLD,
-                layout=args.layout,
-                writers=args.writers,
-                timeout=args.timeout,
-                settings=config.settings(),
-            )
+            stats = dsave.save(state, targets.Sink() if args.sink else path, **options, settings=config.settings())
             written, steps, seconds = stats.bytes_written, stats.steps, {k: getattr(stats, k) for k in _SECONDS}
         end = time.time()
         dist.barrier()
@@ -98,41 +89,25 @@ def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
             if repeat == 0:
                 loaded = fastpersist.load(path, map_location="cpu")
                 check["round_trip"] = all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
-            check["file_bytes"] = sum(os.path.getsize(f) for f in _files_of(path))
+            parts = read_manifest(path).parts if is_manifest(path) else []
+            files = [path, *(os.path.join(os.path.dirname(path), p.name) for p in parts)]
+            check["file_bytes"] = sum(os.path.getsize(f) for f in files)
         dist.barrier()
         record = {"rank": rank, "repeat": repeat, "start": start, "end": end, "bytes": written}
         records.append({**record, **seconds, "steps": steps, **check})
-    if args.sink:
-        records += _bound_rounds(rank, world, state, args.repeat, dist.barrier)
+    if args.sink:  # the bound: this rank's share (every world-th tensor) copied to the host, no format
+        settings = config.settings()
+        ceiling = bounds.CopyCeiling(list(state.values())[rank::world], settings.buffer_size, settings.buffer_count)
+        ceiling.to_host(settings.checksum)  # untimed: first touches
+        for index in range(args.repeat):
+            dist.barrier()
+            start = time.time()
+            ceiling.to_host(settings.checksum)
+            records.append({"rank": rank, "bound_repeat": index, "start": start, "end": time.time()})
+        dist.barrier()
     dist.barrier()
     dist.destroy_process_group()
     return records
-
-
-def _bound_rounds(rank: int, world: int, state: dict, repeat: int, barrier) -> list[dict[str, Any]]:
-    """This rank's share of the state (every ``world``-th tensor) copied to the host with the save pipeline's
-    work and no format, ``repeat`` times, all ranks started together (see the module docstring)."""
-    from fastpersist.bench import bounds
-
-    settings = config.settings()
-    ceiling = bounds.CopyCeiling(list(state.values())[rank::world], settings.buffer_size, settings.buffer_count)
-    ceiling.to_host(settings.checksum)  # untimed: first touches
-    rows = []
-    for index in range(repeat):
-        barrier()
-        start = time.time()
-        ceiling.to_host(settings.checksum)
-        rows.append({"rank": rank, "bound_repeat": index, "start": start, "end": time.time()})
-    barrier()
-    return rows
-
-
-def _files_of(path: str) -> list[str]:
-    from fastpersist.distributed.manifest import is_manifest, read_manifest
-
-    if not is_manifest(path):
-        return [path]
-    return [path] + [os.path.join(os.path.dirname(path), p.name) for p in read_manifest(path).parts]
 
 
 def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
@@ -143,18 +118,17 @@ def _summarize(world: int, rows: list[dict[str, Any]], size: int) -> dict[str, A
         return max(r["end"] for r in these) - min(r["start"] for r in these)
 
     bound = measure.summarize([span(these) for these in repeats("bound_repeat")])
-    rows = [r for r in rows if "bound_repeat" not in r]
     end_to_end = [span(these) for these in repeats("repeat")]
     slowest_write = [max(r["write_seconds"] for r in these) for these in repeats("repeat")]
+    saves = [r for r in rows if "bound_repeat" not in r]
     per_rank = []
     for rank in range(world):
-        mine = [r for r in rows if r["rank"] == rank]
+        mine = [r for r in saves if r["rank"] == rank]
         seconds = {k: measure.summarize([r.get(k, 0.0) for r in mine]) for k in _SECONDS}
-        rate = (
-            mine[0]["bytes"] / seconds["write_seconds"]["median"] / 1e9 if seconds["write_seconds"]["median"] else None
-        )
+        write = seconds["write_seconds"]["median"]
+        rate = mine[0]["bytes"] / write / 1e9 if write else None
         per_rank.append({"rank": rank, "bytes": mine[0]["bytes"], **seconds, "write_GBps": rate})
-    checks = [r for r in rows if r["rank"] == 0]
+    checks = [r for r in saves if r["rank"] == 0]
     e2e = measure.summarize(end_to_end)
     steps = {
         step: measure.summarize([r["steps"][step] for r in checks if step in r["steps"]])
@@ -196,20 +170,19 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     size = config.parse_size(args.size)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
+    settings = {"size": size, **{k: getattr(args, k) for k in ("device", "layout", "writers", "backend")}}
+    settings.update(repeat=args.repeat, timeout=args.timeout, sink=args.sink, checksum=config.settings().checksum)
+    results = []
     with tempfile.TemporaryDirectory(dir=(args.dir or ".").split(",")[0]) as scratch:
         dirs = args.dir.split(",") if args.dir and "," in args.dir else [scratch]
-        settings = {"size": size, **{k: getattr(args, k) for k in ("device", "layout", "writers", "backend")}}
-        settings.update(repeat=args.repeat, timeout=args.timeout, sink=args.sink, checksum=config.settings().checksum)
-        results = []
         for world in ranks:
             records, error = spawn("ranks", [*args.argv, "--dir", ",".join(dirs)], ranks=world, group=True)
             if error:
                 raise RuntimeError(f"{world} ranks failed:\n{error}")
             results.append(_summarize(world, [row for rows in records for row in rows], size))
-            for d in dirs:
-                for name in os.listdir(d):
-                    if name.startswith("ranks-bench.pt"):
-                        os.unlink(os.path.join(d, name))
+            for stale in [os.path.join(d, name) for d in dirs for name in os.listdir(d)]:
+                if os.path.basename(stale).startswith("ranks-bench.pt"):
+                    os.unlink(stale)
     _project(results)
     document = {
         "schema": SCHEMA,

@@ -1,16 +1,13 @@
 """Checkpoint-benchmark documents as text, Markdown and charts, and the docs' generated blocks.
 
-``python -m fastpersist.bench report results.json ...`` prints their Markdown; ``--update-docs`` regenerates
-README.md and docs/ from docs/results/ (``--check-docs``: exit 1 where they differ), so tables in the docs
-are never typed. The docs mark generated text ``<!-- fastpersist:NAME -->`` ... ``<!-- /fastpersist -->``:
-``summary`` (a row per checkpoint result: the README's table), ``results`` (every checkpoint result in
-full), or a benchmark's name (its documents as its ``--report`` prints them). Every result must record the
-code version (``machine.code.commit``), its settings and its machine.
+The docs' figures are never typed: ``--update-docs`` regenerates their ``<!-- fastpersist:NAME -->`` blocks
+from docs/results/ (``summary``: the README's table, ``results``: every checkpoint result, or a benchmark's name).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import importlib
 import json
@@ -27,28 +24,23 @@ from fastpersist.bench.harness import figure, markdown_table, read_document
 SCHEMA_PREFIX = "fastpersist.bench.checkpoint/"
 CEILING_OP = {"save": "write", "load": "read"}
 RESULTS_DIR = os.path.join("docs", "results")
-_SCHEMAS = {
+_SCHEMAS = {  # the benchmarks whose documents name them only in their schema (the others: a "benchmark" key)
     "ranks": "fastpersist.bench.ranks/",
     "training": "fastpersist-training-bench/",
     "safetensors": "fastpersist.bench.safetensors/",
 }
-"""The benchmarks whose documents name them only in their ``schema`` (the others have a ``benchmark`` key)."""
 
 
 def load_result(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The checkpoint-benchmark document at ``path``; ValueError when it is not one (or unreadable)."""
+    """The checkpoint-benchmark document at ``path``; ValueError when it is not one."""
     return read_document(os.fspath(path), "checkpoint", SCHEMA_PREFIX)
 
 
 def benchmark_of(document: dict[str, Any]) -> str | None:
-    """Which benchmark wrote ``document``: its ``benchmark`` key, else the name in its ``schema``."""
     if document.get("benchmark"):
         return str(document["benchmark"])
     schema = str(document.get("schema", ""))
     return next((name for name, prefix in _SCHEMAS.items() if schema.startswith(prefix)), None)
-
-
-# ----------------------------------------------------------------------------- rows
 
 
 def _gb(n: float) -> str:
@@ -74,20 +66,17 @@ def _median(document: dict[str, Any], op: str, method: str) -> float | None:
 
 
 def annotate_ceiling(document: dict[str, Any]) -> None:
-    """Adds to every result its ``ceiling_ratio``, its median GB/s over the storage ceiling of its operation in
-    the same run (None without one), and ``measurement_problem``: a ratio above 1.0 cannot be a result, the
-    ceiling being the best any tool moved these bytes on this storage."""
+    """Adds to every result its ``ceiling_ratio`` (median GB/s over its run's storage ceiling, None without one)
+    and ``measurement_problem``: above 1.0 it is no result, the ceiling being the best any tool did there."""
     ceiling = document.get("ceiling") or {}
     for r in document["results"]:
         limit = (ceiling.get(CEILING_OP[r["op"]]) or {}).get("gbps")
         gbps = (r.get("summary") or {}).get("gbps")
         ratio = gbps["median"] / limit if limit and gbps and r["status"] == "ok" else None
-        r["ceiling_ratio"] = ratio
-        r["measurement_problem"] = ratio is not None and ratio > 1.0
+        r.update(ceiling_ratio=ratio, measurement_problem=ratio is not None and ratio > 1.0)
 
 
 def measurement_problems(document: dict[str, Any]) -> list[str]:
-    """Labels of the methods faster than the storage ceiling of their run."""
     return [f"{r['op']} {r['label']}" for r in document["results"] if r.get("measurement_problem")]
 
 
@@ -145,9 +134,8 @@ def _row(document: dict[str, Any], r: dict[str, Any]) -> dict[str, str]:
 
 
 def rows(document: dict[str, Any]) -> list[dict[str, str]]:
-    """One dict of display strings per method, saves then loads, each operation's storage ceiling after its
-    methods. Keys: op, method, label, status and the figures (gbps, range, seconds, blocked, rss_delta,
-    peak_rss, ratio, ceiling_ratio): ``-`` for a FAILED or skipped method, its reason in ``status``."""
+    """Display strings per method (op, method, label, status and the figures of _COLUMNS, ``-`` for a failed
+    or skipped one), saves then loads, each operation's storage ceiling after its methods."""
     out = []
     for op in CEILING_OP:
         out += [_row(document, r) for r in document["results"] if r["op"] == op]
@@ -164,7 +152,7 @@ def _headline(document: dict[str, Any]) -> list[str]:
         + (f" ({m.get('device_name')})" if se["device"] != "cpu" else "")
     )
     host = (
-        f"{m.get('hostname')}, {m.get('cpu_count')} CPUs, {(m.get('ram_bytes') or 0) / 2**30:.0f} GiB RAM, "
+        f"machine: {m.get('hostname')}, {m.get('cpu_count')} CPUs, {(m.get('ram_bytes') or 0) / 2**30:.0f} GiB RAM, "
         f"torch {m.get('torch')}, {m.get('date')}"
         + (f", load average {m['loadavg'][0]:.1f} at the end" if m.get("loadavg") else "")
     )
@@ -173,30 +161,20 @@ def _headline(document: dict[str, Any]) -> list[str]:
     if se.get("load_repeats", 1) > 1:
         rounds += f" (loads: {se['load_repeats']} per round, {se['repeats'] * se['load_repeats']} in all)"
     rounds += ", " + (f"methods in random order (seed {order['seed']})" if order else "methods interleaved")
-    return [
-        what,
-        f"dir: {fs.get('path', se['dir'])} ({fs.get('type', '?')} on {fs.get('device', '?')})",
-        f"machine: {host}",
-        version + (" with uncommitted changes" if code.get("dirty") else ""),
-        rounds + "; range is min-max",
-        se.get("cache_detail", ""),
-        _conditions(document),
-    ]
-
-
-def _conditions(document: dict[str, Any]) -> str:
-    """How the run gave every method of an operation the same conditions, in a sentence ("" for older results)."""
-    order = document.get("order") or {}
-    if "memory_settle_seconds" not in order:
-        return ""
-    pause, settle = order["memory_settle_seconds"], order.get("settle_seconds", 0)
-    text = "equal conditions: before every load, memory released and the page cache dropped"
-    if pause:
-        text += (
-            f", then a {pause:g} s pause in which the host takes freed memory back (free page reporting); "
-            "the same pause before each round's saves"
-        )
-    return text + (f"; every loaded file at least {settle:g} s old" if settle else "")
+    rounds += "; range is min-max"
+    conditions = ""
+    if "memory_settle_seconds" in (order or {}):  # how every method of an operation had the same conditions
+        pause, settle = order["memory_settle_seconds"], order.get("settle_seconds", 0)
+        conditions = "equal conditions: before every load, memory released and the page cache dropped"
+        if pause:
+            conditions += (
+                f", then a {pause:g} s pause in which the host takes freed memory back (free page reporting); "
+                "the same pause before each round's saves"
+            )
+        conditions += f"; every loaded file at least {settle:g} s old" if settle else ""
+    where = f"dir: {fs.get('path', se['dir'])} ({fs.get('type', '?')} on {fs.get('device', '?')})"
+    version += " with uncommitted changes" if code.get("dirty") else ""
+    return [what, where, host, version, rounds, se.get("cache_detail", ""), conditions]
 
 
 def _baseline_note(document: dict[str, Any]) -> str:
@@ -205,14 +183,12 @@ def _baseline_note(document: dict[str, Any]) -> str:
 
 
 def format_table(document: dict[str, Any], status_width: int = 70) -> str:
-    """The terminal report: a headline, a table of saves and one of loads (reasons cut at ``status_width``)."""
+    """The terminal's report: a headline, a table of saves and one of loads (reasons cut at ``status_width``)."""
     headline = _headline(document)
     lines = ["", "fastpersist checkpoint benchmark: " + headline[0]] + ["  " + text for text in headline[1:] if text]
     cold = document["settings"].get("cache") in ("drop_caches", "fadvise")
-    titles = {
-        "save": "save (time to durable: fsync of files and directory)",
-        "load": "load (cold: page cache dropped)" if cold else "load (page cache NOT dropped)",
-    }
+    load = "load (cold: page cache dropped)" if cold else "load (page cache NOT dropped)"
+    titles = {"save": "save (time to durable: fsync of files and directory)", "load": load}
     everything = rows(document)
     for op, title in titles.items():
         op_rows = [r for r in everything if r["op"] == op]
@@ -234,9 +210,7 @@ def _md_escape(text: str) -> str:
 
 
 def to_markdown(documents: dict[str, Any] | Sequence[dict[str, Any]]) -> str:
-    """Markdown of one or more result documents: each a headline and a table of every method (saves, then
-    loads) with median GB/s, min-max, median time, blocked time (async), median RSS delta and the ratios to
-    the baseline and the ceiling of the same run."""
+    """Markdown of one or more result documents: each a headline and a table of every method."""
     columns = [c for c in _COLUMNS if c[2]]
     parts = []
     for document in [documents] if isinstance(documents, dict) else documents:
@@ -249,8 +223,8 @@ def to_markdown(documents: dict[str, Any] | Sequence[dict[str, Any]]) -> str:
 
 
 def save_png(document: dict[str, Any] | Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> str:
-    """A horizontal bar chart of median GB/s with min-max whiskers, saves and loads side by side; returns what
-    happened: the path written, or why nothing was (matplotlib is optional)."""
+    """A bar chart of median GB/s with min-max whiskers, saves and loads side by side; returns the path written,
+    or why nothing was (matplotlib is optional)."""
     try:
         import matplotlib
 
@@ -259,8 +233,7 @@ def save_png(document: dict[str, Any] | Sequence[dict[str, Any]], path: str | os
     except ImportError:
         return "skipped: matplotlib is not installed (pip install matplotlib)"
     documents = [document] if isinstance(document, dict) else list(document)
-    first = documents[0]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 0.5 + 0.45 * max(4, len(first["results"]))), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.5 + 0.45 * max(4, len(documents[0]["results"]))), squeeze=False)
     for ax, op in zip(axes[0], ("save", "load")):
         bars = [  # (label, median, min, max) of every verified method of this operation
             (r["label"] + (f" [{index + 1}]" if len(documents) > 1 else ""), g["median"], g["min"], g["max"])
@@ -282,14 +255,11 @@ def save_png(document: dict[str, Any] | Sequence[dict[str, Any]], path: str | os
         for yi, value, high in zip(y, medians, highs):
             ax.text(value + high + 0.01 * right, yi, f" {value:.2f}", va="center")
         ax.set_xlim(0, right * 1.15)
-    fig.suptitle(_headline(first)[0], fontsize=9)
+    fig.suptitle(_headline(documents[0])[0], fontsize=9)
     fig.tight_layout()
     fig.savefig(os.fspath(path), dpi=120)
     plt.close(fig)
     return f"written to {os.fspath(path)}"
-
-
-# ----------------------------------------------------------------------------- the docs
 
 
 def _summary_cell(document: dict[str, Any], op: str, method: str, baseline: str | None = None) -> str:
@@ -303,7 +273,7 @@ def _summary_cell(document: dict[str, Any], op: str, method: str, baseline: str 
 
 
 def summary_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
-    """The README's table: one row per (file name, document); GB/s medians, ratios to torch in the same run."""
+    """The README's table: a row per (file name, document); GB/s medians, ratios to torch in the same run."""
     header = ["result", "checkpoint", "torch.save + fsync", "fastpersist.save", "write ceiling", "torch.load"]
     lines = markdown_table([*header, "fastpersist.load", "read ceiling"], "<<>>>>>>", [])
     for name, document in documents:
@@ -314,13 +284,11 @@ def summary_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
             f"[{name}](docs/results/{name})",
             f"{_gb(st['bytes'])} {se['dtype']} {se['model']} on {device}, "
             f"{(m.get('filesystem') or {}).get('type', '?')}; {m.get('hostname')}, {m.get('cpu_count')} CPUs",
-            _summary_cell(document, "save", "torch.save"),
-            _summary_cell(document, "save", "fastpersist", "torch.save"),
-            figure((ceiling.get("write") or {}).get("gbps") or None),
-            _summary_cell(document, "load", "torch.load"),
-            _summary_cell(document, "load", "fastpersist.load", "torch.load"),
-            figure((ceiling.get("read") or {}).get("gbps") or None),
         ]
+        for op, ours in (("save", "fastpersist"), ("load", "fastpersist.load")):
+            baseline = f"torch.{op}"
+            cells += [_summary_cell(document, op, baseline), _summary_cell(document, op, ours, baseline)]
+            cells.append(figure((ceiling.get(CEILING_OP[op]) or {}).get("gbps") or None))
         lines.append("| " + " | ".join(_md_escape(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -333,30 +301,22 @@ def _results_markdown(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(parts)
 
 
-def _rendered_by(name: str):
-    """Benchmark ``name``'s :meth:`~fastpersist.bench.harness.Benchmark.render_documents` of the documents
-    under their paths in docs/results/ (its module imported when a block of it is rendered)."""
-
-    def render(documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
-        benchmark = importlib.import_module(SUBCOMMANDS[name][0]).BENCHMARK
-        return benchmark.render_documents([(f"docs/results/{file}", document) for file, document in documents])
-
-    return render
+def _rendered_by(name: str, documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """Benchmark ``name``'s rendering of the documents (its module imported only when a block of it is rendered)."""
+    benchmark = importlib.import_module(SUBCOMMANDS[name][0]).BENCHMARK
+    return benchmark.render_documents([(f"docs/results/{file}", document) for file, document in documents])
 
 
-RENDERERS: dict[str, Any] = {
+RENDERERS: dict[str, Any] = {  # docs block name -> renderer: every registered benchmark has its block
     "summary": summary_markdown,
     "results": _results_markdown,
-    **{name: _rendered_by(name) for name in SUBCOMMANDS if name not in ("checkpoint", "report")},
+    **{name: functools.partial(_rendered_by, name) for name in SUBCOMMANDS if name not in ("checkpoint", "report")},
 }
-"""Docs block name -> renderer of the results of that kind (one block name per renderer: a registered
-benchmark has its block, no second list to keep)."""
 
 
 def load_results(directory: str) -> list[tuple[str, dict[str, Any]]]:
-    """Every ``*.json`` of ``directory`` (sorted by name) as (name, document), checkpoint results annotated
-    with their ceiling ratios; ValueError for a file that is no result or records no code version (commit),
-    settings or machine (re-measure it)."""
+    """Every ``*.json`` of ``directory`` (sorted) as (name, document), checkpoint results annotated with their
+    ceiling ratios; ValueError for a file that is no result or records no code version, settings or machine."""
     documents = []
     for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
         with open(path, encoding="utf-8") as f:
@@ -373,8 +333,6 @@ def load_results(directory: str) -> list[tuple[str, dict[str, Any]]]:
 
 
 def render_docs(text: str, documents: Sequence[tuple[str, dict[str, Any]]]) -> str:
-    """``text`` with every generated block replaced by what ``documents`` give."""
-
     def fill(match: re.Match[str]) -> str:
         kind = match.group(2)
         if kind in ("summary", "results"):  # the checkpoint benchmark's
@@ -391,15 +349,12 @@ def render_docs(text: str, documents: Sequence[tuple[str, dict[str, Any]]]) -> s
 
 
 def doc_files(root: str) -> list[str]:
-    """README.md and every Markdown file under docs/ (sorted)."""
-    return [os.path.join(root, "README.md")] + sorted(
-        glob.glob(os.path.join(root, "docs", "**", "*.md"), recursive=True)
-    )
+    pattern = os.path.join(root, "docs", "**", "*.md")
+    return [os.path.join(root, "README.md")] + sorted(glob.glob(pattern, recursive=True))
 
 
 def update_docs(root: str = ".", check: bool = False) -> list[str]:
-    """Regenerates the blocks of README.md and docs/*.md under ``root`` from its docs/results/ (``check``:
-    only compares); returns the files whose blocks differed."""
+    """Regenerates the docs' blocks under ``root`` (``check``: only compares); returns the files that differed."""
     documents = load_results(os.path.join(root, RESULTS_DIR))
     changed = []
     for path in doc_files(root):
@@ -422,18 +377,17 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="python -m fastpersist.bench report", description=main.__doc__)
     parser.add_argument("results", nargs="*", help="result JSON files to print as Markdown")
-    update = "rewrite the generated tables of README.md and docs/"
-    parser.add_argument("--update-docs", action="store_true", help=update)
+    parser.add_argument(
+        "--update-docs", action="store_true", help="rewrite the generated tables of README.md and docs/"
+    )
     parser.add_argument("--check-docs", action="store_true", help="exit 1 if a generated table is stale")
     parser.add_argument("--root", default=".", help="repository root (default: the current directory)")
     args = parser.parse_args(argv)
     try:
         if args.update_docs or args.check_docs:
             changed = update_docs(args.root, check=args.check_docs)
-            for path in changed:
-                print(f"{'stale' if args.check_docs else 'regenerated'}: {path}")
-            if not changed:
-                print("docs match docs/results/")
+            what = "stale" if args.check_docs else "regenerated"
+            print("\n".join(f"{what}: {path}" for path in changed) or "docs match docs/results/")
             return 1 if args.check_docs and changed else 0
         if not args.results:
             parser.error("give result files, --update-docs or --check-docs")

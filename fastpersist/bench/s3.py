@@ -1,25 +1,16 @@
 """``python -m fastpersist.bench s3``: checkpoints in an S3-compatible store, fastpersist against boto3 and s3fs.
 
-One CPU state of ``--size`` bytes saved (durable when the call returns) and loaded against one endpoint:
-by default a moto server the benchmark starts in a child process on 127.0.0.1 (the figures measure the
-client side, not a network), or ``--endpoint URL`` with credentials from the environment. Methods:
-``fastpersist.save``/``load`` of ``s3://...``, ``torch.save`` into a ``BytesIO`` + boto3 (same part size
-and concurrency), and, where importable, s3fs and s3torchconnector (their failures are their results).
-Methods interleaved per repeat; median, min and max; every object loaded back and compared, and read by
-the other library; fastpersist's pooled ring allocated by an untimed warm-up, its cost reported apart.
-See docs/object-storage.md.
-
-::
-
-    python -m fastpersist.bench s3 --size 256M --repeats 3 --json out.json
-    AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... python -m fastpersist.bench s3 --endpoint http://minio:9000
+One CPU state saved (durable on return) and loaded against a moto server in a child process (the client side
+measured, not a network) or ``--endpoint``: fastpersist, torch.save + boto3 (same part size and concurrency), s3fs
+and s3torchconnector (their failures are their results). Every object is loaded back, compared and read by the other
+library; an untimed warm-up allocates fastpersist's pooled ring, whose cost is reported apart. See
+docs/object-storage.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import io
 import os
 import socket
@@ -41,6 +32,17 @@ __all__ = ["BENCHMARK", "SCHEMA", "main", "make_state", "moto_server", "to_markd
 
 SCHEMA = "fastpersist.bench.s3/1"
 _MiB = 1 << 20
+_LABELS = {  # method: (its save, its load), as the table names them
+    "fastpersist": ("fastpersist.save(state, 's3://...')", "fastpersist.load('s3://...')"),
+    "fastpersist-one-get": (
+        "",
+        "fastpersist.load('s3://...') of the same object in one GET (s3_part_size >= its size)",
+    ),
+    "boto3": ("torch.save to BytesIO + boto3 upload_fileobj", "boto3 get_object -> BytesIO -> torch.load"),
+    "s3fs": ("torch.save to s3fs fs.open(url, 'wb')", "torch.load(fs.open(url, 'rb'))"),
+    "s3torchconnector": ("torch.save to S3Checkpoint.writer", "torch.load(S3Checkpoint.reader)"),
+}
+_OTHERS = ("s3fs", "s3torchconnector")  # other libraries, where importable: their failures are their results
 
 
 def _options(p: argparse.ArgumentParser) -> None:
@@ -66,9 +68,6 @@ def make_state(size: int, seed: int = 0) -> dict[str, Any]:
         tensors[f"layers.{len(tensors)}.weight"] = torch.randn(shape, generator=generator).to(dtype)
         left -= count * dtype.itemsize
     return {"model": tensors, "step": 1000, "config": {"lr": 3e-4, "name": "bench"}}
-
-
-# ----------------------------------------------------------------------------- the endpoint
 
 
 @contextlib.contextmanager
@@ -117,35 +116,9 @@ def _endpoint(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
             yield url, f"moto {moto.__version__} server (in-memory, Python) in a child process on 127.0.0.1"
 
 
-# ----------------------------------------------------------------------------- the methods
-
-
-_LABELS = {
-    # method: (its save, its load), as the table names them
-    "fastpersist": ("fastpersist.save(state, 's3://...')", "fastpersist.load('s3://...')"),
-    "fastpersist-one-get": (
-        "",
-        "fastpersist.load('s3://...') of the same object in one GET (s3_part_size >= its size)",
-    ),
-    "boto3": ("torch.save to BytesIO + boto3 upload_fileobj", "boto3 get_object -> BytesIO -> torch.load"),
-    "s3fs": ("torch.save to s3fs fs.open(url, 'wb')", "torch.load(fs.open(url, 'rb'))"),
-    "s3torchconnector": ("torch.save to S3Checkpoint.writer", "torch.load(S3Checkpoint.reader)"),
-}
-
-
-@dataclasses.dataclass
-class _Method:
-    """One way to save and load, or why it is skipped. ``optional``: another library's, compared where it runs;
-    its failure is its result ("failed: <reason>"), not a problem of the run."""
-
-    name: str
-    save: Callable[[dict[str, Any]], None] | None = None
-    load: Callable[[], Any] | None = None
-    skipped: str | None = None
-    optional: bool = False
-
-
-def _methods(endpoint: str, bucket: str, settings: config.Settings, client, keys: dict[str, str], size: int):
+def _methods(endpoint: str, bucket: str, settings: config.Settings, client, size: int):
+    """name -> (save(state, key), load(key)) of every method that can run (save None: it loads fastpersist's
+    object), and why each other library cannot."""
     import boto3.s3.transfer
 
     import fastpersist
@@ -158,134 +131,99 @@ def _methods(endpoint: str, bucket: str, settings: config.Settings, client, keys
     # Load-only context: moto answers a ranged GET by reading the whole object and slicing it.
     one_get = dict(overrides, s3_part_size=min(5 << 30, max(part, -(-size // _MiB) * _MiB)))
 
-    def url(name: str) -> str:  # the key is read at each call (the warm-up swaps it)
-        return f"s3://{bucket}/{keys[name]}"
+    def fastpersist_save(state: dict[str, Any], key: str) -> None:
+        fastpersist.save(state, f"s3://{bucket}/{key}", **overrides)
 
-    def boto3_save(state: dict[str, Any]) -> None:
+    def ours(**chosen: Any) -> Callable[[str], Any]:
+        return lambda key: fastpersist.load(f"s3://{bucket}/{key}", weights_only=True, **chosen)
+
+    def boto3_save(state: dict[str, Any], key: str) -> None:
         buffer = io.BytesIO()
         torch.save(state, buffer)
         buffer.seek(0)
-        client.upload_fileobj(buffer, bucket, keys["boto3"], Config=transfer)
+        client.upload_fileobj(buffer, bucket, key, Config=transfer)
 
-    def boto3_load() -> Any:
-        body = client.get_object(Bucket=bucket, Key=keys["boto3"])["Body"]
+    def boto3_load(key: str) -> Any:
+        body = client.get_object(Bucket=bucket, Key=key)["Body"]
         return torch.load(io.BytesIO(body.read()), weights_only=True)
 
-    def streamed(name: str, writer: Callable[[str], Any], reader: Callable[[str], Any]) -> tuple[Callable, Callable]:
-        """torch.save into the file-like ``writer(url)`` opens, torch.load from the one ``reader(url)`` opens."""
-
-        def save(state: dict[str, Any]) -> None:
-            with writer(url(name)) as f:
+    def streamed(writer: Callable[[str], Any], reader: Callable[[str], Any]) -> tuple[Callable, Callable]:
+        def save(state: dict[str, Any], key: str) -> None:
+            with writer(f"s3://{bucket}/{key}") as f:
                 torch.save(state, f)
 
-        def load() -> Any:
-            with reader(url(name)) as f:
+        def load(key: str) -> Any:
+            with reader(f"s3://{bucket}/{key}") as f:
                 return torch.load(f, weights_only=True)
 
         return save, load
 
-    def s3fs_methods() -> tuple[Callable, Callable]:
+    def s3fs_files() -> tuple[Callable, Callable]:
         import s3fs
 
         fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
-        return streamed(
-            "s3fs", lambda u: fs.open(u, "wb", block_size=part), lambda u: fs.open(u, "rb", block_size=part)
-        )
+        return lambda u: fs.open(u, "wb", block_size=part), lambda u: fs.open(u, "rb", block_size=part)
 
-    def connector_methods() -> tuple[Callable, Callable]:
+    def connector_files() -> tuple[Callable, Callable]:
         from s3torchconnector import S3Checkpoint
 
         region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
         checkpoint = S3Checkpoint(region=region, endpoint=endpoint)
-        return streamed("s3torchconnector", checkpoint.writer, checkpoint.reader)
+        return checkpoint.writer, checkpoint.reader
 
-    def ours(**chosen: Any) -> Callable[[], Any]:
-        return lambda: fastpersist.load(url("fastpersist"), weights_only=True, **chosen)
-
-    methods = [
-        _Method(
-            "fastpersist", lambda state: fastpersist.save(state, url("fastpersist"), **overrides), ours(**overrides)
-        ),
-        _Method("fastpersist-one-get", load=ours(**one_get)),
-        _Method("boto3", boto3_save, boto3_load),
-    ]
-    for name, make in (("s3fs", s3fs_methods), ("s3torchconnector", connector_methods)):
+    methods: dict[str, tuple[Callable | None, Callable]] = {
+        "fastpersist": (fastpersist_save, ours(**overrides)),
+        "fastpersist-one-get": (None, ours(**one_get)),
+        "boto3": (boto3_save, boto3_load),
+    }
+    skipped: dict[str, str] = {}
+    for name, files in zip(_OTHERS, (s3fs_files, connector_files)):
         try:
-            methods.append(_Method(name, *make(), optional=True))
+            methods[name] = streamed(*files())
         except ImportError as e:
-            methods.append(_Method(name, skipped=str(e), optional=True))
-    return methods
+            skipped[name] = str(e)
+    return methods, skipped
 
 
-# ----------------------------------------------------------------------------- the run
-
-
-def _ensure_bucket(client, bucket: str) -> None:
-    from botocore.exceptions import ClientError
-
-    try:
-        client.head_bucket(Bucket=bucket)
-    except ClientError as e:
-        if str(e.response.get("Error", {}).get("Code")) not in ("404", "NoSuchBucket", "NotFound"):
-            raise
-        client.create_bucket(Bucket=bucket)
-
-
-def _warm_up(methods: dict[str, _Method], keys: dict[str, str], rounds: Rounds) -> None:
-    """Every method once, untimed, on a tiny state under the warm-up key (imports, connections, fastpersist's
-    pooled ring); a method that cannot run has its save's error in ``rounds``."""
-    for method in methods.values():
-        if method.save is not None:
-            saved_key, keys[method.name] = keys[method.name], keys["warm-up"]
-            try:
-                method.save({"warm-up": torch.ones(1)})
-                method.load()
-            except Exception as e:  # noqa: BLE001 - a method that cannot run is reported, not fatal
-                rounds.errors[("save", method.name)] = f"warm-up: {type(e).__name__}: {e}"
-            finally:
-                keys[method.name] = saved_key
-
-
-def _section(kind: str, methods: list[_Method], rounds: Rounds, verified: dict, nbytes: int, problems: list[str]):
+def _section(kind: str, skipped: dict[str, str], rounds: Rounds, verified: dict, nbytes: int, problems: list[str]):
     """The ``kind`` (save or load) results of every method: its summary, or why it was skipped or failed."""
     out: dict[str, Any] = {}
-    for method in methods:
-        label = _LABELS[method.name][kind == "load"]
-        own, save_error = rounds.errors.get((kind, method.name)), rounds.errors.get(("save", method.name))
-        if kind == "save" and method.save is None and method.skipped is None:
+    for name, labels in _LABELS.items():
+        label = labels[kind == "load"]
+        own, save_error = rounds.errors.get((kind, name)), rounds.errors.get(("save", name))
+        if not label:  # a load-only method
             continue
-        if method.skipped is not None:
-            out[method.name] = {"label": label, "status": "skipped", "reason": method.skipped}
+        if name in skipped:
+            out[name] = {"label": label, "status": "skipped", "reason": skipped[name]}
         elif own or save_error:
             reason = own or f"its save failed: {save_error}"
-            out[method.name] = {"label": label, "status": "failed", "reason": reason}
-            if own and not method.optional:  # another library failing is its result, not a problem of ours
-                problems.append(f"{kind} {method.name} failed: {reason}")
+            out[name] = {"label": label, "status": "failed", "reason": reason}
+            if own and name not in _OTHERS:  # another library failing is its result, not a problem of ours
+                problems.append(f"{kind} {name} failed: {reason}")
         else:
-            samples = rounds.samples[(kind, method.name)]
-            stats, peaks = measure.summarize([s["seconds"] for s in samples]), [s["peak_rss_delta"] for s in samples]
-            out[method.name] = {
+            samples = rounds.samples[(kind, name)]
+            seconds, peaks = [s["seconds"] for s in samples], [s["peak_rss_delta"] for s in samples]
+            stats = measure.summarize(seconds)
+            rate = {k: nbytes / stats[s] / 1e9 for k, s in (("median", "median"), ("min", "max"), ("max", "min"))}
+            out[name] = {
                 "label": label,
                 "status": "ok",
                 "seconds": stats,
-                "samples_s": [s["seconds"] for s in samples],
-                "gb_per_s": {
-                    k: nbytes / stats[s] / 1e9 for k, s in (("median", "median"), ("min", "max"), ("max", "min"))
-                },
+                "samples_s": seconds,
+                "gb_per_s": rate,
                 "peak_extra_rss_bytes": {"median": sorted(peaks)[len(peaks) // 2], "max": max(peaks)},
             }
             if kind == "load":
-                out[method.name]["verified"] = verified.get(method.name, "not loaded")
+                out[name]["verified"] = verified.get(name, "not loaded")
     return out
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    """The result document (see the module docstring); ImportError without boto3 (or moto, with no
-    ``--endpoint``), RuntimeError when the moto server does not start."""
+    """The result document; ImportError without boto3 (or moto), RuntimeError when moto's server does not start."""
     import boto3
     from botocore.config import Config
+    from botocore.exceptions import ClientError
 
-    import fastpersist
     from fastpersist.io import memory
 
     given = (("s3_part_size", args.part_size), ("s3_concurrency", args.concurrency))
@@ -294,54 +232,59 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     state = make_state(config.parse_size(args.size))
     expected = workloads.flatten_state(state)
     nbytes = sum(t.numel() * t.element_size() for t in expected[0].values())
-    keys = {name: f"{args.prefix}{name}.pt" for name in ("fastpersist", "boto3", "s3fs", "s3torchconnector", "warm-up")}
-    url = {name: f"s3://{args.bucket}/{key}" for name, key in keys.items()}
-    problems: list[str] = []
-    verified: dict[str, bool | str] = {}
-    cross: dict[str, bool | str] = {}
+    keys = {name: f"{args.prefix}{name}.pt" for name in ("fastpersist", "boto3", *_OTHERS, "warm-up")}
+    problems, verified, cross = [], {}, {}
 
     with _endpoint(args) as (endpoint, endpoint_detail):
         pool = Config(max_pool_connections=max(10, settings.s3_concurrency + 2))
         client = boto3.session.Session().client("s3", config=pool)
-        _ensure_bucket(client, args.bucket)
-        methods = _methods(endpoint, args.bucket, settings, client, keys, nbytes + _MiB)
-        active = {m.name: m for m in methods if m.skipped is None}
+        try:
+            client.head_bucket(Bucket=args.bucket)
+        except ClientError as e:  # a missing bucket is created
+            if str(e.response.get("Error", {}).get("Code")) not in ("404", "NoSuchBucket", "NotFound"):
+                raise
+            client.create_bucket(Bucket=args.bucket)
+        methods, skipped = _methods(endpoint, args.bucket, settings, client, nbytes + _MiB)
         rounds = Rounds(args.repeats)
-        _warm_up(active, keys, rounds)
-        fastpersist.save(state, url["warm-up"], **overrides)  # the ring at full size
+        saves = [name for name, (save, _) in methods.items() if save is not None]
+        for name in saves:  # untimed, on a tiny state: imports, connections, fastpersist's pooled ring
+            try:
+                methods[name][0]({"warm-up": torch.ones(1)}, keys["warm-up"])
+                methods[name][1](keys["warm-up"])
+            except Exception as e:  # noqa: BLE001 - a method that cannot run is reported, not fatal
+                rounds.errors[("save", name)] = f"warm-up: {type(e).__name__}: {e}"
+        methods["fastpersist"][0](state, keys["warm-up"])  # the ring at full size
 
         def save(name: str, index: int) -> dict[str, float]:
             system.release_memory()
-            return timed(lambda: active[name].save(state), memory=True)[1]
+            return timed(lambda: methods[name][0](state, keys[name]), memory=True)[1]
 
         def load(name: str, index: int) -> dict[str, float] | None:
             if ("save", name) in rounds.errors:
                 return None  # its save failed: nothing to load
             system.release_memory()
-            result, stats = timed(active[name].load, memory=True, touch=True)
+            key = keys.get(name, keys["fastpersist"])  # fastpersist-one-get reads fastpersist's object
+            result, stats = timed(lambda: methods[name][1](key), memory=True, touch=True)
             if index == 0:
                 verified[name] = compare.check(expected, result, problems, f"load {name}")
             return stats
 
-        compare.run_rounds(rounds, [name for name, m in active.items() if m.save is not None], active, save, load)
+        compare.run_rounds(rounds, saves, methods, save, load)
         saved = rounds.samples.get(("save", "fastpersist"))
         if saved and rounds.samples.get(("save", "boto3")):  # each library reads the other's object, untimed
             name = "fastpersist.load of the torch.save object"
-            loaded = fastpersist.load(url["boto3"], weights_only=True, **overrides)
-            cross[name] = compare.check(expected, loaded, problems, name)
-            body = client.get_object(Bucket=args.bucket, Key=keys["fastpersist"])["Body"]
+            cross[name] = compare.check(expected, methods["fastpersist"][1](keys["boto3"]), problems, name)
             name = "torch.load of the fastpersist object"
-            loaded = torch.load(io.BytesIO(body.read()), weights_only=True)
-            cross[name] = compare.check(expected, loaded, problems, name)
+            cross[name] = compare.check(expected, methods["boto3"][1](keys["fastpersist"]), problems, name)
         if saved:  # the ring's cost: one fastpersist save after the pool is freed (its time is not a result)
             memory.release_pooled_buffers()
             system.release_memory()
-            ring = timed(lambda: fastpersist.save(state, url["fastpersist"], **overrides), memory=True)
+            ring = timed(lambda: methods["fastpersist"][0](state, keys["fastpersist"]), memory=True)
         for key in keys.values():
             with contextlib.suppress(Exception):
                 client.delete_object(Bucket=args.bucket, Key=key)
 
-    results = {kind: _section(kind, methods, rounds, verified, nbytes, problems) for kind in ("save", "load")}
+    results = {kind: _section(kind, skipped, rounds, verified, nbytes, problems) for kind in ("save", "load")}
     if saved:
         results["save"]["fastpersist"]["first_save_peak_extra_rss_bytes"] = ring[1]["peak_rss_delta"]
     ratios = compare.ratios(
@@ -370,9 +313,6 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "ratios": ratios,
         "problems": problems,
     }
-
-
-# ----------------------------------------------------------------------------- output
 
 
 def _mib(n: int | None) -> str:

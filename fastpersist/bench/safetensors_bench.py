@@ -1,13 +1,8 @@
 """``python -m fastpersist.bench safetensors``: safetensors files, fastpersist against the safetensors library.
 
-One real-shaped bf16 state dict, methods interleaved per repeat: durable saves and cold loads of fastpersist
-against the safetensors library and the engine's O_DIRECT ceiling of as many bytes (CPU results touched
-inside the clock), medians and ratios to the baselines of the same run. Every file is read back by the
-other library and every load compared with the original; see docs/safetensors.md.
-
-::
-
-    python -m fastpersist.bench safetensors --device cuda --size 4G --dir /mnt/disk --repeats 3 --json out.json
+Durable saves and cold loads of one real-shaped bf16 state dict, interleaved per repeat: fastpersist, the library
+and the engine's O_DIRECT ceiling of as many bytes. Every file is read back by the other library and every load
+compared with the original; see docs/safetensors.md.
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ from fastpersist.tuning import workloads
 __all__ = ["BENCHMARK", "SCHEMA", "main", "to_markdown"]
 
 SCHEMA = "fastpersist.bench.safetensors/1"
+_RATIOS = (("fastpersist", "ceiling"), ("fastpersist", "safetensors"), ("fastpersist-own", "safetensors"))
 
 
 def _options(p: argparse.ArgumentParser) -> None:
@@ -77,31 +73,22 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         measure.fsync_paths(theirs_path)  # the file and its directory entry
 
     where, load_ours = str(device), functools.partial(ours.load_file, device=device)
+    load_theirs = functools.partial(library.load_file, device=where)
+    save_torch = functools.partial(fastpersist.save, state, torch_path, checksum=False)
     saves = {
         "ceiling": ("O_DIRECT write of the same bytes (engine) + fsync", ceiling_write),
         "fastpersist": ("fastpersist.save_file (durable)", lambda: ours.save_file(state, ours_path)),
         "safetensors": ("safetensors.torch.save_file + fsync", library_save),
-        "fastpersist-torch": (
-            "fastpersist.save of the same dict, torch format, no CRC (context)",
-            lambda: fastpersist.save(state, torch_path, checksum=False),
-        ),
+        "fastpersist-torch": ("fastpersist.save of the same dict, torch format, no CRC (context)", save_torch),
     }
+    own = f"fastpersist.load_file(device={where!r}) of its own (4 KiB-aligned) file"
     loads = {  # name: (label, the file it reads, its load of a path)
         "ceiling": ("O_DIRECT read of the file (engine)", raw_path, ceiling_read),
         "fastpersist": (f"fastpersist.load_file(device={where!r}) of the library's file", theirs_path, load_ours),
-        "fastpersist-own": (
-            f"fastpersist.load_file(device={where!r}) of its own (4 KiB-aligned) file",
-            ours_path,
-            load_ours,
-        ),
-        "safetensors": (
-            f"safetensors.torch.load_file(device={where!r})",
-            ours_path,
-            functools.partial(library.load_file, device=where),
-        ),
+        "fastpersist-own": (own, ours_path, load_ours),
+        "safetensors": (f"safetensors.torch.load_file(device={where!r})", ours_path, load_theirs),
     }
-    saves = {k: v for k, v in saves.items() if k not in args.skip}
-    loads = {k: v for k, v in loads.items() if k not in args.skip}
+    saves, loads = ({k: v for k, v in methods.items() if k not in args.skip} for methods in (saves, loads))
     problems: list[str] = []
     # Each library reads the other's file in the first round (the loads below do too, timed).
     cross = {"fastpersist": (library.load_file, ours_path), "safetensors": (ours.load_file, theirs_path)}
@@ -138,34 +125,26 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     run.update(dtype="bf16", repeats=args.repeats, directory=directory, cache=dropper.detail)
     run["engine"] = engine.resolve_engine(settings.engine)
     machine = measure.machine_info(directory if os.path.isdir(directory) else ".", str(device))
-    return _document(machine, run, rounds, saves, loads, problems)
-
-
-def _document(machine: dict, run: dict, rounds: Rounds, saves: dict, loads: dict, problems: list) -> dict[str, Any]:
-    """The result of ``rounds`` of the ``saves`` and ``loads`` (name -> (label, ...)) of a run with ``run``."""
-
-    def section(kind: str, methods: dict[str, tuple]) -> dict[str, Any]:
-        out = {}
-        for name, (label, *_) in methods.items():
-            samples = rounds.samples.get((kind, name))
-            if samples:
-                median = rounds.median((kind, name), "seconds")
-                out[name] = {"label": label, "seconds": [s["seconds"] for s in samples], "median_s": median}
-                out[name]["gb_per_s"] = run["bytes"] / median / 1e9
-                if kind == "save":
-                    out[name]["peak_extra_rss_bytes"] = max(s["peak_rss_delta"] for s in samples)
-        return out
-
-    result = {"schema": SCHEMA, "machine": machine, "config": run, "save": section("save", saves)}
-    result.update(load=section("load", loads), problems=problems)
-    pairs = [("fastpersist", "ceiling"), ("fastpersist", "safetensors"), ("fastpersist-own", "safetensors")]
-    pairs = [(kind, *pair) for kind in ("save", "load") for pair in pairs if kind == "load" or pair[0] == "fastpersist"]
+    result = {"schema": SCHEMA, "machine": machine, "config": run, "save": _section(rounds, "save", saves, nbytes)}
+    result.update(load=_section(rounds, "load", loads, nbytes), problems=problems)
+    pairs = [(kind, *pair) for kind in ("save", "load") for pair in _RATIOS]  # those with both figures
     result["ratios"] = compare.ratios(pairs, lambda kind, name: result[kind].get(name, {}).get("gb_per_s"))
     return result
 
 
+def _section(rounds: Rounds, kind: str, methods: dict[str, tuple], nbytes: int) -> dict[str, Any]:
+    out = {}
+    for name, (label, *_) in methods.items():
+        if samples := rounds.samples.get((kind, name)):
+            median = rounds.median((kind, name), "seconds")
+            out[name] = {"label": label, "seconds": [s["seconds"] for s in samples], "median_s": median}
+            out[name]["gb_per_s"] = nbytes / median / 1e9
+            if kind == "save":
+                out[name]["peak_extra_rss_bytes"] = max(s["peak_rss_delta"] for s in samples)
+    return out
+
+
 def to_markdown(result: dict[str, Any]) -> str:
-    """The result as Markdown: one row per method and operation, then the ratios."""
     config = result["config"]
     rows = [
         [kind, entry["label"], f"{entry['gb_per_s']:.2f}"]
@@ -179,9 +158,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         *markdown_table(["operation", "method", "GB/s (median)", "peak extra RSS"], "<<>>", rows),
         "",
+        *(f"- {name}: {ratio:.2f}x" for name, ratio in result["ratios"].items()),
+        *(f"- PROBLEM: {problem}" for problem in result["problems"]),
     ]
-    lines += [f"- {name}: {ratio:.2f}x" for name, ratio in result["ratios"].items()]
-    lines += [f"- PROBLEM: {problem}" for problem in result["problems"]]
     return "\n".join(lines) + "\n"
 
 

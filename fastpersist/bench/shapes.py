@@ -1,11 +1,9 @@
 """Checkpoint shapes users hit, against torch and an independent ceiling, in one run.
 
-``python -m fastpersist.bench shapes --shape many-small --tensors 20000 --tensor-bytes 16-256`` (or
-``checkpoint --shape ...``, which comes here). Shapes: see :func:`build_shape`. Saves: fastpersist (durable),
-torch.save + fsync, fio's write with ``--fio``; loads: fastpersist verified or not, ``weights_only`` or not,
-and torch.load; ``--sink``: the real pipelines into ``/dev/null`` and from ``/dev/zero``, storing nothing.
-Unless ``--no-ceiling``, every result is given against its bound (:mod:`fastpersist.bench.bounds`), measured
-in the same rounds; see docs/performance.md.
+``python -m fastpersist.bench shapes --shape many-small --tensors 20000 --tensor-bytes 16-256`` (or ``checkpoint
+--shape ...``): fastpersist's saves and loads against torch's, fio's write (``--fio``), the pipelines without
+storage (``--sink``: into ``/dev/null``, from ``/dev/zero``) and, unless ``--no-ceiling``, each one's bound
+(:mod:`fastpersist.bench.bounds`), measured in the same rounds.
 """
 
 from __future__ import annotations
@@ -29,47 +27,49 @@ from fastpersist import config, system
 from fastpersist.bench import bounds, compare, measure
 from fastpersist.bench.harness import Benchmark, Rounds, UsageError, figure, markdown_table, option, timed
 from fastpersist.config import parse_size
-from fastpersist.io import timeline
+from fastpersist.format.deserializer import archive_prefix, deserialize
+from fastpersist.format.serializer import plan_save
+from fastpersist.format.zipformat import read_directory
+from fastpersist.io import engine, targets, timeline
+from fastpersist.io.reader import FileStorageProvider
 from fastpersist.tuning import workloads
 from fastpersist.tuning.workloads import format_bytes
 
 __all__ = ["BENCHMARK", "SHAPES", "build_shape", "main", "markdown", "sink_save"]
 
 SHAPES = ("many-small", "many-medium", "huge", "mixed")
+_FILES = ("fastpersist.pt", "torch.pt", "fio.bin", "zeros.pt")
+_VERIFIED = {True: "verified", False: "unverified"}
+_FIO = "fio-write (ceiling)"
+_WRITE, _READ = "ceiling: write", "ceiling: read"
+_TO_HOST, _TO_HOST_CRC = "ceiling: copy to host", "ceiling: copy to host + CRC-32"
+_TO_DEVICE, _TO_DEVICE_CRC = "ceiling: copy to device", "ceiling: copy to device + CRC-32"
+_WAITS = ("read", "slot", "crc", "copy", "other")  # where a load's calling thread spends its time (see markdown)
 
 
 def _tensor_sizes(text: str) -> list[int]:
     """``64`` -> [64]; ``16-256`` -> the powers of two between (the sizes a many-small state cycles through)."""
-    if "-" in str(text):
-        low, high = (parse_size(part) for part in str(text).split("-", 1))
-        sizes, size = [], low
-        while size <= high:
-            sizes.append(size)
-            size *= 2
-        return sizes
-    return [parse_size(text)]
+    if "-" not in str(text):
+        return [parse_size(text)]
+    size, high = (parse_size(part) for part in str(text).split("-", 1))
+    sizes = []
+    while size <= high:
+        sizes.append(size)
+        size *= 2
+    return sizes
 
 
 def build_shape(
     shape: str, tensors: int | None, tensor_bytes: str | None, size: int, device: str, zeros: bool = False
 ) -> Any:
-    """The state to save for ``shape``; ``zeros`` for the sink load.
-
-    ``many-small``: ``--tensor-bytes`` each (a range cycles through its powers of two); ``many-medium``:
-    ``--tensors`` equal tensors totalling ``--size``; ``huge``: one tensor (above 4 GiB: zip64); ``mixed``:
-    1,000+ parameters, optimizer state with Python scalars, half on the GPU with CUDA.
-    """
+    """The state to save for ``shape`` (all zeros for the sink load): ``many-small``, ``--tensor-bytes`` each;
+    ``many-medium``, ``--tensors`` equal ones totalling ``--size``; ``huge``, one tensor (above 4 GiB: zip64);
+    ``mixed``, 1,000+ parameters and optimizer state with Python scalars, half on the GPU with CUDA."""
     cuda = device.startswith("cuda")
 
-    def make(nbytes: int, dtype=torch.float32, on: str = device) -> torch.Tensor:
-        numel = max(nbytes // torch.empty(0, dtype=dtype).element_size(), 0)
-        if zeros:
-            return torch.zeros(numel, dtype=dtype, device=on)
-        return (
-            torch.empty(numel, dtype=dtype, device=on).uniform_(-1, 1)
-            if dtype.is_floating_point
-            else torch.randint(0, 100, (numel,), dtype=dtype, device=on)
-        )
+    def make(nbytes: int, dtype: torch.dtype = torch.float32, on: str = device) -> torch.Tensor:
+        tensor = torch.empty(max(nbytes // dtype.itemsize, 0), dtype=dtype, device=on)
+        return tensor.zero_() if zeros else tensor.uniform_(-1, 1)
 
     if shape == "many-small":
         sizes = _tensor_sizes(tensor_bytes or "16-256")
@@ -80,35 +80,32 @@ def build_shape(
         return {f"layers.{i}.weight": make(each, torch.bfloat16) for i in range(count)}
     if shape == "huge":
         return {"embedding.weight": make(size, torch.bfloat16)}
-    if shape == "mixed":
-        # An LLM-like model of ~1,000+ parameters: per block 4 attention + 3 MLP matrices,
-        # 2 norms and biases; sized so the whole state is about --size.
-        blocks = max((tensors or 1_100) // 11, 1)
-        big = max(size // (blocks * 7 * 3), 256)  # weights + two Adam moments
-        model, optimizer_state = {}, {}
-        for b in range(blocks):
-            for name in ("q", "k", "v", "o", "up", "gate", "down"):
-                model[f"blocks.{b}.{name}.weight"] = make(big, torch.bfloat16)
-            for name in ("attn_norm", "mlp_norm"):
-                model[f"blocks.{b}.{name}.weight"] = make(8192, torch.bfloat16, "cpu")
-            model[f"blocks.{b}.bias"] = make(4096, torch.float32, "cpu")
-            model[f"blocks.{b}.scale"] = make(4, torch.float32, "cpu")
-        for index, (name, tensor) in enumerate(model.items()):
-            if cuda and index % 2:
-                model[name] = tensor.to(device)  # mixed CPU/GPU state
-            elif not cuda:
-                model[name] = tensor.cpu()
-        for index, tensor in enumerate(model.values()):
-            if tensor.numel() >= 1024:
-                optimizer_state[index] = {
-                    "step": 1000 + index,
-                    "exp_avg": torch.zeros_like(tensor),
-                    "exp_avg_sq": torch.zeros_like(tensor) if zeros else tensor.abs(),
-                }
-        group = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, params=list(range(len(model))))
-        optimizer = {"state": optimizer_state, "param_groups": [group]}
-        return {"model": model, "optimizer": optimizer, "epoch": 3, "global_step": 123_456, "loss": 2.25}
-    raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+    if shape != "mixed":
+        raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+    # An LLM-like model: per block 4 attention + 3 MLP matrices, 2 norms and biases; about --size in all.
+    blocks = max((tensors or 1_100) // 11, 1)
+    big = max(size // (blocks * 7 * 3), 256)  # weights + two Adam moments
+    model = {}
+    for b in range(blocks):
+        for name in ("q", "k", "v", "o", "up", "gate", "down"):
+            model[f"blocks.{b}.{name}.weight"] = make(big, torch.bfloat16)
+        for name in ("attn_norm", "mlp_norm"):
+            model[f"blocks.{b}.{name}.weight"] = make(8192, torch.bfloat16, "cpu")
+        model[f"blocks.{b}.bias"] = make(4096, torch.float32, "cpu")
+        model[f"blocks.{b}.scale"] = make(4, torch.float32, "cpu")
+    for index, (name, tensor) in enumerate(model.items()):
+        if cuda and index % 2:
+            model[name] = tensor.to(device)  # mixed CPU/GPU state
+        elif not cuda:
+            model[name] = tensor.cpu()
+    optimizer_state = {}
+    for index, tensor in enumerate(model.values()):
+        if tensor.numel() >= 1024:
+            second = torch.zeros_like(tensor) if zeros else tensor.abs()
+            optimizer_state[index] = {"step": 1000 + index, "exp_avg": torch.zeros_like(tensor), "exp_avg_sq": second}
+    group = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, params=list(range(len(model))))
+    optimizer = {"state": optimizer_state, "param_groups": [group]}
+    return {"model": model, "optimizer": optimizer, "epoch": 3, "global_step": 123_456, "loss": 2.25}
 
 
 def _tensors_of(state: Any) -> list[torch.Tensor]:
@@ -125,10 +122,6 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-_SETTLE_SECONDS = 1.0
-"""Pause after deleting a previous file, before a timed save (its discards run in the background)."""
-
-
 def _torch_save(state: Any, path: str) -> None:
     torch.save(state, path)
     measure.fsync_paths(path)  # the file and its directory entry
@@ -136,9 +129,6 @@ def _torch_save(state: Any, path: str) -> None:
 
 def sink_save(state: Any, settings: config.Settings) -> int:
     """The real save pipeline (plan, ring, copies, CRC-32, engine) writing into /dev/null; returns its bytes."""
-    from fastpersist.format.serializer import plan_save
-    from fastpersist.io import targets
-
     plan = plan_save(state, "sink")
     targets.Sink().commit_plan(plan, settings)
     for device in plan.devices():
@@ -149,25 +139,14 @@ def sink_save(state: Any, settings: config.Settings) -> int:
 
 def _sink_load(path: str, settings: config.Settings, device: str, verify: bool) -> Any:
     """The real load pipeline reading every storage from /dev/zero (the file's state is all zeros)."""
-    from fastpersist.format.deserializer import archive_prefix, deserialize
-    from fastpersist.format.zipformat import read_directory
-    from fastpersist.io import engine
-    from fastpersist.io.reader import FileStorageProvider
-
     with open(path, "rb") as handle:
-        data_fd = handle.fileno()
-        records = {r.name: r for r in read_directory(lambda o, n: os.pread(data_fd, n, o), os.fstat(data_fd).st_size)}
+        fd = handle.fileno()
+        records = {r.name: r for r in read_directory(lambda o, n: os.pread(fd, n, o), os.fstat(fd).st_size)}
         prefix = archive_prefix(list(records), path)
-        pickle_record = records[prefix + "data.pkl"]
-        pickle_bytes = os.pread(data_fd, pickle_record.size, pickle_record.data_offset)
+        pickle_bytes = os.pread(fd, records[prefix + "data.pkl"].size, records[prefix + "data.pkl"].data_offset)
     zero = engine.File("/dev/zero", "r", direct=False)
-    provider = FileStorageProvider(
-        zero,
-        [r for n, r in records.items() if n.startswith(prefix + "data/")],
-        settings,
-        verify=verify,
-        path="/dev/zero",
-    )
+    storages = [r for n, r in records.items() if n.startswith(prefix + "data/")]
+    provider = FileStorageProvider(zero, storages, settings, verify=verify, path="/dev/zero")
     try:
         loaded = deserialize(pickle_bytes, records, prefix, provider, map_location=device, weights_only=True)
         if device.startswith("cuda"):
@@ -201,8 +180,8 @@ def _options(p: argparse.ArgumentParser) -> None:
 def _methods(args: argparse.Namespace, state: Any, nbytes: int, settings: config.Settings, directory: str):
     """The saves (name -> (kind, call)) and loads (name -> (kind, call, the file it reads)) the options ask for."""
     overrides = dict(item.split("=", 1) for item in args.set)
-    ours, theirs, ceiling = (os.path.join(directory, n) for n in ("fastpersist.pt", "torch.pt", "fio.bin"))
-    storage, sink, where = not args.sink_only, args.sink or args.sink_only, args.device
+    ours, theirs, fio, zeros = (os.path.join(directory, name) for name in _FILES)
+    storage, sink = not args.sink_only, args.sink or args.sink_only
     saves: dict[str, tuple[str, Callable[[], Any]]] = {}
     loads: dict[str, tuple[str, Callable[[], Any], str]] = {}
     if storage:
@@ -210,13 +189,13 @@ def _methods(args: argparse.Namespace, state: Any, nbytes: int, settings: config
         if not args.no_torch:
             saves["torch.save"] = ("storage", lambda: _torch_save(state, theirs))
         if args.fio and system.find_fio():
-            saves[_FIO] = ("storage", lambda: bounds.fio_write_seconds(ceiling, nbytes))
+            saves[_FIO] = ("storage", lambda: bounds.fio_write_seconds(fio, nbytes))
         if not args.no_ceiling:
             saves[_WRITE] = ("ceiling", lambda: bounds.write_ceiling(directory, nbytes, repeats=1)["best_s"])
     copies = None  # the copy bounds of the sink pipelines, one ring for both directions
-    if sink and not args.no_ceiling:
-        copies = bounds.CopyCeiling(_tensors_of(state), settings.buffer_size, settings.buffer_count)
     if sink:
+        if not args.no_ceiling:
+            copies = bounds.CopyCeiling(_tensors_of(state), settings.buffer_size, settings.buffer_count)
         saves["fastpersist-sink"] = ("sink", lambda: sink_save(state, settings))
         if copies is not None:
             saves[_TO_HOST] = ("ceiling", lambda: copies.to_host(crc=False))
@@ -225,30 +204,29 @@ def _methods(args: argparse.Namespace, state: Any, nbytes: int, settings: config
     if not args.no_loads and storage:
         for verify, weights_only in itertools.product((True, False), repeat=2):
             load = functools.partial(
-                fastpersist.load, ours, map_location=where, verify=verify, weights_only=weights_only, **overrides
+                fastpersist.load, ours, map_location=args.device, verify=verify, weights_only=weights_only, **overrides
             )
             loads[f"fastpersist {_VERIFIED[verify]} wo={weights_only}"] = ("storage", load, ours)
-        if not args.no_torch:
-            for weights_only in (True, False):
-                load = functools.partial(torch.load, theirs, map_location=where, weights_only=weights_only)
-                loads[f"torch.load wo={weights_only}"] = ("storage", load, theirs)
+        for weights_only in () if args.no_torch else (True, False):
+            load = functools.partial(torch.load, theirs, map_location=args.device, weights_only=weights_only)
+            loads[f"torch.load wo={weights_only}"] = ("storage", load, theirs)
         if not args.no_ceiling:
             loads[_READ] = ("ceiling", lambda: bounds.read_ceiling(ours), ours)
     if not args.no_loads and sink:
-        zero_path = os.path.join(directory, "zeros.pt")
-        zeros = build_shape(args.shape, args.tensors, args.tensor_bytes, parse_size(args.size), "cpu", zeros=True)
-        fastpersist.save(zeros, zero_path)
+        fastpersist.save(
+            build_shape(args.shape, args.tensors, args.tensor_bytes, parse_size(args.size), "cpu", True), zeros
+        )
         for verify in (True, False):
-            load = functools.partial(_sink_load, zero_path, settings, where, verify)
-            loads[f"fastpersist-sink-load {_VERIFIED[verify]}"] = ("sink", load, zero_path)
+            load = functools.partial(_sink_load, zeros, settings, args.device, verify)
+            loads[f"fastpersist-sink-load {_VERIFIED[verify]}"] = ("sink", load, zeros)
         if copies is not None:
-            loads[_TO_DEVICE] = ("ceiling", lambda: copies.to_device(crc=False), zero_path)
-            loads[_TO_DEVICE_CRC] = ("ceiling", lambda: copies.to_device(crc=True), zero_path)
+            loads[_TO_DEVICE] = ("ceiling", lambda: copies.to_device(crc=False), zeros)
+            loads[_TO_DEVICE_CRC] = ("ceiling", lambda: copies.to_device(crc=True), zeros)
     if args.loads != "all":
         wanted = [w.strip() for w in args.loads.split(",")]
         # The bounds stay: they are what the chosen loads are compared with.
         loads = {k: v for k, v in loads.items() if v[0] == "ceiling" or any(w in k for w in wanted)}
-    return saves, loads, {"fastpersist": ours, "torch.save": theirs, _FIO: ceiling}
+    return saves, loads, {"fastpersist": ours, "torch.save": theirs, _FIO: fio}
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -261,20 +239,18 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = sum(t.numel() * t.element_size() for t in _tensors_of(state))
     directory = measure.scratch_dir(args.dir, "fastpersist-shapes-")
     dropper = system.CacheDropper(enabled=not args.no_drop_caches)
-    where = args.device
     saves, loads, previous = _methods(args, state, nbytes, settings, directory)
 
     def save(name: str, index: int) -> dict[str, Any]:
         system.release_memory()
         if name in previous and os.path.exists(previous[name]):
-            # Every save, fio's included, writes a fresh file: the previous one is deleted
-            # untimed, and the clock starts once the blocks it freed are given back (on a
-            # disk mounted with discard, freeing 4 GB costs ~0.5 s and goes on after unlink).
+            # Every save writes a fresh file: the previous one is deleted untimed, and the clock starts once the
+            # blocks it freed are given back (on a disk mounted with discard, freeing 4 GB takes ~0.5 s).
             os.unlink(previous[name])
             measure.fsync_paths(directory)
             os.sync()
-            time.sleep(_SETTLE_SECONDS)
-        reported, sample = timed(saves[name][1], where, memory=True)
+            time.sleep(1.0)
+        reported, sample = timed(saves[name][1], args.device, memory=True)
         if name == _FIO or saves[name][0] == "ceiling":
             sample["seconds"] = reported  # their own clocks (fio's runtime without its start-up)
         if index == 0 and name == "fastpersist":
@@ -286,7 +262,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         system.release_memory()
         dropper.drop([loads[name][2]])
         with timeline.recording() as events:
-            loaded, sample = timed(loads[name][1], where, memory=True)
+            loaded, sample = timed(loads[name][1], args.device, memory=True)
         if loads[name][0] == "ceiling":
             sample["seconds"], loaded = loaded, None  # its own clock
         elif index == 0 and "sink" not in name and not _same(state, loaded):
@@ -321,8 +297,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _results(rounds: Rounds, methods: dict[str, tuple], nbytes: int, checksum: bool) -> list[dict[str, Any]]:
-    """A row per method (``methods``: name -> (kind, ...)): its times and their medians, each next to torch's,
-    fio's and its bound's."""
+    """A row per method (``methods``: name -> (kind, ...)): its times, next to torch's, fio's and its bound's."""
     results = []
     for (op, name), samples in rounds.samples.items():
         if not samples:
@@ -339,64 +314,42 @@ def _results(rounds: Rounds, methods: dict[str, tuple], nbytes: int, checksum: b
         results.append(result)
     by_method = {r["method"]: r for r in results}  # the names of saves and loads differ
     for result in results:
-        baseline = {"save": "torch.save", "load": "torch.load wo=True"}[result["op"]]
-        if result["op"] == "load" and "wo=False" in result["method"]:
-            baseline = "torch.load wo=False"
-        base, fio, bound = (by_method.get(m) for m in (baseline, _FIO, _bound_of(result, checksum)))
+        save, kind = result["op"] == "save", result["kind"]
+        baseline = (
+            "torch.save" if save else "torch.load wo=False" if "wo=False" in result["method"] else "torch.load wo=True"
+        )
+        # The ceiling row that bounds the result; the ceilings themselves have none.
+        bound = {"storage": _WRITE if save else _READ, "sink": _TO_HOST_CRC if checksum else _TO_HOST}.get(kind)
+        if kind == "sink" and not save:
+            bound = _TO_DEVICE if "unverified" in result["method"] else _TO_DEVICE_CRC
+        base, fio, bound = (by_method.get(m) for m in (baseline, _FIO, bound))
         result["speedup_vs_torch"] = base["median_s"] / result["median_s"] if base and result["median_s"] else None
-        if result["op"] == "save" and fio and result["median_s"]:
+        if save and fio and result["median_s"]:
             result["fraction_of_fio"] = fio["median_s"] / result["median_s"]
         if bound is not None and result["median_s"]:
-            result["bound"] = bound["method"]
-            result["bound_s"] = bound["median_s"]
-            result["of_bound"] = bound["median_s"] / result["median_s"]
+            result.update(
+                bound=bound["method"], bound_s=bound["median_s"], of_bound=bound["median_s"] / result["median_s"]
+            )
     return results
-
-
-_VERIFIED = {True: "verified", False: "unverified"}
-_FIO = "fio-write (ceiling)"
-_WRITE, _READ = "ceiling: write", "ceiling: read"
-_TO_HOST, _TO_HOST_CRC = "ceiling: copy to host", "ceiling: copy to host + CRC-32"
-_TO_DEVICE, _TO_DEVICE_CRC = "ceiling: copy to device", "ceiling: copy to device + CRC-32"
-
-
-def _bound_of(result: dict[str, Any], checksum: bool) -> str | None:
-    """The ceiling row that bounds ``result`` (see the module docstring), or None for the ceilings themselves."""
-    kind, save = result["kind"], result["op"] == "save"
-    if kind == "storage":
-        return _WRITE if save else _READ
-    if kind == "sink":
-        if save:
-            return _TO_HOST_CRC if checksum else _TO_HOST
-        return _TO_DEVICE if "unverified" in result["method"] else _TO_DEVICE_CRC
-    return None
-
-
-_WAITS = ("read", "slot", "crc", "copy", "other")
-"""Where a load's calling thread spends its time: waiting for reads, for a ring slot to be refilled (its
-copies and CRC-32s done on the refill thread), for the last CRC-32s and device copies, and the rest
-(parsing, unpickling, allocating, submitting, copying small records out)."""
 
 
 def markdown(doc: dict[str, Any]) -> str:
     """A Markdown table of one result document (what docs/benchmarks.md shows)."""
-    machine = doc.get("machine", {})
+    machine, results = doc.get("machine", {}), doc["results"]
     lines = [
         f"{doc['shape']}: {doc['tensors']} tensors, {format_bytes(doc['state_bytes'])}, device {doc['device']}; "
-        f"{len(doc['results'][0]['seconds'])} timed rounds, medians; {machine.get('cpu_count', '?')} CPUs "
+        f"{len(results[0]['seconds'])} timed rounds, medians; {machine.get('cpu_count', '?')} CPUs "
         f"({machine.get('device_name', '')}), 1-min load average {doc.get('loadavg_start', ['?'])[0]:.1f} at the start, "
         f"{(machine.get('loadavg') or [0])[0]:.1f} at the end",
         "",
     ]
-    bounded = any("of_bound" in r for r in doc["results"])  # documents from before the bounds have none
-    ratios = {
-        "x torch": "speedup_vs_torch",
-        **({"of bound": "of_bound"} if bounded else {}),
-        "x fio": "fraction_of_fio",
-    }
+    bounded = any("of_bound" in r for r in results)  # documents from before the bounds have none
+    ratios = {"x torch": "speedup_vs_torch", "of bound": "of_bound", "x fio": "fraction_of_fio"}
+    if not bounded:
+        del ratios["of bound"]
     header = ["op", "method", "kind", "median s", "GB/s", *ratios, "peak RSS growth", "CPU s"]
     rows = []
-    for r in doc["results"]:
+    for r in results:
         gbps = figure(r["gbps"] if (r.get("gbps") or 0) >= 0.01 else None)
         rss = format_bytes(r["peak_rss_delta"]) if r.get("peak_rss_delta") is not None else "-"
         cells = [figure(r.get(key) or None) for key in ratios.values()]  # none (or 0): a dash
@@ -405,17 +358,14 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += markdown_table(header, "<<<" + ">" * (len(header) - 3), rows)
     if bounded:
         pairs = {}
-        for r in doc["results"]:
+        for r in results:
             if r.get("bound"):
                 verified = next((f" ({w})" for w in ("verified", "unverified") if f" {w}" in r["method"]), "")
                 label = f"{r['kind']} {r['op']}s" + (verified if r["kind"] == "sink" and r["op"] == "load" else "")
                 pairs[label] = r["bound"]
-        lines += [
-            "",
-            "of bound: the bound's time / the method's; bounds: "
-            + "; ".join(f"{label} `{bound}`" for label, bound in pairs.items()),
-        ]
-    waiting = [r for r in doc["results"] if r.get("caller_waits_s")]  # documents from before 8555fbf have none
+        bounds_text = "; ".join(f"{label} `{bound}`" for label, bound in pairs.items())
+        lines += ["", f"of bound: the bound's time / the method's; bounds: {bounds_text}"]
+    waiting = [r for r in results if r.get("caller_waits_s")]  # documents from before 8555fbf have none
     if waiting:
         caption = (
             "Where each load's calling thread spends its time, medians in seconds: waiting for reads, for a ring "

@@ -1,18 +1,16 @@
 """Where a CUDA load's time goes: ``python -m fastpersist.bench stages [--source PATH | --sink] [--json OUT]``.
 
-A load's ring of page-locked buffers (:func:`fastpersist.io.reader.stream_to_device`) run with its stages
-added one at a time, on the calling thread, each buffer refilled as soon as its stages are done: ``read``,
-``read + CRC-32`` and, with a GPU, ``read + copy``, ``read + copy + CRC-32`` and ``read + copy + device
-CRC-32`` (:mod:`fastpersist.io.device_crc`); against ``pread x 8`` / ``x 16``, plain threads into the same
-buffers. The source is a file read buffered (``--source``, or a fresh one in ``--dir``) or ``--sink``
-(``/dev/zero``). Every stage moves the same whole windows ``--rounds`` times after an untimed round; every
-CRC-32 stage's joined checksum must be the source's (``crc_checked``). See docs/performance.md.
+The load's ring (:func:`fastpersist.io.reader.stream_to_device`) with its stages added one at a time, against
+``pread x 8`` / ``x 16`` (plain threads into the same buffers), from a file read buffered or ``/dev/zero``
+(``--sink``); every CRC-32 stage's joined checksum must be the source's. See docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import functools
 import os
 import statistics
 import tempfile
@@ -58,112 +56,88 @@ def _write_source(directory: str, size: int) -> str:
 
 
 def _source_crc(path: str, size: int, buffer: torch.Tensor) -> int:
-    """CRC-32 of the first ``size`` bytes ``path`` gives, read with plain ``pread``."""
-    view = memoryview(buffer.numpy())
-    crc = 0
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
+    """CRC-32 of the first ``size`` bytes ``path`` gives, read with plain reads."""
+    view, crc = memoryview(buffer.numpy()), 0
+    with open(path, "rb", buffering=0) as source:
         for offset in range(0, size, buffer.numel()):
             n = min(buffer.numel(), size - offset)
-            if os.preadv(descriptor, [view[:n]], offset) != n:
+            if source.readinto(view[:n]) != n:
                 raise OSError(f"{path}: short read at {offset}")
             crc = checksum.crc32(buffer.data_ptr(), n, crc)
-    finally:
-        os.close(descriptor)
     return crc
 
 
-class _Ring:
-    """The load's ring with a chosen set of stages, refilled from the calling thread in window order."""
+def _ring(path: str, windows: int, window: int, buffers: list, handles: list, device_memory, stream, stage: str):
+    """Seconds for every window of ``path`` through ``stage`` on the ring, refilled from the calling thread in
+    window order, and the joined CRC-32 when the stage has one; ``device_memory``: where the copies go."""
+    count, copy_wanted, on_device = len(buffers), "copy" in stage, "device CRC-32" in stage
+    crc_wanted = "CRC-32" in stage and not on_device
+    sizes, tail = DeviceCrc.split(window)
+    parts: list = []  # (part, length) in file order: CPU jobs, or device segments then a tail job
+    checked: list = [None] * count  # per slot: an event after its last window's device CRC-32
+    owed: collections.deque = collections.deque()  # (slot, event, crc job, next window), window order
+    checker = None
+    source = engine.File(path, "r", direct=False)
 
-    def __init__(self, path: str, windows: int, window: int, buffers: list, handles: list, target, stream):
-        self.path, self.windows, self.window = path, windows, window
-        self.buffers, self.handles = buffers, handles
-        self.target, self.stream = target, stream  # the device memory the copies go to, and their stream
+    def submit(slot: int, index: int) -> None:
+        handles[slot].submit_read(buffers[slot].data_ptr(), window, source, index * window, buffers[slot])
 
-    def run(self, stage: str) -> tuple[float, int | None]:
-        """Seconds for every window through ``stage``; the joined CRC-32 when the stage has one."""
-        count, window = len(self.buffers), self.window
-        copy_wanted = "copy" in stage
-        on_device = "device CRC-32" in stage
-        crc_wanted = "CRC-32" in stage and not on_device
-        checker = None
-        sizes, tail = DeviceCrc.split(window)
-        parts: list = []  # (part, length) in file order: device segments, then a tail job
-        checked: list = [None] * count  # per slot: an event after its last window's device CRC-32
-        source = engine.File(self.path, "r", direct=False)
-        owed: collections.deque = collections.deque()  # (slot, event, crc job, next window), window order
-        jobs: list = []
+    def done(_slot, event, job, _next) -> bool:
+        return (event is None or event.query()) and (job is None or job.done())
 
-        def submit(slot: int, index: int) -> None:
-            buffer = self.buffers[slot]
-            self.handles[slot].submit_read(buffer.data_ptr(), window, source, index * window, buffer)
+    def settle(event, job) -> None:
+        if event is not None:
+            event.synchronize()
+        if job is not None:
+            job.wait()
 
-        def done(entry) -> bool:
-            _, event, job, _ = entry
-            return (event is None or event.query()) and (job is None or job.done())
-
-        def refill(entry) -> None:
-            slot, event, job, following = entry
-            if event is not None:
-                event.synchronize()
-            if job is not None:
-                job.wait()
-            submit(slot, following)
-
-        try:
-            if on_device:
-                checker = DeviceCrc(self.target.device, self.windows * DeviceCrc.count(window))
-            started = time.perf_counter()
-            for slot in range(min(count, self.windows)):
-                submit(slot, slot)
-            for index in range(self.windows):
-                slot = index % count
-                while owed and (owed[0][0] == slot or done(owed[0])):
-                    refill(owed.popleft())
-                self.handles[slot].wait()
-                buffer, event, job = self.buffers[slot], None, None
-                if crc_wanted:
-                    job = checksum.submit_crc32(buffer.data_ptr(), window, piece_size=window)
-                    jobs.append(job)
-                if copy_wanted:
-                    target = self.target[slot * window : (slot + 1) * window]
-                    if checked[slot] is not None:
-                        self.stream.wait_event(checked[slot])  # the slot's last CRC-32 has read it
-                    with torch.cuda.stream(self.stream):
-                        target.copy_(buffer, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(self.stream)
-                if checker is not None:
-                    parts += zip(checker.queue(target, sizes, event), sizes)
-                    checked[slot] = torch.cuda.Event()
-                    checked[slot].record(checker.stream)
-                    if tail:
-                        job = checksum.submit_crc32(buffer.data_ptr() + window - tail, tail, piece_size=window)
-                        parts.append((job, tail))  # reads the buffer: the refill waits for it
-                if index + count < self.windows:
-                    owed.append((slot, event, job, index + count))
-                else:
-                    if event is not None:
-                        event.synchronize()
-                    if job is not None:
-                        job.wait()
-            elapsed = time.perf_counter() - started
+    try:
+        if on_device:
+            checker = DeviceCrc(device_memory.device, windows * DeviceCrc.count(window))
+        started = time.perf_counter()
+        for slot in range(min(count, windows)):
+            submit(slot, slot)
+        for index in range(windows):
+            slot = index % count
+            while owed and (owed[0][0] == slot or done(*owed[0])):
+                waited, event, job, following = owed.popleft()
+                settle(event, job)
+                submit(waited, following)
+            handles[slot].wait()
+            buffer, event, job = buffers[slot], None, None
+            if crc_wanted:
+                job = checksum.submit_crc32(buffer.data_ptr(), window, piece_size=window)
+                parts.append((job, window))
+            if copy_wanted:
+                target = device_memory[slot * window : (slot + 1) * window]
+                if checked[slot] is not None:
+                    stream.wait_event(checked[slot])  # the slot's last CRC-32 has read it
+                with torch.cuda.stream(stream):
+                    target.copy_(buffer, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
             if checker is not None:
-                checker.values()  # waits for the device's checksums
-                elapsed = time.perf_counter() - started
-        finally:
-            for handle in self.handles:
-                try:
-                    handle.wait()
-                except OSError:
-                    pass  # the error being raised is the one that matters
-            source.close()
-            if checker is not None:
-                checker.close()
+                parts += zip(checker.queue(target, sizes, event), sizes)
+                checked[slot] = torch.cuda.Event()
+                checked[slot].record(checker.stream)
+                if tail:
+                    job = checksum.submit_crc32(buffer.data_ptr() + window - tail, tail, piece_size=window)
+                    parts.append((job, tail))  # reads the buffer: the refill waits for it
+            if index + count < windows:
+                owed.append((slot, event, job, index + count))
+            else:
+                settle(event, job)
         if checker is not None:
-            return elapsed, checksum.crc32_combine_all(parts)
-        return elapsed, checksum.crc32_combine_all([(job, window) for job in jobs]) if crc_wanted else None
+            checker.values()  # waits for the device's checksums
+        elapsed = time.perf_counter() - started
+    finally:
+        for handle in handles:
+            with contextlib.suppress(OSError):  # the error being raised is the one that matters
+                handle.wait()
+        source.close()
+        if checker is not None:
+            checker.close()
+    return elapsed, checksum.crc32_combine_all(parts) if "CRC-32" in stage else None
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -176,15 +150,11 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = windows * window
     device = torch.device("cuda") if torch.cuda.is_available() and not args.no_cuda else None
     stages = [s for s in _STAGES if device is not None or "copy" not in s]
-    made = None
-    if args.sink:
-        path = _SINK
-    elif args.source:
-        path = args.source
-        if os.path.getsize(path) < nbytes:
-            raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, fewer than --size ({nbytes})")
-    else:
-        path = made = _write_source(args.dir or tempfile.gettempdir(), nbytes)
+    path = _SINK if args.sink else args.source
+    if args.source and os.path.getsize(path) < nbytes:
+        raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, fewer than --size ({nbytes})")
+    made = None if path else _write_source(args.dir or tempfile.gettempdir(), nbytes)
+    path = path or made
     crc_checked: dict[str, bool] = {}
     # CUDA first: the pool registers its buffers for DMA only in a process that uses CUDA (else the
     # copies would run from pageable memory, at a fraction of the speed a load gets).
@@ -194,13 +164,13 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         with memory.lease_buffers(max(slots, max(_THREADS)), window, settings.huge_pages) as buffers:
             expected = _source_crc(path, nbytes, buffers[0])
             handles = [engine.make_handle(settings) for _ in range(slots)]
-            ring = _Ring(path, windows, window, buffers[:slots], handles, target, stream)
+            ring = functools.partial(_ring, path, windows, window, buffers[:slots], handles, target, stream)
 
             def run(name: str, _round: int) -> float:
                 if name.startswith("pread"):
                     threads = int(name.split()[-1])
                     return bounds.read_ceiling(path, threads, window, size=nbytes, buffers=buffers, direct=False)
-                seconds, crc = ring.run(name)
+                seconds, crc = ring(name)
                 if crc is not None:
                     crc_checked[name] = crc_checked.get(name, True) and crc == expected
                 return seconds

@@ -3,14 +3,11 @@
     python -m fastpersist.bench trainer --dir /mnt/nvme/fp --dir /dev/shm/fp --json out.json
     python -m fastpersist.bench trainer --report out.json --svg docs/images/trainer.svg
 
-Each method trains the same Llama-shaped model with ``transformers.Trainer`` (``save_steps``), in a fresh
-process per method and directory, and times every checkpoint from ``on_step_end`` of a saving step (device
-synchronised) to ``on_save`` (``blocked_s``) and until every file is durable (``durable_s``):
-``unpatched`` (Trainer as shipped, not durable), ``unpatched+fsync`` (then every file and directory
-fsynced), ``patched`` (under ``fastpersist.patch()``, durable on return) and ``patched-async`` (under
-``patch(mode="snapshot")``: durable when its background saves commit). The last checkpoint is read back
-with safetensors and ``torch.load`` and compared with the live state; each directory's write ceiling is
-measured in the same run. See docs/patch.md.
+Each method trains the same Llama-shaped model with ``transformers.Trainer`` in a fresh process per method and
+directory, timing every checkpoint from the saving step's end to ``on_save`` (``blocked_s``) and until every file is
+durable (``durable_s``): ``unpatched+fsync`` fsyncs every file after, ``patched`` is durable on return,
+``patched-async`` when its background saves commit. The last checkpoint is read back with safetensors and
+``torch.load`` and compared with the live state; each directory's write ceiling is measured too. See docs/patch.md.
 """
 
 from __future__ import annotations
@@ -32,10 +29,7 @@ __all__ = ["BENCHMARK", "METHODS", "SCHEMA", "fsync_tree", "main", "to_markdown"
 
 SCHEMA = "fastpersist.bench.trainer/1"
 METHODS = ("unpatched", "unpatched+fsync", "patched", "patched-async")
-_DURABLE = ("unpatched+fsync", "patched", "patched-async")
-_MODEL_OPTIONS = ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "batch", "seq")
-_RUN_OPTIONS = (*_MODEL_OPTIONS, "save_steps", "checkpoints", "device")
-"""The options a run has (its children get the same command line), recorded in the config."""
+_RUN_OPTIONS = "hidden intermediate layers heads kv_heads vocab batch seq save_steps checkpoints device".split()
 
 
 def _tree(directory: str):
@@ -58,26 +52,6 @@ def fsync_tree(directory: str) -> int:
     return count
 
 
-def _model(args):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        vocab_size=args.vocab,
-        max_position_embeddings=max(args.seq, 128),
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    with torch.device(args.device):
-        model = LlamaForCausalLM(config)
-    return model.to(torch.bfloat16)
-
-
 def _callback(method: str, device: str, timings: list[dict]):
     """A TrainerCallback timing each checkpoint from the saving step's end to on_save (and to durable)."""
     import torch
@@ -95,13 +69,11 @@ def _callback(method: str, device: str, timings: list[dict]):
                 self.started = time.perf_counter()
 
         def on_save(self, args, state, control, **kwargs):
-            returned = time.perf_counter()
-            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            record = {"step": state.global_step, "returned_s": returned - self.started}
+            record = {"step": state.global_step, "returned_s": time.perf_counter() - self.started}
             if method != "unpatched":
-                fsync_tree(folder)
+                fsync_tree(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
             record["blocked_s"] = time.perf_counter() - self.started
-            if method in _DURABLE:  # durable when the last of its background saves is done (none: now)
+            if method != "unpatched":  # durable when the last of its background saves is done (none: now)
                 pending = fastpersist.pending_saves() if method == "patched-async" else []
                 record["pending_saves"] = len(pending)
                 done = [time.perf_counter()]
@@ -135,14 +107,26 @@ def _verify(trainer, folder: str) -> dict[str, Any]:
 
 
 def _run_one(args) -> dict[str, Any]:
-    """One method's training run in this process (the child of :func:`_orchestrate`)."""
+    """One method's training run in this process (a child of :func:`_measure`)."""
     import torch
-    from transformers import Trainer, TrainingArguments
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     import fastpersist
 
     output_dir = os.path.join(args.target, f"trainer-{args.method}-{os.getpid()}")
-    model = _model(args)
+    config = LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=max(args.seq, 128),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
     steps = args.save_steps * args.checkpoints
     timings: list[dict] = []
     tokens = torch.randint(0, args.vocab, (steps * args.batch, args.seq), generator=torch.Generator().manual_seed(1))
@@ -184,23 +168,20 @@ def _run_one(args) -> dict[str, Any]:
         if durable := record.pop("_durable", None):
             record["durable_s"] = max(durable[1]) - durable[0]
     last = os.path.join(output_dir, f"checkpoint-{steps}")
-    verified = _verify(trainer, last)
-    checkpoint_bytes = sum(os.path.getsize(path) for _, files in _tree(last) for path in files)
-    files = sorted(os.listdir(last))
-    peak_gpu = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
-    shutil.rmtree(output_dir, ignore_errors=True)
-    return {
+    result = {
         "method": args.method,
         "checkpoints": timings,
-        "checkpoint_bytes": checkpoint_bytes,
-        "files": files,
+        "checkpoint_bytes": sum(os.path.getsize(path) for _, files in _tree(last) for path in files),
+        "files": sorted(os.listdir(last)),
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_s": elapsed,
         "steps": steps,
-        "verified": verified,
+        "verified": _verify(trainer, last),
         "patch_stats": counts,
-        "peak_gpu_bytes": peak_gpu,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
     }
+    shutil.rmtree(output_dir, ignore_errors=True)
+    return result
 
 
 def _summary(samples: list[dict]) -> dict[str, Any]:
@@ -301,10 +282,8 @@ def to_markdown(document: dict[str, Any]) -> str:
         ]
         header = ["method", "blocked (s)", "durable (s)", "durable GB/s", "first blocked (s)", "first durable (s)"]
         lines += markdown_table([*header, "verified"], "<>>>>><", [])
-        for method in config["methods"]:
-            r = results.get(method)
-            if r is None:
-                continue
+        for method in [m for m in config["methods"] if m in results]:
+            r = results[method]
             if "error" in r:
                 lines.append(f"| {method} | failed | | | | | |")
                 continue
@@ -319,8 +298,8 @@ def to_markdown(document: dict[str, Any]) -> str:
             "",
             f"Patched and durable: {figure(t['patched_of_ceiling'], suffix='x')} the write ceiling, "
             f"{figure(t['patched_vs_unpatched_fsync'], suffix='x')} unpatched + fsync; patched-async blocked "
-            f"{figure(t['async_blocked_of_unpatched'], '.3f', 'x')} unpatched (the targets, for the disk: at least 0.9x, at "
-            "least 2.5x, at most 0.1x).",
+            f"{figure(t['async_blocked_of_unpatched'], '.3f', 'x')} unpatched (the targets, for the disk: "
+            "at least 0.9x, at least 2.5x, at most 0.1x).",
             "",
         ]
     return "\n".join(lines)

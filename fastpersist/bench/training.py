@@ -3,15 +3,11 @@
     python -m fastpersist.bench training --dir /dev/shm/fp --json out.json        # GPU if present
     python -m fastpersist.bench training --report out.json --svg docs/images/async.svg   # table + chart
 
-Each method runs the same loop (forward, backward, AdamW step) in a fresh process, ``--warmup`` iterations
-then ``--iterations`` timed ones checkpointing model + optimizer after the first and every ``--every``, and
-is compared with the loop without checkpoints (``none``) and with the bound: ``max(iteration, the faster of a
-checkpoint's write alone and in a row / every)`` (:func:`fastpersist.bench.bounds.write_ceiling`, same run). Methods: ``fastpersist-pipelined`` / ``-snapshot`` (``fastpersist.Checkpointer``,
-prepared after the warm-up unless ``--prepare false``), ``fastpersist-sync``, ``torch.save`` + fsync and
-Lightning's ``AsyncCheckpointIO``; with ``--ranks N``, DDP over N processes and the collective methods
-(``fastpersist-collective``, ``-collective-pipelined``, ``-collective-snapshot``), bounded by N concurrent
-writers (:func:`fastpersist.bench.bounds.shared_write_ceiling`). Per save, where the time goes
-(:mod:`fastpersist.io.timeline`); see docs/async.md.
+Each method runs the same loop (forward, backward, AdamW step) in a fresh process (DDP over ``--ranks``),
+checkpointing model + optimizer after the first timed iteration and every ``--every``, against the loop without
+checkpoints (``none``) and the bound ``max(iteration, the faster of a checkpoint's write alone and in a row /
+every)`` (:mod:`fastpersist.bench.bounds`, same run; N concurrent writers for the collective methods). Per save,
+where the time goes (:mod:`fastpersist.io.timeline`); see docs/async.md.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ import time
 from typing import Any
 
 from fastpersist.bench import bounds
-from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, markdown_table, option, spawn, timed
+from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, figure, markdown_table, option, spawn, timed
 from fastpersist.tuning.measure import write_json
 
 __all__ = ["BENCHMARK", "METHODS", "RANK_METHODS", "SCHEMA", "main", "save_phases", "to_markdown", "to_svg"]
@@ -36,7 +32,6 @@ SCHEMA = "fastpersist-training-bench/1"
 METHODS = ["none", "fastpersist-pipelined", "fastpersist-snapshot", "fastpersist-sync", "torch.save", "lightning-async"]
 _COLLECTIVE = ("fastpersist-collective", "fastpersist-collective-pipelined", "fastpersist-collective-snapshot")
 RANK_METHODS = ["none", *_COLLECTIVE, "fastpersist-pipelined", "fastpersist-snapshot", "fastpersist-sync", "torch.save"]
-"""The methods with ``--ranks`` > 1 (see the module docstring)."""
 _CHECKPOINTER = ("fastpersist-pipelined", "fastpersist-snapshot", *_COLLECTIVE[1:])
 
 
@@ -72,8 +67,7 @@ def _iteration(model, optimizer, tokens, amp: bool):
 
 
 def _setup(args, rank: int):
-    """This rank's model, optimizer and batch, and the model it trains: with ``--ranks``, in a process group
-    and wrapped in DDP."""
+    """This rank's model, optimizer, batch and the model it trains (with ``--ranks``: DDP in a process group)."""
     import torch
     import torch.distributed as dist
 
@@ -90,7 +84,7 @@ def _setup(args, rank: int):
 
 
 def _run_one(args) -> dict[str, Any]:
-    """One method in this process (a child of :func:`_measure`, one per rank with ``--ranks``); its measurements."""
+    """One method in this process (one per rank with ``--ranks``); its measurements."""
     import torch
     import torch.distributed as dist
 
@@ -106,8 +100,7 @@ def _run_one(args) -> dict[str, Any]:
     writes = method != "none" and (not distributed or rank == 0 or method in _COLLECTIVE)
     group = {"group": dist.group.WORLD, "layout": args.layout} if method in _COLLECTIVE else {}
     checkpointer = lightning_io = None
-    # The asynchronous saves' futures (a collective one's carry its SaveStats) and the seconds each save blocked.
-    futures, blocked = [], []
+    futures, blocked = [], []  # the asynchronous saves' futures (with a collective's SaveStats), seconds blocked
     if writes and method in _CHECKPOINTER:
         checkpointer = fastpersist.Checkpointer(optimizer, model=model, mode=method.rsplit("-", 1)[1], **group)
     elif writes and method == "lightning-async":
@@ -193,8 +186,8 @@ def _run_one(args) -> dict[str, Any]:
 
 
 def _collective(futures: list) -> dict[str, Any] | None:
-    """Rank 0's view of its collective saves after the first (None: none): seconds from the start of each to the
-    end of each step's exchange (plan, verify in the caller; write, commit in the background), its write, its bytes."""
+    """Rank 0's collective saves after the first (None: none): seconds from each start to the end of each step's
+    exchange (plan, verify in the caller; write, commit in the background), its write, its bytes."""
     stats = [f.stats for f in futures if f.stats is not None][1:]
     if not stats:
         return None
@@ -245,11 +238,8 @@ _PHASES = (
 
 
 def save_phases(events: list[tuple[float, str, str]]) -> list[dict[str, float]]:
-    """Seconds of each phase (``_PHASES``) of every save in a :func:`fastpersist.io.timeline.recording`, in order.
-
-    The caller's marks (``call`` ...) are numbered by the ``call`` marks, the background
-    thread's by its ``start`` marks; a synchronous save's write marks follow its ``call``.
-    """
+    """Seconds of each phase (``_PHASES``) of every save in a :func:`fastpersist.io.timeline.recording`, in order:
+    the caller's marks numbered by its ``call`` marks, the background thread's by its ``start`` marks."""
     caller = next((thread for _, thread, label in events if label == "call"), None)
     calls = starts = -1
     marks: dict[int, dict[str, float]] = {}
@@ -304,10 +294,8 @@ def _measure_d2h(args) -> float | None:
     return min(timed(copy, "cuda")[1]["seconds"] for _ in range(3))
 
 
-_RUN_OPTIONS = tuple(
-    "dir device d_model layers heads vocab batch seq iterations warmup every ranks layout prepare".split()
-)
-"""The options a method's process runs with (its children get the same command line), recorded in the config."""
+# The options a method's process runs with (its children get the same command line), recorded in the config.
+_RUN_OPTIONS = "dir device d_model layers heads vocab batch seq iterations warmup every ranks layout prepare".split()
 
 
 def _median(samples: list[dict], key: str, per_iteration: bool = False) -> float | None:
@@ -320,12 +308,10 @@ def _measure(args) -> dict[str, Any]:
     from fastpersist.bench.measure import machine_info
 
     os.makedirs(args.dir, exist_ok=True)
-    known = RANK_METHODS if args.ranks > 1 else METHODS
+    known, where = (RANK_METHODS, " with --ranks") if args.ranks > 1 else (METHODS, "")
     methods = [m for m in (args.methods or ",".join(known)).split(",") if m]
     if unknown := set(methods) - set(known):
-        raise UsageError(
-            f"unknown methods {sorted(unknown)}; known{' with --ranks' if args.ranks > 1 else ''}: {known}"
-        )
+        raise UsageError(f"unknown methods {sorted(unknown)}; known{where}: {known}")
     if "none" not in methods:
         methods.insert(0, "none")
 
@@ -450,13 +436,12 @@ def to_markdown(document: dict[str, Any]) -> str:
         if "error" in r:
             lines.append(f"| {r['method']} | failed | | | | | | | | |")
             continue
-        ratio = f"{r['steady_of_possible']:.2f}" if r.get("steady_of_possible") else "-"
         firsts = [s["first_blocked_s"] * 1000 for s in r["samples"] if "first_blocked_s" in s]
         lines.append(
-            f"| {r['method']} | {_ms(r['steady_per_iteration_s'])} | {ratio} | {_ms(r['per_iteration_s'])} | "
-            f"{r['steady_overhead_pct']:+.1f}% | {r['overhead_pct']:+.1f}% | {_ms(r['blocked_per_save_s'])} | "
-            f"{f'{statistics.median(firsts):.1f}' if firsts else '-'} | {_mib(r['extra_gpu_bytes'])} | "
-            f"{_mib(r['extra_host_bytes'])} |"
+            f"| {r['method']} | {_ms(r['steady_per_iteration_s'])} | {figure(r.get('steady_of_possible') or None)} | "
+            f"{_ms(r['per_iteration_s'])} | {r['steady_overhead_pct']:+.1f}% | {r['overhead_pct']:+.1f}% | "
+            f"{_ms(r['blocked_per_save_s'])} | {f'{statistics.median(firsts):.1f}' if firsts else '-'} | "
+            f"{_mib(r['extra_gpu_bytes'])} | {_mib(r['extra_host_bytes'])} |"
         )
     phased = [r for r in document["results"] if "error" not in r and r.get("phases")]
     names = [name for name, _, _ in _PHASES if any(name in r["phases"] for r in phased)]  # the phases some save had
@@ -512,8 +497,7 @@ def _options(parser: argparse.ArgumentParser) -> None:
     gpu = torch.cuda.is_available()
     option(parser, "dir", default=tempfile.gettempdir(), help="where checkpoints are written")
     option(parser, "device", choices=["cpu", "cuda"], default="cuda" if gpu else "cpu")
-    # GPU defaults: a ~0.25 GB checkpoint (21M parameters + AdamW) and an iteration of roughly 0.1 s on
-    # an H100, so that the write of one checkpoint (~2 GB/s here) can hide behind one iteration.
+    # GPU defaults: a ~0.25 GB checkpoint (21M parameters + AdamW) whose write (~2 GB/s) hides behind one iteration.
     sizes = {"--d-model": (512, 256), "--layers": (4, 2), "--heads": (8, 4), "--vocab": (8192, 2048)}
     sizes.update({"--batch": (64, 8), "--seq": (2048, 64), "--iterations": (20, 8), "--warmup": (3, 2)})
     for flag, (on_gpu, on_cpu) in sizes.items():

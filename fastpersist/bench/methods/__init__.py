@@ -1,16 +1,14 @@
 """The checkpoint benchmark's methods: :class:`SaveMethod`, :class:`LoadMethod`, their registries, and every
 method: torch.save / torch.load / DCP, safetensors, fastpersist, and a raw ``os.write`` of all bytes.
 
-The runner (:func:`fastpersist.bench.checkpoint.run_benchmark`) only talks to these interfaces; a new method
-is a subclass and a :func:`register` call (docs/checkpoint-benchmark.md, "Adding a method"). The storage
-ceilings, measured apart from any method, are in :mod:`fastpersist.bench.methods.ceilings`.
+A new method is a subclass and a :func:`register` call (docs/checkpoint-benchmark.md, "Adding a method");
+the storage ceilings are in :mod:`fastpersist.bench.methods.ceilings`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import json
 import os
 import time
@@ -20,6 +18,7 @@ from typing import Any
 
 import torch
 
+import fastpersist
 from fastpersist.bench import measure
 from fastpersist.tensors import host_memoryview
 from fastpersist.tuning import workloads
@@ -29,8 +28,7 @@ __all__ = ["BenchContext", "SaveMethod", "LoadMethod", "SAVE_METHODS", "LOAD_MET
 
 @dataclasses.dataclass
 class BenchContext:
-    """What every method may need besides the state and a path: the device of the state and of the loads,
-    the ranks (torchrun's environment), DCP's writer threads and the settings of every fastpersist call."""
+    """What every method may need besides the state and a path."""
 
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     dist: measure.DistributedEnv = dataclasses.field(default_factory=measure.DistributedEnv)
@@ -73,11 +71,11 @@ class SaveMethod(_Method):
         return os.path.join(directory, self.name.replace("/", "_") + suffix + self.extension)
 
     def save(self, state: Any, path: str, ctx: BenchContext) -> dict[str, float]:
-        """Writes ``state`` to ``path``; returns extra timings (``blocked_seconds`` for async)."""
+        """Returns extra timings (``blocked_seconds`` for async)."""
         raise NotImplementedError
 
     def read_back(self, path: str, state: Any, ctx: BenchContext) -> Any:
-        """Loads what :meth:`save` wrote, to ``ctx.device``, for verification."""
+        """What :meth:`save` wrote, loaded to ``ctx.device`` for verification."""
         raise NotImplementedError
 
     def cleanup(self, path: str) -> None:
@@ -115,28 +113,15 @@ def _tensors_only(self: Any, loaded: Any) -> tuple[dict[str, torch.Tensor], None
     return dict(loaded), None
 
 
-def empty_like_state(state: Any, device: torch.device | None = None) -> Any:
+def empty_like_state(state: Any) -> Any:
     """Same structure, freshly allocated (untouched) tensors; other leaves copied."""
     if isinstance(state, torch.Tensor):
-        return torch.empty(state.shape, dtype=state.dtype, device=state.device if device is None else device)
+        return torch.empty(state.shape, dtype=state.dtype, device=state.device)
     if isinstance(state, dict):
-        return {k: empty_like_state(v, device) for k, v in state.items()}
+        return {k: empty_like_state(v) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return (list if isinstance(state, list) else tuple)(empty_like_state(v, device) for v in state)
+        return (list if isinstance(state, list) else tuple)(empty_like_state(v) for v in state)
     return state
-
-
-def fastpersist_api() -> tuple[Any, str | None]:
-    try:
-        import fastpersist
-
-        fastpersist.save, fastpersist.load  # noqa: B018 - probe the public API
-        return fastpersist, None
-    except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, or an error building the native module
-        return None, f"fastpersist.save is not importable yet ({type(e).__name__}: {e})"
-
-
-# ----------------------------------------------------------------------------- no format: an upper bound
 
 
 class RawWrite(SaveMethod):
@@ -169,22 +154,15 @@ class RawWrite(SaveMethod):
         return out
 
 
-# ----------------------------------------------------------------------------- fastpersist
-
-
 class FastpersistSave(SaveMethod):
     name, label = "fastpersist", "fastpersist.save"
 
-    def unavailable(self, ctx):
-        return fastpersist_api()[1]
-
     def save(self, state, path, ctx):
-        fastpersist_api()[0].save(state, path, fsync=True, **ctx.fastpersist_overrides)
+        fastpersist.save(state, path, fsync=True, **ctx.fastpersist_overrides)
         return {}
 
     def read_back(self, path, state, ctx):
-        # torch.load: the file is a drop-in torch checkpoint, whatever fastpersist's own reader (the
-        # fastpersist.load method checks that one).
+        # torch.load: the file must be a drop-in torch checkpoint (the fastpersist.load method checks our reader)
         return torch_load(path, ctx)
 
 
@@ -193,15 +171,9 @@ class FastpersistAsyncSave(FastpersistSave):
 
     name, label = "fastpersist-async", "fastpersist.async_save"
 
-    def unavailable(self, ctx):
-        fastpersist, reason = fastpersist_api()
-        if reason or hasattr(fastpersist, "async_save"):
-            return reason
-        return "fastpersist.async_save is not available yet"
-
     def save(self, state, path, ctx):
         start = time.perf_counter()
-        future = fastpersist_api()[0].async_save(state, path, **ctx.fastpersist_overrides)
+        future = fastpersist.async_save(state, path, **ctx.fastpersist_overrides)
         blocked = time.perf_counter() - start
         future.result()
         return {"blocked_seconds": blocked}
@@ -210,19 +182,15 @@ class FastpersistAsyncSave(FastpersistSave):
 class FastpersistLoad(LoadMethod):
     name = label = "fastpersist.load"
     source = "fastpersist"
-    unavailable = FastpersistSave.unavailable
 
     def load(self, path, state, ctx):
-        return fastpersist_api()[0].load(path, map_location=ctx.device, **ctx.fastpersist_overrides)
+        return fastpersist.load(path, map_location=ctx.device, **ctx.fastpersist_overrides)
 
 
 class FastpersistLoadTorchFile(FastpersistLoad):
     """The drop-in path for existing checkpoints."""
 
     name, label, source = "fastpersist.load-torchfile", "fastpersist.load of a torch.save file", "torch.save"
-
-
-# ----------------------------------------------------------------------------- safetensors
 
 
 class SafetensorsSave(SaveMethod):
@@ -259,9 +227,6 @@ class SafetensorsLoad(LoadMethod):
     load = SafetensorsSave.read_back
 
 
-# ----------------------------------------------------------------------------- PyTorch
-
-
 @contextlib.contextmanager
 def _torch_serialization_settings(**values: Any) -> Iterator[None]:
     import torch.utils.serialization
@@ -279,6 +244,7 @@ def _torch_serialization_settings(**values: Any) -> Iterator[None]:
 
 class TorchSave(SaveMethod):
     name, label = "torch.save", "torch.save + fsync"
+    fast = False  # torch.utils.serialization's fast settings: no CRC32, pinned memory for copies from CUDA
 
     def save(self, state, path, ctx):
         with self._settings(ctx):
@@ -289,23 +255,14 @@ class TorchSave(SaveMethod):
         return torch_load(path, ctx)
 
     def _settings(self, ctx: BenchContext) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-
-class TorchSaveFast(TorchSave):
-    name, label = "torch.save-fast", "torch.save, no CRC32 + fsync"
-
-    def _settings(self, ctx):
+        if not self.fast:
+            return contextlib.nullcontext()
         pinned = {"use_pinned_memory_for_d2h": True} if ctx.is_cuda else {}
         return _torch_serialization_settings(compute_crc32=False, **pinned)
 
-    def unavailable(self, ctx):
-        try:
-            with self._settings(ctx):
-                pass
-        except (ImportError, AttributeError) as e:
-            return f"torch {torch.__version__} has no torch.utils.serialization.config.save ({e})"
-        return None
+
+class TorchSaveFast(TorchSave):
+    name, label, fast = "torch.save-fast", "torch.save, no CRC32 + fsync", True
 
 
 class TorchLoad(LoadMethod):
@@ -322,15 +279,10 @@ class TorchLoadMmap(TorchLoad):
         return torch_load(path, ctx, mmap=True)  # the runner touches every page
 
 
-# Every rank saves its whole state to its own directory (like the other methods), so DCP runs without
-# collectives even under torchrun; sharded DCP saves would be a separate method.
-_DCP = {"no_dist": True}
+class DcpLoad(LoadMethod):
+    """torch.distributed.checkpoint.load into freshly allocated tensors of the right shapes."""
 
-
-class DcpSave(SaveMethod):
-    """torch.distributed.checkpoint.save with FileSystemWriter (no process group needed)."""
-
-    name, label, extension = "dcp", "torch DCP save (FileSystemWriter)", ".dcp"
+    name, label, source = "dcp.load", "torch DCP load", "dcp"
 
     def unavailable(self, ctx):
         try:
@@ -339,27 +291,6 @@ class DcpSave(SaveMethod):
             return f"torch.distributed.checkpoint is not usable here ({type(e).__name__}: {e})"
         return None
 
-    def save(self, state, path, ctx):
-        import torch.distributed.checkpoint as dcp
-
-        wanted = {"single_file_per_rank": True, "sync_files": True, "thread_count": ctx.dcp_threads, "overwrite": True}
-        known = inspect.signature(dcp.FileSystemWriter.__init__).parameters  # older torch lacks some
-        writer = dcp.FileSystemWriter(path, **{k: v for k, v in wanted.items() if k in known})
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.save(state, storage_writer=writer, **_DCP)
-        return {}
-
-    def read_back(self, path, state, ctx):
-        return DcpLoad().load(path, state, ctx)
-
-
-class DcpLoad(LoadMethod):
-    """torch.distributed.checkpoint.load into freshly allocated tensors of the right shapes."""
-
-    name, label, source = "dcp.load", "torch DCP load", "dcp"
-    unavailable = DcpSave.unavailable
-
     def load(self, path, state, ctx):
         import torch.distributed.checkpoint as dcp
 
@@ -367,8 +298,28 @@ class DcpLoad(LoadMethod):
         template = empty_like_state(state)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(template, storage_reader=dcp.FileSystemReader(path), **_DCP)
+            dcp.load(template, storage_reader=dcp.FileSystemReader(path), no_dist=True)
         return template
+
+
+class DcpSave(SaveMethod):
+    """torch.distributed.checkpoint.save with FileSystemWriter. Every rank saves its whole state to its own
+    directory, as the other methods do, so DCP runs without collectives (no_dist) even under torchrun."""
+
+    name, label, extension = "dcp", "torch DCP save (FileSystemWriter)", ".dcp"
+    unavailable = DcpLoad.unavailable
+    read_back = DcpLoad.load
+
+    def save(self, state, path, ctx):
+        import torch.distributed.checkpoint as dcp
+
+        writer = dcp.FileSystemWriter(
+            path, single_file_per_rank=True, sync_files=True, thread_count=ctx.dcp_threads, overwrite=True
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, storage_writer=writer, no_dist=True)
+        return {}
 
 
 # The registries' order is the default methods' order (and so the results' and every round's shuffle).

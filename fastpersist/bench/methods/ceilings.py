@@ -1,14 +1,13 @@
 """The storage ceiling: what the storage does with no format at all, the upper bound each method is compared with.
 
-:func:`measure_ceiling`: the best of fio (when installed) and of the engine's single-request mode over a
-small grid of block sizes and queue depths (for reads also the depth loads use). Every file is written from
-a pattern whose 4 KiB blocks carry their own index and fsync'ed with its directory, as a save is, and every
-read is compared with it (fio checks its own CRC32C headers): a misplaced or stale block fails the
-measurement instead of inflating it.
+The best of fio (when installed) and the engine over a grid of block sizes and queue depths. Every read is
+verified against the pattern written (4 KiB blocks stamped with their index; fio checks its CRC32C headers):
+a misplaced or stale block fails the measurement instead of inflating it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -47,9 +46,6 @@ class Candidate:
         size = f"{self.block_size >> 20}M" if self.block_size >= 1 << 20 else f"{self.block_size >> 10}K"
         return f"{self.tool} {size} QD{self.queue_depth}"
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"tool": self.tool, "block_size": self.block_size, "queue_depth": self.queue_depth}
-
 
 def _stamped_pattern(nbytes: int) -> torch.Tensor:
     """``nbytes`` of page-aligned random bytes in which every 4 KiB block starts with its own index."""
@@ -59,18 +55,15 @@ def _stamped_pattern(nbytes: int) -> torch.Tensor:
     chunk = 64 << 20
     noise = torch.randint(0, 256, (min(chunk, nbytes),), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
     for start in range(0, nbytes, chunk):
-        length = min(chunk, nbytes - start)
-        pattern[start : start + length].copy_(noise[:length])
+        pattern[start : start + chunk].copy_(noise[: min(chunk, nbytes - start)])
     blocks = nbytes // BLOCK
-    if blocks:
-        pattern[: blocks * BLOCK].view(torch.int64).view(blocks, BLOCK // 8)[:, 0] = torch.arange(blocks)
+    pattern[: blocks * BLOCK].view(torch.int64).view(blocks, BLOCK // 8)[:, 0] = torch.arange(blocks)
     return pattern
 
 
-class CeilingProbe:
+class CeilingProbe(contextlib.AbstractContextManager):
     """Writes and reads one file of ``nbytes`` (rounded up to 4 KiB) in a temporary directory of ``directory``
-    with any :class:`Candidate` (engine ones with ``engine_name``; fio ones where installed and ``use_fio``),
-    from and into buffers of ``nbytes``. A context manager: :meth:`close` removes the files."""
+    with any :class:`Candidate` (fio ones where installed and ``use_fio``); its files are removed on exit."""
 
     def __init__(self, directory: str, nbytes: int, engine_name: str = "auto", use_fio: bool = True):
         from fastpersist.io import engine, memory
@@ -83,17 +76,10 @@ class CeilingProbe:
         self.direct = bool(engine.probe_directory(self.workdir)["direct"])
         self.dropper = system.CacheDropper()
         self.source = _stamped_pattern(self.nbytes)
-        self.destination = memory.aligned_empty(self.nbytes)
-        self.destination.fill_(0)
+        self.destination = memory.aligned_empty(self.nbytes).fill_(0)
         self._engine = engine
 
-    def __enter__(self) -> CeilingProbe:
-        return self
-
     def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
         measure.remove_path(self.workdir)
 
     def _path(self, tool: str) -> str:
@@ -139,12 +125,8 @@ class CeilingProbe:
             return time.perf_counter() - start
 
     def read(self, candidate: Candidate, nbytes: int | None = None) -> float:
-        """Reads the file :meth:`write` left (cold) and verifies every byte; returns the seconds of the read.
-
-        Raises:
-            CeilingVerificationError: the bytes read differ from those written.
-            FileNotFoundError: nothing was written with this tool yet.
-        """
+        """Reads the file :meth:`write` left, cold, and verifies every byte (CeilingVerificationError if one
+        differs); returns the seconds of the read."""
         n = self.nbytes if nbytes is None else nbytes
         path = self._path(candidate.tool)
         if os.path.getsize(path) < n:
@@ -177,7 +159,7 @@ def _best(points: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def _write_and_read(probe: CeilingProbe, candidate: Candidate, n: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """A write then a verified read of the same file; the read's check verifies the write too."""
-    write = dict(candidate.as_dict(), bytes=n, gbps=None, error=None)
+    write = dict(dataclasses.asdict(candidate), bytes=n, gbps=None, error=None)
     read = dict(write)
     try:
         write_seconds = probe.write(candidate, n)
@@ -198,7 +180,6 @@ def measure_ceiling(
     grid_bytes: int = 1 << 30,
     passes: int = 1,
     seed: int = 0,
-    probe: CeilingProbe | None = None,
     progress: Any = None,
 ) -> dict[str, Any]:
     """The write and read ceilings of ``directory`` for a file of ``nbytes``.
@@ -206,17 +187,12 @@ def measure_ceiling(
     Every candidate of the grid moves ``min(nbytes, grid_bytes)``, in a seeded random order; then, ``passes``
     times, the best engine and fio candidates of each operation move ``nbytes``. A sample that fails
     verification or raises has ``error`` set and never counts; an operation's ceiling is its fastest
-    full-size sample (the best any tool did on this storage in this run).
-
-    Returns:
-        ``{"bytes", "direct", "fio", "seed", "grid": {"write": [...], "read": [...]},
-        "write": {"gbps", "best", "samples"}, "read": {...}}``.
+    full-size sample. Returns ``{"bytes", "direct", "fio", "seed", "grid": {"write": [...], "read": [...]},
+    "write": {"gbps", "best", "samples"}, "read": {...}}``.
     """
     progress = progress or (lambda _text: None)
-    own = probe is None
-    probe = probe or CeilingProbe(directory, nbytes, engine_name, use_fio)
     rng = random.Random(seed)
-    try:
+    with CeilingProbe(directory, nbytes, engine_name, use_fio) as probe:
         grid_n = min(probe.nbytes, max(BLOCK, -(-grid_bytes // BLOCK) * BLOCK))
         writes, reads = probe.candidates("write"), probe.candidates("read", read_buffers)
         order = writes + [c for c in reads if c not in writes]
@@ -229,13 +205,8 @@ def measure_ceiling(
                 grid["write"].append(write)
             if candidate in reads:
                 grid["read"].append(read)
-        finalists: list[Candidate] = []
-        for op in ("write", "read"):
-            for tool in ("engine", "fio"):
-                best = _best([p for p in grid[op] if p["tool"] == tool])
-                candidate = best and Candidate(tool, best["block_size"], best["queue_depth"])
-                if candidate and candidate not in finalists:
-                    finalists.append(candidate)
+        bests = [_best([p for p in grid[op] if p["tool"] == tool]) for op in grid for tool in ("engine", "fio")]
+        finalists = list(dict.fromkeys(Candidate(b["tool"], b["block_size"], b["queue_depth"]) for b in bests if b))
         samples: dict[str, list[dict[str, Any]]] = {"write": [], "read": []}
         for index in range(passes):
             rng.shuffle(finalists)
@@ -244,17 +215,9 @@ def measure_ceiling(
                 write, read = _write_and_read(probe, candidate, probe.nbytes)
                 samples["write"].append(write)
                 samples["read"].append(read)
-        result: dict[str, Any] = {
-            "bytes": probe.nbytes,
-            "direct": probe.direct,
-            "fio": {"path": probe.fio, "note": probe.fio_note},
-            "seed": seed,
-            "grid": grid,
-        }
+        fio = {"path": probe.fio, "note": probe.fio_note}
+        result = {"bytes": probe.nbytes, "direct": probe.direct, "fio": fio, "seed": seed, "grid": grid}
         for op in ("write", "read"):
             best = _best(samples[op])
             result[op] = {"gbps": best["gbps"] if best else None, "best": best, "samples": samples[op]}
         return result
-    finally:
-        if own:
-            probe.close()
