@@ -19,7 +19,7 @@ import torch
 
 from fastpersist import config
 from fastpersist.bench import bounds, measure
-from fastpersist.bench.harness import Benchmark, bf16_state, markdown_table, option, spawn
+from fastpersist.bench.harness import Benchmark, UsageError, bf16_state, markdown_table, option, spawn
 from fastpersist.bench.shapes import sink_save
 from fastpersist.io import targets
 from fastpersist.tuning import workloads
@@ -172,6 +172,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--device cuda: no CUDA device here")
     settings = {"size": size, **{k: getattr(args, k) for k in ("device", "layout", "writers", "backend")}}
     settings.update(repeat=args.repeat, timeout=args.timeout, sink=args.sink, checksum=config.settings().checksum)
+    missing = [d for d in (args.dir or ".").split(",") if not os.path.isdir(d)]
+    if missing:
+        raise UsageError(f"--dir: {', '.join(missing)}: no such directory")
     results = []
     with tempfile.TemporaryDirectory(dir=(args.dir or ".").split(",")[0]) as scratch:
         dirs = args.dir.split(",") if args.dir and "," in args.dir else [scratch]

@@ -21,7 +21,7 @@ import torch
 
 from fastpersist import config
 from fastpersist.bench import bounds
-from fastpersist.bench.harness import Benchmark, Rounds, markdown_table, option, size
+from fastpersist.bench.harness import Benchmark, Rounds, UsageError, markdown_table, option, size
 from fastpersist.bench.measure import code_version, machine_info
 from fastpersist.io import checksum, engine, memory
 from fastpersist.io.device_crc import DeviceCrc
@@ -146,13 +146,17 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     slots = args.slots or settings.read_buffer_count
     windows = args.size // window
     if windows < 1:
-        raise ValueError(f"--size {args.size} is smaller than one window ({window} bytes)")
+        raise UsageError(f"--size {args.size} is smaller than one window ({window} bytes)")
+    if args.source and not os.path.isfile(args.source):
+        raise UsageError(f"--source {args.source}: no such file")
+    if args.dir and not os.path.isdir(args.dir):
+        raise UsageError(f"--dir {args.dir}: no such directory")
     nbytes = windows * window
     device = torch.device("cuda") if torch.cuda.is_available() and not args.no_cuda else None
     stages = [s for s in _STAGES if device is not None or "copy" not in s]
     path = _SINK if args.sink else args.source
     if args.source and os.path.getsize(path) < nbytes:
-        raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, fewer than --size ({nbytes})")
+        raise UsageError(f"{path} holds {os.path.getsize(path)} bytes, fewer than --size ({nbytes})")
     made = None if path else _write_source(args.dir or tempfile.gettempdir(), nbytes)
     path = path or made
     crc_checked: dict[str, bool] = {}

@@ -37,8 +37,19 @@ def test_a_wrong_crc_fails_the_run(tmp_path, monkeypatch):
         stages.main(SMALL + ["--dir", str(tmp_path)])
 
 
-def test_a_source_shorter_than_the_size_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        (["--source", "{short}"], "fewer than --size"),
+        (["--source", "{missing}"], "no such file"),
+        (["--dir", "{missing}"], "no such directory"),
+        (["--size", "4K"], "smaller than one window"),
+    ],
+)
+def test_a_command_line_that_cannot_run_is_a_usage_error(tmp_path, capsys, where, message):
     short = tmp_path / "short.bin"
     short.write_bytes(b"x" * 4096)
-    with pytest.raises(ValueError, match="fewer than --size"):
-        stages.main(SMALL + ["--source", str(short)])
+    argv = [a.format(short=short, missing=tmp_path / "missing") for a in where]
+    with pytest.raises(SystemExit) as exited:
+        stages.main(SMALL + argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err

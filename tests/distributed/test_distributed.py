@@ -259,6 +259,14 @@ def test_nccl_group_one_rank_per_gpu(tmp_path):
     assert same(torch.load(tmp_path / "file.pt", map_location="cpu"), make_state())
 
 
+def test_ranks_benchmark_refuses_a_missing_directory(tmp_path, capsys):
+    from fastpersist.bench import ranks
+
+    with pytest.raises(SystemExit) as exited:
+        ranks.main(["--ranks", "1", "--size", "1M", "--dir", f"{tmp_path},{tmp_path / 'missing'}"])
+    assert exited.value.code == 2 and f"{tmp_path / 'missing'}: no such directory" in capsys.readouterr().err
+
+
 def test_ranks_benchmark_runs_and_verifies(tmp_path):
     from fastpersist.bench import ranks
 
