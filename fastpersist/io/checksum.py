@@ -12,14 +12,15 @@ queue the CRC of a window right after its read completes and keep reading
 and copying while the pool works (:class:`PendingCrc`).
 
 CRC-32s of memory ranges (:func:`submit_crc32`, :func:`submit_crc32_many`)
-and copies, with or without their CRC-32 in the same pass (:func:`submit_copies`)
+and copies, with or without their CRC-32 in the same pass (:func:`submit_copies`),
 run on a native pool (``engine.CrcPool``) whose threads never take the
 interpreter lock: with Python threads each task took it to start and to
 finish, and a loading thread queued behind them for it (docs/performance.md).
-Other work (:func:`executor`'s users) runs on a pool of Python threads. Both pools are created on first use, sized to the
-CPUs this process may run on (``FASTPERSIST_CRC_THREADS`` overrides), reused
-by every save and load, recreated after ``fork`` (threads do not survive it)
-and stopped at interpreter exit (later work runs on the calling thread).
+Other work (:func:`executor`'s users) runs on a pool of Python threads. Both
+pools are created on first use, sized to the CPUs this process may run on
+(``FASTPERSIST_CRC_THREADS`` overrides), reused by every save and load,
+recreated after ``fork`` (threads do not survive it) and stopped at
+interpreter exit (later work runs on the calling thread).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "submit_copy",
     "submit_copy_with_crc32",
     "submit_copies",
+    "copy_pieces",
     "crc32",
     "copy_with_crc32",
     "copy",
@@ -199,6 +201,12 @@ def _split(length: int, piece_size: int) -> list[tuple[int, int]]:
     return [(offset, min(piece_size, length - offset)) for offset in range(0, length, piece_size)]
 
 
+def copy_pieces(destination: int, source: int, length: int, piece_size: int = PIECE_SIZE) -> list[tuple[int, int, int]]:
+    """The ``(destination, source, length)`` pieces of at most ``piece_size`` bytes of one copy, in order: what
+    :func:`submit_copies` takes, a task each."""
+    return [(destination + offset, source + offset, n) for offset, n in _split(length, piece_size)]
+
+
 def submit_crc32(address: int, length: int, crc: int = 0, *, piece_size: int = PIECE_SIZE) -> PendingCrc:
     """Queues the CRC-32 of ``length`` bytes at ``address`` (kept alive by the caller until :meth:`result`),
     in pieces of ``piece_size`` on the native pool."""
@@ -215,7 +223,7 @@ def submit_copy(destination: int, source: int, length: int, *, piece_size: int =
     values are 0. With ``populate`` the destination is a file mapping: each task first fills its pages' table
     entries in one call (``madvise``) instead of a fault per page, and a piece whose pages cannot be had is not
     copied; its value is then the errno."""
-    return submit_copies([(destination + o, source + o, n) for o, n in _split(length, piece_size)], populate=populate)
+    return submit_copies(copy_pieces(destination, source, length, piece_size), populate=populate)
 
 
 def submit_copies(pieces: list[tuple[int, int, int]], checksum: bool = False, *, populate: bool = False):
@@ -239,9 +247,9 @@ def submit_copy_with_crc32(
     """Queues a copy of ``length`` bytes (non-overlapping) and its CRC-32, pieces on several cores."""
     if length <= 0:
         return PendingCrc(crc, [])
-    pieces = _split(length, piece_size)
-    job = submit_copies([(destination + o, source + o, n) for o, n in pieces], checksum=True)
-    return PendingCrc(crc, [((job, index), n) for index, (_, n) in enumerate(pieces)])
+    pieces = copy_pieces(destination, source, length, piece_size)
+    job = submit_copies(pieces, checksum=True)
+    return PendingCrc(crc, [((job, index), n) for index, (_, _, n) in enumerate(pieces)])
 
 
 def crc32(address: int, length: int, crc: int = 0, *, piece_size: int = PIECE_SIZE) -> int:
@@ -266,7 +274,7 @@ def copy(destination: int, source: int, length: int, *, piece_size: int = PIECE_
     if length <= piece_size:
         ctypes.memmove(destination, source, length)  # ctypes releases the GIL
         return
-    submit_copies([(destination + o, source + o, n) for o, n in _split(length, piece_size)]).wait()
+    submit_copies(copy_pieces(destination, source, length, piece_size)).wait()
 
 
 def crc32_combine_all(pieces, crc: int = 0) -> int:

@@ -303,15 +303,11 @@ def _copy_on_the_pool(pieces: list[tuple[int, int, int, int]], crcs: list[int], 
     side, in ranges of at most ``PIECE_SIZE`` (each CRC-32 computed in its copy's pass), and waits for them; then
     folds each range's CRC-32 into its record's running CRC, in file order. One piece after another on the filling
     thread, a CPU state with many medium tensors (a training state: a snapshot) was copied at one core's speed."""
-    ranges = [
-        (index, destination + at, source + at, min(crc_pool.PIECE_SIZE, length - at))
-        for index, destination, source, length in pieces
-        for at in range(0, length, crc_pool.PIECE_SIZE)
-    ]
-    job = crc_pool.submit_copies([piece[1:] for piece in ranges], checksum)
+    ranges = [(index, piece) for index, *copy in pieces for piece in crc_pool.copy_pieces(*copy)]
+    job = crc_pool.submit_copies([piece for _, piece in ranges], checksum)
     job.wait()  # native, GIL released: a Ctrl-C is raised once no task can still write into the buffer
     if checksum:
-        for k, (index, _, _, length) in enumerate(ranges):
+        for k, (index, (_, _, length)) in enumerate(ranges):
             crcs[index] = engine.crc32_combine(crcs[index], job.crc(k), length)
 
 
