@@ -113,12 +113,15 @@ class Settings:
     device_checksum: str = "auto"
     """Verified loads to CUDA checksum each record's whole 16 MiB and 4 MiB segments on the GPU after their copy
     (torch operations replayed as CUDA graphs on a stream of their own), and only the rest on the CPU, whose pass
-    otherwise competes with the reads and copies for the host's memory bandwidth. The graphs take time to capture and
-    keep part of each device's memory until ``fastpersist.release_buffers()``. ``auto`` never makes a load wait for
-    them: a verified load of at least 1 GiB to a device with none ready starts capturing them on a thread of their own
-    and checksums on the CPU, and later loads use them. ``always`` captures them in the first load that needs them,
-    ``never`` checksums on the CPU only (``true``/``false`` mean ``always``/``never``). Where the graphs cannot be made
-    (the device's memory is full), the CPU checksums. The gain and both costs are measured in docs/performance.md."""
+    otherwise competes with the reads and copies for the host's memory bandwidth. A process's first graphs take time
+    to make, almost all of it warming the device up, and keep part of each device's memory until
+    ``fastpersist.release_buffers()``. ``auto`` never makes a load wait for the warm-up: a verified load of at least
+    1 GiB to a device with no graphs ready warms it up on a thread of its own (no capture there) and checksums on the
+    CPU; the next such load captures the graphs inside itself (milliseconds) and later loads reuse them. While it
+    captures, a ``torch.cuda.synchronize()`` on another thread of the process would fail; no capture runs outside a
+    load. ``always`` makes them in the first load that needs them, ``never`` checksums on the CPU only and captures
+    nothing (``true``/``false`` mean ``always``/``never``). Where the graphs cannot be made (the device's memory is
+    full), the CPU checksums. The gain and both costs are measured in docs/performance.md."""
     tmpfs_mapping: str = "auto"
     """Saves to tmpfs (/dev/shm) allocate the file's range first, then copy each window into a mapping of the file on
     the CRC pool's threads side by side, instead of ``write`` calls, which fill a tmpfs file one thread at a time

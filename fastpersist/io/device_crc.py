@@ -29,12 +29,18 @@ segment is copied into the graph's input, replayed and its value copied out,
 on the set's stream, which waits for the segment's copy. Pieces shorter than
 the smallest segment, and the tail of every piece, stay on the CPU pool.
 
-Capturing takes time and the set keeps part of the device's memory (both
-measured in docs/performance.md). With the ``device_checksum`` setting at
-``auto`` (the default) no load waits for it: a large verified load with no set
-ready starts a capture on a thread of its own and checksums on the CPU, and
-the loads after it use the set (:meth:`DeviceCrc.if_ready`). ``always``
-captures in the load that needs a set, ``never`` keeps every checksum on the CPU.
+A process's first set takes time, almost all of it warming up (the tables,
+the kernels' first launches, cuBLAS), not capturing; the set keeps part of the
+device's memory (both measured in docs/performance.md). No capture ever runs on
+a thread of its own: while a stream captures, a ``torch.cuda.synchronize()``
+on any other thread of the process fails, whatever the capture mode, so a
+capture running beside the caller's code could break it. With the
+``device_checksum`` setting at ``auto`` (the default) a large verified load
+with no set ready warms the device up on a thread of its own (eager
+operations, no capture) and checksums on the CPU; the next large one captures
+the set inside itself, a few milliseconds, and the loads after it lease the
+set (:meth:`DeviceCrc.if_ready`). ``always`` captures, warm-up included, in
+the load that needs a set, ``never`` keeps every checksum on the CPU.
 """
 
 from __future__ import annotations
@@ -78,7 +84,8 @@ BLOCK = 4 << 20
 byte, are reused block after block, so a set's memory does not grow with its largest segment."""
 AUTO_BYTES = 1 << 30
 """With ``device_checksum="auto"``, a verified load that puts at least this many bytes in whole segments on a
-device with no graph set ready starts capturing one in the background: a load that size dwarfs the set's memory."""
+device with no graph set ready warms the device up in the background, or captures a set if it is warm: a load that
+size dwarfs the set's memory."""
 _MASK = 0xFFFFFFFF
 
 
@@ -223,24 +230,37 @@ class _Graphs:
         return graph, result
 
 
+def _warm_up(device: torch.device) -> None:
+    """Runs every segment size's operations once, eagerly, on a stream of its own: builds the tables, loads the
+    kernels and starts cuBLAS on ``device``, which is most of a first capture's time, without capturing."""
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            source = torch.zeros(max(SEGMENTS), dtype=torch.uint8, device=device)
+            for size in SEGMENTS:
+                raw_crc(source[:size])
+        stream.synchronize()
+
+
 class _Cache:
     """The process's idle graph sets, by device: a load leases one (or captures one, one capture at a time in the
     process) and gives it back; :func:`release` drops the idle ones. Forgotten in a forked child (the parent's
     graphs are not its own), never destroyed there.
 
-    :meth:`ready` never captures on the caller's thread: it returns an idle set or None, and with ``start`` and no
-    idle set starts one capture per device on a thread of its own (:func:`fastpersist.io.workers.detached`,
-    joined at interpreter exit). A device whose background capture failed (its memory was full) is not tried again
-    until :func:`release`; a set whose capture began before a :func:`release` is dropped, not kept.
+    :meth:`ready` captures only on the caller's thread, inside its load, and only on a warm device: with ``start``
+    and no idle set it captures one where the device is warm, and otherwise starts warming it up (:func:`_warm_up`)
+    on a thread of its own (:func:`fastpersist.io.workers.detached`, joined at interpreter exit) and returns None.
+    A device whose warm-up or capture failed (its memory was full) is not tried again until :func:`release`; a
+    capture that fails is logged, not raised: that load checksums on the CPU.
     """
 
     def __init__(self):
         self.lock = threading.Lock()
         self.capturing = threading.Lock()
         self.idle: dict[torch.device, list[_Graphs]] = {}
-        self.background: set[torch.device] = set()  # captures underway on a thread of their own
+        self.background: set[torch.device] = set()  # warm-ups underway on a thread of their own
+        self.warm: set[torch.device] = set()
         self.failed: set[torch.device] = set()
-        self.generation = 0  # counts release() calls
         self.forked: list = []
 
     def lease(self, device: torch.device) -> _Graphs:
@@ -248,40 +268,51 @@ class _Cache:
         if graphs is not None:
             return graphs
         with self.capturing:
-            return _Graphs(device)
+            graphs = _Graphs(device)
+        with self.lock:
+            self.warm.add(device)
+        return graphs
 
     def ready(self, device: torch.device, start: bool) -> _Graphs | None:
         with self.lock:
             idle = self.idle.get(device)
             if idle:
                 return idle.pop()
-            start = start and device not in self.background and device not in self.failed and workers.threads_allowed()
-            if start:
+            start = start and device not in self.background and device not in self.failed
+            capture = start and device in self.warm
+            warm_up = start and not capture and workers.threads_allowed()
+            if warm_up:
                 self.background.add(device)
-            generation = self.generation
-        if start:
+        if capture:
             try:
-                workers.detached("fastpersist-crc-capture", self._capture, device, generation)
+                return self.lease(device)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
+                self._failed(device, "capturing", error)
+        elif warm_up:
+            try:
+                workers.detached("fastpersist-crc-warm-up", self._warm_up, device)
             except BaseException:
                 with self.lock:
                     self.background.discard(device)
                 raise
         return None
 
-    def _capture(self, device: torch.device, generation: int) -> None:
+    def _warm_up(self, device: torch.device) -> None:
         try:
-            with self.capturing:
-                graphs = _Graphs(device)
-        except Exception as error:  # noqa: BLE001 - a background capture that fails leaves checksums on the CPU
-            _log.warning("checksums of verified loads to %s stay on the CPU: capturing failed: %s", device, error)
+            _warm_up(device)
+        except Exception as error:  # noqa: BLE001 - a warm-up that fails leaves checksums on the CPU
+            self._failed(device, "warming up", error)
+        else:
+            with self.lock:
+                self.warm.add(device)
+        finally:
             with self.lock:
                 self.background.discard(device)
-                self.failed.add(device)
-            return
+
+    def _failed(self, device: torch.device, step: str, error: BaseException) -> None:
+        _log.warning("checksums of verified loads to %s stay on the CPU: %s failed: %s", device, step, error)
         with self.lock:
-            self.background.discard(device)
-            if generation == self.generation:
-                self.idle.setdefault(device, []).append(graphs)
+            self.failed.add(device)
 
     def give_back(self, graphs: _Graphs) -> None:
         with self.lock:
@@ -291,13 +322,12 @@ class _Cache:
         with self.lock:
             idle, self.idle = self.idle, {}
             self.failed.clear()
-            self.generation += 1
         return sum(graphs.nbytes for sets in idle.values() for graphs in sets)
 
     def forget_after_fork(self) -> None:
         self.lock, self.capturing = threading.Lock(), threading.Lock()
         self.forked.append(self.idle)
-        self.idle, self.background, self.failed = {}, set(), set()
+        self.idle, self.background, self.warm, self.failed = {}, set(), set(), set()
 
 
 _cache = _Cache()
@@ -337,9 +367,10 @@ class DeviceCrc:
 
     @classmethod
     def if_ready(cls, device: torch.device, segments: int, nbytes: int) -> DeviceCrc | None:
-        """A checker on a graph set that is ready (``device_checksum="auto"``), or None: then, for a load of at least
-        :data:`AUTO_BYTES` in whole segments (``nbytes``), a set is captured in the background for the loads after
-        this one. Never captures on the calling thread. On a CPU device (tests) the checker runs eagerly."""
+        """A checker on a graph set (``device_checksum="auto"``): an idle one, or for a load of at least
+        :data:`AUTO_BYTES` in whole segments (``nbytes``) one captured now where the device is warm; otherwise None,
+        and such a load warms the device up in the background for the loads after it. On a CPU device (tests) the
+        checker runs eagerly."""
         if device.type != "cuda":
             return cls(device, segments)
         graphs = _cache.ready(device, start=nbytes >= AUTO_BYTES)

@@ -201,88 +201,125 @@ def test_the_setting_defaults_to_auto_and_refuses_other_values(monkeypatch):
 
 
 class _FakeGraphs:
-    """Stands in for a captured set: records where it was made, waits for ``go`` first, fails if told to."""
+    """Stands in for a captured set: records the thread that made it, fails if told to."""
 
     made: list = []
-    go = None
     fail = False
 
     def __init__(self, device):
-        _FakeGraphs.go.wait(10)
         if _FakeGraphs.fail:
             raise torch.cuda.OutOfMemoryError("no room for the graphs")
         self.device, self.nbytes = device, 1
         _FakeGraphs.made.append(threading.current_thread().name)
 
 
+class _FakeWarmUp:
+    """Stands in for the warm-up: records its thread, waits for ``go`` first, fails if told to."""
+
+    def __init__(self):
+        self.threads, self.go, self.fail = [], threading.Event(), False
+
+    def __call__(self, device):
+        self.go.wait(10)
+        self.threads.append(threading.current_thread().name)
+        if self.fail:
+            raise torch.cuda.OutOfMemoryError("no room to warm up")
+
+
 @pytest.fixture
 def fake_graphs(monkeypatch):
     monkeypatch.setattr(device_crc, "_Graphs", _FakeGraphs)
     monkeypatch.setattr(_FakeGraphs, "made", [])
-    monkeypatch.setattr(_FakeGraphs, "go", threading.Event())
     monkeypatch.setattr(_FakeGraphs, "fail", False)
-    return _FakeGraphs
+    warm_up = _FakeWarmUp()
+    monkeypatch.setattr(device_crc, "_warm_up", warm_up)
+    return warm_up
 
 
 def _wait_until(condition) -> None:
     deadline = time.monotonic() + 10
     while not condition():
-        assert time.monotonic() < deadline, "the background capture did not finish"
+        assert time.monotonic() < deadline, "the background warm-up did not finish"
         time.sleep(0.01)
 
 
-def test_auto_captures_on_a_thread_of_its_own_once_and_later_loads_take_the_set(fake_graphs):
+def test_auto_warms_up_in_the_background_captures_in_the_next_large_load_and_later_loads_take_the_set(fake_graphs):
+    """No capture runs on a thread of its own: while a stream captures, another thread's torch.cuda.synchronize()
+    fails, so a capture beside the caller's code could break it. The warm-up (eager) runs in the background."""
     cache, device = device_crc._Cache(), torch.device("cuda", 0)
     assert cache.ready(device, start=False) is None and not cache.background  # a small load starts nothing
-    assert cache.ready(device, start=True) is None  # a large one starts the capture and does not wait
-    assert cache.ready(device, start=True) is None and cache.background == {device}  # one capture at a time
+    assert cache.ready(device, start=True) is None  # a large one starts the warm-up and does not wait
+    assert cache.ready(device, start=True) is None and cache.background == {device}  # one warm-up at a time
+    assert _FakeGraphs.made == []
     fake_graphs.go.set()
     _wait_until(lambda: not cache.background)
-    assert fake_graphs.made == ["fastpersist-crc-capture_0"]
-    graphs = cache.ready(device, start=True)
-    assert isinstance(graphs, _FakeGraphs) and cache.ready(device, start=False) is None  # leased: not idle
+    assert fake_graphs.threads == ["fastpersist-crc-warm-up_0"] and cache.warm == {device}
+    assert cache.ready(device, start=False) is None and _FakeGraphs.made == []  # a small load captures nothing
+    graphs = cache.ready(device, start=True)  # the next large load captures, on its own thread
+    assert isinstance(graphs, _FakeGraphs) and _FakeGraphs.made == [threading.current_thread().name]
+    assert cache.ready(device, start=False) is None  # leased: not idle
     cache.give_back(graphs)
-    assert cache.ready(device, start=False) is graphs and len(fake_graphs.made) == 1
+    assert cache.ready(device, start=True) is graphs and len(_FakeGraphs.made) == 1
+    assert fake_graphs.threads == ["fastpersist-crc-warm-up_0"]  # warmed up once
 
 
-def test_a_failed_background_capture_is_not_retried_until_release(fake_graphs, caplog):
+def test_a_failed_warm_up_is_not_retried_until_release(fake_graphs, caplog):
     cache, device = device_crc._Cache(), torch.device("cuda", 0)
     fake_graphs.fail = True
     fake_graphs.go.set()
     assert cache.ready(device, start=True) is None
     _wait_until(lambda: not cache.background)
-    assert cache.failed == {device} and "stay on the CPU" in caplog.text
+    assert cache.failed == {device} and not cache.warm and "warming up failed" in caplog.text
     assert cache.ready(device, start=True) is None and not cache.background  # not tried again
     fake_graphs.fail = False
-    cache.release()
-    assert cache.ready(device, start=True) is None
-    _wait_until(lambda: not cache.background)
-    assert isinstance(cache.ready(device, start=False), _FakeGraphs)
-
-
-def test_a_set_captured_across_a_release_is_dropped(fake_graphs):
-    """release_buffers() hands the device memory back: a capture that began before it does not keep a set after."""
-    cache, device = device_crc._Cache(), torch.device("cuda", 0)
-    assert cache.ready(device, start=True) is None
     assert cache.release() == 0
-    fake_graphs.go.set()
+    assert cache.ready(device, start=True) is None
     _wait_until(lambda: not cache.background)
-    assert fake_graphs.made and cache.idle == {}
+    assert cache.warm == {device} and isinstance(cache.ready(device, start=True), _FakeGraphs)
 
 
-def test_no_background_capture_starts_once_the_interpreter_shuts_down(fake_graphs, monkeypatch):
-    """Where no thread may start, a capture would run on the caller's thread: auto starts none."""
+def test_a_failed_capture_leaves_that_load_on_the_cpu_and_is_not_retried_until_release(fake_graphs, caplog):
+    cache, device = device_crc._Cache(), torch.device("cuda", 0)
+    fake_graphs.go.set()
+    assert cache.ready(device, start=True) is None
+    _wait_until(lambda: not cache.background)
+    _FakeGraphs.fail = True
+    assert cache.ready(device, start=True) is None  # logged, not raised
+    assert cache.failed == {device} and "capturing failed" in caplog.text
+    _FakeGraphs.fail = False
+    assert cache.ready(device, start=True) is None and _FakeGraphs.made == []  # not tried again
+    cache.release()
+    assert isinstance(cache.ready(device, start=True), _FakeGraphs)  # still warm: captured at once
+    assert fake_graphs.threads == ["fastpersist-crc-warm-up_0"]
+
+
+def test_always_captures_in_the_load_and_raises_what_capturing_raised(fake_graphs):
+    cache, device = device_crc._Cache(), torch.device("cuda", 0)
+    _FakeGraphs.fail = True
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        cache.lease(device)
+    _FakeGraphs.fail = False
+    graphs = cache.lease(device)
+    assert _FakeGraphs.made == [threading.current_thread().name] and cache.warm == {device}
+    assert fake_graphs.threads == []  # the capture warms up on its own
+    cache.give_back(graphs)
+    assert cache.ready(device, start=False) is graphs
+
+
+def test_no_background_warm_up_starts_once_the_interpreter_shuts_down(fake_graphs, monkeypatch):
+    """Where no thread may start, the warm-up would run on the caller's thread: auto starts none."""
     monkeypatch.setattr(device_crc.workers, "threads_allowed", lambda: False)
     cache = device_crc._Cache()
     assert cache.ready(torch.device("cuda", 0), start=True) is None and not cache.background
+    assert _FakeGraphs.made == [] and fake_graphs.threads == []
 
 
 @pytest.mark.gpu
 def test_auto_loads_checksum_on_the_cpu_until_the_set_is_captured_then_on_the_device(tmp_path, monkeypatch, queued):
-    """The first large verified load neither waits for a capture nor checksums on the device; the loads after
-    the background capture do; all load equal, and a changed byte is still found."""
+    """The first large verified load neither waits for a warm-up nor checksums on the device; the loads after the
+    background warm-up do (the first of them captures the set); all load equal, and a changed byte is still found."""
     monkeypatch.setattr(device_crc, "AUTO_BYTES", 32 << 20)
-    fastpersist.release_buffers()
+    monkeypatch.setattr(device_crc, "_cache", device_crc._Cache())  # a device that earlier tests warmed up is cold
     tensor = _random((40 << 20) + 3000, 7)
     path = tmp_path / "ckpt.pt"
     fastpersist.save({"t": tensor}, path)
@@ -296,4 +333,24 @@ def test_auto_loads_checksum_on_the_cpu_until_the_set_is_captured_then_on_the_de
         f.write(b"\x00\x01\x02")
     with pytest.raises(fastpersist.ChecksumMismatchError, match="data/0"):
         fastpersist.load(path, map_location="cuda", **_TWO_WINDOWS)
+    fastpersist.release_buffers()
+
+
+@pytest.mark.gpu
+def test_the_caller_may_synchronize_the_device_right_after_a_large_verified_load(tmp_path, monkeypatch):
+    """Regression: auto captured its graphs on a thread of its own after the first large verified load, and the
+    caller's next torch.cuda.synchronize() failed ("operation not permitted when stream is capturing")."""
+    monkeypatch.setattr(device_crc, "AUTO_BYTES", 32 << 20)
+    monkeypatch.setattr(device_crc, "_cache", device_crc._Cache())
+    tensor = _random((40 << 20) + 3000, 7)
+    path = tmp_path / "ckpt.pt"
+    fastpersist.save({"t": tensor}, path)
+    for _ in range(3):
+        loaded = fastpersist.load(path, map_location="cuda", **_TWO_WINDOWS)["t"]
+        synchronized = 0
+        while device_crc._cache.background or synchronized < 100:  # all through the warm-up, if one runs
+            torch.cuda.synchronize()
+            synchronized += 1
+        assert torch.equal(loaded.cpu(), tensor)
+    assert device_crc._cache.idle  # the second load captured a set, inside itself
     fastpersist.release_buffers()
