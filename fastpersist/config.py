@@ -60,6 +60,7 @@ ASYNC_MODES = ("pipelined", "snapshot")
 GDS_PATHS = ("auto", "cufile", "bounce")
 TMPFS_MAPPING = ("auto", "always", "never")
 DEVICE_CHECKSUM = ("auto", "always", "never")
+REUSE_REPLACED = ("auto", "always", "never")
 CONFIG_FILE_VERSION = 1
 _MiB = 1 << 20
 
@@ -129,6 +130,15 @@ class Settings:
     ``auto`` maps where the pool has at least four threads (on fewer cores the zero-filling of the allocation
     costs more than the parallel copies gain), ``always`` and ``never`` as they say. Measured in
     docs/performance.md."""
+    reuse_replaced: str = "auto"
+    """A save that replaces a file of at least 64 MiB keeps the replaced file, under a temporary name, for the next
+    save of the same path, which overwrites its blocks in place instead of allocating new ones while the old ones
+    are freed: on a disk that discards freed blocks (ext4 mounted with ``discard``, common on cloud machines)
+    freeing costs about as much disk time as writing. A kept file is used only while nothing else has it open or
+    linked, and freed 30 s after it was kept, at exit or by ``fastpersist.release_buffers()``; until then the
+    directory holds one more hidden file of the checkpoint's size. ``auto`` keeps them for the saves of a
+    ``Checkpointer`` (checkpoints every few steps, Lightning's asynchronous plugin among them), ``always`` for
+    every save, ``never`` for none. Measured in docs/performance.md."""
     huge_pages: bool = True
     """Ask for transparent huge pages (best effort) for large load destinations (fewer page faults) and for the pooled
     staging rings of saves and loads. Direct requests from huge pages need few scatter-gather segments, which
@@ -323,6 +333,8 @@ def _validate(s: Settings) -> None:
         raise ConfigError(f"gds_path must be one of {GDS_PATHS}, got {s.gds_path!r}")
     if s.tmpfs_mapping not in TMPFS_MAPPING:
         raise ConfigError(f"tmpfs_mapping must be one of {TMPFS_MAPPING}, got {s.tmpfs_mapping!r}")
+    if s.reuse_replaced not in REUSE_REPLACED:
+        raise ConfigError(f"reuse_replaced must be one of {REUSE_REPLACED}, got {s.reuse_replaced!r}")
     if s.device_checksum not in DEVICE_CHECKSUM:
         raise ConfigError(
             f"device_checksum must be one of {DEVICE_CHECKSUM} (or true/false), got {s.device_checksum!r}"

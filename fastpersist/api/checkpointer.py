@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from fastpersist import config
 from fastpersist.api import futures
 
 __all__ = ["Checkpointer"]
@@ -135,6 +136,8 @@ class Checkpointer:
         options = {**self.settings, **settings}
         if self.group is not None:
             options.setdefault("group", self.group)
+        if options.get("reuse_replaced", config.get("reuse_replaced")) == "auto":
+            options["reuse_replaced"] = "always"  # saves of one path every few steps (Settings.reuse_replaced)
         future = (futures.hooked_async_save if self._releases else futures.async_save)(
             obj, path, mode=self.mode, **options
         )

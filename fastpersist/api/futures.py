@@ -60,7 +60,7 @@ from fastpersist.api import dispatch, saving
 from fastpersist.distributed import save as distributed_save
 from fastpersist.errors import TensorModifiedError
 from fastpersist.format.serializer import DEFAULT_PROTOCOL, archive_name_for, plan_save
-from fastpersist.io import device_crc, memory, staging, targets, timeline
+from fastpersist.io import device_crc, memory, spares, staging, targets, timeline
 from fastpersist.io.commit import releasing, target_kind
 from fastpersist.io.queue import (
     SaveFuture,
@@ -90,12 +90,12 @@ __all__ = [
 def release_buffers() -> int:
     """Frees the memory kept for reuse: idle ring buffers and idle snapshot areas (pinned host memory), and
     the idle CUDA graphs of verified loads' device checksums (their device memory goes back to torch's
-    caching allocator).
+    caching allocator); and the replaced files kept for the next save of their path (``reuse_replaced``).
 
     Memory in use by a pending save is kept (call :func:`wait_all` first to
     free everything). The next save or load allocates again. Returns the bytes freed.
     """
-    return memory.release_pooled_buffers() + staging.release_idle_areas() + device_crc.release()
+    return memory.release_pooled_buffers() + staging.release_idle_areas() + device_crc.release() + spares.release()
 
 
 class _RecordingPickler:

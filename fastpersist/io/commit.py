@@ -55,7 +55,7 @@ from fastpersist.errors import (
     TargetPermissionError,
     torch_compatible,
 )
-from fastpersist.io import engine, timeline, workers
+from fastpersist.io import engine, spares, timeline, workers
 from fastpersist.io.stream import write_plan_to_stream
 from fastpersist.io.writer import write_plan
 
@@ -660,34 +660,41 @@ def _commit_plan(
         return
     if not through_anchor:  # an anchored save cleans its directory by its path (commit_plan)
         _maybe_remove_stale(directory)
-    temporary = os.path.join(directory, temporary_name(os.path.basename(path), directory))
+    spare = spares.take(directory, os.path.basename(path))  # the file the last save here replaced (io.spares)
+    if spare is None:
+        temporary = os.path.join(directory, temporary_name(os.path.basename(path), directory))
+    else:
+        temporary, descriptor = os.path.join(directory, spare[0]), spare[1]
     with _lock:
         _live.add(temporary)
     try:
-        # O_EXCL: never write into someone else's file. Mode 0666 lets the kernel apply the
-        # umask (and the directory's default ACL), exactly as open() does for a new file.
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        if spare is None:
+            # O_EXCL: never write into someone else's file. Mode 0666 lets the kernel apply the
+            # umask (and the directory's default ACL), exactly as open() does for a new file.
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
             file = engine.File(temporary, "w", direct=settings.direct, truncate=False, create=False)
             try:
                 if file.direct:
                     # Reserving the blocks first makes O_DIRECT writes cheaper here and fails a full
                     # disk before any byte is written. On tmpfs (buffered) it would only zero-fill
-                    # every page before the copy overwrites it.
+                    # every page before the copy overwrites it. A spare's blocks are there already.
                     file.allocate(0, plan.size)
                 timeline.mark("opened")
                 write_plan(plan, file, settings, streams=streams, after_reads=after_reads)
+                if spare is not None:
+                    file.truncate(plan.size)  # a spare larger than this checkpoint
                 if settings.fsync:
                     file.fsync()
                     timeline.mark("fsynced")
             finally:
                 file.close()
-            _copy_metadata(path, descriptor)
+            _copy_metadata(path, descriptor, reused=spare is not None)
         finally:
             os.close(descriptor)
         if before_commit is not None:
             before_commit()
-        replace_file(temporary, path, directory)
+        replace_file(temporary, path, directory, keep=settings.reuse_replaced == "always")
         timeline.mark("renamed")
     except BaseException as e:
         discard_temporary(temporary)  # never masks the error being raised
@@ -747,7 +754,7 @@ DEFER_REMOVAL_BYTES = 64 << 20
 """A replaced file at least this large is freed by a helper thread after the rename (see replace_file)."""
 
 
-def replace_file(temporary: str, target: str, directory: str) -> None:
+def replace_file(temporary: str, target: str, directory: str, keep: bool = False) -> None:
     """``os.replace(temporary, target)``, freeing a large replaced file off the caller's path.
 
     Renaming over a file frees its blocks inside the rename when that was its
@@ -758,7 +765,8 @@ def replace_file(temporary: str, target: str, directory: str) -> None:
     nothing that the stale-temporary cleanup would not remove); the rename
     then only moves a name, and a helper thread unlinks the old file. Where
     hard links are not possible, the rename frees the file as before. Pending
-    removals finish at interpreter exit.
+    removals finish at interpreter exit. With ``keep`` the set-aside file is
+    kept for the next save of ``target`` instead (:mod:`fastpersist.io.spares`).
     """
     aside = _set_aside(target, directory)
     try:
@@ -768,6 +776,10 @@ def replace_file(temporary: str, target: str, directory: str) -> None:
             _remove_aside(aside)
         raise
     if aside is not None:
+        if keep and spares.keep(directory, os.path.basename(aside), os.path.basename(target)):
+            with _lock:
+                _live.discard(aside)  # a spare now: io.spares frees it, or a save writes it
+            return
         try:
             _removal_pool().submit(_remove_aside, aside)
         except RuntimeError:  # no thread can be started: free it here
@@ -830,12 +842,25 @@ def copy_metadata(existing: str, temporary: str) -> None:
         os.close(descriptor)
 
 
-def _copy_metadata(existing: str, descriptor: int) -> None:
-    """Gives the temporary what an in-place write would have kept: owner, group, xattrs/ACLs, mode."""
+def _copy_metadata(existing: str, descriptor: int, reused: bool = False) -> None:
+    """Gives the temporary what an in-place write would have kept: owner, group, xattrs/ACLs, mode.
+
+    ``reused``: the temporary is a spare (an earlier file of this path), whose xattrs that ``existing`` lacks go.
+    """
     try:
         st = os.stat(existing)
     except FileNotFoundError:
-        return  # a new file: open() already applied the umask and default ACL
+        return  # a new file: open() already applied the umask and default ACL (a spare needs the target)
+    if reused:
+        try:
+            extra = set(os.listxattr(descriptor)) - set(os.listxattr(existing))
+        except OSError:
+            extra = set()
+        for name in extra:
+            try:
+                os.removexattr(descriptor, name)
+            except OSError:
+                pass
     if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
         try:
             os.fchown(descriptor, st.st_uid, st.st_gid)

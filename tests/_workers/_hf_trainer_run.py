@@ -119,9 +119,9 @@ def _slow_commits(delay: float) -> None:
 
     replace = commit.replace_file
 
-    def slow(temporary, target, directory):
+    def slow(temporary, target, directory, keep=False):
         time.sleep(delay)
-        replace(temporary, target, directory)
+        replace(temporary, target, directory, keep)
 
     commit.replace_file = slow
 

@@ -281,10 +281,10 @@ class HeldCommit:
         self.go = threading.Event()
         replace = commit.replace_file
 
-        def held(temporary, target, directory):
+        def held(temporary, target, directory, keep=False):
             self.written.set()
             assert self.go.wait(60), "the test never let the save commit"
-            replace(temporary, target, directory)
+            replace(temporary, target, directory, keep)
 
         monkeypatch.setattr(commit, "replace_file", held)
 

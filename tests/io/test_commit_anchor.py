@@ -58,7 +58,7 @@ def test_errors_name_the_directory_not_the_descriptor(tmp_path, monkeypatch):
     destination = commit.anchored(commit.target(tmp_path / "d" / "a.pt"))
     assert destination.anchor is not None and destination.anchor.reach().startswith("/proc/self/fd/")
 
-    def failing_replace(temporary, target, directory):
+    def failing_replace(temporary, target, directory, keep=False):
         raise OSError(5, "Input/output error", target)
 
     monkeypatch.setattr(commit, "replace_file", failing_replace)
