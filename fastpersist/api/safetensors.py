@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from fastpersist import config
+from fastpersist import config, errors
 from fastpersist.errors import InvalidSafetensorsError
 from fastpersist.format import safetensors as layout
 from fastpersist.format.zipformat import ZipRecordInfo
@@ -545,7 +545,7 @@ class safe_open:
 
     def _open(self) -> _Reader:
         if self._reader is None:
-            raise ValueError("this safe_open is closed; open the file again")
+            raise _closed()
         return self._reader
 
     def keys(self) -> list[str]:
@@ -573,6 +573,17 @@ class safe_open:
     def get_slice(self, name: str) -> SafetensorsSlice:
         """A lazy slice of tensor ``name``: ``get_shape()``, ``get_dtype()``, and indexing that reads only the rows needed."""
         return SafetensorsSlice(self._open(), self._open().entry(name), self._device)
+
+
+def _closed() -> ValueError:
+    """Using a closed ``safe_open``: a ValueError, and where the library is installed also its ``SafetensorError``
+    (which the library raises), so that either ``except`` clause catches it."""
+    error = ValueError("this safe_open is closed; open the file again")
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return error
+    return errors.also_raised_as(error, SafetensorError)
 
 
 class SafetensorsSlice:

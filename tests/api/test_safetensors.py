@@ -257,6 +257,9 @@ def test_safe_open_reads_single_tensors_and_slices(tmp_path):
             f.get_tensor("nope")
     with pytest.raises(ValueError, match="closed"):
         f.keys()
+    library = pytest.importorskip("safetensors")
+    with pytest.raises(library.SafetensorError, match="closed"):  # what the library raises there
+        f.get_tensor("scalar")
 
 
 def test_safe_open_rejects_other_frameworks_and_backends(tmp_path):
