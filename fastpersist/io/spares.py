@@ -79,8 +79,8 @@ def keep(directory: str, spare: str, target: str) -> bool:
     except OSError:
         os.close(handle)
         return False
-    entry = _Spare(handle, spare, _identity(kept_file), _identity(written), kept_file.st_size, 0.0)
-    entry = dataclasses.replace(entry, deadline=time.monotonic() + SPARE_SECONDS)
+    deadline = time.monotonic() + SPARE_SECONDS
+    entry = _Spare(handle, spare, _identity(kept_file), _identity(written), kept_file.st_size, deadline)
     with _lock:
         if _closing or not workers.threads_allowed():
             os.close(handle)
@@ -90,16 +90,16 @@ def keep(directory: str, spare: str, target: str) -> bool:
         start, _reaping = not _reaping, True
         _wake.notify_all()
     if previous is not None:
-        _free(previous)
+        _free_later(previous)
     if start:
         try:
             workers.detached("fastpersist-spares", _reap)
-        except BaseException:
+        except RuntimeError:  # no thread can start: the caller frees it now; the save itself succeeded
             with _lock:
                 _reaping = False
                 _spares.pop(key, None)
             os.close(handle)
-            raise
+            return False
     return True
 
 

@@ -217,3 +217,16 @@ def test_spares_are_freed_at_exit_without_waiting_for_their_time(tmp_path):
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     assert time.monotonic() - began < 60
     assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_a_spare_no_thread_could_free_later_is_freed_and_the_save_succeeds(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt.pt")
+    fastpersist.save(_state(1.0), path, **ALWAYS)
+
+    def no_thread(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(spares.workers, "detached", no_thread)
+    fastpersist.save(_state(2.0), path, **ALWAYS)
+    assert torch.load(path)["step"] == 2 and spares.kept() == {}
+    _wait_until(lambda: _hidden(tmp_path) == [])  # freed by the commit's own removal
