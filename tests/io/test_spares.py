@@ -230,3 +230,20 @@ def test_a_spare_no_thread_could_free_later_is_freed_and_the_save_succeeds(tmp_p
     fastpersist.save(_state(2.0), path, **ALWAYS)
     assert torch.load(path)["step"] == 2 and spares.kept() == {}
     _wait_until(lambda: _hidden(tmp_path) == [])  # freed by the commit's own removal
+
+
+def test_a_save_pending_at_exit_commits_and_leaves_no_spare(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import torch, fastpersist
+        from fastpersist.io import commit, spares
+        commit.DEFER_REMOVAL_BYTES = 1
+        spares.SPARE_SECONDS = 600.0
+        path = {str(tmp_path / "ckpt.pt")!r}
+        for step in range(2):
+            fastpersist.save({{"t": torch.zeros(1000), "step": step}}, path, reuse_replaced="always")
+        fastpersist.async_save({{"t": torch.ones(1 << 20), "step": 2}}, path, reuse_replaced="always")
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert os.listdir(tmp_path) == ["ckpt.pt"] and torch.load(str(tmp_path / "ckpt.pt"))["step"] == 2
