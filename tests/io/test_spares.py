@@ -247,3 +247,11 @@ def test_a_save_pending_at_exit_commits_and_leaves_no_spare(tmp_path):
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     assert os.listdir(tmp_path) == ["ckpt.pt"] and torch.load(str(tmp_path / "ckpt.pt"))["step"] == 2
+
+
+def test_the_setting_refuses_other_values_and_leaves_the_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    fastpersist.save(_state(1.0), path)
+    with pytest.raises(fastpersist.ConfigError, match="reuse_replaced must be one of"):
+        fastpersist.save(_state(2.0), path, reuse_replaced="sometimes")
+    assert torch.load(path)["step"] == 1 and _hidden(tmp_path) == []
