@@ -110,7 +110,6 @@ _lock = threading.Lock()
 _live: set[str] = set()  # temporaries this process is writing now
 _listings: dict[str, _Listing] = {}  # directory -> its last cleanup listing
 _warned_in_place = False
-_remover = None  # the thread that frees replaced files (created on first use, per process)
 
 
 def live_temporaries() -> set[str]:
@@ -141,13 +140,12 @@ _STARTED = system.process_start_time(os.getpid())  # None where /proc does not s
 
 def _reset_after_fork() -> None:
     # The child writes none of the parent's temporaries; the parent still owns them (and frees
-    # the files it set aside: the remover thread does not exist in the child). The child is a
+    # the files it set aside: workers' background thread does not exist in the child). The child is a
     # new process: its own start time, and its own PID namespace after an unshare(CLONE_NEWPID).
-    global _lock, _live, _listings, _remover, _NAMESPACE, _STARTED
+    global _lock, _live, _listings, _NAMESPACE, _STARTED
     _lock = threading.Lock()
     _live = set()
     _listings = {}
-    _remover = None
     _NAMESPACE = _namespace()
     _STARTED = system.process_start_time(os.getpid())
 
@@ -780,10 +778,7 @@ def replace_file(temporary: str, target: str, directory: str, keep: bool = False
             with _lock:
                 _live.discard(aside)  # a spare now: io.spares frees it, or a save writes it
             return
-        try:
-            _removal_pool().submit(_remove_aside, aside)
-        except RuntimeError:  # no thread can be started: free it here
-            _remove_aside(aside)
+        workers.in_background(_remove_aside, aside)
 
 
 def _set_aside(target: str, directory: str) -> str | None:
@@ -813,16 +808,6 @@ def _remove_aside(aside: str) -> None:
     finally:
         with _lock:
             _live.discard(aside)
-
-
-def _removal_pool():
-    global _remover
-    if not workers.threads_allowed():
-        return workers.InlineExecutor()  # interpreter shutdown: free it on the caller's thread
-    with _lock:
-        if _remover is None:
-            _remover = workers.executor(1, "fastpersist-remove")
-        return _remover
 
 
 def discard_temporary(temporary: str) -> None:

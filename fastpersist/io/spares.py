@@ -175,10 +175,7 @@ def _free(spare: _Spare) -> None:
 
 def _free_later(spare: _Spare) -> None:
     """Frees a spare off the saving thread: on a discarding filesystem freeing takes disk time."""
-    try:
-        workers.detached("fastpersist-spares-free", _free, spare)
-    except RuntimeError:
-        _free(spare)
+    workers.in_background(_free, spare)
 
 
 def _reap() -> None:

@@ -11,12 +11,16 @@ runs each task on the calling thread at submission (slower, same results).
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["executor", "detached", "InlineExecutor", "threads_allowed"]
+__all__ = ["executor", "detached", "in_background", "InlineExecutor", "threads_allowed"]
+
+_lock = threading.Lock()
+_background: concurrent.futures.Executor | None = None  # in_background's thread (started on first use, per process)
 
 
 def threads_allowed() -> bool:
@@ -77,3 +81,34 @@ def detached(name: str, fn: Callable[..., Any], /, *args: Any) -> concurrent.fut
         return pool.submit(fn, *args)
     finally:
         pool.shutdown(wait=False)
+
+
+def in_background(fn: Callable[..., Any], /, *args: Any) -> None:
+    """Runs ``fn(*args)`` off the caller's path on the process's one background thread, tasks in submission order;
+    on the calling thread during interpreter shutdown or when no thread can start. The caller does not wait and
+    ``fn`` handles its own errors (an exception is not delivered).
+
+    For cleanup that takes time but must not hold up the caller's next step, such as freeing a replaced file's
+    blocks on a filesystem that discards them. The thread is joined at interpreter exit, as every pool thread is,
+    so work queued here is done before the process ends.
+    """
+    global _background
+    if threads_allowed():
+        with _lock:
+            if _background is None:
+                _background = executor(1, "fastpersist-background")
+            pool = _background
+        try:
+            pool.submit(fn, *args)
+            return
+        except RuntimeError:  # no thread can be started: run it here
+            pass
+    fn(*args)
+
+
+def _forget_after_fork() -> None:
+    global _lock, _background
+    _lock, _background = threading.Lock(), None  # the parent's thread does not exist in the child
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,7 +1,9 @@
-"""``workers.detached``: work on a thread of its own that ends with it, or inline once threads cannot start."""
+"""``workers.detached`` and ``workers.in_background``: work off the caller's thread, or inline once threads cannot
+start."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -27,3 +29,57 @@ def test_detached_work_runs_inline_during_interpreter_shutdown(monkeypatch):
     ran = []
     future = workers.detached("fastpersist-test", lambda: ran.append(threading.current_thread().name))
     assert future.done() and ran == [threading.current_thread().name]
+
+
+def _drained() -> None:
+    done = threading.Event()
+    workers.in_background(done.set)
+    assert done.wait(10)
+
+
+def test_background_work_runs_off_the_callers_thread_in_submission_order():
+    ran, gate = [], threading.Event()
+    workers.in_background(gate.wait, 10)  # holds the thread: the caller must not wait for it
+    for k in range(5):
+        workers.in_background(lambda k=k: ran.append((k, threading.current_thread().name)))
+    assert ran == []
+    gate.set()
+    _drained()
+    assert [k for k, _ in ran] == [0, 1, 2, 3, 4]
+    assert {name for _, name in ran} == {ran[0][1]} and ran[0][1].startswith("fastpersist-background")
+
+
+def test_background_work_runs_inline_during_shutdown_or_when_no_thread_starts(monkeypatch):
+    ran = []
+    monkeypatch.setattr(workers, "threads_allowed", lambda: False)
+    workers.in_background(lambda: ran.append(threading.current_thread().name))
+    assert ran == [threading.current_thread().name]
+
+    class NoThreads:
+        def submit(self, *args):
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(workers, "threads_allowed", lambda: True)
+    monkeypatch.setattr(workers, "_background", NoThreads())
+    workers.in_background(lambda: ran.append(threading.current_thread().name))
+    assert ran == [threading.current_thread().name] * 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_a_background_thread_of_its_own():
+    _drained()  # the parent's thread exists
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its work must run, although the parent's thread is not here
+        try:
+            done = threading.Event()
+            workers.in_background(done.set)
+            os.write(write, b"1" if done.wait(10) else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"1"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
