@@ -298,14 +298,8 @@ def save_file(tensors: Any, filename: Any, metadata: Any = None) -> None:
             return None
         safetensors_api.save_file(tensors, filename, metadata, alignment=options.alignment, **options.settings)
     except OSError as error:  # the library raises SafetensorError for I/O errors: both clauses must catch it
-        raise errors.also_raised_as(error, _library_error()) from None
+        raise safetensors_api.as_library_error(error) from None
     return None
-
-
-def _library_error() -> type[BaseException]:
-    from safetensors import SafetensorError
-
-    return SafetensorError
 
 
 def _device_for_fastpersist(device: Any) -> bool:

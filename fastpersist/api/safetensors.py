@@ -575,15 +575,19 @@ class safe_open:
         return SafetensorsSlice(self._open(), self._open().entry(name), self._device)
 
 
-def _closed() -> ValueError:
-    """Using a closed ``safe_open``: a ValueError, and where the library is installed also its ``SafetensorError``
-    (which the library raises), so that either ``except`` clause catches it."""
-    error = ValueError("this safe_open is closed; open the file again")
+def as_library_error(error: BaseException) -> BaseException:
+    """``error``, and where the safetensors library is installed also its ``SafetensorError`` (what the library
+    raises where fastpersist raises ``error``), so that code written for either catches it."""
     try:
         from safetensors import SafetensorError
     except ImportError:
         return error
     return errors.also_raised_as(error, SafetensorError)
+
+
+def _closed() -> BaseException:
+    """Using a closed ``safe_open`` (a ValueError; the library raises its ``SafetensorError``)."""
+    return as_library_error(ValueError("this safe_open is closed; open the file again"))
 
 
 class SafetensorsSlice:
