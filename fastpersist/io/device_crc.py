@@ -38,9 +38,10 @@ capture running beside the caller's code could break it. With the
 ``device_checksum`` setting at ``auto`` (the default) a large verified load
 with no set ready warms the device up on a thread of its own (eager
 operations, no capture) and checksums on the CPU; the next large one captures
-the set inside itself, a few milliseconds, and the loads after it lease the
-set (:meth:`DeviceCrc.if_ready`). ``always`` captures, warm-up included, in
-the load that needs a set, ``never`` keeps every checksum on the CPU.
+the set inside itself (a cost paid once per process and device, measured in
+docs/performance.md), and the loads after it lease the set
+(:meth:`DeviceCrc.if_ready`). ``always`` captures, warm-up included, in the
+load that needs a set, ``never`` keeps every checksum on the CPU.
 """
 
 from __future__ import annotations
