@@ -317,14 +317,14 @@ def _measure_ceiling(
     args: argparse.Namespace, work: str, state_bytes: int, ctx: BenchContext, progress: Any
 ) -> dict[str, Any] | None:
     """The storage ceiling on rank 0 (the others wait), or None when it cannot be measured here."""
-    from fastpersist.bench.methods import ceilings
+    from fastpersist.bench import bounds
 
     ceiling = None
     if ctx.dist.is_main:
         try:
             settings = config.resolve(ctx.fastpersist_overrides)
             available = system.available_memory()
-            ceiling = ceilings.measure_ceiling(
+            ceiling = bounds.measure_ceiling(
                 work,
                 state_bytes if available is None else min(state_bytes, available // 4),
                 engine_name=settings.engine,

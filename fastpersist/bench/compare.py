@@ -9,8 +9,6 @@ from fastpersist.bench import measure
 from fastpersist.bench.harness import Rounds
 from fastpersist.tuning import workloads
 
-__all__ = ["check", "ratios", "run_rounds"]
-
 
 def run_rounds(
     rounds: Rounds, saves: Iterable[str], loads: Iterable[str], save: Callable[[str, int], Any], load: Callable

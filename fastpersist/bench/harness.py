@@ -21,24 +21,6 @@ from typing import Any
 from fastpersist import config
 from fastpersist.tuning.measure import summarize, write_json
 
-__all__ = [
-    "Benchmark",
-    "Rounds",
-    "Svg",
-    "UsageError",
-    "bf16_state",
-    "figure",
-    "free_port",
-    "markdown_table",
-    "option",
-    "read_document",
-    "size",
-    "spawn",
-    "summarize",
-    "timed",
-    "write_json",
-]
-
 size = config.size_argument  # the one size syntax of every option (binary units: 4G = 4 GiB)
 
 
