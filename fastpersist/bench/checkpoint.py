@@ -243,13 +243,13 @@ def _run(
     if ctx.dist.is_main:
         what = f"{layers} of {spec.num_layers} blocks, {args.dtype}{', training state' if args.training_state else ''}"
         print(f"building {spec.name} ({what}) on {ctx.device} ...", file=sys.stderr)
-    build_start = time.perf_counter()
+    build = time.perf_counter()
     state = workloads.build_state(
         spec, dtype=args.dtype, device=ctx.device, layers=layers, training_state=args.training_state, seed=args.seed
     )
     tensors, _objects = workloads.flatten_state(state)
     state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    build_seconds = time.perf_counter() - build_start
+    build = time.perf_counter() - build
     ops = (args.repeats + args.warmup) * len(saves) + (args.repeats * args.load_repeats + args.warmup) * len(loads)
     progress = display.Progress(ops, enabled=ctx.dist.is_main and not args.no_progress)
     dropper = system.CacheDropper(enabled=not args.no_drop_caches)
@@ -258,51 +258,24 @@ def _run(
     pauses = {"settle_seconds": args.settle, "memory_settle_seconds": args.memory_settle}
     with contextlib.closing(progress):
         ceiling = None if args.no_ceiling else _measure_ceiling(args, work, state_bytes, ctx, progress)
-        results = run_benchmark(
-            state,
-            saves,
-            loads,
-            work,
-            ctx=ctx,
-            repeats=args.repeats,
-            warmup=args.warmup,
-            dropper=dropper,
-            progress=progress,
-            state_bytes=state_bytes,
-            order_seed=args.order_seed,
-            schedule=schedule,
-            load_repeats=args.load_repeats,
-            **pauses,
-        )
+        options = {k: getattr(args, k) for k in ("repeats", "warmup", "order_seed", "load_repeats")}
+        options.update(pauses, dropper=dropper, progress=progress, state_bytes=state_bytes, schedule=schedule)
+        results = run_benchmark(state, saves, loads, work, ctx=ctx, **options)
     elapsed = time.perf_counter() - started
+    overrides, config_file = ctx.fastpersist_overrides, args.config or os.environ.get("FASTPERSIST_CONFIG")
+    settings = {"model": spec.name, "model_description": spec.description, "layers": layers}
+    settings.update(model_layers=spec.num_layers, dtype=args.dtype, device=str(ctx.device))
+    settings.update({k: getattr(args, k) for k in ("training_state", "repeats", "load_repeats", "warmup")}, dir=parent)
+    settings.update({k: getattr(args, k) for k in ("seed", "order_seed", "dcp_threads")}, cache=dropper.mode)
+    settings.update(cache_detail=dropper.detail, rank=ctx.dist.rank, world_size=ctx.dist.world_size)
+    settings.update(fastpersist_overrides=overrides, fastpersist_config_file=config_file)
+    settings.update(fastpersist_settings=config.resolve(overrides).as_dict(), argv=sys.argv[1:])
+    parameters = workloads.parameter_count(spec, layers)
     document = {
         "schema": SCHEMA,
         "machine": measure.machine_info(parent, str(ctx.device)),
-        "settings": {
-            "model": spec.name,
-            "model_description": spec.description,
-            "layers": layers,
-            "model_layers": spec.num_layers,
-            "dtype": args.dtype,
-            "device": str(ctx.device),
-            **{k: getattr(args, k) for k in ("training_state", "repeats", "load_repeats", "warmup")},
-            "dir": parent,
-            **{k: getattr(args, k) for k in ("seed", "order_seed", "dcp_threads")},
-            "cache": dropper.mode,
-            "cache_detail": dropper.detail,
-            "rank": ctx.dist.rank,
-            "world_size": ctx.dist.world_size,
-            "fastpersist_overrides": ctx.fastpersist_overrides,
-            "fastpersist_config_file": args.config or os.environ.get("FASTPERSIST_CONFIG"),
-            "fastpersist_settings": config.resolve(ctx.fastpersist_overrides).as_dict(),
-            "argv": sys.argv[1:],
-        },
-        "state": {
-            "bytes": state_bytes,
-            "tensors": len(tensors),
-            "parameters": workloads.parameter_count(spec, layers),
-            "build_seconds": build_seconds,
-        },
+        "settings": settings,
+        "state": {"bytes": state_bytes, "tensors": len(tensors), "parameters": parameters, "build_seconds": build},
         "elapsed_seconds": elapsed,
         "baselines": BASELINES,
         "results": [r.as_dict(state_bytes) for r in results],
@@ -317,14 +290,14 @@ def _measure_ceiling(
     args: argparse.Namespace, work: str, state_bytes: int, ctx: BenchContext, progress: Any
 ) -> dict[str, Any] | None:
     """The storage ceiling on rank 0 (the others wait), or None when it cannot be measured here."""
-    from fastpersist.bench.methods import ceilings
+    from fastpersist.bench import bounds
 
     ceiling = None
     if ctx.dist.is_main:
         try:
             settings = config.resolve(ctx.fastpersist_overrides)
             available = system.available_memory()
-            ceiling = ceilings.measure_ceiling(
+            ceiling = bounds.measure_ceiling(
                 work,
                 state_bytes if available is None else min(state_bytes, available // 4),
                 engine_name=settings.engine,
@@ -363,18 +336,12 @@ class MethodResult:
     def as_dict(self, state_bytes: int) -> dict[str, Any]:
         timed = [s for s in self.samples if not s.get("warmup")]
         keys = ("gbps", "seconds", "blocked_seconds", "peak_rss_bytes", "rss_delta_bytes")
-        return {
-            "op": self.op,
-            "method": self.name,
-            "label": self.label,
-            "status": self.status,
-            "reason": self.reason,
-            "timed": self.timed,
-            "bytes": state_bytes,
-            "file_bytes": self.file_bytes,
-            "samples": self.samples,
-            "summary": {k: measure.summarize([s.get(k) for s in timed]) if self.status == "ok" else None for k in keys},
+        out = {"op": self.op, "method": self.name, "label": self.label, "status": self.status, "reason": self.reason}
+        out.update(timed=self.timed, bytes=state_bytes, file_bytes=self.file_bytes, samples=self.samples)
+        out["summary"] = {
+            k: measure.summarize([s.get(k) for s in timed]) if self.status == "ok" else None for k in keys
         }
+        return out
 
 
 def _short_error(e: BaseException) -> str:

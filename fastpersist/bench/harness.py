@@ -15,29 +15,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 from fastpersist import config
-from fastpersist.tuning.measure import summarize, write_json
-
-__all__ = [
-    "Benchmark",
-    "Rounds",
-    "Svg",
-    "UsageError",
-    "bf16_state",
-    "figure",
-    "free_port",
-    "markdown_table",
-    "option",
-    "read_document",
-    "size",
-    "spawn",
-    "summarize",
-    "timed",
-    "write_json",
-]
+from fastpersist.tuning import workloads
+from fastpersist.tuning.measure import summarize, verify_state, write_json
 
 size = config.size_argument  # the one size syntax of every option (binary units: 4G = 4 GiB)
 
@@ -235,6 +218,12 @@ class Rounds:
                         samples.append(sample)
         return self
 
+    def run_ops(self, saves: Iterable[str], loads: Iterable[str], save: Callable, load: Callable) -> Rounds:
+        """:meth:`run` over ``("save", name)`` of ``saves`` (``save(name, round)`` gives a sample), then
+        ``("load", name)`` of ``loads``: the save and load methods compared in one run."""
+        phases = [[("save", name) for name in saves], [("load", name) for name in loads]]
+        return self.run(phases, lambda method, index: (save if method[0] == "save" else load)(method[1], index))
+
     def median(self, method: Hashable, key: str | None = None) -> float | None:
         """The median of ``method``'s samples (of their ``key``), None without samples."""
         stats = summarize([s[key] if key else s for s in self.samples.get(method, [])])
@@ -269,6 +258,27 @@ def timed(
         seconds = time.perf_counter() - start
         cpu_seconds = cpu() - cpu_before
     return result, {"seconds": seconds, "cpu_seconds": cpu_seconds, **({"peak_rss_delta": peak.delta} if peak else {})}
+
+
+def check(
+    expected: tuple[dict[str, Any], dict[str, Any]], loaded: Any, problems: list[str], what: str, device: Any = None
+) -> bool | str:
+    """True when ``loaded`` is the flattened ``expected`` byte for byte, else what differs (also appended to
+    ``problems`` as ``what: difference``)."""
+    problem = verify_state(expected, workloads.flatten_state(loaded), device)
+    if problem is not None:
+        problems.append(f"{what}: {problem}")
+    return True if problem is None else problem
+
+
+def ratios(pairs: Iterable[tuple[str, str, str]], value: Callable[[str, str], float | None]) -> dict[str, float]:
+    """``"op: ours / baseline"`` -> the ratio of their ``value(op, name)`` (3 decimals) where both are known."""
+    out = {}
+    for op, ours, baseline in pairs:
+        mine, theirs = value(op, ours), value(op, baseline)
+        if mine is not None and theirs is not None:
+            out[f"{op}: {ours} / {baseline}"] = round(mine / theirs, 3)
+    return out
 
 
 def bf16_state(nbytes: int, device: str = "cpu", odd_tail: bool = False) -> dict[str, Any]:

@@ -24,8 +24,6 @@ from fastpersist.bench.harness import Benchmark, Rounds, UsageError, option, siz
 from fastpersist.deepnvme.gds import GdsHandle
 from fastpersist.io import engine, memory
 
-__all__ = ["BENCHMARK", "UsageError", "apply_ds_io", "build_parser", "ds_io_summary", "main"]
-
 DS_IO_ENGINES = ("aio_handle", "aio_basic", "torch_io", "torch_fastio")  # the first two: the fastpersist engine
 
 
@@ -270,24 +268,15 @@ def _document(args: argparse.Namespace, handle: Any, gds: Any, probe: dict[str, 
     samples = {f"{tool}_{op}": values(tool, op) for tool in ("engine", "fio") for op in ("write", "read")}
     results = {name: median(values) for name, values in samples.items()}
     pairs = {op: (results[f"engine_{op}"], results[f"fio_{op}"]) for op in ("write", "read")}
+    settings = {"dir": os.path.abspath(args.dir), "size": args.size, "block_size": args.block_size}
+    settings.update(queue_depth=args.queue_depth, threads=args.threads, engine=handle.engine, direct=not args.buffered)
+    settings.update(single_submit=args.single_submit, overlap_events=not args.no_overlap_events)
+    settings.update(fallocate=not args.no_fallocate, repeats=args.repeats, warmup_loops=args.warmup_loops)
+    settings.update(huge_pages=not args.no_huge_pages, device=str(torch.device(args.device)), validate=args.validate)
+    settings.update(handle="io_handle" if gds is None else "gds_handle", gds_path=None if gds is None else gds.path)
     return {
         "benchmark": "fastpersist.bench.io",
-        "settings": {
-            "dir": os.path.abspath(args.dir),
-            "size": args.size,
-            **{k: getattr(args, k) for k in ("block_size", "queue_depth", "threads")},
-            "engine": handle.engine,
-            "direct": not args.buffered,
-            "single_submit": args.single_submit,
-            "overlap_events": not args.no_overlap_events,
-            "fallocate": not args.no_fallocate,
-            **{k: getattr(args, k) for k in ("repeats", "warmup_loops")},
-            "huge_pages": not args.no_huge_pages,
-            "device": str(torch.device(args.device)),
-            "validate": args.validate,
-            "handle": "gds_handle" if gds is not None else "io_handle",
-            "gds_path": gds.path if gds is not None else None,
-        },
+        "settings": settings,
         "filesystem": probe,
         "gbps_median": results,
         "gbps_samples": samples,

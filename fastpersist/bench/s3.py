@@ -24,11 +24,9 @@ from unittest import mock
 import torch
 
 from fastpersist import config, system
-from fastpersist.bench import compare, measure
+from fastpersist.bench import harness, measure
 from fastpersist.bench.harness import Benchmark, Rounds, free_port, markdown_table, option, timed
 from fastpersist.tuning import workloads
-
-__all__ = ["BENCHMARK", "SCHEMA", "main", "make_state", "moto_server", "to_markdown"]
 
 SCHEMA = "fastpersist.bench.s3/1"
 _MiB = 1 << 20
@@ -266,16 +264,16 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             key = keys.get(name, keys["fastpersist"])  # fastpersist-one-get reads fastpersist's object
             result, stats = timed(lambda: methods[name][1](key), memory=True, touch=True)
             if index == 0:
-                verified[name] = compare.check(expected, result, problems, f"load {name}")
+                verified[name] = harness.check(expected, result, problems, f"load {name}")
             return stats
 
-        compare.run_rounds(rounds, saves, methods, save, load)
+        rounds.run_ops(saves, methods, save, load)
         saved = rounds.samples.get(("save", "fastpersist"))
         if saved and rounds.samples.get(("save", "boto3")):  # each library reads the other's object, untimed
             name = "fastpersist.load of the torch.save object"
-            cross[name] = compare.check(expected, methods["fastpersist"][1](keys["boto3"]), problems, name)
+            cross[name] = harness.check(expected, methods["fastpersist"][1](keys["boto3"]), problems, name)
             name = "torch.load of the fastpersist object"
-            cross[name] = compare.check(expected, methods["boto3"][1](keys["fastpersist"]), problems, name)
+            cross[name] = harness.check(expected, methods["boto3"][1](keys["fastpersist"]), problems, name)
         if saved:  # the ring's cost: one fastpersist save after the pool is freed (its time is not a result)
             memory.release_pooled_buffers()
             system.release_memory()
@@ -287,27 +285,19 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     results = {kind: _section(kind, skipped, rounds, verified, nbytes, problems) for kind in ("save", "load")}
     if saved:
         results["save"]["fastpersist"]["first_save_peak_extra_rss_bytes"] = ring[1]["peak_rss_delta"]
-    ratios = compare.ratios(
+    ratios = harness.ratios(
         [("save", "fastpersist", "boto3"), ("load", "fastpersist", "boto3")],
         lambda kind, name: (results[kind].get(name) or {}).get("gb_per_s", {}).get("median"),
     )
+    run = {"bytes": nbytes, "size": args.size, "tensors": len(expected[0])}
+    run.update(dtypes="bf16 and float32, about 16 MiB a tensor", repeats=args.repeats)
+    run.update(s3_part_size=settings.s3_part_size, s3_concurrency=settings.s3_concurrency, endpoint=endpoint)
+    run.update(server=endpoint_detail, bucket=args.bucket, boto3=boto3.__version__)
     return {
         "benchmark": "s3",
         "schema": SCHEMA,
         "machine": measure.machine_info(None, "cpu"),
-        "config": {
-            "bytes": nbytes,
-            "size": args.size,
-            "tensors": len(expected[0]),
-            "dtypes": "bf16 and float32, about 16 MiB a tensor",
-            "repeats": args.repeats,
-            "s3_part_size": settings.s3_part_size,
-            "s3_concurrency": settings.s3_concurrency,
-            "endpoint": endpoint,
-            "server": endpoint_detail,
-            "bucket": args.bucket,
-            "boto3": boto3.__version__,
-        },
+        "config": run,
         "results": results,
         "cross_reads": cross,
         "ratios": ratios,

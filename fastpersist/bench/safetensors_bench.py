@@ -16,11 +16,9 @@ from typing import Any
 import torch
 
 from fastpersist import config, system
-from fastpersist.bench import bounds, compare, measure
+from fastpersist.bench import bounds, harness, measure
 from fastpersist.bench.harness import Benchmark, Rounds, markdown_table, option, timed
 from fastpersist.tuning import workloads
-
-__all__ = ["BENCHMARK", "SCHEMA", "main", "to_markdown"]
 
 SCHEMA = "fastpersist.bench.safetensors/1"
 _RATIOS = (("fastpersist", "ceiling"), ("fastpersist", "safetensors"), ("fastpersist-own", "safetensors"))
@@ -98,7 +96,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         stats = timed(saves[name][1], device, memory=True)[1]
         if index == 0 and name in cross:
             reader, path = cross[name]
-            compare.check(expected, reader(path), problems, f"{os.path.basename(path)} read back by the other library")
+            harness.check(expected, reader(path), problems, f"{os.path.basename(path)} read back by the other library")
         return stats
 
     def load(name: str, index: int) -> dict[str, Any] | None:
@@ -110,13 +108,13 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         dropper.drop([path])
         loaded, stats = timed(lambda: action(path), device, touch=True)
         if loaded is not None and index == 0:
-            compare.check(expected, loaded, problems, f"load {name}", device)
+            harness.check(expected, loaded, problems, f"load {name}", device)
         return stats
 
     ours.save_file({"warm-up": torch.ones(1, device=device)}, ours_path)  # allocates the ring once, as in training
     with memory.lease_buffers(1, raw_size) as (raw_buffer,):
         raw_buffer.fill_(7)  # touched once: the ceiling never pays page faults
-        rounds = compare.run_rounds(Rounds(args.repeats, catch=False), saves, loads, save, load)
+        rounds = Rounds(args.repeats, catch=False).run_ops(saves, loads, save, load)
     for path in paths:
         measure.remove_path(path)
     if args.dir is None:
@@ -128,7 +126,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     result = {"schema": SCHEMA, "machine": machine, "config": run, "save": _section(rounds, "save", saves, nbytes)}
     result.update(load=_section(rounds, "load", loads, nbytes), problems=problems)
     pairs = [(kind, *pair) for kind in ("save", "load") for pair in _RATIOS]  # those with both figures
-    result["ratios"] = compare.ratios(pairs, lambda kind, name: result[kind].get(name, {}).get("gb_per_s"))
+    result["ratios"] = harness.ratios(pairs, lambda kind, name: result[kind].get(name, {}).get("gb_per_s"))
     return result
 
 

@@ -24,7 +24,7 @@ import torch
 
 import fastpersist
 from fastpersist import config, system
-from fastpersist.bench import bounds, compare, measure
+from fastpersist.bench import bounds, measure
 from fastpersist.bench.harness import Benchmark, Rounds, UsageError, figure, markdown_table, option, timed
 from fastpersist.config import parse_size
 from fastpersist.format.deserializer import archive_prefix, deserialize
@@ -34,8 +34,6 @@ from fastpersist.io import engine, targets, timeline
 from fastpersist.io.reader import FileStorageProvider
 from fastpersist.tuning import workloads
 from fastpersist.tuning.workloads import format_bytes
-
-__all__ = ["BENCHMARK", "SHAPES", "build_shape", "main", "markdown", "sink_save"]
 
 SHAPES = ("many-small", "many-medium", "huge", "mixed")
 _FILES = ("fastpersist.pt", "torch.pt", "fio.bin", "zeros.pt")
@@ -274,7 +272,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     # Rotated each round: the first load after a free pays the fresh page faults.
     rounds = Rounds(args.repeats, warmup=args.warmup, order="rotate", catch=False)
     try:
-        compare.run_rounds(rounds, saves, loads, save, load)
+        rounds.run_ops(saves, loads, save, load)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return {

@@ -2,36 +2,36 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 
-from fastpersist.bench import methods, report
+from fastpersist.bench import bounds, methods, report
 from fastpersist.bench.checkpoint import run_benchmark
-from fastpersist.bench.methods import ceilings
 from fastpersist.system import CacheDropper
 
 
 def test_pattern_blocks_are_unique():
-    pattern = ceilings._stamped_pattern(64 * ceilings.BLOCK + 100)
-    blocks = pattern[: 64 * ceilings.BLOCK].view(64, ceilings.BLOCK)
+    pattern = bounds._stamped_pattern(64 * bounds.BLOCK + 100)
+    blocks = pattern[: 64 * bounds.BLOCK].view(64, bounds.BLOCK)
     assert len({bytes(b[:8].numpy()) for b in blocks}) == 64  # a misplaced block cannot compare equal
 
 
 def test_grid_covers_block_sizes_queue_depths_and_the_load_ring(tmp_path):
-    with ceilings.CeilingProbe(str(tmp_path), 1 << 20, use_fio=False) as probe:
+    with bounds.CeilingProbe(str(tmp_path), 1 << 20, use_fio=False) as probe:
         writes = probe.candidates("write")
         reads = probe.candidates("read", read_buffers=(64 << 20, 8))
     assert {(c.block_size, c.queue_depth) for c in writes} == {
-        (b, q) for b in ceilings.GRID_BLOCK_SIZES for q in ceilings.GRID_QUEUE_DEPTHS
+        (b, q) for b in bounds.GRID_BLOCK_SIZES for q in bounds.GRID_QUEUE_DEPTHS
     }
-    assert ceilings.Candidate("engine", 64 << 20, 8) in reads and len(reads) == len(writes) + 1
+    assert bounds.Candidate("engine", 64 << 20, 8) in reads and len(reads) == len(writes) + 1
     assert os.listdir(tmp_path) == []
 
 
 def test_ceiling_is_the_best_verified_full_size_sample(tmp_path):
-    result = ceilings.measure_ceiling(str(tmp_path), 3 << 20, use_fio=False, grid_bytes=1 << 20, passes=2, seed=3)
+    result = bounds.measure_ceiling(str(tmp_path), 3 << 20, use_fio=False, grid_bytes=1 << 20, passes=2, seed=3)
     assert result["bytes"] == 3 << 20 and result["fio"]["path"] is None
     assert len(result["grid"]["write"]) == 4 and all(p["bytes"] == 1 << 20 for p in result["grid"]["write"])
     for op in ("write", "read"):
@@ -42,36 +42,36 @@ def test_ceiling_is_the_best_verified_full_size_sample(tmp_path):
 
 
 def test_a_read_that_returns_other_bytes_fails_the_ceiling(tmp_path, monkeypatch):
-    with ceilings.CeilingProbe(str(tmp_path), 1 << 20, use_fio=False) as probe:
+    with bounds.CeilingProbe(str(tmp_path), 1 << 20, use_fio=False) as probe:
         candidate = probe.candidates("write")[0]
         probe.write(candidate)
         path = probe._path("engine")
         with open(path, "r+b") as f:  # one block stale: what a read of the wrong offset would return
-            f.seek(5 * ceilings.BLOCK)
-            f.write(bytes(probe.source[3 * ceilings.BLOCK : 4 * ceilings.BLOCK].numpy()))
-        with pytest.raises(ceilings.CeilingVerificationError, match=f"byte {5 * ceilings.BLOCK}"):
+            f.seek(5 * bounds.BLOCK)
+            f.write(bytes(probe.source[3 * bounds.BLOCK : 4 * bounds.BLOCK].numpy()))
+        with pytest.raises(bounds.CeilingVerificationError, match=f"byte {5 * bounds.BLOCK}"):
             probe.read(candidate)
 
 
 def test_failed_candidates_never_count(tmp_path, monkeypatch):
     def broken_read(self, candidate, nbytes=None):
-        raise ceilings.CeilingVerificationError("bytes differ")
+        raise bounds.CeilingVerificationError("bytes differ")
 
-    monkeypatch.setattr(ceilings.CeilingProbe, "read", broken_read)
-    result = ceilings.measure_ceiling(str(tmp_path), 1 << 20, use_fio=False, grid_bytes=1 << 20)
+    monkeypatch.setattr(bounds.CeilingProbe, "read", broken_read)
+    result = bounds.measure_ceiling(str(tmp_path), 1 << 20, use_fio=False, grid_bytes=1 << 20)
     assert result["write"]["gbps"] is None and result["read"]["gbps"] is None
     assert all("bytes differ" in p["error"] for p in result["grid"]["read"])
 
 
-@pytest.mark.skipif(ceilings.system.find_fio() is None, reason="fio is not installed")
+@pytest.mark.skipif(bounds.system.find_fio() is None, reason="fio is not installed")
 def test_fio_candidates_verify_their_reads(tmp_path):
-    with ceilings.CeilingProbe(str(tmp_path), 4 << 20, use_fio=True) as probe:
-        fio = ceilings.Candidate("fio", 1 << 20, 8)
+    with bounds.CeilingProbe(str(tmp_path), 4 << 20, use_fio=True) as probe:
+        fio = bounds.Candidate("fio", 1 << 20, 8)
         assert probe.write(fio) > 0 and probe.read(fio) > 0
         with open(probe._path("fio"), "r+b") as f:
             f.seek(2 << 20)
             f.write(b"\xff" * 64)
-        with pytest.raises(ceilings.CeilingVerificationError, match="verify"):
+        with pytest.raises(bounds.CeilingVerificationError, match="verify"):
             probe.read(fio)
 
 
@@ -117,11 +117,7 @@ def test_faster_than_the_ceiling_is_flagged_not_reported_as_a_win():
 
 
 def test_method_order_is_random_per_round_and_seeded(shm_dir):
-    class Named(methods.TorchSave):
-        def __init__(self, name):
-            self.name = name
-
-    saves = [Named(f"m{i}") for i in range(5)]
+    saves = [dataclasses.replace(methods.SAVE_METHODS["torch.save"], name=f"m{i}") for i in range(5)]
     state = {"w": torch.arange(4.0)}  # only the order is under test: the smallest state that saves
 
     def schedule_for(seed):

@@ -5,6 +5,7 @@ Behaviour only; no timing is asserted (speed is the benchmark's job).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -156,48 +157,44 @@ def test_verify_state_reports_the_first_difference():
     assert "missing" in measure.verify_state(expected, workloads.flatten_state(missing))
 
 
-class _CorruptingTorchSave(methods.TorchSave):
+def _corrupting_save(state, path, ctx):
     """torch.save, then one flipped byte in the middle of a tensor payload (torch.load does not check CRCs)."""
-
-    name = "corrupting-torch.save"
-    label = "torch.save with a flipped byte"
-
-    def save(self, state, path, ctx):
-        torch.save(state, path)
-        with zipfile.ZipFile(path) as z:
-            info = max(z.infolist(), key=lambda i: i.file_size)
-        with open(path, "r+b") as f:
-            f.seek(info.header_offset + 26)
-            name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
-            offset = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
-            f.seek(offset)
-            byte = f.read(1)
-            f.seek(offset)
-            f.write(bytes([byte[0] ^ 0xFF]))
-        return {}
+    torch.save(state, path)
+    with zipfile.ZipFile(path) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+        offset = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return {}
 
 
-class _CorruptingLoad(methods.TorchLoad):
-    name = "corrupting-torch.load"
-    label = "torch.load that damages a tensor"
+def _corrupting_load(path, state, ctx):
+    loaded = methods.torch_load(path, state, ctx)
+    next(iter(loaded.values())).view(torch.uint8)[0] ^= 1
+    return loaded
 
-    def load(self, path, state, ctx):
-        loaded = super().load(path, state, ctx)
-        next(iter(loaded.values())).view(torch.uint8)[0] ^= 1
-        return loaded
+
+TORCH_SAVE, TORCH_LOAD = checkpoint.SAVE_METHODS["torch.save"], checkpoint.LOAD_METHODS["torch.load"]
+_CORRUPTING_SAVE = dataclasses.replace(
+    TORCH_SAVE, name="corrupting-torch.save", label="torch.save with a flipped byte", save=_corrupting_save
+)
+_CORRUPTING_LOAD = dataclasses.replace(
+    TORCH_LOAD, name="corrupting-torch.load", label="torch.load that damages a tensor", load=_corrupting_load
+)
 
 
 def test_a_corrupted_file_or_load_is_reported_failed_not_timed(tmp_path):
     state = workloads.build_state("toy")
-
-    class ReadsCorrupted(methods.TorchLoad):
-        name = "reads-corrupted"
-        source = "corrupting-torch.save"
-
+    reads_corrupted = dataclasses.replace(TORCH_LOAD, name="reads-corrupted", source="corrupting-torch.save")
     results = checkpoint.run_benchmark(
         state,
-        [methods.TorchSave(), _CorruptingTorchSave()],
-        [methods.TorchLoad(), _CorruptingLoad(), ReadsCorrupted()],
+        [TORCH_SAVE, _CORRUPTING_SAVE],
+        [TORCH_LOAD, _CORRUPTING_LOAD, reads_corrupted],
         str(tmp_path),
         repeats=2,
         warmup=0,
@@ -236,18 +233,16 @@ def test_a_corrupted_file_or_load_is_reported_failed_not_timed(tmp_path):
 
 
 def test_a_method_that_raises_is_failed_and_its_loads_skipped(tmp_path):
-    class Broken(methods.TorchSave):
-        name = "broken"
-
-        def save(self, state, path, ctx):
-            raise OSError(28, "No space left on device")
-
-    class ReadsBroken(methods.TorchLoad):
-        name = "reads-broken"
-        source = "broken"
+    def broken(state, path, ctx):
+        raise OSError(28, "No space left on device")
 
     results = checkpoint.run_benchmark(
-        workloads.build_state("toy"), [Broken()], [ReadsBroken()], str(tmp_path), repeats=1, warmup=0
+        workloads.build_state("toy"),
+        [dataclasses.replace(TORCH_SAVE, name="broken", save=broken)],
+        [dataclasses.replace(TORCH_LOAD, name="reads-broken", source="broken")],
+        str(tmp_path),
+        repeats=1,
+        warmup=0,
     )
     assert results[0].status == "FAILED" and "No space left" in results[0].reason
     assert results[1].status == "skipped" and "broken" in results[1].reason
@@ -371,8 +366,8 @@ def test_every_timed_load_and_each_rounds_saves_follow_a_release_a_drop_and_the_
     monkeypatch.setattr(checkpoint, "_timed", lambda result, op, *a: events.append(op) or real_timed(result, op, *a))
     results = checkpoint.run_benchmark(
         workloads.build_state("toy"),
-        [methods.TorchSave()],
-        [methods.TorchLoad(), methods.TorchLoadMmap()],
+        [TORCH_SAVE],
+        [TORCH_LOAD, checkpoint.LOAD_METHODS["torch.load-mmap"]],
         str(tmp_path),
         repeats=1,
         warmup=1,
@@ -422,7 +417,7 @@ def test_memory_settle_defaults_to_a_pause_only_where_freed_memory_goes_back_to_
 
 def test_a_load_without_its_save_runs_that_save_untimed(tmp_path):
     results = checkpoint.run_benchmark(
-        workloads.build_state("toy"), [], [methods.TorchLoad()], str(tmp_path), repeats=1, warmup=0
+        workloads.build_state("toy"), [], [TORCH_LOAD], str(tmp_path), repeats=1, warmup=0
     )
     helper, load = results
     assert helper.name == "torch.save" and not helper.timed and helper.status == "ok"
@@ -529,14 +524,12 @@ def test_cuda_state_round_trips_through_every_method(tmp_path):
 
 
 def test_keyboard_interrupt_removes_the_temporary_directory(tmp_path, monkeypatch, capsys):
-    class Interrupting(methods.TorchSave):
-        name = "interrupting"
+    def interrupting(state, path, ctx):
+        torch.save(state, path)  # leaves a file behind in the work directory
+        raise KeyboardInterrupt
 
-        def save(self, state, path, ctx):
-            torch.save(state, path)  # leaves a file behind in the work directory
-            raise KeyboardInterrupt
-
-    monkeypatch.setitem(checkpoint.SAVE_METHODS, "interrupting", Interrupting())
+    method = dataclasses.replace(TORCH_SAVE, name="interrupting", save=interrupting)
+    monkeypatch.setitem(checkpoint.SAVE_METHODS, "interrupting", method)
     rc = checkpoint.main(
         [
             "--model",
