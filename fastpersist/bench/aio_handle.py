@@ -18,6 +18,8 @@ from fastpersist.bench.measure import machine_info, remove_path
 from fastpersist.deepnvme.handle import AioHandle
 from fastpersist.io import memory
 
+__all__ = ["BENCHMARK", "main", "to_markdown"]
+
 _OPS = ("write", "read")
 
 

@@ -29,6 +29,27 @@ from fastpersist.bench.harness import timed
 from fastpersist.io import checksum, commit, engine, memory
 from fastpersist.tuning.measure import remove_path
 
+__all__ = [
+    "CopyCeiling",
+    "engine_read",
+    "engine_write",
+    "file_problem",
+    "fio_command",
+    "fio_job",
+    "fio_write_seconds",
+    "fsync_file",
+    "preallocate",
+    "read_ceiling",
+    "run_fio",
+    "shared_write_ceiling",
+    "takes_o_direct",
+    "write_ceiling",
+    "Candidate",
+    "CeilingProbe",
+    "CeilingVerificationError",
+    "measure_ceiling",
+]
+
 _BLOCK = 8 << 20
 _THREADS = 8
 

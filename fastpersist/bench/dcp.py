@@ -23,6 +23,8 @@ from fastpersist.config import settings
 from fastpersist.io import engine, memory
 from fastpersist.system import CacheDropper
 
+__all__ = ["BENCHMARK", "main"]
+
 _GB = 1e9
 
 

@@ -21,6 +21,8 @@ from fastpersist.bench import bounds, measure
 from fastpersist.bench.harness import Benchmark, Rounds, UsageError, figure, markdown_table, option, size, timed
 from fastpersist.io import engine, memory
 
+__all__ = ["BENCHMARK", "METHODS", "main", "to_markdown"]
+
 METHODS = ("ceiling", "aio_copy", "gds_bounce", "gds_cufile")
 _BASES = ("ceiling", "aio_copy")
 

@@ -22,6 +22,26 @@ from fastpersist import config
 from fastpersist.tuning import workloads
 from fastpersist.tuning.measure import summarize, verify_state, write_json
 
+__all__ = [
+    "Benchmark",
+    "Rounds",
+    "Svg",
+    "UsageError",
+    "bf16_state",
+    "check",
+    "figure",
+    "free_port",
+    "markdown_table",
+    "option",
+    "ratios",
+    "read_document",
+    "size",
+    "spawn",
+    "summarize",
+    "timed",
+    "write_json",
+]
+
 size = config.size_argument  # the one size syntax of every option (binary units: 4G = 4 GiB)
 
 

@@ -24,6 +24,8 @@ from fastpersist.bench.harness import Benchmark, Rounds, UsageError, option, siz
 from fastpersist.deepnvme.gds import GdsHandle
 from fastpersist.io import engine, memory
 
+__all__ = ["BENCHMARK", "UsageError", "apply_ds_io", "build_parser", "ds_io_summary", "main"]
+
 DS_IO_ENGINES = ("aio_handle", "aio_basic", "torch_io", "torch_fastio")  # the first two: the fastpersist engine
 
 

@@ -20,6 +20,8 @@ from fastpersist.bench import measure
 from fastpersist.tensors import host_memoryview
 from fastpersist.tuning import workloads
 
+__all__ = ["BenchContext", "SaveMethod", "LoadMethod", "SAVE_METHODS", "LOAD_METHODS", "register"]
+
 
 @dataclasses.dataclass
 class BenchContext:

@@ -18,6 +18,8 @@ import torch
 
 from fastpersist.bench.harness import Benchmark, Svg, UsageError, markdown_table, option, size
 
+__all__ = ["BENCHMARK", "METHODS", "main", "to_markdown", "to_svg"]
+
 METHODS = ("full-gpu", "fastpersist-disk", "fastpersist-host", "accelerate-disk")
 
 

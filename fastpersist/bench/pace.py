@@ -23,6 +23,8 @@ from typing import Any
 from fastpersist.bench.harness import Benchmark, Rounds, bf16_state, figure, markdown_table, option, timed
 from fastpersist.bench.measure import remove_path
 
+__all__ = ["BENCHMARK", "SCHEMA", "TARGETS", "main", "to_markdown"]
+
 SCHEMA = "fastpersist.bench.pace/1"
 TARGETS = {
     # name: (what, comparison, target)

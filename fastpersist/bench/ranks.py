@@ -24,6 +24,8 @@ from fastpersist.bench.shapes import sink_save
 from fastpersist.io import targets
 from fastpersist.tuning import workloads
 
+__all__ = ["BENCHMARK", "SCHEMA", "main", "to_markdown"]
+
 SCHEMA = "fastpersist.bench.ranks/1"
 _SECONDS = ("write_seconds", "digest_seconds", "prepare_seconds", "launch_seconds")  # of a save, in a rank's records
 

@@ -28,6 +28,8 @@ from fastpersist.bench import harness, measure
 from fastpersist.bench.harness import Benchmark, Rounds, free_port, markdown_table, option, timed
 from fastpersist.tuning import workloads
 
+__all__ = ["BENCHMARK", "SCHEMA", "main", "make_state", "moto_server", "to_markdown"]
+
 SCHEMA = "fastpersist.bench.s3/1"
 _MiB = 1 << 20
 _LABELS = {  # method: (its save, its load), as the table names them

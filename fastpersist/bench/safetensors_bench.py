@@ -20,6 +20,8 @@ from fastpersist.bench import bounds, harness, measure
 from fastpersist.bench.harness import Benchmark, Rounds, markdown_table, option, timed
 from fastpersist.tuning import workloads
 
+__all__ = ["BENCHMARK", "SCHEMA", "main", "to_markdown"]
+
 SCHEMA = "fastpersist.bench.safetensors/1"
 _RATIOS = (("fastpersist", "ceiling"), ("fastpersist", "safetensors"), ("fastpersist-own", "safetensors"))
 

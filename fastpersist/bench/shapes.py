@@ -35,6 +35,8 @@ from fastpersist.io.reader import FileStorageProvider
 from fastpersist.tuning import workloads
 from fastpersist.tuning.workloads import format_bytes
 
+__all__ = ["BENCHMARK", "SHAPES", "build_shape", "main", "markdown", "sink_save"]
+
 SHAPES = ("many-small", "many-medium", "huge", "mixed")
 _FILES = ("fastpersist.pt", "torch.pt", "fio.bin", "zeros.pt")
 _VERIFIED = {True: "verified", False: "unverified"}

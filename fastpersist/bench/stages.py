@@ -26,6 +26,8 @@ from fastpersist.bench.measure import code_version, machine_info
 from fastpersist.io import checksum, engine, memory
 from fastpersist.io.device_crc import DeviceCrc
 
+__all__ = ["BENCHMARK", "main", "to_markdown"]
+
 _SINK = "/dev/zero"
 _STAGES = ("read", "read + CRC-32", "read + copy", "read + copy + CRC-32", "read + copy + device CRC-32")
 _THREADS = (8, 16)

@@ -25,6 +25,8 @@ from fastpersist.bench.harness import Benchmark, Rounds, Svg, UsageError, figure
 from fastpersist.bench.measure import machine_info, summarize
 from fastpersist.io.commit import fsync_directory
 
+__all__ = ["BENCHMARK", "METHODS", "SCHEMA", "fsync_tree", "main", "to_markdown", "to_svg"]
+
 SCHEMA = "fastpersist.bench.trainer/1"
 METHODS = ("unpatched", "unpatched+fsync", "patched", "patched-async")
 _RUN_OPTIONS = "hidden intermediate layers heads kv_heads vocab batch seq save_steps checkpoints device".split()
