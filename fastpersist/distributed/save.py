@@ -989,7 +989,7 @@ class _LocalParts:
         """
         stale = _stale_parts(self.target, token)
         if later and stale:
-            workers.detached("fastpersist-cleanup", _unlink_all, stale)
+            workers.in_background(_unlink_all, stale)
         else:
             _unlink_all(stale)
 

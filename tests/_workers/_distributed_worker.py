@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 import time
 import traceback
 import warnings
@@ -363,4 +364,15 @@ def run(
             json.dump(results, handle)
     if _PENDING:
         return  # an ordinary exit, with a save pending: the interpreter's exit must complete it
+    _finish_background_work()
     os._exit(0)  # no teardown: a peer may be dead, and the group's shutdown is not under test
+
+
+def _finish_background_work() -> None:
+    """Finishes what an ordinary exit would (the unlinks of replaced parts on workers' background thread), which
+    os._exit skips: a marker queued after them runs once they are done (the thread runs its tasks in order)."""
+    from fastpersist.io import workers
+
+    done = threading.Event()
+    workers.in_background(done.set)
+    done.wait(60)
