@@ -73,8 +73,9 @@ def executor(max_workers: int, thread_name_prefix: str = "fastpersist") -> concu
 def detached(name: str, fn: Callable[..., Any], /, *args: Any) -> concurrent.futures.Future:
     """Runs ``fn(*args)`` on a thread of its own that ends with it (at once, here, during interpreter shutdown).
 
-    For work that must not hold up the caller's next step (a save's digests, the unlinks of replaced parts).
-    The thread is joined at interpreter exit, as every pool thread is.
+    For work that must not hold up the caller's next step and must not wait behind other work either (a save's
+    digests, a tmpfs mapping's unmap); cleanup that may queue goes to :func:`in_background`. The thread is joined
+    at interpreter exit, as every pool thread is.
     """
     pool = executor(1, name)
     try:
