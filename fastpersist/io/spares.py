@@ -90,7 +90,7 @@ def keep(directory: str, spare: str, target: str) -> bool:
         start, _reaping = not _reaping, True
         _wake.notify_all()
     if previous is not None:
-        _free_later(previous)
+        workers.in_background(_free, previous)  # freeing takes disk time where freed blocks are discarded
     if start:
         try:
             workers.detached("fastpersist-spares", _reap)
@@ -133,7 +133,7 @@ def take(directory: str, target: str) -> tuple[str, int] | None:
     if not usable:
         if descriptor >= 0:
             os.close(descriptor)
-        _free_later(spare)
+        workers.in_background(_free, spare)
         return None
     os.close(spare.directory)
     return spare.name, descriptor
@@ -171,11 +171,6 @@ def _free(spare: _Spare) -> None:
         pass  # gone already: only this process's cleanup could have removed it
     finally:
         os.close(spare.directory)
-
-
-def _free_later(spare: _Spare) -> None:
-    """Frees a spare off the saving thread: on a discarding filesystem freeing takes disk time."""
-    workers.in_background(_free, spare)
 
 
 def _reap() -> None:
