@@ -4,6 +4,9 @@ start."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -83,3 +86,43 @@ def test_a_forked_child_gets_a_background_thread_of_its_own():
     finally:
         os.close(read)
         os.waitpid(pid, 0)
+
+
+def test_background_work_from_several_threads_at_once_all_runs_on_the_one_thread():
+    ran, names = [], set()
+    lock = threading.Lock()
+
+    def task(k):
+        with lock:
+            ran.append(k)
+            names.add(threading.current_thread().name)
+
+    def submitter(base):
+        for k in range(50):
+            workers.in_background(task, base + k)
+
+    threads = [threading.Thread(target=submitter, args=(100 * t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _drained()
+    assert sorted(ran) == sorted(100 * t + k for t in range(4) for k in range(50))
+    assert len(names) == 1 and next(iter(names)).startswith("fastpersist-background")
+
+
+def test_background_work_queued_at_interpreter_exit_is_done_before_the_process_ends(tmp_path):
+    marker = tmp_path / "done"
+    script = textwrap.dedent(
+        f"""
+        import atexit, time
+        from fastpersist.io import workers
+        def slow():
+            time.sleep(0.5)
+            open({str(marker)!r}, "w").close()
+        workers.in_background(slow)  # still running when the main thread ends
+        atexit.register(lambda: workers.in_background(lambda: None))  # inside atexit: inline, no error
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    assert marker.exists()
