@@ -114,9 +114,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         return stats
 
     ours.save_file({"warm-up": torch.ones(1, device=device)}, ours_path)  # allocates the ring once, as in training
-    with memory.lease_buffers(1, raw_size) as (raw_buffer,):
-        raw_buffer.fill_(7)  # touched once: the ceiling never pays page faults
-        rounds = Rounds(args.repeats, catch=False).run_ops(saves, loads, save, load)
+    raw_buffer = memory.aligned_empty(raw_size, lock=True).fill_(7)  # touched once: the ceiling never pays page faults
+    rounds = Rounds(args.repeats, catch=False).run_ops(saves, loads, save, load)
     for path in paths:
         measure.remove_path(path)
     if args.dir is None:

@@ -1,16 +1,15 @@
 """Where a CUDA load's time goes: ``python -m fastpersist.bench stages [--source PATH | --sink] [--json OUT]``.
 
-The load's ring (:func:`fastpersist.io.reader.stream_to_device`) with its stages added one at a time, against
-``pread x 8`` / ``x 16`` (plain threads into the same buffers), from a file read buffered or ``/dev/zero``
-(``--sink``); every CRC-32 stage's joined checksum must be the source's. See docs/performance.md.
+The load's ring with its stages added one at a time: the reads alone (and with CRC-32) on a ring of their own
+(:class:`fastpersist.io.ring.Ring`, refilled as a load's), the copies through the load's own
+(:func:`fastpersist.io.reader.stream_to_device`), against ``pread x 8`` / ``x 16`` (plain threads into ring
+buffers), from a file read buffered or ``/dev/zero`` (``--sink``); every CRC-32 stage's joined checksum must be
+the source's. See docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
-import functools
 import os
 import statistics
 import tempfile
@@ -23,8 +22,8 @@ from fastpersist import config
 from fastpersist.bench import bounds
 from fastpersist.bench.harness import Benchmark, Rounds, UsageError, markdown_table, option, size
 from fastpersist.bench.measure import code_version, machine_info
-from fastpersist.io import checksum, engine, memory
-from fastpersist.io.device_crc import DeviceCrc
+from fastpersist.io import checksum, engine, memory, reader, workers
+from fastpersist.io.ring import Ring, Slot
 
 __all__ = ["BENCHMARK", "main", "to_markdown"]
 
@@ -67,77 +66,54 @@ def _source_crc(path: str, size: int, buffer: torch.Tensor) -> int:
     return crc
 
 
-def _ring(path: str, windows: int, window: int, buffers: list, handles: list, device_memory, stream, stage: str):
-    """Seconds for every window of ``path`` through ``stage`` on the ring, refilled from the calling thread in
-    window order, and the joined CRC-32 when the stage has one; ``device_memory``: where the copies go."""
-    count, copy_wanted, on_device = len(buffers), "copy" in stage, "device CRC-32" in stage
-    crc_wanted = "CRC-32" in stage and not on_device
-    sizes, tail = DeviceCrc.split(window)
-    parts: list = []  # (part, length) in file order: CPU jobs, or device segments then a tail job
-    checked: list = [None] * count  # per slot: an event after its last window's device CRC-32
-    owed: collections.deque = collections.deque()  # (slot, event, crc job, next window), window order
-    checker = None
+def _read(path: str, windows: int, window: int, ring: Ring, crc: bool) -> tuple[float, list]:
+    """Seconds for every window of ``path`` read through ``ring`` (``crc``: each checksummed on the CPU pool
+    before its slot's refill, which a helper thread submits in window order, as a load's ring does) and the
+    checksums' parts in file order."""
+    parts: list = []
     source = engine.File(path, "r", direct=False)
 
-    def submit(slot: int, index: int) -> None:
-        handles[slot].submit_read(buffers[slot].data_ptr(), window, source, index * window, buffers[slot])
-
-    def done(_slot, event, job, _next) -> bool:
-        return (event is None or event.query()) and (job is None or job.done())
-
-    def settle(event, job) -> None:
-        if event is not None:
-            event.synchronize()
-        if job is not None:
-            job.wait()
+    def refill(slot: Slot, index: int) -> None:
+        slot.wait_checksums()
+        slot.submit_read(window, source, index * window)
 
     try:
-        if on_device:
-            checker = DeviceCrc(device_memory.device, windows * DeviceCrc.count(window))
-        started = time.perf_counter()
-        for slot in range(min(count, windows)):
-            submit(slot, slot)
-        for index in range(windows):
-            slot = index % count
-            while owed and (owed[0][0] == slot or done(*owed[0])):
-                waited, event, job, following = owed.popleft()
-                settle(event, job)
-                submit(waited, following)
-            handles[slot].wait()
-            buffer, event, job = buffers[slot], None, None
-            if crc_wanted:
-                job = checksum.submit_crc32(buffer.data_ptr(), window, piece_size=window)
-                parts.append((job, window))
-            if copy_wanted:
-                target = device_memory[slot * window : (slot + 1) * window]
-                if checked[slot] is not None:
-                    stream.wait_event(checked[slot])  # the slot's last CRC-32 has read it
-                with torch.cuda.stream(stream):
-                    target.copy_(buffer, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-            if checker is not None:
-                parts += zip(checker.queue(target, sizes, event), sizes)
-                checked[slot] = torch.cuda.Event()
-                checked[slot].record(checker.stream)
-                if tail:
-                    job = checksum.submit_crc32(buffer.data_ptr() + window - tail, tail, piece_size=window)
-                    parts.append((job, tail))  # reads the buffer: the refill waits for it
-            if index + count < windows:
-                owed.append((slot, event, job, index + count))
-            else:
-                settle(event, job)
-        if checker is not None:
-            checker.values()  # waits for the device's checksums
-        elapsed = time.perf_counter() - started
+        with workers.executor(1, "fastpersist-stages-refill") as refills:
+            started = time.perf_counter()
+            for slot in ring.slots[:windows]:
+                slot.submit_read(window, source, slot.index * window)
+            for index in range(windows):
+                slot = ring.slot(index)
+                slot.wait_stage()
+                slot.wait_io()
+                if crc:
+                    slot.checksums = [checksum.submit_crc32(slot.address, window, piece_size=window)]
+                    parts.append((slot.checksums[0], window))
+                if index + len(ring.slots) < windows:
+                    slot.stage = refills.submit(refill, slot, index + len(ring.slots))
+        ring.wait_idle()
+        return time.perf_counter() - started, parts
     finally:
-        for handle in handles:
-            with contextlib.suppress(OSError):  # the error being raised is the one that matters
-                handle.wait()
         source.close()
-        if checker is not None:
-            checker.close()
-    return elapsed, checksum.crc32_combine_all(parts) if "CRC-32" in stage else None
+
+
+def _stage(path: str, nbytes: int, window: int, settings, handles: list, target, stage: str) -> tuple[float, Any]:
+    """Seconds for ``nbytes`` of ``path`` through ``stage`` and its joined CRC-32 (None without one): the read
+    stages on a ring of their own, the copy stages through the load's (:func:`reader.stream_to_device`)."""
+    crc = "CRC-32" in stage
+    if "copy" not in stage:
+        with Ring(handles, window, huge_pages=settings.huge_pages) as ring:
+            seconds, parts = _read(path, nbytes // window, window, ring, crc)
+        return seconds, checksum.crc32_combine_all(parts) if crc else None
+    on_device = "always" if "device" in stage else "never"
+    chosen = settings.replace(read_buffer_size=window, read_buffer_count=len(handles), device_checksum=on_device)
+    source = engine.File(path, "r", direct=False)
+    try:
+        started = time.perf_counter()
+        (value,) = reader.stream_to_device([(source, 0, nbytes, target)], chosen, verify=crc, handles=handles)
+        return time.perf_counter() - started, value if crc else None
+    finally:
+        source.close()
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -162,25 +138,24 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     crc_checked: dict[str, bool] = {}
     # CUDA first: the pool registers its buffers for DMA only in a process that uses CUDA (else the
     # copies would run from pageable memory, at a fraction of the speed a load gets).
-    target = torch.empty(slots * window, dtype=torch.uint8, device=device) if device is not None else None
-    stream = torch.cuda.Stream(device) if device is not None else None
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device) if device is not None else None
+    handles = [engine.make_handle(settings) for _ in range(slots)]
     try:
-        with memory.lease_buffers(max(slots, max(_THREADS)), window, settings.huge_pages) as buffers:
-            expected = _source_crc(path, nbytes, buffers[0])
-            handles = [engine.make_handle(settings) for _ in range(slots)]
-            ring = functools.partial(_ring, path, windows, window, buffers[:slots], handles, target, stream)
+        expected = _source_crc(path, nbytes, memory.aligned_empty(window))
 
-            def run(name: str, _round: int) -> float:
-                if name.startswith("pread"):
+        def run(name: str, _round: int) -> float:
+            if name.startswith("pread"):  # plain threads into the ring's buffers
+                with Ring([None] * max(_THREADS), window, huge_pages=settings.huge_pages) as ring:
+                    buffers = [slot.buffer for slot in ring.slots]
                     threads = int(name.split()[-1])
                     return bounds.read_ceiling(path, threads, window, size=nbytes, buffers=buffers, direct=False)
-                seconds, crc = ring(name)
-                if crc is not None:
-                    crc_checked[name] = crc_checked.get(name, True) and crc == expected
-                return seconds
+            seconds, crc = _stage(path, nbytes, window, settings, handles, target, name)
+            if crc is not None:
+                crc_checked[name] = crc_checked.get(name, True) and crc == expected
+            return seconds
 
-            names = stages + [f"pread x {t}" for t in _THREADS]
-            rounds = Rounds(args.rounds, warmup=1, catch=False).run([names], run)
+        names = stages + [f"pread x {t}" for t in _THREADS]
+        rounds = Rounds(args.rounds, warmup=1, catch=False).run([names], run)
     finally:
         if made is not None:
             os.unlink(made)

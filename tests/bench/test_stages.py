@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import zlib
 
 import pytest
+import torch
 
 from fastpersist.bench import report, stages
 
@@ -53,3 +56,20 @@ def test_a_command_line_that_cannot_run_is_a_usage_error(tmp_path, capsys, where
     with pytest.raises(SystemExit) as exited:
         stages.main(SMALL + argv)
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage", ["read + copy", "read + copy + CRC-32", "read + copy + device CRC-32"])
+def test_a_copy_stage_is_the_loads_ring(tmp_path, stage):
+    """The copy stages run the load's own ring (here into host memory: no GPU needed), bytes and CRC-32 intact."""
+    from fastpersist import config
+    from fastpersist.io import engine
+
+    data = os.urandom(6 << 20)
+    path = tmp_path / "source.bin"
+    path.write_bytes(data)
+    settings = config.settings()
+    target = torch.zeros(len(data), dtype=torch.uint8)
+    handles = [engine.make_handle(settings) for _ in range(4)]
+    seconds, crc = stages._stage(str(path), len(data), 1 << 20, settings, handles, target, stage)
+    assert seconds > 0 and bytes(target.numpy()) == data
+    assert crc == (zlib.crc32(data) if "CRC-32" in stage else None)

@@ -233,9 +233,6 @@ def test_the_exception_finder_finds_every_kind_of_base():
 RING_LEASE_ALLOWED = {
     "fastpersist/io/ring.py",  # the one pinned ring
     "fastpersist/io/memory.py",  # defines lease_buffers (reserve_ring warms the pool with it)
-    # Benchmarks that time a lease of their own next to the product's ring (not product code):
-    "fastpersist/bench/stages.py",
-    "fastpersist/bench/safetensors_bench.py",
 }
 
 
