@@ -55,14 +55,16 @@ def _write_source(directory: str, size: int) -> str:
 
 
 def _source_crc(path: str, size: int, buffer: torch.Tensor) -> int:
-    """CRC-32 of the first ``size`` bytes ``path`` gives, read with plain reads."""
-    view, crc = memoryview(buffer.numpy()), 0
+    """CRC-32 of the first ``size`` bytes ``path`` gives, read with plain reads (a short one, as ``/dev/zero``
+    may give into memory not yet touched, reads on)."""
+    view, crc, offset = memoryview(buffer.numpy()), 0, 0
     with open(path, "rb", buffering=0) as source:
-        for offset in range(0, size, buffer.numel()):
-            n = min(buffer.numel(), size - offset)
-            if source.readinto(view[:n]) != n:
-                raise OSError(f"{path}: short read at {offset}")
-            crc = checksum.crc32(buffer.data_ptr(), n, crc)
+        while offset < size:
+            got = source.readinto(view[: min(len(view), size - offset)])
+            if not got:
+                raise OSError(f"{path} ends at {offset} bytes, before {size}")
+            crc = checksum.crc32(buffer.data_ptr(), got, crc)
+            offset += got
     return crc
 
 

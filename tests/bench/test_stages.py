@@ -73,3 +73,30 @@ def test_a_copy_stage_is_the_loads_ring(tmp_path, stage):
     seconds, crc = stages._stage(str(path), len(data), 1 << 20, settings, handles, target, stage)
     assert seconds > 0 and bytes(target.numpy()) == data
     assert crc == (zlib.crc32(data) if "CRC-32" in stage else None)
+
+
+def test_the_source_crc_reads_on_after_a_short_read(tmp_path):
+    """/dev/zero may fill less than asked into memory not touched yet: a short read is no end (a pipe gives them)."""
+    import threading
+
+    from fastpersist.io import memory
+
+    data = os.urandom(3 << 20)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+
+    def write() -> None:
+        with open(fifo, "wb", buffering=0) as out:
+            for start in range(0, len(data), 100_000):
+                out.write(data[start : start + 100_000])
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert stages._source_crc(str(fifo), len(data), memory.aligned_empty(1 << 20)) == zlib.crc32(data)
+    finally:
+        writer.join()
+    short = tmp_path / "short.bin"
+    short.write_bytes(data[:4096])
+    with pytest.raises(OSError, match="ends at 4096 bytes"):
+        stages._source_crc(str(short), 8192, memory.aligned_empty(1 << 20))
