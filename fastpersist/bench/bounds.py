@@ -505,8 +505,7 @@ class CeilingProbe(contextlib.AbstractContextManager):
 
 
 def _best(points: list[dict[str, Any]]) -> dict[str, Any] | None:
-    ok = [p for p in points if p.get("gbps")]
-    return max(ok, key=lambda p: p["gbps"]) if ok else None
+    return max((p for p in points if p.get("gbps")), key=lambda p: p["gbps"], default=None)
 
 
 def _write_and_read(probe: CeilingProbe, candidate: Candidate, n: int) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -190,16 +190,9 @@ def torch_save_fast(state: Any, path: str, ctx: BenchContext) -> dict[str, float
     """torch.utils.serialization's fast settings: no CRC32, pinned memory for copies from CUDA."""
     import torch.utils.serialization
 
-    settings = torch.utils.serialization.config.save
-    values = {"compute_crc32": False, **({"use_pinned_memory_for_d2h": True} if ctx.is_cuda else {})}
-    old = {k: getattr(settings, k) for k in values}
-    try:
-        for k, v in values.items():
-            setattr(settings, k, v)
+    fast = {"save.compute_crc32": False, **({"save.use_pinned_memory_for_d2h": True} if ctx.is_cuda else {})}
+    with torch.utils.serialization.config.patch(fast):  # the previous values restored on exit
         torch.save(state, path)
-    finally:
-        for k, v in old.items():
-            setattr(settings, k, v)
     return {}
 
 

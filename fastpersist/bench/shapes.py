@@ -177,9 +177,10 @@ def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="fastpersist setting")
 
 
-def _methods(args: argparse.Namespace, state: Any, nbytes: int, settings: config.Settings, directory: str):
+def _methods(
+    args: argparse.Namespace, state: Any, nbytes: int, settings: config.Settings, overrides: dict, directory: str
+):
     """The saves (name -> (kind, call)) and loads (name -> (kind, call, the file it reads)) the options ask for."""
-    overrides = dict(item.split("=", 1) for item in args.set)
     ours, theirs, fio, zeros = (os.path.join(directory, name) for name in _FILES)
     storage, sink = not args.sink_only, args.sink or args.sink_only
     saves: dict[str, tuple[str, Callable[[], Any]]] = {}
@@ -236,10 +237,10 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     overrides = dict(item.split("=", 1) for item in args.set)
     settings = config.resolve(overrides)
     state = build_shape(args.shape, args.tensors, args.tensor_bytes, parse_size(args.size), args.device)
-    nbytes = sum(t.numel() * t.element_size() for t in _tensors_of(state))
+    nbytes = workloads.state_nbytes(state)
     directory = measure.scratch_dir(args.dir, "fastpersist-shapes-")
     dropper = system.CacheDropper(enabled=not args.no_drop_caches)
-    saves, loads, previous = _methods(args, state, nbytes, settings, directory)
+    saves, loads, previous = _methods(args, state, nbytes, settings, overrides, directory)
 
     def save(name: str, index: int) -> dict[str, Any]:
         system.release_memory()
