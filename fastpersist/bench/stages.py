@@ -96,6 +96,7 @@ def _read(path: str, windows: int, window: int, ring: Ring, crc: bool) -> tuple[
         ring.wait_idle()
         return time.perf_counter() - started, parts
     finally:
+        ring.drain()  # on an error too: no read of the file is in flight once it is closed
         source.close()
 
 

@@ -100,3 +100,18 @@ def test_the_source_crc_reads_on_after_a_short_read(tmp_path):
     short.write_bytes(data[:4096])
     with pytest.raises(OSError, match="ends at 4096 bytes"):
         stages._source_crc(str(short), 8192, memory.aligned_empty(1 << 20))
+
+
+def test_a_read_that_fails_leaves_nothing_in_flight(tmp_path):
+    """A failed read raises out of the stage after every other read of the ring is done, its file closed last."""
+    from fastpersist import config
+    from fastpersist.io import engine
+
+    path = tmp_path / "short.bin"
+    path.write_bytes(os.urandom(3 << 20))  # 8 windows asked, 3 there: the reads past the end come back short
+    settings = config.settings()
+    handles = [engine.make_handle(settings) for _ in range(4)]
+    with pytest.raises(OSError):
+        stages._stage(str(path), 8 << 20, 1 << 20, settings, handles, None, "read + CRC-32")
+    for handle in handles:  # every request was reaped: the handles take new work
+        handle.wait()
