@@ -68,50 +68,45 @@ def _source_crc(path: str, size: int, buffer: torch.Tensor) -> int:
     return crc
 
 
-def _read(path: str, windows: int, window: int, ring: Ring, crc: bool) -> tuple[float, list]:
-    """Seconds for every window of ``path`` read through ``ring`` (``crc``: each checksummed on the CPU pool
-    before its slot's refill, which a helper thread submits in window order, as a load's ring does) and the
-    checksums' parts in file order."""
+def _read(source, windows: int, window: int, ring: Ring, crc: bool) -> tuple[float, list]:
+    """Seconds for every window of the native File ``source`` read through ``ring`` (``crc``: each checksummed on
+    the CPU pool before its slot's refill, which a helper thread submits in window order, as a load's ring does)
+    and the checksums' parts in file order."""
     parts: list = []
-    source = engine.File(path, "r", direct=False)
 
     def refill(slot: Slot, index: int) -> None:
         slot.wait_checksums()
         slot.submit_read(window, source, index * window)
 
-    try:
-        with workers.executor(1, "fastpersist-stages-refill") as refills:
-            started = time.perf_counter()
-            for slot in ring.slots[:windows]:
-                slot.submit_read(window, source, slot.index * window)
-            for index in range(windows):
-                slot = ring.slot(index)
-                slot.wait_stage()
-                slot.wait_io()
-                if crc:
-                    slot.checksums = [checksum.submit_crc32(slot.address, window, piece_size=window)]
-                    parts.append((slot.checksums[0], window))
-                if index + len(ring.slots) < windows:
-                    slot.stage = refills.submit(refill, slot, index + len(ring.slots))
-        ring.wait_idle()
-        return time.perf_counter() - started, parts
-    finally:
-        ring.drain()  # on an error too: no read of the file is in flight once it is closed
-        source.close()
+    with workers.executor(1, "fastpersist-stages-refill") as refills:
+        started = time.perf_counter()
+        for slot in ring.slots[:windows]:
+            slot.submit_read(window, source, slot.index * window)
+        for index in range(windows):
+            slot = ring.slot(index)
+            slot.wait_stage()
+            slot.wait_io()
+            if crc:
+                slot.checksums = [checksum.submit_crc32(slot.address, window, piece_size=window)]
+                parts.append((slot.checksums[0], window))
+            if index + len(ring.slots) < windows:
+                slot.stage = refills.submit(refill, slot, index + len(ring.slots))
+    ring.wait_idle()
+    return time.perf_counter() - started, parts
 
 
 def _stage(path: str, nbytes: int, window: int, settings, handles: list, target, stage: str) -> tuple[float, Any]:
     """Seconds for ``nbytes`` of ``path`` through ``stage`` and its joined CRC-32 (None without one): the read
     stages on a ring of their own, the copy stages through the load's (:func:`reader.stream_to_device`)."""
     crc = "CRC-32" in stage
-    if "copy" not in stage:
-        with Ring(handles, window, huge_pages=settings.huge_pages) as ring:
-            seconds, parts = _read(path, nbytes // window, window, ring, crc)
-        return seconds, checksum.crc32_combine_all(parts) if crc else None
-    on_device = "always" if "device" in stage else "never"
-    chosen = settings.replace(read_buffer_size=window, read_buffer_count=len(handles), device_checksum=on_device)
     source = engine.File(path, "r", direct=False)
-    try:
+    try:  # closed once nothing reads it: after the ring's block (it drains on an error) or the load's ring
+        if "copy" not in stage:
+            with Ring(handles, window, huge_pages=settings.huge_pages) as ring:
+                seconds, parts = _read(source, nbytes // window, window, ring, crc)
+            return seconds, checksum.crc32_combine_all(parts) if crc else None
+        on_device = "always" if "device" in stage else "never"
+        chosen = settings.replace(read_buffer_size=window, read_buffer_count=len(handles), device_checksum=on_device)
         started = time.perf_counter()
         (value,) = reader.stream_to_device([(source, 0, nbytes, target)], chosen, verify=crc, handles=handles)
         return time.perf_counter() - started, value if crc else None

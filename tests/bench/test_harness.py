@@ -15,7 +15,7 @@ import pytest
 from fastpersist.bench import SUBCOMMANDS, harness, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUDGET = 6_161
+BUDGET = 6_157
 """Lines of fastpersist/bench/**/*.py. Issue 42 asks for 5,000; lower this as the benchmarks shrink, never raise it."""
 
 BENCHMARKS = sorted(set(SUBCOMMANDS) - {"report"})  # report measures nothing: it renders the others' documents
